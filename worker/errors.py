@@ -1,0 +1,46 @@
+"""Typed engine errors. `code` is the stable wire code (see broker.protocol.ErrorCode).
+
+Every one of these is recoverable: the request fails, the engine and every session stay usable.
+CapacityExhausted is cuda_state's own class, re-exported so callers need one import.
+"""
+
+from __future__ import annotations
+
+from cuda_state import CapacityExhausted
+
+
+class EngineError(Exception):
+    code = "internal"
+
+
+class BadRequest(EngineError):
+    """The request is malformed or out of range (the message names the field or limit)."""
+
+    code = "bad_request"
+
+
+class ContextOverflow(BadRequest):
+    """The session has no room for these tokens within max_context."""
+
+
+class SessionBusy(BadRequest):
+    """The session already has a generation in flight; wait for it or cancel it."""
+
+
+class SessionNotFound(EngineError):
+    code = "session_not_found"
+
+
+class SessionExists(BadRequest):
+    """A session with this id already exists on this engine."""
+
+
+__all__ = [
+    "BadRequest",
+    "CapacityExhausted",
+    "ContextOverflow",
+    "EngineError",
+    "SessionBusy",
+    "SessionExists",
+    "SessionNotFound",
+]

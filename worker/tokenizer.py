@@ -1,0 +1,218 @@
+"""Text <-> token ids, and the chat template, for one model.
+
+Built with `tokenizers` from GGUF metadata (byte-level BPE: tokens, merges, token types), from a
+Hugging Face tokenizer.json, or as a plain byte tokenizer for models with random weights. The chat
+template is rendered with jinja2 the way Hugging Face renders it (sandboxed, trim/lstrip blocks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import structlog
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+log = structlog.get_logger(__name__)
+
+# GGUF token types (llama.cpp's llama_token_type): control and user-defined tokens are special.
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template could not be rendered for these messages."""
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre` (llama-vocab.cpp's regex table)."""
+    if pre in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"):
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    if pre in ("llama-bpe", "llama3", "dbrx", "smaug-bpe"):
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre not in ("gpt2", "default", "mpt", "olmo", "jais"):
+        log.warning("tokenizer_pre_unknown", pre=pre, using="gpt2")
+    return pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tok: HFTokenizer,
+        *,
+        bos_id: int | None,
+        eos_id: int,
+        chat_template: str | None,
+        add_bos: bool = False,
+        extra_stop_ids: Sequence[int] = (),
+    ) -> None:
+        self._tok = tok
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template or CHATML_TEMPLATE
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, t in tok.get_added_tokens_decoder().items() if t.special
+        )
+        # Ids that end a generation: EOS plus e.g. Llama 3's <|eot_id|>.
+        self.stop_ids: frozenset[int] = frozenset({eos_id, *extra_stop_ids})
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        try:
+            self._template = env.from_string(self.chat_template)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template does not parse: {e}") from e
+
+    # -- constructors ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') is supported")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = _pre_tokenizer(str(fields.get("tokenizer.ggml.pre", "gpt2")))
+        tok.decoder = decoders.ByteLevel()
+        specials = [tokens[i] for i, ty in enumerate(types) if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+        bos = fields.get("tokenizer.ggml.bos_token_id")
+        eos = int(fields["tokenizer.ggml.eos_token_id"])
+        extra = [i for name in ("<|eot_id|>", "<|eom_id|>") if (i := vocab.get(name)) is not None]
+        return cls(
+            tok,
+            bos_id=None if bos is None else int(bos),
+            eos_id=eos,
+            chat_template=fields.get("tokenizer.chat_template"),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            extra_stop_ids=extra,
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path) -> Tokenizer:
+        tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").exists():
+            cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        gen: dict[str, Any] = {}
+        if (folder / "generation_config.json").exists():
+            gen = json.loads((folder / "generation_config.json").read_text())
+
+        def token_id(value: Any) -> int | None:
+            if isinstance(value, dict):
+                value = value.get("content")
+            return None if value is None else tok.token_to_id(str(value))
+
+        eos_ids = gen.get("eos_token_id")
+        eos_list = eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else []
+        eos = token_id(cfg.get("eos_token"))
+        if eos is None:
+            if not eos_list:
+                raise ValueError(f"{folder}: no eos token in tokenizer_config.json or generation_config.json")
+            eos = int(eos_list[0])
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # a list of named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(
+            tok,
+            bos_id=token_id(cfg.get("bos_token")),
+            eos_id=eos,
+            chat_template=template,
+            add_bos=bool(cfg.get("add_bos_token", False)),
+            extra_stop_ids=[int(i) for i in eos_list if int(i) != eos],
+        )
+
+    @classmethod
+    def bytes_only(cls) -> Tokenizer:
+        """256 byte tokens plus ChatML specials (ids 256..258): for models with random weights."""
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+        vocab = {c: i for i, c in enumerate(byte_chars)}
+        tok = HFTokenizer(models.BPE(vocab, [], fuse_unk=False))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(
+            [AddedToken(s, special=True, normalized=False) for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
+        )
+        return cls(tok, bos_id=None, eos_id=258, chat_template=CHATML_TEMPLATE)
+
+    # -- use ------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`. Special-token strings in the text (e.g. "<|im_start|>") map to their ids."""
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+    ) -> Any:
+        """Render the model's chat template; with tokenize=True return the token ids instead."""
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ChatTemplateError("each message must be a dict with string 'role' and 'content'")
+        try:
+            text = self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.token(self.bos_id) if self.bos_id is not None else "",
+                eos_token=self.token(self.eos_id) or "",
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+        return self.encode(text, add_bos=False) if tokenize else text
+
+
+def _raise_template_error(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _byte_of(char: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode, inverted)."""
+    code = ord(char)
+    if 33 <= code <= 126 or 161 <= code <= 172 or 174 <= code <= 255:
+        return code
+    # The other 68 bytes are shifted to 256.. in increasing order of byte value.
+    others = [b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255)]
+    return others[code - 256]
+
