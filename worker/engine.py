@@ -1,0 +1,484 @@
+"""The engine: one model, many sessions, one loop of batched steps.
+
+A step is `schedule -> execute -> update` (the vLLM v1 shape): the scheduler picks one token for
+every generating session plus chunks of pending prompt tokens within a token budget, the executor
+runs them as one batch through the model, and the update samples, appends and reports.
+
+Sessions keep their whole token history. `computed` counts the tokens whose K/V are in the state;
+the rest are pending and get prefilled when the session next generates. The last sampled token of
+a generation stays pending, so the next turn starts exactly where the last one ended.
+
+Not thread-safe: one thread owns an engine (the daemon's compute loop, or the caller of the sync API).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from cuda_state import SessionTable
+from cuda_state.select import open_backend, select_backend
+
+from .detokenizer import Detokenizer
+from .errors import BadRequest, ContextOverflow, EngineError, SessionBusy, SessionExists, SessionNotFound
+from .executor import EagerExecutor, Executor
+from .loader import load_model
+from .model import Llama
+from .sampling import RowRandom, SamplingParams, sample
+from .tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+# Tokens one step may process (decode rows + prefill chunks). Bounds step latency for the others.
+CPU_STEP_TOKENS = 256
+GPU_STEP_TOKENS = 2048
+MAX_APPEND_TOKENS = 1 << 20
+
+
+@dataclass
+class Chunk:
+    """What one step produced for one request. finish_reason: None, "stop", "length" or "cancelled"."""
+
+    request_id: str
+    session_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class Request:
+    id: str
+    session: Session
+    params: SamplingParams
+    random: RowRandom
+    detok: Detokenizer
+    stop_ids: frozenset[int]
+    token_ids: list[int] = field(default_factory=list)  # returned tokens (no EOS / stop ids)
+    generated: int = 0  # sampled tokens, EOS included
+    finish_reason: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Session:
+    id: str
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    computed: int = 0
+    request: Request | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.computed
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Llama,
+        tokenizer: Tokenizer,
+        table: SessionTable,
+        executor: Executor,
+        model_name: str,
+        step_tokens: int,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.table = table
+        self.executor = executor
+        self.model_name = model_name
+        self.max_context = model.max_context
+        self.step_tokens = step_tokens
+        self._sessions: dict[str, Session] = {}
+        self._active: dict[str, Request] = {}  # request id -> request, in arrival order
+        self._finished: list[Chunk] = []  # final chunks produced outside a step (cancel, close)
+        self._mailboxes: dict[str, deque[Chunk]] = {}  # for the sync helpers
+        self.steps = 0
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None = None,
+        device: str = "auto",
+        max_sessions: int = 8,
+        max_context: int = 2048,
+        step_tokens: int | None = None,
+        cuda_graphs: bool = True,
+    ) -> Engine:
+        """Load weights once and open the session table. model None = the bundled SmolLM2."""
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        if max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {max_context}")
+        choice = select_backend(device)
+        log.info("device_selected", backend=choice.kind, device=str(choice.device), reason=choice.reason)
+        loaded = load_model(model)
+        on_gpu = choice.device.type == "cuda"
+        context = min(max_context, loaded.config.context_length)
+        llama = Llama(loaded.config, loaded.weights, choice.device, torch.bfloat16 if on_gpu else torch.float32, context)
+        del loaded.weights
+        executor: Executor
+        if on_gpu:
+            from .gpu import attach_gpu_kernels, make_gpu_executor, workspace_bytes
+
+            attach_gpu_kernels(llama)
+            table = SessionTable(open_backend(choice, llama.state_spec(), max_sessions, workspace_bytes(llama)))
+            executor = make_gpu_executor(llama, table, cuda_graphs=cuda_graphs)
+        else:
+            table = SessionTable(open_backend(choice, llama.state_spec(), max_sessions))
+            executor = EagerExecutor(llama, table)
+        engine = cls(
+            llama,
+            loaded.tokenizer,
+            table,
+            executor,
+            loaded.config.name,
+            step_tokens or (GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS),
+        )
+        log.info(
+            "engine_ready",
+            model=engine.model_name,
+            device=engine.device,
+            capacity=table.capacity,
+            bytes_per_session=table.bytes_per_session,
+            max_context=context,
+        )
+        return engine
+
+    # -- facts --------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.table.capacity
+
+    @property
+    def free_slots(self) -> int:
+        return self.table.free_slots
+
+    @property
+    def bytes_per_session(self) -> int:
+        return self.table.bytes_per_session
+
+    def sessions(self) -> list[str]:
+        return list(self._sessions)
+
+    def session_length(self, session_id: str) -> int:
+        return len(self._session(session_id).tokens)
+
+    def session_tokens(self, session_id: str) -> list[int]:
+        return list(self._session(session_id).tokens)
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def create_session(self, session_id: str | None = None) -> str:
+        """A new empty session. Raises CapacityExhausted when the table is full."""
+        sid = self._new_id(session_id)
+        slot = self.table.create()
+        self._sessions[sid] = Session(sid, slot)
+        log.debug("session_created", session=sid, slot=slot)
+        return sid
+
+    def fork(self, session_id: str, child_id: str | None = None) -> str:
+        """A new session that continues exactly as `session_id` would (its computed state is copied)."""
+        parent = self._session(session_id)
+        if parent.request is not None:
+            raise SessionBusy(f"session {session_id} is generating: fork it after the generation ends")
+        sid = self._new_id(child_id)
+        slot = self.table.clone(parent.slot, parent.computed)
+        self._sessions[sid] = Session(sid, slot, list(parent.tokens), parent.computed)
+        log.debug("session_forked", session=sid, parent=session_id, slot=slot, copied=parent.computed)
+        return sid
+
+    def close(self, session_id: str) -> None:
+        """Free the session's slot. An in-flight generation on it ends with finish_reason "cancelled"."""
+        session = self._session(session_id)
+        if session.request is not None:
+            self._cancel(session.request)
+        del self._sessions[session_id]
+        self.table.free(session.slot)  # waits for device work that used the slot
+        log.debug("session_closed", session=session_id)
+
+    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int:
+        """Add prompt tokens (or text) to the session; returns its length in tokens."""
+        session = self._session(session_id)
+        if (token_ids is None) == (text is None):
+            raise BadRequest("append takes exactly one of token_ids or text")
+        if text is not None:
+            if not isinstance(text, str):
+                raise BadRequest("text must be a string")
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = self._check_ids(token_ids)
+        if not ids:
+            raise BadRequest("append needs at least one token (empty text or token_ids)")
+        if session.request is not None:
+            raise SessionBusy(f"session {session_id} is generating: append after the generation ends")
+        if len(session.tokens) + len(ids) > self.max_context:
+            raise ContextOverflow(
+                f"session {session_id} holds {len(session.tokens)} tokens; {len(ids)} more exceed "
+                f"max_context {self.max_context}"
+            )
+        session.tokens.extend(ids)
+        return len(session.tokens)
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            ids: list[int] = self.tokenizer.apply_chat_template(messages, add_generation_prompt, tokenize=True)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        return ids
+
+    def chat(self, session_id: str, content: str, role: str = "user") -> int:
+        """Append one chat turn, rendered with the model's template, plus the assistant prompt.
+
+        The first turn renders the template from the start (system prompt included). A later turn
+        renders only what the template puts after the previous assistant answer: the EOS the model
+        ended with is already in the history, so only the text after it is added.
+        """
+        session = self._session(session_id)
+        if not isinstance(content, str) or not isinstance(role, str):
+            raise BadRequest("chat content and role must be strings")
+        turn = {"role": role, "content": content}
+        if not session.tokens:
+            return self.append(session_id, token_ids=self.chat_tokens([turn]))
+        text = self._chat_continuation(turn)
+        if session.tokens[-1] not in self.tokenizer.stop_ids:
+            text = (self.tokenizer.token(self.tokenizer.eos_id) or "") + text
+        return self.append(session_id, token_ids=self.tokenizer.encode(text, add_bos=False))
+
+    def _chat_continuation(self, turn: dict[str, str]) -> str:
+        """Template text between an assistant answer's EOS and the next assistant prompt."""
+        tpl = self.tokenizer.apply_chat_template
+        history = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00"}]
+        try:
+            before = tpl(history, add_generation_prompt=False)
+            full = tpl([*history, turn], add_generation_prompt=True)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        eos = self.tokenizer.token(self.tokenizer.eos_id) or ""
+        answer_end = before.index("\x00") + 1
+        if before[answer_end:].startswith(eos):
+            answer_end += len(eos)
+        if not full.startswith(before[:answer_end]):
+            raise BadRequest("this model's chat template cannot be continued turn by turn")
+        return full[answer_end:]
+
+    # -- generation: the step-driven core ---------------------------------------------------------
+
+    def start_generate(self, session_id: str, params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a generation; it runs in the following steps. Validates everything now."""
+        session = self._session(session_id)
+        params.validate(self.tokenizer.vocab_size)
+        if session.request is not None:
+            raise SessionBusy(f"session {session_id} already has a generation in flight")
+        if not session.tokens:
+            raise BadRequest(f"session {session_id} is empty: append a prompt before generating")
+        if len(session.tokens) >= self.max_context:
+            raise ContextOverflow(f"session {session_id} is full ({self.max_context} tokens): no room to generate")
+        rid = request_id or secrets.token_hex(8)
+        if rid in self._active:
+            raise BadRequest(f"request id {rid} is already in flight")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids)
+        request = Request(rid, session, params, RowRandom.for_params(params), Detokenizer(self.tokenizer, params.stop), stop_ids)
+        session.request = request
+        self._active[rid] = request
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """End a generation early; its final chunk (finish_reason "cancelled") comes from the next step."""
+        request = self._active.get(request_id)
+        if request is not None:
+            self._cancel(request)
+
+    def has_work(self) -> bool:
+        return bool(self._active or self._finished)
+
+    def step(self) -> list[Chunk]:
+        """One batched step over all active requests. Returns one chunk per request that moved."""
+        chunks, self._finished = self._finished, []
+        plan = self._schedule()
+        if not plan:
+            return chunks
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampled_rows: list[int] = []
+        sampled: list[Request] = []
+        for request, n in plan:
+            s = request.session
+            tokens += s.tokens[s.computed : s.computed + n]
+            positions += range(s.computed, s.computed + n)
+            slots += [s.slot] * n
+            if n == s.pending:  # the whole prompt is in: this row's logits give the next token
+                sampled_rows.append(len(tokens) - 1)
+                sampled.append(request)
+        logits = self.executor.execute(tokens, positions, slots, sampled_rows)
+        for request, n in plan:
+            request.session.computed += n
+        new_ids = sample(logits, [r.params for r in sampled], [r.random for r in sampled]) if sampled else []
+        for request, token in zip(sampled, new_ids, strict=True):
+            chunks.append(self._accept(request, token))
+        self.steps += 1
+        return chunks
+
+    # -- generation: sync helpers -------------------------------------------------------------
+
+    def stream(self, session_id: str, **kwargs: object) -> Iterator[Chunk]:
+        """Generate, yielding a chunk per step. Closing the iterator early cancels the generation."""
+        params = _params(kwargs)
+        rid = self.start_generate(session_id, params)
+        box: deque[Chunk] = deque()
+        self._mailboxes[rid] = box
+        try:
+            while True:
+                while not box:
+                    self._pump()
+                chunk = box.popleft()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            self._mailboxes.pop(rid, None)
+            if rid in self._active:
+                self.cancel(rid)
+                self._finished = [c for c in self._finished if c.request_id != rid]
+
+    def generate(self, session_id: str, **kwargs: object) -> Generation:
+        """Generate to the end and return everything (token_ids, text, finish_reason)."""
+        ids: list[int] = []
+        text: list[str] = []
+        reason = "length"
+        for chunk in self.stream(session_id, **kwargs):
+            ids += chunk.token_ids
+            text.append(chunk.text)
+            reason = chunk.finish_reason or reason
+        return Generation(ids, "".join(text), reason)
+
+    def generate_many(self, requests: Sequence[tuple[str, dict[str, object]]]) -> list[Generation]:
+        """Run several sessions' generations together, batched; results in the order given."""
+        streams = [self.stream(sid, **kw) for sid, kw in requests]
+        results = [Generation([], "", "length") for _ in streams]
+        live = set(range(len(streams)))
+        while live:
+            for i in sorted(live):
+                try:
+                    chunk = next(streams[i])
+                except StopIteration:
+                    live.discard(i)
+                    continue
+                results[i].token_ids += chunk.token_ids
+                results[i].text += chunk.text
+                results[i].finish_reason = chunk.finish_reason or results[i].finish_reason
+        return results
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """(request, tokens this step): decode rows first, then prefill chunks in arrival order."""
+        budget = self.step_tokens
+        plan: list[tuple[Request, int]] = []
+        decoding = [r for r in self._active.values() if r.session.pending == 1]
+        prefilling = [r for r in self._active.values() if r.session.pending > 1]
+        for request in decoding + prefilling:
+            n = min(request.session.pending, budget)
+            if n <= 0:
+                break
+            plan.append((request, n))
+            budget -= n
+        return plan
+
+    def _accept(self, request: Request, token: int) -> Chunk:
+        """Append a sampled token to the session and decide whether the request is done."""
+        session = request.session
+        session.tokens.append(token)
+        request.generated += 1
+        new_ids: list[int] = []
+        if token in request.stop_ids:
+            request.finish_reason = "stop"
+        else:
+            new_ids.append(token)
+            request.token_ids.append(token)
+            request.detok.add(token)
+            if request.detok.stopped:
+                request.finish_reason = "stop"
+            elif request.generated >= request.params.max_tokens or len(session.tokens) >= self.max_context:
+                request.finish_reason = "length"
+        if request.finish_reason is not None:
+            request.detok.flush()
+            self._retire(request)
+        return Chunk(request.id, session.id, new_ids, request.detok.take(request.finish_reason is not None), request.finish_reason)
+
+    def _cancel(self, request: Request) -> None:
+        request.finish_reason = "cancelled"
+        request.detok.flush()
+        self._retire(request)
+        self._finished.append(Chunk(request.id, request.session.id, [], request.detok.take(True), "cancelled"))
+
+    def _retire(self, request: Request) -> None:
+        request.session.request = None
+        self._active.pop(request.id, None)
+
+    def _pump(self) -> None:
+        if not self.has_work():
+            raise EngineError("internal: waiting for output with no work in flight")
+        for chunk in self.step():
+            box = self._mailboxes.get(chunk.request_id)
+            if box is not None:
+                box.append(chunk)
+
+    def _session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None:
+            raise SessionNotFound(f"no session {session_id!r} on this worker")
+        return session
+
+    def _new_id(self, session_id: str | None) -> str:
+        if session_id is None:
+            return secrets.token_hex(16)
+        if not isinstance(session_id, str) or not session_id:
+            raise BadRequest("session id must be a non-empty string")
+        if session_id in self._sessions:
+            raise SessionExists(f"session {session_id} already exists")
+        return session_id
+
+    def _check_ids(self, token_ids: Sequence[int] | None) -> list[int]:
+        if token_ids is None or isinstance(token_ids, (str, bytes)):
+            raise BadRequest("token_ids must be a list of integers")
+        if len(token_ids) > MAX_APPEND_TOKENS:
+            raise BadRequest(f"at most {MAX_APPEND_TOKENS} tokens per append")
+        ids = list(token_ids)
+        vocab = self.model.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise BadRequest(f"token id {t!r} is out of range [0, {vocab})")
+        return ids
+
+
+def _params(kwargs: dict[str, object]) -> SamplingParams:
+    stop = kwargs.pop("stop", None)
+    if isinstance(stop, str):
+        stop = (stop,)
+    try:
+        return SamplingParams(stop=tuple(stop or ()), **kwargs)  # type: ignore[arg-type]
+    except TypeError as e:
+        raise BadRequest(str(e)) from e

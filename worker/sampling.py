@@ -1,0 +1,100 @@
+"""Sampling parameters and the batched sampler.
+
+Each request draws its randomness from its own generator (one uniform number per token, on the CPU),
+and each row's token depends only on that row's logits and that number. So the same seed and inputs
+give the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import BadRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # 0 = whole vocabulary
+    seed: int | None = None  # None = fresh random seed
+    stop: tuple[str, ...] = ()  # generation ends when the text contains one; it is cut from the text
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, like EOS (not returned)
+    ignore_eos: bool = False  # keep going past EOS (benchmarks that need a fixed length)
+
+    def validate(self, vocab_size: int) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise BadRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            raise BadRequest(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise BadRequest(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise BadRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS:
+                raise BadRequest(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} chars")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise BadRequest(f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}")
+
+
+@dataclass
+class RowRandom:
+    """A request's private stream of uniform numbers."""
+
+    seed: int
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    @classmethod
+    def for_params(cls, params: SamplingParams) -> RowRandom:
+        return cls(params.seed if params.seed is not None else secrets.randbits(63))
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], randoms: list[RowRandom]) -> list[int]:
+    """One token per row of `logits` (R, vocab), float32, on any device."""
+    out = logits.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0.0]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        u = torch.tensor([randoms[i].uniform() for i in sampled], dtype=torch.float32, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in sampled], dtype=torch.float32, device=logits.device)
+        top_k = torch.tensor([params[i].top_k for i in sampled], device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float32, device=logits.device)
+        out[rows] = _sample_rows(logits[rows] / temps[:, None], u, top_k, top_p)
+    return [int(t) for t in out.tolist()]
+
+
+def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling over the top-k / top-p truncated distribution of each row."""
+    values, ids = scaled.sort(dim=-1, descending=True)  # (R, V)
+    rank = torch.arange(values.shape[-1], device=values.device)[None, :]
+    k = torch.where(top_k > 0, top_k, values.shape[-1])[:, None]
+    values = values.masked_fill(rank >= k, float("-inf"))
+    probs = values.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)  # the top token is always kept
+    cdf = probs.cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=values.shape[-1] - 1)
+    # searchsorted can land on a zero-probability tail entry only through rounding: step back to the last kept one.
+    last_kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
+    pick = torch.minimum(pick, last_kept)
+    return ids.gather(-1, pick)[:, 0]
