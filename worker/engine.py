@@ -226,7 +226,10 @@ class Engine:
         if text is not None:
             if not isinstance(text, str):
                 raise BadRequest("text must be a string")
-            ids = self.tokenizer.encode(text)
+            try:
+                ids = self.tokenizer.encode(text)
+            except ValueError as e:
+                raise BadRequest(str(e)) from e
         else:
             ids = self._check_ids(token_ids)
         if not ids:

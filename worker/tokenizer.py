@@ -35,6 +35,10 @@ CHATML_TEMPLATE = (
 )
 
 
+class UnrepresentableText(ValueError):
+    """The text holds bytes the model's byte-level vocabulary has no token for."""
+
+
 class ChatTemplateError(ValueError):
     """The model's chat template could not be rendered for these messages."""
 
@@ -77,6 +81,14 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(
             i for i, t in tok.get_added_tokens_decoder().items() if t.special
         )
+        # Byte-level BPE drops bytes that have no token of their own; some vocabularies lack a few
+        # (SmolLM2 has none for 0x04, 0xF1, ...). Text holding them is refused instead of mangled.
+        if isinstance(tok.decoder, decoders.ByteLevel):
+            self._missing_bytes = bytes(
+                sorted(_byte_of(c) for c in pre_tokenizers.ByteLevel.alphabet() if tok.token_to_id(c) is None)
+            )
+        else:
+            self._missing_bytes = b""
         # Ids that end a generation: EOS plus e.g. Llama 3's <|eot_id|>.
         self.stop_ids: frozenset[int] = frozenset({eos_id, *extra_stop_ids})
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -167,10 +179,18 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`. Special-token strings in the text (e.g. "<|im_start|>") map to their ids."""
+        if self._missing_bytes and not self.representable(text):
+            bad = sorted({f"{b:#04x}" for b in text.encode("utf-8", "surrogatepass") if b in self._missing_bytes})
+            raise UnrepresentableText(f"text contains bytes this model's vocabulary cannot encode: {', '.join(bad)}")
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
+
+    def representable(self, text: str) -> bool:
+        """Whether every byte of the text's UTF-8 has a token (always true for complete byte vocabularies)."""
+        raw = text.encode("utf-8", "surrogatepass")
+        return not self._missing_bytes or len(raw.translate(None, self._missing_bytes)) == len(raw)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuda_state import BufferSpec, CapacityExhausted, HostBackend, SessionTable, SlotError, StateSpec
+from cuda_state.backend import slab_views
+
+SPEC = StateSpec(
+    (
+        BufferSpec("k", (2, 3, 16, 4), torch.float32, seq_axis=2),
+        BufferSpec("v", (2, 3, 16, 4), torch.float32, seq_axis=2),
+        BufferSpec("conv", (5,), torch.bfloat16),  # fixed-size state: copied whole
+    )
+)
+
+
+def test_spec_sizes_and_offsets() -> None:
+    assert SPEC.buffer("k").nbytes == 2 * 3 * 16 * 4 * 4 == 1536
+    assert SPEC.offsets == {"k": 0, "v": 1536, "conv": 3072}
+    assert SPEC.bytes_per_session == 3072 + 10
+    assert SPEC.slot_bytes(4096) == 4096
+    assert SPEC.slot_bytes(2 << 20) == 2 << 20
+
+
+def test_prefix_copy_geometry() -> None:
+    k = SPEC.buffer("k")
+    # rows = layers * kv_heads, width = used * head_dim * 4 bytes, pitch = max_context * head_dim * 4
+    assert k.prefix_copy(5) == (6, 5 * 16, 16 * 16)
+    assert k.prefix_copy(99) == (6, 16 * 16, 16 * 16)
+    assert SPEC.buffer("conv").prefix_copy(5) == (1, 10, 10)
+
+
+def test_bad_specs() -> None:
+    with pytest.raises(ValueError, match="duplicate"):
+        StateSpec((BufferSpec("a", (1,), torch.float32), BufferSpec("a", (1,), torch.float32)))
+    with pytest.raises(ValueError, match="seq_axis"):
+        BufferSpec("a", (1, 2), torch.float32, seq_axis=2)
+
+
+def test_views_alias_the_slab() -> None:
+    slab = torch.zeros(3 * 4096, dtype=torch.uint8)
+    views = slab_views(slab, SPEC, 3, 4096)
+    assert views["k"].shape == (3, 2, 3, 16, 4)
+    views["k"][1, 1, 2, 15, 3] = 1.0
+    offset = 4096 + (((1 * 3 + 2) * 16 + 15) * 4 + 3) * 4
+    assert slab[offset : offset + 4].view(torch.float32).item() == 1.0
+    views["conv"][2, 4] = 2.0
+    assert slab[2 * 4096 + 3072 + 8 : 2 * 4096 + 3072 + 10].view(torch.bfloat16).item() == 2.0
+
+
+def test_table_create_is_zeroed_and_capacity_enforced() -> None:
+    table = SessionTable(HostBackend(SPEC, capacity=2))
+    k = table.views()["k"]
+    a = table.create()
+    k[a].fill_(7.0)
+    b = table.create()
+    assert (table.live, table.free_slots, table.spare_slot) == (2, 0, 2)
+    with pytest.raises(CapacityExhausted, match="all 2 session slots"):
+        table.create()
+    table.free(a)
+    c = table.create()
+    assert c == a and torch.count_nonzero(k[c]) == 0  # reused slot comes back zeroed
+    assert table.bytes_per_session == SPEC.bytes_per_session
+    assert table.backend.mapped_bytes() == 3 * 4096  # two sessions + the spare
+    with pytest.raises(SlotError):
+        table.free(table.spare_slot)
+    table.free(b)
+    with pytest.raises(SlotError):
+        table.free(b)
+
+
+def test_clone_copies_only_the_used_prefix() -> None:
+    backend = HostBackend(SPEC, capacity=3)
+    views = backend.views()
+    for name in ("k", "v"):
+        views[name][0].copy_(torch.arange(views[name][0].numel(), dtype=torch.float32).view(2, 3, 16, 4))
+        views[name][1].fill_(-1.0)
+    views["conv"][0].fill_(3.0)
+    backend.copy_prefix(1, 0, used=5)
+    for name in ("k", "v"):
+        assert torch.equal(views[name][1][:, :, :5], views[name][0][:, :, :5])
+        assert bool((views[name][1][:, :, 5:] == -1.0).all())
+    assert bool((views["conv"][1] == 3.0).all())
+
+
+def test_table_clone_refuses_dead_source() -> None:
+    table = SessionTable(HostBackend(SPEC, capacity=2))
+    with pytest.raises(SlotError):
+        table.clone(0, 1)
+    src = table.create()
+    dst = table.clone(src, 3)
+    assert dst != src and table.live == 2

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from worker.detokenizer import Detokenizer
+from worker.engine import Engine
+from worker.tokenizer import Tokenizer
+
+
+def _stream(tok: Tokenizer, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], Detokenizer]:
+    d = Detokenizer(tok, stop)
+    pieces = []
+    for i in tok.encode(text):
+        d.add(i)
+        pieces.append(d.take(final=False))
+        if d.stopped:
+            break
+    d.flush()
+    pieces.append(d.take(final=True))
+    return pieces, d
+
+
+def test_streamed_pieces_join_to_the_text(smol_engine: Engine) -> None:
+    text = "Héllo wörld! 日本語 🎉👩‍👩‍👧 done."
+    pieces, d = _stream(smol_engine.tokenizer, text)
+    assert "".join(pieces) == text == d.text
+    assert all("\ufffd" not in p for p in pieces)  # no half characters ever shown
+
+
+def test_stop_string_cuts_and_is_never_shown(smol_engine: Engine) -> None:
+    pieces, d = _stream(smol_engine.tokenizer, "one two three STOP four five", stop=("STOP",))
+    assert d.stopped
+    assert "".join(pieces) == d.text == "one two three "
+
+
+def test_stop_string_across_tokens_with_two_candidates(smol_engine: Engine) -> None:
+    pieces, d = _stream(smol_engine.tokenizer, "alpha beta\n\nUser: gamma", stop=("\n\nUser:", "never"))
+    assert "".join(pieces) == "alpha beta"
+
+
+def test_stop_in_generation(smol_engine: Engine) -> None:
+    sid = smol_engine.create_session()
+    smol_engine.append(sid, text="The quick brown fox")
+    g = smol_engine.generate(sid, max_tokens=20, stop=["bear"])
+    assert (g.text, g.finish_reason) == (" with a quick brown ", "stop")
+    assert g.token_ids == [351, 253, 2365, 6354, 7012]  # the token that completed "bear" is kept in ids
+    smol_engine.close(sid)

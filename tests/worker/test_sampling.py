@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine import Engine
+from worker.sampling import RowRandom, SamplingParams, _sample_rows, sample
+
+PROMPT = "Tell me a story about a dragon."
+
+
+def _run(engine: Engine, seed: int, others: int = 0) -> list[int]:
+    sid = engine.create_session()
+    engine.chat(sid, PROMPT)
+    noise = [engine.create_session() for _ in range(others)]
+    for i, n in enumerate(noise):
+        engine.append(n, text=f"Unrelated prompt number {i} " * (i + 1))
+    results = engine.generate_many(
+        [(sid, {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": seed, "ignore_eos": True})]
+        + [(n, {"max_tokens": 16, "temperature": 1.0, "seed": 100 + i}) for i, n in enumerate(noise)]
+    )
+    for s in [sid, *noise]:
+        engine.close(s)
+    return results[0].token_ids
+
+
+def test_seed_is_reproducible_and_independent_of_the_batch(engine: Engine) -> None:
+    alone = _run(engine, seed=1234)
+    assert len(alone) == 16
+    assert _run(engine, seed=1234) == alone
+    assert _run(engine, seed=1234, others=3) == alone
+    assert _run(engine, seed=4321) != alone
+
+
+def test_top_k_one_is_greedy(engine: Engine) -> None:
+    sid = engine.create_session()
+    engine.chat(sid, PROMPT)
+    child = engine.fork(sid)
+    greedy = engine.generate(sid, max_tokens=10, ignore_eos=True).token_ids
+    assert engine.generate(child, max_tokens=10, temperature=1.5, top_k=1, seed=7, ignore_eos=True).token_ids == greedy
+
+
+def test_inverse_cdf_picks_exact_tokens() -> None:
+    # probs after softmax of log([0.5, 0.3, 0.15, 0.05]) are exactly those values.
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    pick = lambda u, k=0, p=1.0: int(_sample_rows(logits, torch.tensor([u]), torch.tensor([k]), torch.tensor([p]))[0])  # noqa: E731
+    assert [pick(u) for u in (0.0, 0.49, 0.51, 0.79, 0.81, 0.94, 0.96)] == [0, 0, 1, 1, 2, 2, 3]
+    # top_k=2 renormalises over {0: 0.625, 1: 0.375}
+    assert [pick(u, k=2) for u in (0.6, 0.63, 0.99)] == [0, 1, 1]
+    # top_p=0.7 keeps tokens whose preceding mass is < 0.7: {0, 1} -> same as top_k=2
+    assert [pick(u, p=0.7) for u in (0.6, 0.63, 0.999)] == [0, 1, 1]
+    # top_p tiny keeps only the top token
+    assert pick(0.999, p=0.01) == 0
+
+
+def test_sample_mixes_greedy_and_random_rows() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams()]
+    randoms = [RowRandom.for_params(p) for p in params]
+    out = sample(logits, params, randoms)
+    assert out[0] == 1 and out[2] == 2
+    again = sample(logits, params, [RowRandom.for_params(p) for p in params])
+    assert again == out
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (SamplingParams(max_tokens=True), "max_tokens"),
+        (SamplingParams(seed=-1), "seed"),
+        (SamplingParams(stop=("",)), "stop strings"),
+        (SamplingParams(stop=tuple("abcdefghijklmnopq")), "at most 16"),
+        (SamplingParams(stop_token_ids=(10**9,)), "stop_token_ids"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+    ],
+)
+def test_params_validation(params: SamplingParams, message: str) -> None:
+    from worker.errors import BadRequest
+
+    with pytest.raises(BadRequest, match=message):
+        params.validate(49152)
