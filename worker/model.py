@@ -50,6 +50,32 @@ def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
     return runs
 
 
+class Linear:
+    """A weight (out, in), optionally stored transposed as (in, out) contiguous.
+
+    The CPU keeps the vocabulary head transposed: a one-row product then streams it in order
+    (measured on a 2-core machine here: 5.4 ms against 11.3 ms for the 49152x576 head, and about
+    even at 8 rows). The layers' smaller weights multiply as fast or faster as (out, in).
+    """
+
+    def __init__(self, weight: torch.Tensor, device: torch.device, dtype: torch.dtype, transposed: bool = False) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.transposed = transposed
+        w = weight.t() if self.transposed else weight
+        self.weight = w.to(device=device, dtype=dtype).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight if self.transposed else F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the (out, in) weight: an embedding lookup through a tied head."""
+        return self.weight[:, ids].t() if self.transposed else self.weight[ids]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
 class Layer:
     """One transformer block's weights, fused for fewer launches: qkv and gate|up."""
 
@@ -57,15 +83,15 @@ class Layer:
         def get(name: str) -> torch.Tensor:
             return w[f"layers.{i}.{name}"]
 
-        def put(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=dtype).contiguous()
+        self.input_norm = get("input_norm").to(device=device, dtype=dtype)  # (dim,)
+        self.wqkv = Linear(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]), device, dtype)  # ((H+2KV)*hd, dim)
+        self.wo = Linear(get("o_proj"), device, dtype)  # (dim, H * hd)
+        self.post_norm = get("post_norm").to(device=device, dtype=dtype)  # (dim,)
+        self.w_gate_up = Linear(torch.cat([get("gate_proj"), get("up_proj")]), device, dtype)  # (2 * ffn, dim)
+        self.w_down = Linear(get("down_proj"), device, dtype)  # (dim, ffn)
 
-        self.input_norm = put(get("input_norm"))  # (dim,)
-        self.wqkv = put(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]))  # ((H + 2*KV) * hd, dim)
-        self.wo = put(get("o_proj"))  # (dim, H * hd)
-        self.post_norm = put(get("post_norm"))  # (dim,)
-        self.w_gate_up = put(torch.cat([get("gate_proj"), get("up_proj")]))  # (2 * ffn, dim)
-        self.w_down = put(get("down_proj"))  # (dim, ffn)
+    def linears(self) -> list[Linear]:
+        return [self.wqkv, self.wo, self.w_gate_up, self.w_down]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,9 +129,10 @@ class Llama:
         self.device = device
         self.dtype = dtype
         self.max_context = max_context
-        self.embed = weights["embed"].to(device=device, dtype=dtype).contiguous()  # (vocab, dim)
-        lm_head = weights["embed"] if config.tie_embeddings else weights["lm_head"]
-        self.lm_head = self.embed if config.tie_embeddings else lm_head.to(device=device, dtype=dtype).contiguous()
+        head = weights["embed"] if config.tie_embeddings else weights["lm_head"]
+        self.lm_head = Linear(head, device, dtype, transposed=device.type == "cpu")  # (vocab, dim)
+        # With tied weights the head is the embedding, stored once.
+        self.embed = self.lm_head if config.tie_embeddings else Linear(weights["embed"], device, dtype)
         self.norm = weights["norm"].to(device=device, dtype=dtype)
         self.layers = [Layer(weights, i, device, dtype) for i in range(config.n_layers)]
         self.cos, self.sin = rope_tables(config, max_context, device)
@@ -118,12 +145,12 @@ class Llama:
         return StateSpec((BufferSpec("k", shape, self.dtype, seq_axis=2), BufferSpec("v", shape, self.dtype, seq_axis=2)))
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm]
-        if self.lm_head is not self.embed:
-            tensors.append(self.lm_head)
+        linears = [self.lm_head] if self.embed is self.lm_head else [self.lm_head, self.embed]
+        norms = [self.norm]
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.wqkv, layer.wo, layer.post_norm, layer.w_gate_up, layer.w_down]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            linears += layer.linears()
+            norms += [layer.input_norm, layer.post_norm]
+        return sum(w.nbytes for w in linears) + sum(t.numel() * t.element_size() for t in norms)
 
     @torch.inference_mode()
     def forward(
@@ -139,13 +166,13 @@ class Llama:
         if batch is None:
             batch = self.plan(slots.tolist(), positions.tolist())
         c = self.config
-        h = self.embed[token_ids]  # (T, dim)
+        h = self.embed.rows(token_ids)  # (T, dim)
         cos, sin = self.cos[positions], self.sin[positions]  # (T, hd)
         k_all, v_all = state["k"], state["v"]
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.norm_eps)
-            q, k, v = F.linear(x, layer.wqkv).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = layer.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(-1, c.n_heads, c.head_dim), cos, sin)
             k = apply_rope(k.view(-1, c.n_kv_heads, c.head_dim), cos, sin)
             v = v.view(-1, c.n_kv_heads, c.head_dim)
@@ -153,13 +180,13 @@ class Llama:
             k_cache[slots, :, positions] = k
             v_cache[slots, :, positions] = v
             attn = self.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
-            h = h + F.linear(attn.reshape(-1, q_size), layer.wo)
+            h = h + layer.wo(attn.reshape(-1, q_size))
             x = rms_norm(h, layer.post_norm, c.norm_eps)
-            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
+            h = h + layer.w_down(F.silu(gate) * up)
         if logits_at is not None:
             h = h[logits_at]
-        return F.linear(rms_norm(h, self.norm, c.norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(h, self.norm, c.norm_eps)).float()
 
     def plan(self, slots: list[int], positions: list[int], lengths_on_device: bool = False) -> Batch:
         runs = runs_of(slots, positions)
