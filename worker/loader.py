@@ -128,7 +128,7 @@ def load_gguf(path: Path) -> LoadedModel:
     tensors = {t.name: t for t in reader.tensors}
     vocab = int(meta("vocab_size", 0)) or len(fields["tokenizer.ggml.tokens"])
     config = ModelConfig(
-        name=str(fields.get("general.name") or path.stem),
+        name=path.name.split(".")[0],  # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
         vocab_size=vocab,
         dim=int(meta("embedding_length")),
         n_layers=int(meta("block_count")),
