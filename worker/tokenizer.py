@@ -15,7 +15,8 @@ from typing import Any
 import jinja2
 import structlog
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -56,7 +56,10 @@ def test_engine_refuses_unencodable_text(smol_engine: Engine) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", " ", "héllo wörld", "日本語のテキスト", "emoji 🎉👩‍👩‍👧 flags 🇫🇷", "tabs\tand\nnewlines\r\n", "\x00\x01\x05 control", "1234567890"],
+    [
+        "", " ", "héllo wörld", "日本語のテキスト", "emoji 🎉👩‍👩‍👧 flags 🇫🇷",
+        "tabs\tand\nnewlines\r\n", "\x00\x01\x05 control", "1234567890",
+    ],
 )
 def test_roundtrip_examples(tok: Tokenizer, text: str) -> None:
     assert tok.decode(tok.encode(text)) == text
