@@ -35,9 +35,13 @@ from .tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
-# Tokens one step may process (decode rows + prefill chunks). Bounds step latency for the others.
+# Prompt tokens one step may prefill, besides its decode rows: bounds the step's latency for the
+# sessions that are decoding. A prompt is cut into chunks of at most PREFILL_CHUNK tokens counted
+# from the session's own start, never by what else is in the step, so a session computes the same
+# chunks (and the same numbers) alone or batched with others.
 CPU_STEP_TOKENS = 256
 GPU_STEP_TOKENS = 2048
+PREFILL_CHUNK = {"cpu": 256, "cuda": 512}
 MAX_APPEND_TOKENS = 1 << 20
 
 
@@ -103,6 +107,7 @@ class Engine:
         self.model_name = model_name
         self.max_context = model.max_context
         self.step_tokens = step_tokens
+        self.prefill_chunk = min(step_tokens, PREFILL_CHUNK[model.device.type])
         self._sessions: dict[str, Session] = {}
         self._active: dict[str, Request] = {}  # request id -> request, in arrival order
         self._finished: list[Chunk] = []  # final chunks produced outside a step (cancel, close)
@@ -397,15 +402,16 @@ class Engine:
     # -- internals ----------------------------------------------------------------------------
 
     def _schedule(self) -> list[tuple[Request, int]]:
-        """(request, tokens this step): decode rows first, then prefill chunks in arrival order."""
+        """(request, tokens this step): every decode row, then whole prefill chunks in arrival order."""
+        plan = [(r, 1) for r in self._active.values() if r.session.pending == 1]
         budget = self.step_tokens
-        plan: list[tuple[Request, int]] = []
-        decoding = [r for r in self._active.values() if r.session.pending == 1]
-        prefilling = [r for r in self._active.values() if r.session.pending > 1]
-        for request in decoding + prefilling:
-            n = min(request.session.pending, budget)
-            if n <= 0:
-                break
+        for request in self._active.values():
+            pending = request.session.pending
+            if pending <= 1:
+                continue
+            n = min(pending, self.prefill_chunk)
+            if n > budget:
+                break  # the step is full (the first chunk always fits): this one goes first next step
             plan.append((request, n))
             budget -= n
         return plan

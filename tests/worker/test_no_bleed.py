@@ -106,3 +106,27 @@ def test_close_during_generation_cancels_only_that_session(engine: Engine) -> No
         got += chunk.token_ids
     assert got == reference
     assert rid_b not in engine._active
+
+
+def test_prefill_chunks_do_not_depend_on_the_batch(engine: Engine) -> None:
+    """A long prompt is cut at the same places alone and next to other prompts."""
+    from worker.sampling import SamplingParams
+
+    long_prompt = list(range(100, 700))  # 600 tokens: chunks of 256, 256, 88
+    seen: list[list[int]] = []
+    for others in (0, 2):
+        sids = [engine.create_session() for _ in range(1 + others)]
+        engine.append(sids[0], token_ids=long_prompt)
+        for s in sids[1:]:
+            engine.append(s, token_ids=list(range(300, 500)))
+        rids = [engine.start_generate(s, SamplingParams(max_tokens=1)) for s in sids]
+        chunks = []
+        while engine.has_work():
+            before = engine._sessions[sids[0]].computed
+            engine.step()
+            chunks.append(engine._sessions[sids[0]].computed - before)
+        seen.append([c for c in chunks if c])
+        assert rids
+        for s in sids:
+            engine.close(s)
+    assert seen[0] == seen[1] == [256, 256, 88]
