@@ -9,6 +9,7 @@ token each), mixed freely. Nothing here knows about sessions, sampling or schedu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +137,8 @@ class Llama:
         self.norm = weights["norm"].to(device=device, dtype=dtype)
         self.layers = [Layer(weights, i, device, dtype) for i in range(config.n_layers)]
         self.cos, self.sin = rope_tables(config, max_context, device)
-        self.decode_attention = None  # set by the GPU engine: a kernel reading K/V by slot and length
+        # Set by the GPU engine: a kernel reading K/V by slot and length (worker.triton_attention).
+        self.decode_attention: Callable[..., torch.Tensor] | None = None
 
     def state_spec(self) -> StateSpec:
         """Per session: K and V for every layer, (layers, kv_heads, max_context, head_dim)."""

@@ -1,0 +1,427 @@
+"""VMM backend: one reserved virtual range, one physical allocation per live slot (CUDA driver API).
+
+Slot i is [base + i * slot_bytes, base + (i + 1) * slot_bytes); the last slot is the spare, mapped
+and zeroed at construction and kept until close, so padding rows of a captured batch always read
+mapped memory. The range is wrapped once as a torch uint8 tensor; its views never move.
+
+Paired resources, released by `close` in reverse order of acquisition (llama2.c style):
+  primary context   cuDevicePrimaryCtxRetain          / cuDevicePrimaryCtxRelease
+  address range     cuMemAddressReserve               / cuMemAddressFree
+  slot memory       cuMemCreate + cuMemMap + SetAccess / (wait last use) cuMemUnmap + cuMemRelease
+  events            cuEventCreate                     / cuEventDestroy
+
+Copies and memsets run on the caller's current torch stream (the engine's), so they are ordered
+with the steps that read the slots. `mark_used` records an event there; `unmap` waits for the
+slot's last event before giving its memory back. Every driver call's CUresult is checked.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import structlog
+import torch
+from cuda.bindings import driver
+
+from .backend import slab_views
+from .errors import BackendUnavailable, CapacityExhausted, CudaDriverError, SlotError, StateError
+from .spec import StateSpec
+
+log = structlog.get_logger(__name__)
+
+_SUCCESS = driver.CUresult.CUDA_SUCCESS
+_OUT_OF_MEMORY = driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+
+
+def _name(result: Any) -> str:
+    return str(getattr(result, "name", result))
+
+
+def _detail(result: Any) -> str:
+    try:
+        err, text = driver.cuGetErrorString(result)
+    except Exception:  # the description is a courtesy; never mask the real error
+        return ""
+    return text.decode() if err == _SUCCESS and isinstance(text, bytes) else ""
+
+
+def _ok(call: str, out: tuple[Any, ...]) -> Any:
+    """What a driver call returned after its CUresult (None, one value or a tuple); raises on error."""
+    result, *values = out
+    if result != _SUCCESS:
+        raise CudaDriverError(call, _name(result), _detail(result))
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class _DeviceRange:
+    """A device address range as a 1-D uint8 array, for torch.as_tensor (zero copy)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        # stream None: nothing to synchronise, the memory holds no pending writes of ours.
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "strides": None,
+                "version": 3, "stream": None}
+
+
+def _init_torch_cuda() -> None:
+    """Start torch's CUDA (it shares the primary context the backend retains) and hand its cached,
+    unused blocks back to the driver, so that free memory is measured as it really is."""
+    torch.cuda.init()
+    torch.cuda.empty_cache()
+
+
+def _current_stream(device: torch.device) -> int:
+    """The caller's current torch stream on `device` (the engine's stream) as a raw handle."""
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _capturing() -> bool:
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+def _wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """The range as one uint8 tensor. The explicit device index matters: without it torch asks the
+    driver which device owns `ptr`, and that fails while parts of the range are unmapped."""
+    return torch.as_tensor(_DeviceRange(ptr, nbytes), device=device)
+
+
+class _EventPool:
+    """Events marking each slot's last queued use. An event returns to the pool once no slot's last
+    use is it any more, so the pool never exceeds the number of slots plus one."""
+
+    def __init__(self) -> None:
+        self._free: list[Any] = []
+        self._all: list[Any] = []
+        self._refs: dict[int, int] = {}  # int(event) -> slots whose last use it marks
+        self._last: dict[int, Any] = {}  # slot -> event recorded after its last queued use
+
+    def record(self, slots: list[int], stream: int) -> None:
+        event = self._free.pop() if self._free else self._create()
+        _ok("cuEventRecord", driver.cuEventRecord(event, stream))
+        self._refs[int(event)] = 0
+        for slot in slots:
+            self._refs[int(event)] += 1
+            old = self._last.get(slot)
+            self._last[slot] = event
+            if old is not None:
+                self._drop(old)
+        if self._refs[int(event)] == 0:
+            self._drop(event, already_zero=True)
+
+    def wait(self, slot: int) -> None:
+        """Block until the slot's last queued use has finished; forget it."""
+        event = self._last.pop(slot, None)
+        if event is None:
+            return
+        try:
+            _ok("cuEventSynchronize", driver.cuEventSynchronize(event))
+        finally:
+            self._drop(event)
+
+    def destroy(self) -> None:
+        first: BaseException | None = None
+        for event in reversed(self._all):
+            try:
+                _ok("cuEventDestroy", driver.cuEventDestroy(event))
+            except CudaDriverError as e:
+                first = first or e
+        self._free.clear()
+        self._all.clear()
+        self._refs.clear()
+        self._last.clear()
+        if first is not None:
+            raise first
+
+    def _create(self) -> Any:
+        flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        event = _ok("cuEventCreate", driver.cuEventCreate(flags))
+        self._all.append(event)
+        return event
+
+    def _drop(self, event: Any, already_zero: bool = False) -> None:
+        key = int(event)
+        left = 0 if already_zero else self._refs[key] - 1
+        if left:
+            self._refs[key] = left
+        else:
+            del self._refs[key]
+            self._free.append(event)
+
+
+class VmmBackend:
+    """Session slots in one reserved virtual range on one CUDA device. See the module docstring."""
+
+    def __init__(self, spec: StateSpec, capacity: int, device: torch.device, reserve_bytes: int = 0) -> None:
+        if device.type != "cuda":
+            raise BackendUnavailable(f"the VMM backend needs a CUDA device, got {device}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.spec = spec
+        self.device = torch.device("cuda", index)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._ctx: Any = None
+        self._base = 0
+        self._reserved = 0
+        self._handles: dict[int, Any] = {}  # slot -> CUmemGenericAllocationHandle
+        self._events = _EventPool()
+        self._views: dict[str, torch.Tensor] = {}
+        try:
+            self._open(index, capacity, reserve_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _open(self, index: int, capacity: int, reserve_bytes: int) -> None:
+        _init_torch_cuda()
+        _ok("cuInit", driver.cuInit(0))
+        self._dev = _ok("cuDeviceGet", driver.cuDeviceGet(index))
+        self._ctx = _ok("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(self._dev))
+        self._bind()
+        self._prop = self._allocation_prop(index)
+        self._access = self._access_desc(index)
+        recommended = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        self.granularity = int(_ok("cuMemGetAllocationGranularity",
+                                   driver.cuMemGetAllocationGranularity(self._prop, recommended)))
+        self.slot_bytes = self.spec.slot_bytes(self.granularity)
+        pitch_attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH
+        self._max_pitch = int(_ok("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(pitch_attr, self._dev)))
+        self.num_slots = self._fit(capacity, reserve_bytes) + 1
+        self._reserve_range()
+        self.map(self.spare_slot)
+        self.zero(self.spare_slot)
+        self._views = slab_views(_wrap(self._base, self._reserved, self.device), self.spec, self.num_slots, self.slot_bytes)
+
+    @staticmethod
+    def _allocation_prop(index: int) -> Any:
+        prop = driver.CUmemAllocationProp()
+        prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = index
+        return prop
+
+    @staticmethod
+    def _access_desc(index: int) -> Any:
+        desc = driver.CUmemAccessDesc()
+        desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = index
+        desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return desc
+
+    def _fit(self, requested: int, reserve_bytes: int) -> int:
+        """Session slots: the requested number, capped by free memory minus the reserve and the spare."""
+        free, total = _ok("cuMemGetInfo", driver.cuMemGetInfo())
+        fits = (int(free) - reserve_bytes) // self.slot_bytes - 1
+        capacity = min(requested, fits)
+        log.info(
+            "vmm_capacity", device=str(self.device), requested=requested, fits_in_memory=max(fits, 0),
+            capacity=max(capacity, 0), free_bytes=int(free), total_bytes=int(total), reserve_bytes=reserve_bytes,
+            slot_bytes=self.slot_bytes, bytes_per_session=self.spec.bytes_per_session, granularity=self.granularity,
+        )
+        if capacity < 1:
+            raise CapacityExhausted(
+                f"no room for one session on {self.device}: {int(free)} bytes free, {reserve_bytes} reserved "
+                f"for the workspace, {self.slot_bytes} per slot plus one spare"
+            )
+        return capacity
+
+    def _reserve_range(self) -> None:
+        size = self.num_slots * self.slot_bytes
+        self._base = int(_ok("cuMemAddressReserve", driver.cuMemAddressReserve(size, self.granularity, 0, 0)))
+        self._reserved = size
+
+    # -- the StateBackend interface -------------------------------------------------------------
+
+    @property
+    def spare_slot(self) -> int:
+        return self.num_slots - 1
+
+    def views(self) -> dict[str, torch.Tensor]:
+        if self._closed:
+            raise StateError("the VMM backend is closed")
+        return self._views
+
+    def map(self, slot: int) -> None:
+        """Back `slot` with its own physical allocation. CapacityExhausted when the device is full."""
+        with self._lock:
+            self._check_slot(slot)
+            if slot in self._handles:
+                raise SlotError(f"slot {slot} is already mapped")
+            self._refuse_during_capture("map")
+            self._bind()
+            handle = self._create_handle()
+            ptr = self._slot_ptr(slot)
+            try:
+                self._checked_map("cuMemMap", driver.cuMemMap(ptr, self.slot_bytes, 0, handle, 0))
+                try:
+                    self._checked_map("cuMemSetAccess", driver.cuMemSetAccess(ptr, self.slot_bytes, [self._access], 1))
+                except BaseException:
+                    _ok("cuMemUnmap", driver.cuMemUnmap(ptr, self.slot_bytes))
+                    raise
+            except BaseException:
+                _ok("cuMemRelease", driver.cuMemRelease(handle))
+                raise
+            self._handles[slot] = handle
+
+    def unmap(self, slot: int) -> None:
+        """Wait for the last queued work that used `slot`, then unmap and release its memory."""
+        with self._lock:
+            self._check_mapped(slot)
+            if slot == self.spare_slot:
+                raise SlotError("the spare slot stays mapped until close")
+            self._refuse_during_capture("unmap")
+            self._bind()
+            self._events.wait(slot)
+            self._release(slot)
+
+    def zero(self, slot: int) -> None:
+        with self._lock:
+            self._check_mapped(slot)
+            self._refuse_during_capture("zero")
+            self._bind()
+            stream = self._stream()
+            _ok("cuMemsetD8Async", driver.cuMemsetD8Async(self._slot_ptr(slot), 0, self.slot_bytes, stream))
+            self._events.record([slot], stream)
+
+    def copy_prefix(self, dst: int, src: int, used: int) -> None:
+        """Copy the first `used` positions of every buffer of `src` into `dst`, on the current stream."""
+        with self._lock:
+            self._check_mapped(dst)
+            self._check_mapped(src)
+            self._refuse_during_capture("copy_prefix")
+            self._bind()
+            stream = self._stream()
+            for buf in self.spec.buffers:
+                offset = self.spec.offsets[buf.name]
+                rows, width, pitch = buf.prefix_copy(used)
+                self._copy_rows(self._slot_ptr(dst) + offset, self._slot_ptr(src) + offset, rows, width, pitch, stream)
+            self._events.record([dst, src], stream)
+
+    def mark_used(self, slots: list[int]) -> None:
+        with self._lock:
+            live = [s for s in slots if s in self._handles]
+            if not live:
+                return
+            self._refuse_during_capture("mark_used")  # an event recorded into a capture marks nothing
+            self._bind()
+            self._events.record(live, self._stream())
+
+    def mapped_bytes(self) -> int:
+        return len(self._handles) * self.slot_bytes
+
+    def close(self) -> None:
+        """Release everything in reverse order of acquisition. Safe on a half-built backend."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._views = {}
+            if self._ctx is None:
+                return
+            first: BaseException | None = None
+            try:
+                self._bind()
+                # Padding rows of captured steps touch the spare without a mark: wait for everything.
+                _ok("cuCtxSynchronize", driver.cuCtxSynchronize())
+            except CudaDriverError as e:
+                first = e
+            for slot in sorted(self._handles, reverse=True):
+                try:
+                    self._release(slot)
+                except CudaDriverError as e:
+                    first = first or e
+            try:
+                if self._reserved:
+                    _ok("cuMemAddressFree", driver.cuMemAddressFree(self._base, self._reserved))
+                    self._reserved = 0
+            except CudaDriverError as e:
+                first = first or e
+            try:
+                self._events.destroy()
+            except CudaDriverError as e:
+                first = first or e
+            try:
+                _ok("cuDevicePrimaryCtxRelease", driver.cuDevicePrimaryCtxRelease(self._dev))
+            except CudaDriverError as e:
+                first = first or e
+            self._ctx = None
+            log.info("vmm_closed", device=str(self.device), errors=str(first) if first else None)
+            if first is not None:
+                raise first
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        """Make the primary context (the one torch uses) current on the calling thread."""
+        _ok("cuCtxSetCurrent", driver.cuCtxSetCurrent(self._ctx))
+
+    def _stream(self) -> int:
+        return _current_stream(self.device)
+
+    def _slot_ptr(self, slot: int) -> int:
+        return self._base + slot * self.slot_bytes
+
+    def _create_handle(self) -> Any:
+        result, handle = driver.cuMemCreate(self.slot_bytes, self._prop, 0)
+        if result == _OUT_OF_MEMORY:
+            raise CapacityExhausted(f"{self.device} has no memory left for another session ({self.slot_bytes} bytes)")
+        _ok("cuMemCreate", (result,))
+        return handle
+
+    def _checked_map(self, call: str, out: tuple[Any, ...]) -> None:
+        if out[0] == _OUT_OF_MEMORY:  # page tables for the mapping did not fit: the device is full too
+            raise CapacityExhausted(f"{self.device} has no memory left to map another session ({call})")
+        _ok(call, out)
+
+    def _release(self, slot: int) -> None:
+        _ok("cuMemUnmap", driver.cuMemUnmap(self._slot_ptr(slot), self.slot_bytes))
+        handle = self._handles.pop(slot)
+        _ok("cuMemRelease", driver.cuMemRelease(handle))
+
+    def _copy_rows(self, dst: int, src: int, rows: int, width: int, pitch: int, stream: int) -> None:
+        """rows x width bytes, rows `pitch` apart, at the same offsets in src and dst."""
+        if width == 0:
+            return
+        if rows == 1 or width == pitch:
+            nbytes = width if rows == 1 else rows * pitch
+            _ok("cuMemcpyDtoDAsync", driver.cuMemcpyDtoDAsync(dst, src, nbytes, stream))
+            return
+        if pitch > self._max_pitch:  # beyond what a 2-D copy accepts: one copy per row
+            for r in range(rows):
+                _ok("cuMemcpyDtoDAsync", driver.cuMemcpyDtoDAsync(dst + r * pitch, src + r * pitch, width, stream))
+            return
+        copy = driver.CUDA_MEMCPY2D()
+        copy.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.srcDevice = src
+        copy.srcPitch = pitch
+        copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.dstDevice = dst
+        copy.dstPitch = pitch
+        copy.WidthInBytes = width
+        copy.Height = rows
+        _ok("cuMemcpy2DAsync", driver.cuMemcpy2DAsync(copy, stream))
+
+    def _check_slot(self, slot: int) -> None:
+        if self._closed:
+            raise StateError("the VMM backend is closed")
+        if not 0 <= slot < self.num_slots:
+            raise SlotError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+
+    def _check_mapped(self, slot: int) -> None:
+        self._check_slot(slot)
+        if slot not in self._handles:
+            raise SlotError(f"slot {slot} is not mapped")
+
+    def _refuse_during_capture(self, what: str) -> None:
+        if _capturing():
+            raise StateError(f"{what} during CUDA graph capture would corrupt the capture; do it between steps")

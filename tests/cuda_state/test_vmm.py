@@ -1,0 +1,781 @@
+"""The VMM backend.
+
+On any machine: backend choice, and the backend's driver bookkeeping against a fake driver that
+keeps real bytes, checks every access lands in mapped memory and that the calling thread has the
+context current (pointer arithmetic, 2-D prefix copies, error mapping, release order, the
+wait-before-unmap rule). On a GPU (-m gpu): the same against the real driver, plus memory
+accounting measured with cuMemGetInfo.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from cuda_state import (
+    BackendUnavailable,
+    BufferSpec,
+    CapacityExhausted,
+    CudaDriverError,
+    HostBackend,
+    SessionTable,
+    SlotError,
+    StateError,
+    StateSpec,
+    select_backend,
+    vmm,
+)
+from cuda_state.select import probe_cuda
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def small_spec(context: int = 40, dtype: torch.dtype = torch.float32) -> StateSpec:
+    """Two growing buffers like a KV cache plus one fixed-size buffer, like a recurrent state."""
+    return StateSpec(
+        (
+            BufferSpec("k", (2, 3, context, 8), dtype, seq_axis=2),
+            BufferSpec("v", (2, 3, context, 8), dtype, seq_axis=2),
+            BufferSpec("h", (5, 7), torch.float32),
+        )
+    )
+
+
+# -- backend choice (any machine) -------------------------------------------------------------------
+
+
+def _driver_loads() -> bool:
+    try:
+        from cuda.bindings import driver
+
+        driver.cuInit(0)
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_auto_without_cuda_picks_host_and_says_why() -> None:
+    choice = select_backend("auto")
+    assert choice.kind == "host"
+    assert choice.device == torch.device("cpu")
+    assert choice.reason == probe_cuda(0)
+    if not _driver_loads():
+        assert choice.reason.startswith("no NVIDIA driver")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3"])
+def test_explicit_cuda_without_cuda_is_refused(device: str) -> None:
+    with pytest.raises(BackendUnavailable, match="requested but unusable"):
+        select_backend(device)
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "tpu:0"])
+def test_unknown_devices_are_refused(device: str) -> None:
+    with pytest.raises(BackendUnavailable):
+        select_backend(device)
+
+
+def test_cpu_is_always_host() -> None:
+    assert select_backend("cpu").kind == "host"
+
+
+def test_vmm_backend_refuses_a_cpu_device() -> None:
+    with pytest.raises(BackendUnavailable):
+        vmm.VmmBackend(small_spec(), 2, torch.device("cpu"))
+
+
+# -- a fake driver: real bytes, strict checks ---------------------------------------------------------
+
+REAL = vmm.driver  # the real bindings module; the fake borrows its structs and enums
+R = REAL.CUresult
+GRANULARITY = 4096
+BASE = 1 << 40  # fake device addresses start here
+
+
+class FakeDriver:
+    """The part of cuda.bindings.driver the backend uses, over host memory, with a call log."""
+
+    CUresult = R
+    CUmemAllocationProp = REAL.CUmemAllocationProp
+    CUmemAccessDesc = REAL.CUmemAccessDesc
+    CUDA_MEMCPY2D = REAL.CUDA_MEMCPY2D
+    CUmemAllocationType = REAL.CUmemAllocationType
+    CUmemLocationType = REAL.CUmemLocationType
+    CUmemAccess_flags = REAL.CUmemAccess_flags
+    CUmemAllocationGranularity_flags = REAL.CUmemAllocationGranularity_flags
+    CUdevice_attribute = REAL.CUdevice_attribute
+    CUmemorytype = REAL.CUmemorytype
+    CUevent_flags = REAL.CUevent_flags
+
+    def __init__(self, free: int, max_pitch: int = 1 << 31) -> None:
+        self.free = free
+        self.total = free
+        self.max_pitch = max_pitch
+        self.log: list[tuple[Any, ...]] = []
+        self.current = threading.local()
+        self.ctx_refs = 0
+        self.reserved: tuple[int, int] | None = None
+        self.memory = torch.zeros(0, dtype=torch.uint8)
+        self.handles: dict[int, int] = {}  # handle -> size
+        self.mapped: dict[int, tuple[int, int]] = {}  # address -> (size, handle)
+        self.access: set[int] = set()
+        self.events: set[int] = set()
+        self.next_id = 1
+        self.fail: dict[str, Any] = {}  # call name -> CUresult to return once
+
+    # helpers
+    def _ret(self, name: str, *values: Any) -> tuple[Any, ...]:
+        self.log.append((name, threading.get_ident()))
+        if name in self.fail:
+            return (self.fail.pop(name), *([None] * len(values)))
+        return (R.CUDA_SUCCESS, *values)
+
+    def _needs_ctx(self, name: str) -> None:
+        if getattr(self.current, "ctx", None) != "primary":
+            raise AssertionError(f"{name} called on a thread without the primary context current")
+
+    def _span(self, ptr: int, n: int) -> slice:
+        """Host slice for [ptr, ptr+n), which must lie in mapped memory with access set."""
+        for start, (size, _) in self.mapped.items():
+            if start <= ptr and ptr + n <= start + size:
+                assert start in self.access, "access to memory without cuMemSetAccess"
+                assert self.reserved is not None
+                off = ptr - self.reserved[0]
+                return slice(off, off + n)
+        raise AssertionError(f"illegal address: [{ptr:#x}, {ptr + n:#x}) is not mapped")
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    # context and device
+    def cuInit(self, flags: int) -> tuple[Any, ...]:
+        return self._ret("cuInit")
+
+    def cuDeviceGet(self, index: int) -> tuple[Any, ...]:
+        return self._ret("cuDeviceGet", index)
+
+    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[Any, ...]:
+        self.ctx_refs += 1
+        return self._ret("cuDevicePrimaryCtxRetain", "primary")
+
+    def cuDevicePrimaryCtxRelease(self, dev: int) -> tuple[Any, ...]:
+        self.ctx_refs -= 1
+        return self._ret("cuDevicePrimaryCtxRelease")
+
+    def cuCtxSetCurrent(self, ctx: Any) -> tuple[Any, ...]:
+        self.current.ctx = ctx
+        return self._ret("cuCtxSetCurrent")
+
+    def cuCtxSynchronize(self) -> tuple[Any, ...]:
+        self._needs_ctx("cuCtxSynchronize")
+        return self._ret("cuCtxSynchronize")
+
+    def cuDeviceGetAttribute(self, attr: Any, dev: int) -> tuple[Any, ...]:
+        assert attr == REAL.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH
+        return self._ret("cuDeviceGetAttribute", self.max_pitch)
+
+    def cuGetErrorString(self, result: Any) -> tuple[Any, ...]:
+        return (R.CUDA_SUCCESS, b"fake error")
+
+    def cuMemGetInfo(self) -> tuple[Any, ...]:
+        self._needs_ctx("cuMemGetInfo")
+        return self._ret("cuMemGetInfo", self.free, self.total)
+
+    def cuMemGetAllocationGranularity(self, prop: Any, flag: Any) -> tuple[Any, ...]:
+        assert prop.type == REAL.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        assert prop.location.type == REAL.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        return self._ret("cuMemGetAllocationGranularity", GRANULARITY)
+
+    # virtual memory
+    def cuMemAddressReserve(self, size: int, align: int, addr: int, flags: int) -> tuple[Any, ...]:
+        self._needs_ctx("cuMemAddressReserve")
+        assert self.reserved is None and size % GRANULARITY == 0 and align == GRANULARITY
+        self.reserved = (BASE, size)
+        self.memory = torch.full((size,), 0xAB, dtype=torch.uint8)  # "new memory is not zero"
+        return self._ret("cuMemAddressReserve", BASE)
+
+    def cuMemAddressFree(self, ptr: int, size: int) -> tuple[Any, ...]:
+        assert self.reserved == (ptr, size), "freeing a range that was not reserved"
+        assert not self.mapped, "freeing a range that still has mappings"
+        self.reserved = None
+        return self._ret("cuMemAddressFree")
+
+    def cuMemCreate(self, size: int, prop: Any, flags: int) -> tuple[Any, ...]:
+        self._needs_ctx("cuMemCreate")
+        assert size % GRANULARITY == 0
+        if size > self.free:
+            self.log.append(("cuMemCreate", threading.get_ident()))
+            return (R.CUDA_ERROR_OUT_OF_MEMORY, None)
+        handle = self._new_id()
+        ret = self._ret("cuMemCreate", handle)
+        if ret[0] == R.CUDA_SUCCESS:
+            self.handles[handle] = size
+            self.free -= size
+        return ret
+
+    def cuMemRelease(self, handle: int) -> tuple[Any, ...]:
+        assert handle in self.handles, "releasing an unknown handle"
+        assert all(h != handle for _, h in self.mapped.values()), "releasing a handle that is still mapped"
+        self.free += self.handles.pop(handle)
+        return self._ret("cuMemRelease")
+
+    def cuMemMap(self, ptr: int, size: int, offset: int, handle: int, flags: int) -> tuple[Any, ...]:
+        self._needs_ctx("cuMemMap")
+        assert self.reserved is not None
+        base, total = self.reserved
+        assert base <= ptr and ptr + size <= base + total and (ptr - base) % GRANULARITY == 0
+        assert all(ptr + size <= s or s + n <= ptr for s, (n, _) in self.mapped.items()), "overlapping map"
+        ret = self._ret("cuMemMap")
+        if ret[0] == R.CUDA_SUCCESS:
+            self.mapped[ptr] = (size, handle)
+        return ret
+
+    def cuMemSetAccess(self, ptr: int, size: int, descs: list[Any], count: int) -> tuple[Any, ...]:
+        assert ptr in self.mapped and self.mapped[ptr][0] == size and count == len(descs) == 1
+        assert descs[0].flags == REAL.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        ret = self._ret("cuMemSetAccess")
+        if ret[0] == R.CUDA_SUCCESS:
+            self.access.add(ptr)
+        return ret
+
+    def cuMemUnmap(self, ptr: int, size: int) -> tuple[Any, ...]:
+        self._needs_ctx("cuMemUnmap")
+        assert ptr in self.mapped and self.mapped[ptr][0] == size, "unmapping what is not mapped"
+        del self.mapped[ptr]
+        self.access.discard(ptr)
+        self.memory[self._host_offset(ptr) : self._host_offset(ptr) + size] = 0xCD  # gone
+        return self._ret("cuMemUnmap", )
+
+    def _host_offset(self, ptr: int) -> int:
+        assert self.reserved is not None
+        return ptr - self.reserved[0]
+
+    # stream work (executed at once: the fake stream is synchronous)
+    def cuMemsetD8Async(self, ptr: int, value: int, n: int, stream: int) -> tuple[Any, ...]:
+        self._needs_ctx("cuMemsetD8Async")
+        self.memory[self._span(ptr, n)] = value
+        return self._ret("cuMemsetD8Async")
+
+    def cuMemcpyDtoDAsync(self, dst: int, src: int, n: int, stream: int) -> tuple[Any, ...]:
+        self._needs_ctx("cuMemcpyDtoDAsync")
+        self.memory[self._span(dst, n)] = self.memory[self._span(src, n)].clone()
+        return self._ret("cuMemcpyDtoDAsync")
+
+    def cuMemcpy2DAsync(self, c: Any, stream: int) -> tuple[Any, ...]:
+        self._needs_ctx("cuMemcpy2DAsync")
+        device = REAL.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        assert c.srcMemoryType == device and c.dstMemoryType == device
+        assert c.WidthInBytes <= c.srcPitch <= self.max_pitch and c.WidthInBytes <= c.dstPitch <= self.max_pitch
+        src, dst = int(c.srcDevice), int(c.dstDevice)
+        for r in range(c.Height):
+            s = self._span(src + c.srcXInBytes + (c.srcY + r) * c.srcPitch, c.WidthInBytes)
+            d = self._span(dst + c.dstXInBytes + (c.dstY + r) * c.dstPitch, c.WidthInBytes)
+            self.memory[d] = self.memory[s].clone()
+        return self._ret("cuMemcpy2DAsync")
+
+    def cuEventCreate(self, flags: Any) -> tuple[Any, ...]:
+        self._needs_ctx("cuEventCreate")
+        event = REAL.CUevent(self._new_id())
+        self.events.add(int(event))
+        return self._ret("cuEventCreate", event)
+
+    def cuEventRecord(self, event: Any, stream: int) -> tuple[Any, ...]:
+        assert int(event) in self.events
+        self.log.append(("record", int(event)))
+        return self._ret("cuEventRecord")
+
+    def cuEventSynchronize(self, event: Any) -> tuple[Any, ...]:
+        assert int(event) in self.events
+        self.log.append(("sync", int(event)))
+        return self._ret("cuEventSynchronize")
+
+    def cuEventDestroy(self, event: Any) -> tuple[Any, ...]:
+        self.events.remove(int(event))
+        return self._ret("cuEventDestroy")
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
+    """Route the backend to a fake driver with 64 MiB free, and to host memory for the slab."""
+    drv = FakeDriver(free=64 << 20)
+    monkeypatch.setattr(vmm, "driver", drv)
+    monkeypatch.setattr(vmm, "_init_torch_cuda", lambda: None)
+    monkeypatch.setattr(vmm, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(vmm, "_capturing", lambda: False)
+    monkeypatch.setattr(vmm, "_wrap", lambda ptr, nbytes, device: drv.memory[: nbytes])
+    return drv
+
+
+def open_fake(spec: StateSpec, capacity: int = 4, reserve: int = 0) -> vmm.VmmBackend:
+    return vmm.VmmBackend(spec, capacity, torch.device("cuda", 0), reserve_bytes=reserve)
+
+
+def calls(drv: FakeDriver) -> list[str]:
+    return [entry[0] for entry in drv.log]
+
+
+def test_fake_construction_maps_and_zeroes_only_the_spare(fake: FakeDriver) -> None:
+    spec = small_spec()
+    b = open_fake(spec, capacity=4)
+    assert b.granularity == GRANULARITY
+    assert b.slot_bytes == spec.slot_bytes(GRANULARITY) and b.slot_bytes % GRANULARITY == 0
+    assert b.num_slots == 5 and b.spare_slot == 4
+    assert b.mapped_bytes() == b.slot_bytes
+    assert fake.free == (64 << 20) - b.slot_bytes
+    spare = fake.memory[4 * b.slot_bytes : 5 * b.slot_bytes]
+    assert int(spare.max()) == 0  # zeroed
+    assert int(fake.memory[: 4 * b.slot_bytes].min()) == 0xAB  # session slots untouched
+    assert b.views()["k"].shape == (5, 2, 3, 40, 8)
+    b.close()
+
+
+def test_fake_capacity_is_capped_by_free_memory_minus_reserve_and_spare(fake: FakeDriver) -> None:
+    spec = small_spec()
+    slot = spec.slot_bytes(GRANULARITY)
+    fake.free = fake.total = 10 * slot + slot // 2 + (1 << 20)
+    b = open_fake(spec, capacity=100, reserve=1 << 20)
+    assert b.num_slots - 1 == 9  # 10 whole slots fit; one is the spare
+    b.close()
+    b = open_fake(spec, capacity=3, reserve=1 << 20)
+    assert b.num_slots - 1 == 3
+    b.close()
+
+
+def test_fake_no_room_for_one_session_raises_and_releases_the_context(fake: FakeDriver) -> None:
+    spec = small_spec()
+    fake.free = fake.total = spec.slot_bytes(GRANULARITY) + 100
+    with pytest.raises(CapacityExhausted, match="no room for one session"):
+        open_fake(spec, capacity=4)
+    assert fake.ctx_refs == 0 and fake.reserved is None and not fake.handles
+
+
+def test_fake_copy_prefix_matches_the_host_backend(fake: FakeDriver) -> None:
+    spec = small_spec()
+    b = open_fake(spec, capacity=4)
+    host = HostBackend(spec, 4)
+    gen = torch.Generator().manual_seed(0)
+    for backend in (b, host):
+        for slot in (0, 1):
+            backend.map(slot)
+    for name, view in b.views().items():
+        data = torch.randn(view[0].shape, generator=gen)
+        for backend in (b, host):
+            backend.views()[name][0].copy_(data)
+            backend.views()[name][1].fill_(-1.0)  # sentinel: what the copy must not touch
+    for used in (17, 0, 40, 1):
+        for backend in (b, host):
+            backend.copy_prefix(1, 0, used)
+        for name in ("k", "v", "h"):
+            assert torch.equal(b.views()[name][1], host.views()[name][1]), (name, used)
+    assert "cuMemcpy2DAsync" in calls(fake)  # 17 of 40 positions: a strided copy
+    b.close()
+
+
+def test_fake_prefix_copy_falls_back_to_rows_past_the_max_pitch(fake: FakeDriver) -> None:
+    spec = small_spec()
+    fake.max_pitch = 64  # smaller than a row of 40 positions x 8 floats
+    b = open_fake(spec)
+    b.map(0)
+    b.map(1)
+    b.views()["k"][0].copy_(torch.arange(2 * 3 * 40 * 8, dtype=torch.float32).view(2, 3, 40, 8))
+    b.copy_prefix(1, 0, 5)
+    assert torch.equal(b.views()["k"][1][:, :, :5], b.views()["k"][0][:, :, :5])
+    assert "cuMemcpy2DAsync" not in calls(fake)
+    b.close()
+
+
+def test_fake_out_of_memory_is_capacity_exhausted_and_leaves_no_trace(fake: FakeDriver) -> None:
+    spec = small_spec()
+    slot = spec.slot_bytes(GRANULARITY)
+    fake.free = fake.total = 3 * slot
+    b = open_fake(spec, capacity=2)  # fits: 2 sessions + spare
+    table = SessionTable(b)
+    first = table.create()
+    fake.free -= slot  # someone else took the memory meanwhile
+    with pytest.raises(CapacityExhausted, match="no memory left"):
+        table.create()
+    assert b.mapped_bytes() == 2 * slot and table.live == 1 and table.free_slots == 1
+    table.free(first)
+    second = table.create()  # the freed memory serves the next create
+    assert table.live == 1 and second in (0, 1)
+    table.close()
+    assert not fake.handles and not fake.mapped and fake.reserved is None
+
+
+@pytest.mark.parametrize("call", ["cuMemCreate", "cuMemMap", "cuMemSetAccess"])
+def test_fake_other_driver_errors_are_typed_and_release_what_was_taken(fake: FakeDriver, call: str) -> None:
+    b = open_fake(small_spec())
+    free = fake.free
+    fake.fail[call] = R.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CudaDriverError) as info:
+        b.map(0)
+    assert info.value.call == call and info.value.result == "CUDA_ERROR_INVALID_VALUE"
+    assert fake.free == free and b.mapped_bytes() == b.slot_bytes and set(fake.mapped) == {BASE + 4 * b.slot_bytes}
+    b.map(0)  # nothing was left half-done
+    b.close()
+
+
+def test_fake_map_errors_for_bad_slots(fake: FakeDriver) -> None:
+    b = open_fake(small_spec())
+    with pytest.raises(SlotError):
+        b.map(99)
+    b.map(0)
+    with pytest.raises(SlotError):
+        b.map(0)
+    with pytest.raises(SlotError):
+        b.unmap(1)
+    with pytest.raises(SlotError, match="spare"):
+        b.unmap(b.spare_slot)
+    b.close()
+
+
+def test_fake_unmap_waits_for_the_slots_last_use_first(fake: FakeDriver) -> None:
+    b = open_fake(small_spec())
+    b.map(0)
+    b.map(1)
+    b.mark_used([0, 1])
+    first = [e for e in fake.log if e[0] == "record"][-1][1]
+    b.mark_used([1])
+    second = [e for e in fake.log if e[0] == "record"][-1][1]
+    fake.log.clear()
+    b.unmap(0)
+    assert fake.log[1] == ("sync", first) and calls(fake).index("sync") < calls(fake).index("cuMemUnmap")
+    fake.log.clear()
+    b.unmap(1)
+    assert ("sync", second) in fake.log
+    b.close()
+
+
+def test_fake_zero_and_copy_count_as_uses(fake: FakeDriver) -> None:
+    b = open_fake(small_spec())
+    b.map(2)
+    b.zero(2)
+    fake.log.clear()
+    b.unmap(2)  # a session closed right after create: the memset may still be queued
+    assert calls(fake).index("sync") < calls(fake).index("cuMemUnmap")
+    b.map(0)
+    b.map(1)
+    b.zero(0)
+    b.copy_prefix(1, 0, 3)
+    last_record = [e for e in fake.log if e[0] == "record"][-1][1]
+    fake.log.clear()
+    b.unmap(0)  # the copy read slot 0: wait for it
+    assert ("sync", last_record) in fake.log
+    b.close()
+
+
+def test_fake_event_pool_stays_small(fake: FakeDriver) -> None:
+    b = open_fake(small_spec(), capacity=4)
+    for s in range(4):
+        b.map(s)
+    for step in range(500):
+        b.mark_used([step % 4, (step + 1) % 4])
+    assert len(fake.events) <= b.num_slots + 1
+    b.close()
+    assert not fake.events
+
+
+def test_fake_refuses_map_and_unmap_during_capture(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    b = open_fake(small_spec())
+    b.map(0)
+    monkeypatch.setattr(vmm, "_capturing", lambda: True)
+    for action in (lambda: b.map(1), lambda: b.unmap(0), lambda: b.zero(0), lambda: b.mark_used([0])):
+        with pytest.raises(StateError, match="capture"):
+            action()
+    monkeypatch.setattr(vmm, "_capturing", lambda: False)
+    b.close()
+
+
+def test_fake_context_is_made_current_on_other_threads(fake: FakeDriver) -> None:
+    b = open_fake(small_spec())
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:  # a fresh thread has no current context: the fake fails any call made before binding
+            b.map(0)
+            b.zero(0)
+            b.unmap(0)
+        except BaseException as e:  # reported below, on the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors
+    b.close()
+
+
+def test_fake_close_releases_everything_in_reverse_order(fake: FakeDriver) -> None:
+    b = open_fake(small_spec())
+    for s in (0, 2):
+        b.map(s)
+    b.mark_used([0, 2])
+    fake.log.clear()
+    b.close()
+    order = [c for c in calls(fake) if c not in ("cuCtxSetCurrent",)]
+    assert order[0] == "cuCtxSynchronize"
+    unmaps = [i for i, c in enumerate(order) if c == "cuMemUnmap"]
+    assert len(unmaps) == 3  # slots 2, 0 and the spare
+    assert order.index("cuMemAddressFree") > max(unmaps)
+    assert order.index("cuEventDestroy") > order.index("cuMemAddressFree")
+    assert order[-1] == "cuDevicePrimaryCtxRelease"
+    assert not fake.handles and not fake.mapped and fake.reserved is None and not fake.events
+    assert fake.ctx_refs == 0 and fake.free == fake.total
+    b.close()  # idempotent
+    with pytest.raises(StateError):
+        b.views()
+
+
+def test_fake_table_cycles_return_every_byte(fake: FakeDriver) -> None:
+    table = SessionTable(open_fake(small_spec(), capacity=4))
+    baseline = fake.free
+    parent = table.create()
+    for i in range(1000):
+        a = table.create()
+        b = table.clone(parent, used=i % 41)
+        table.free(a)
+        table.free(b)
+    table.free(parent)
+    assert fake.free == baseline
+    assert len(fake.handles) == 1  # the spare
+    assert len(fake.events) <= table.capacity + 2
+    table.close()
+    assert fake.free == fake.total
+
+
+# -- the real driver (-m gpu) ----------------------------------------------------------------------
+
+
+UNDER_SANITIZER = os.environ.get("GPU_TESTS_UNDER_SANITIZER") == "1"
+# Mapping new pages can make the driver allocate page-table memory of its own, in small chunks.
+PAGE_TABLE_SLACK = 2 << 20
+
+
+def device_free_bytes() -> int:
+    """Free device memory as the driver reports it (not torch's allocator statistics)."""
+    from cuda.bindings import driver
+
+    torch.cuda.synchronize()
+    err, free, _ = driver.cuMemGetInfo()
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    return int(free)
+
+
+def kv_spec(context: int, layers: int = 4, dtype: torch.dtype = torch.bfloat16) -> StateSpec:
+    shape = (layers, 2, context, 64)
+    return StateSpec((BufferSpec("k", shape, dtype, seq_axis=2), BufferSpec("v", shape, dtype, seq_axis=2)))
+
+
+@pytest.fixture
+def gpu() -> Iterator[torch.device]:
+    """The CUDA device, with one backend opened and closed first so that lazily loaded driver
+    modules (memset and copy kernels) do not count against a test's baseline."""
+    device = torch.device("cuda", 0)
+    warm = vmm.VmmBackend(kv_spec(64), 2, device)
+    warm.map(0)
+    warm.copy_prefix(0, warm.spare_slot, 10)
+    warm.mark_used([0])
+    warm.unmap(0)
+    warm.close()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    yield device
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_slots_follow_the_allocation_granularity(gpu: torch.device) -> None:
+    spec = kv_spec(1000)
+    b = vmm.VmmBackend(spec, 4, gpu)
+    try:
+        assert b.granularity >= 2 << 20 and b.granularity & (b.granularity - 1) == 0
+        assert b.slot_bytes == spec.slot_bytes(b.granularity)
+        k = b.views()["k"]
+        assert k.device == gpu and k.shape == (5, 4, 2, 1000, 64) and k.dtype == torch.bfloat16
+        assert k[1].data_ptr() - k[0].data_ptr() == b.slot_bytes
+        spare = b.views()["k"][b.spare_slot]
+        assert int(torch.count_nonzero(spare)) == 0  # zeroed at construction
+    finally:
+        b.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_zero_copy_prefix_and_unmap_one_slot_leaves_others_intact(gpu: torch.device) -> None:
+    spec = kv_spec(300)
+    b = vmm.VmmBackend(spec, 4, gpu)
+    try:
+        for s in range(4):
+            b.map(s)
+            b.zero(s)
+        k = b.views()["k"]
+        assert int(torch.count_nonzero(k[:4])) == 0
+        patterns = [torch.randn(k[0].shape, device=gpu, dtype=k.dtype) for _ in range(4)]
+        for s in range(4):
+            k[s].copy_(patterns[s])
+        b.mark_used([0, 1, 2, 3])  # torch wrote the slots on the stream: an unmap must wait for that
+        b.copy_prefix(3, 0, 123)
+        b.mark_used([0, 3])
+        expected3 = patterns[3].clone()
+        expected3[:, :, :123] = patterns[0][:, :, :123]
+        assert torch.equal(k[3], expected3)
+        b.unmap(1)
+        assert torch.equal(k[0], patterns[0]) and torch.equal(k[2], patterns[2]) and torch.equal(k[3], expected3)
+        b.map(1)
+        b.zero(1)
+        assert int(torch.count_nonzero(k[1])) == 0 and torch.equal(k[2], patterns[2])
+        torch.cuda.synchronize()
+    finally:
+        b.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_memory_accounting_matches_slot_bytes(gpu: torch.device) -> None:
+    spec = kv_spec(8192, layers=8)  # 16 MiB of K/V per session: several granules per slot
+    baseline = device_free_bytes()
+    b = vmm.VmmBackend(spec, 8, gpu)
+    try:
+        opened = device_free_bytes()
+        assert abs((baseline - opened) - b.slot_bytes) <= PAGE_TABLE_SLACK  # the spare only
+        for s in range(6):
+            b.map(s)
+            b.zero(s)
+        used = opened - device_free_bytes()
+        assert abs(used - 6 * b.slot_bytes) <= 0.01 * 6 * b.slot_bytes
+        assert b.mapped_bytes() == 7 * b.slot_bytes
+        for s in range(6):
+            b.unmap(s)
+        assert abs(device_free_bytes() - opened) <= PAGE_TABLE_SLACK
+    finally:
+        b.close()
+    assert abs(device_free_bytes() - baseline) <= PAGE_TABLE_SLACK
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_map_unmap_cycles_return_to_baseline(gpu: torch.device) -> None:
+    table = SessionTable(vmm.VmmBackend(kv_spec(512), 4, gpu))
+    try:
+        parent = table.create()
+        for i in range(10):  # first uses (events, driver-internal pools) happen before the baseline
+            table.free(table.clone(parent, used=1 + i))
+        mapped = table.backend.mapped_bytes()
+        baseline = device_free_bytes()
+        for i in range(1000):
+            a = table.create()
+            c = table.clone(parent, used=1 + i % 500)
+            table.free(a)
+            table.free(c)
+        assert table.backend.mapped_bytes() == mapped
+        if not UNDER_SANITIZER:  # the sanitizer keeps device memory of its own
+            assert device_free_bytes() == baseline
+    finally:
+        table.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_capacity_is_capped_by_free_memory(gpu: torch.device) -> None:
+    spec = kv_spec(8192, layers=32)  # 64 MiB per session
+    free = device_free_bytes()
+    reserve = free - 5 * spec.slot_bytes(2 << 20) - (1 << 20)
+    b = vmm.VmmBackend(spec, 1000, gpu, reserve_bytes=reserve)
+    try:
+        assert b.num_slots - 1 == 4  # 5 slots fit after the reserve; one is the spare
+    finally:
+        b.close()
+    with pytest.raises(CapacityExhausted):
+        vmm.VmmBackend(spec, 4, gpu, reserve_bytes=free)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_out_of_memory_is_capacity_exhausted(gpu: torch.device) -> None:
+    spec = kv_spec(8192, layers=32)  # 64 MiB per session
+    b = vmm.VmmBackend(spec, 4, gpu)
+    hog: list[torch.Tensor] = []
+    try:
+        b.map(0)
+        chunk = 1 << 32
+        while chunk >= (8 << 20):  # fill the device until less than one slot is left
+            try:
+                hog.append(torch.empty(chunk, dtype=torch.uint8, device=gpu))
+            except torch.cuda.OutOfMemoryError:
+                chunk //= 2
+        assert device_free_bytes() < b.slot_bytes
+        mapped = [0]
+        with pytest.raises(CapacityExhausted):
+            for s in (1, 2, 3):
+                b.map(s)
+                mapped.append(s)
+        assert b.mapped_bytes() == (len(mapped) + 1) * b.slot_bytes  # the refused map left nothing
+        hog.clear()
+        torch.cuda.empty_cache()
+        for s in (1, 2, 3):  # memory is back: every slot maps
+            if s not in mapped:
+                b.map(s)
+        assert b.mapped_bytes() == 5 * b.slot_bytes
+    finally:
+        hog.clear()
+        torch.cuda.empty_cache()
+        b.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_unmap_while_inflight_waits_for_the_stream(gpu: torch.device) -> None:
+    b = vmm.VmmBackend(kv_spec(4096), 2, gpu)
+    try:
+        b.map(0)
+        b.zero(0)
+        k = b.views()["k"]
+        sink = torch.empty((), device=gpu, dtype=torch.float32)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the read
+        sink.copy_(k[0].float().sum())  # reads slot 0 after the sleep
+        b.mark_used([0])
+        start = time.perf_counter()
+        b.unmap(0)  # must wait for the read
+        waited = time.perf_counter() - start
+        assert torch.cuda.current_stream(gpu).query()  # nothing queued is left
+        assert float(sink) == 0.0
+        if not UNDER_SANITIZER:  # the sanitizer runs every launch to completion: nothing is left to wait for
+            assert waited > 0.01
+    finally:
+        b.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_backend_works_from_another_thread(gpu: torch.device) -> None:
+    b = vmm.VmmBackend(kv_spec(256), 2, gpu)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            b.map(0)
+            b.zero(0)
+            b.mark_used([0])
+            b.unmap(0)
+        except BaseException as e:  # reported on the test's thread
+            errors.append(e)
+
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        assert not errors, errors
+        assert b.mapped_bytes() == b.slot_bytes
+    finally:
+        b.close()

@@ -1,0 +1,751 @@
+"""The engine on the GPU: Triton decode attention, CUDA-graph decode, isolation and memory.
+
+GPU tests (-m gpu) use the SmolLM2-135M architecture with seeded random weights in bf16 and compare
+with the same weights on the CPU in fp32. bf16 moves logits by about 1e-2 of their spread, and with
+random weights the top two logits are often closer than that, so greedy tokens are only comparable
+where the CPU's top-1 margin is safely larger than bf16 noise. The references are therefore
+prompts whose every generated token has a CPU margin of at least SAFE_MARGIN (about six standard
+deviations of the bf16-vs-fp32 logit difference measured on the CPU); for those, every GPU
+configuration (solo, batched, interleaved, graph, eager, forked) must produce the CPU's tokens.
+
+CPU tests here need no CUDA: bucket choice, workspace sizing, and the Triton kernel's math run by
+Triton's interpreter (fp32/fp16: the interpreter's bf16 dot is not exact).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from cuda_state import CapacityExhausted
+from worker.config import PRESETS
+from worker.gpu import BUCKETS, buckets_for, pick_bucket, workspace_bytes
+from worker.model import Llama
+
+MODEL = "random:smollm2-135m"
+CONTEXT = 1024
+TOKENS = 8  # greedy tokens per reference
+SAFE_MARGIN = 0.06
+CANDIDATES = 48  # random prompts tried, 8 at a time, until 8 have safe margins
+UNDER_SANITIZER = os.environ.get("GPU_TESTS_UNDER_SANITIZER") == "1"
+PAGE_TABLE_SLACK = 2 << 20
+REPO = Path(__file__).resolve().parents[2]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Warnings are errors in this project; a deprecation inside Triton's own code is not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
+
+
+# -- CPU: no CUDA needed ---------------------------------------------------------------------------
+
+
+def test_buckets_stop_at_the_table_capacity() -> None:
+    assert buckets_for(1) == [1]
+    assert buckets_for(8) == [8]
+    assert buckets_for(64) == [64]
+    assert buckets_for(100) == [64, 100]
+    assert buckets_for(256) == list(BUCKETS) == [64, 128, 256]
+    assert buckets_for(1000) == list(BUCKETS)
+
+
+def test_pick_bucket_takes_the_smallest_that_holds_the_rows() -> None:
+    assert [pick_bucket([64, 100], n) for n in (1, 63, 64, 65, 100)] == [64, 64, 64, 100, 100]
+    assert [pick_bucket([8], n) for n in (1, 5, 8)] == [8, 8, 8]
+
+
+def test_split_step_separates_decode_rows_from_prefill_chunks() -> None:
+    from worker.gpu import split_step
+    from worker.model import Run
+
+    # slot 3: one decode token; slot 5: a 3-token chunk; slot 1: one decode token
+    decode, prefill = split_step([11, 12, 13, 14, 15], [7, 0, 1, 2, 9], [3, 5, 5, 5, 1])
+    assert decode == [0, 4]
+    assert prefill == [Run(slot=5, start=1, n=3, pos=0)]
+
+
+def tiny_llama(max_context: int) -> Llama:
+    from worker.loader import load_model
+
+    loaded = load_model("random:tiny")
+    return Llama(loaded.config, loaded.weights, torch.device("cpu"), torch.float32, max_context)
+
+
+def test_workspace_covers_prefill_attention_and_graph_outputs() -> None:
+    from worker.engine import GPU_STEP_TOKENS
+
+    small, large = tiny_llama(256), tiny_llama(4096)
+    c = PRESETS["tiny"]
+    assert workspace_bytes(large) > workspace_bytes(small) > 0
+    chunk = min(GPU_STEP_TOKENS, 4096)
+    assert workspace_bytes(large) >= 3 * c.n_heads * chunk * 4096 * 4  # masked SDPA of a whole chunk
+    assert workspace_bytes(small) >= sum(BUCKETS) * c.vocab_size * 4  # every bucket's logits
+
+
+def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           lengths: torch.Tensor) -> torch.Tensor:
+    """What the Triton kernel computes, in plain torch (a stand-in on the CPU)."""
+    group = q.shape[1] // k_cache.shape[1]
+    k = k_cache[slots].repeat_interleave(group, 1)  # (B, H, ctx, hd)
+    v = v_cache[slots].repeat_interleave(group, 1)
+    scores = torch.einsum("bhd,bhnd->bhn", q, k) / q.shape[-1] ** 0.5
+    keep = torch.arange(k.shape[2])[None, :] < lengths[:, None].long()
+    weights = scores.masked_fill(~keep[:, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("bhn,bhnd->bhd", weights, v)
+
+
+def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GraphExecutor's host side (static inputs, padding rows, bucket choice, picking logits, marking
+    slots used) against the eager executor, with a "graph" that re-runs the captured step."""
+    from cuda_state import HostBackend, SessionTable
+    from worker.executor import EagerExecutor
+    from worker.gpu import GraphExecutor
+
+    class Stub:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    def capture(self: GraphExecutor, b: int) -> tuple[object, torch.Tensor]:
+        logits = self._step(b)
+
+        class Replay:
+            def replay(self_) -> None:
+                with torch.inference_mode():  # the step's output is an inference tensor
+                    logits.copy_(self._step(b))
+
+        return Replay(), logits
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(torch.cuda, "Event", Stub)
+    monkeypatch.setattr(torch.cuda, "Stream", Stub)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(GraphExecutor, "_capture", capture)
+
+    from worker.loader import load_model
+
+    loaded = load_model("random:tiny")
+    model = Llama(loaded.config, loaded.weights, torch.device("cpu"), torch.float32, 64)
+    monkeypatch.setattr(model, "decode_attention", torch_decode_attention)
+    graph_table = SessionTable(HostBackend(model.state_spec(), 6))
+    eager_table = SessionTable(HostBackend(model.state_spec(), 6))
+    marked: list[list[int]] = []
+    monkeypatch.setattr(graph_table, "mark_used", lambda slots: marked.append(list(slots)))
+    graphs = GraphExecutor(model, graph_table)
+    eager = EagerExecutor(model, eager_table)
+    assert graphs.buckets == [6]
+
+    gen = torch.Generator().manual_seed(3)
+    slots = [graph_table.create() for _ in range(6)]
+    assert slots == [eager_table.create() for _ in range(6)]
+    lengths = [5, 9, 3, 7, 4, 6]
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+    tokens = [t for p in prompts for t in p]
+    positions = [i for p in prompts for i in range(len(p))]
+    rows = [s for s, p in zip(slots, prompts, strict=True) for _ in p]
+    last = (torch.tensor(lengths).cumsum(0) - 1).tolist()
+    for executor in (graphs, eager):  # a prefill batch: eager in both
+        executor.execute(tokens, positions, rows, last)
+    assert graphs.replays == 0
+    pos = list(lengths)
+    history: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for chosen in ([3, 0, 5], [1], [0, 1, 2, 3, 4, 5], [5, 4], [2, 0, 1], [2, 0, 1, 4]):
+        step_tokens = torch.randint(0, 512, (len(chosen),), generator=gen).tolist()
+        args = (step_tokens, [pos[i] for i in chosen], [slots[i] for i in chosen])
+        want = list(range(len(chosen)))
+        got, expected = graphs.execute(*args, want), eager.execute(*args, want)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        history.append((got, expected))
+        assert marked[-1] == sorted(slots[i] for i in chosen)
+        assert (graphs._host_np[:, len(chosen) :] == graphs._padding).all()  # no stale rows: padding only
+        picked = graphs.execute(*args, [len(chosen) - 1])  # the same step again: only the last row
+        torch.testing.assert_close(picked, expected[-1:], atol=1e-4, rtol=1e-4)
+        for i in chosen:
+            pos[i] += 1
+    assert graphs.replays == 12
+    for got, expected in history:  # returned logits are copies: later replays did not overwrite them
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    spare = graph_table.views()["k"][graph_table.spare_slot]
+    assert torch.count_nonzero(spare[:, :, 1:]) == 0  # padding rows wrote position 0 of the spare only
+
+
+INTERPRETED_KERNEL_CHECK = textwrap.dedent(
+    """
+    import math, os, torch
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    from worker.triton_attention import decode_attention
+
+    def reference(q, k, v, slots, lengths):
+        rows, heads, hd = q.shape
+        group = heads // k.shape[1]
+        out = torch.empty(rows, heads, hd, dtype=torch.float64)
+        for r in range(rows):
+            n, s = int(lengths[r]), int(slots[r])
+            for h in range(heads):
+                kk, vv = k[s, h // group, :n].double(), v[s, h // group, :n].double()
+                out[r, h] = torch.softmax(kk @ q[r, h].double() / math.sqrt(hd), 0) @ vv
+        return out
+
+    torch.manual_seed(0)
+    worst = {}
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
+        for rows, heads, kv, hd, ctx, splits in [(3, 9, 3, 64, 300, 1), (3, 9, 3, 64, 300, 4), (2, 4, 4, 32, 130, 3),
+                                                 (4, 8, 2, 80, 200, 2), (5, 9, 3, 64, 500, 5), (1, 2, 1, 16, 64, 1)]:
+            slots_n = rows + 2
+            slab = torch.randn(slots_n, 2, 2, kv, ctx, hd).to(dtype)  # (slot, layer, k|v, KV, ctx, hd)
+            k, v = slab[:, 1, 0], slab[:, 1, 1]  # strided views, as the model passes them
+            slots = torch.randperm(slots_n)[:rows]
+            lengths = torch.randint(1, ctx + 1, (rows,), dtype=torch.int32)
+            lengths[0], lengths[-1] = ctx, 1
+            for r in range(rows):  # poison what must not be read
+                k[slots[r], :, int(lengths[r]):] = float("nan")
+                v[slots[r], :, int(lengths[r]):] = float("nan")
+            q = torch.randn(rows, heads, hd).to(dtype)
+            out = torch.full((rows, heads, hd), float("nan"), dtype=dtype)
+            got = decode_attention(q, k, v, slots, lengths, out=out, splits=splits)
+            assert got is out
+            err = (out.double() - reference(q, k, v, slots, lengths)).abs().max().item()
+            assert err < tol, (dtype, rows, heads, kv, hd, ctx, splits, err)
+    print("ok")
+    """
+)
+
+
+def test_triton_kernel_math_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", INTERPRETED_KERNEL_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+# -- GPU: references -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reference:
+    prompt: list[int]
+    tokens: list[int]  # CPU fp32 greedy continuation
+    margins: list[float]  # CPU top-1 minus top-2 logit at each generated token
+
+
+def cpu_greedy(engine: object, prompts: list[list[int]], n: int) -> list[Reference]:
+    """Greedy continuations of all prompts at once through the CPU engine's executor, with margins."""
+    from worker.engine import Engine
+
+    assert isinstance(engine, Engine)
+    table, executor = engine.table, engine.executor
+    slots = [table.create() for _ in prompts]
+    try:
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        last: list[int] = []
+        for slot, prompt in zip(slots, prompts, strict=True):
+            tokens += prompt
+            positions += range(len(prompt))
+            rows += [slot] * len(prompt)
+            last.append(len(tokens) - 1)
+        logits = executor.execute(tokens, positions, rows, last)
+        out: list[list[int]] = [[] for _ in prompts]
+        margins: list[list[float]] = [[] for _ in prompts]
+        for step in range(n):
+            top = logits.topk(2, dim=-1)
+            for i in range(len(prompts)):
+                out[i].append(int(top.indices[i, 0]))
+                margins[i].append(float(top.values[i, 0] - top.values[i, 1]))
+            if step < n - 1:
+                steps = [len(p) + step for p in prompts]
+                logits = executor.execute([o[-1] for o in out], steps, slots, list(range(len(prompts))))
+    finally:
+        for slot in slots:
+            table.free(slot)
+    return [Reference(p, o, m) for p, o, m in zip(prompts, out, margins, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def cpu_engine() -> Iterator[object]:
+    from worker.engine import Engine
+
+    engine = Engine.load(model=MODEL, device="cpu", max_sessions=8, max_context=CONTEXT)
+    yield engine
+    engine.table.close()
+
+
+@pytest.fixture(scope="module")
+def references(cpu_engine: object) -> list[Reference]:
+    """8 prompts whose CPU greedy continuations have safe margins at every token."""
+    rng = random.Random(1234)
+    safe: list[Reference] = []
+    for _ in range(0, CANDIDATES, 8):
+        prompts = [[rng.randrange(300, 49000) for _ in range(rng.randrange(6, 24))] for _ in range(8)]
+        safe += [r for r in cpu_greedy(cpu_engine, prompts, TOKENS) if min(r.margins) >= SAFE_MARGIN]
+        if len(safe) >= 8:
+            return safe[:8]
+    pytest.fail(f"only {len(safe)} of {CANDIDATES} random prompts have CPU margins >= {SAFE_MARGIN}")
+
+
+@dataclass
+class Loaded:
+    engine: object
+    free_before: int  # device bytes free before Engine.load (context and cuBLAS already up)
+    free_after: int  # ... after it, caching allocator emptied
+
+
+def device_free_bytes() -> int:
+    """Free device memory as the driver reports it (not torch's allocator statistics)."""
+    from cuda.bindings import driver
+
+    torch.cuda.synchronize()
+    err, free, _ = driver.cuMemGetInfo()
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    return int(free)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Iterator[Loaded]:
+    from worker.engine import Engine
+
+    warm = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    (warm @ warm).sum().item()  # the context and the cuBLAS handle exist before the baseline
+    del warm
+    torch.cuda.empty_cache()
+    before = device_free_bytes()
+    engine = Engine.load(model=MODEL, device="cuda", max_sessions=8, max_context=CONTEXT)
+    torch.cuda.empty_cache()
+    yield Loaded(engine, before, device_free_bytes())
+    engine.table.close()
+
+
+@pytest.fixture
+def gpu_engine(loaded: Loaded) -> Iterator[object]:
+    """The module's GPU engine, with no sessions before and after each test."""
+    from worker.engine import Engine
+
+    engine = loaded.engine
+    assert isinstance(engine, Engine)
+    for sid in engine.sessions():
+        engine.close(sid)
+    yield engine
+    for sid in engine.sessions():
+        engine.close(sid)
+
+
+def open_with(engine: object, prompt: list[int]) -> str:
+    from worker.engine import Engine
+
+    assert isinstance(engine, Engine)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=prompt)
+    return sid
+
+
+def greedy(n: int) -> dict[str, object]:
+    return {"max_tokens": n, "ignore_eos": True}
+
+
+# -- GPU: the kernel -------------------------------------------------------------------------------
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                        lengths: torch.Tensor) -> torch.Tensor:
+    rows, heads, hd = q.shape
+    group = heads // k.shape[1]
+    out = torch.empty(rows, heads, hd, dtype=torch.float64, device=q.device)
+    for r in range(rows):
+        n, s = int(lengths[r]), int(slots[r])
+        kk = k[s, :, :n].double().repeat_interleave(group, 0)  # (H, n, hd)
+        vv = v[s, :, :n].double().repeat_interleave(group, 0)
+        w = torch.softmax(torch.einsum("hd,hnd->hn", q[r].double(), kk) / hd**0.5, -1)
+        out[r] = torch.einsum("hn,hnd->hd", w, vv)
+    return out
+
+
+def random_decode_case(rows: int, heads: int, kv: int, hd: int, ctx: int, dtype: torch.dtype,
+                       gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    dev = torch.device("cuda")
+    slab = torch.randn(rows + 3, 3, kv, ctx, hd, generator=gen).to(dev, dtype)  # (slot, layer, KV, ctx, hd)
+    k, v = slab[:, 1], slab[:, 2]  # strided views, as the model passes them
+    slots = torch.randperm(rows + 3, generator=gen)[:rows].to(dev)
+    lengths = torch.randint(1, ctx + 1, (rows,), generator=gen, dtype=torch.int32)
+    lengths[0] = ctx
+    lengths[-1] = 1
+    for r in range(rows):  # poison everything past each row's length
+        k[int(slots[r]), :, int(lengths[r]):] = float("nan")
+        v[int(slots[r]), :, int(lengths[r]):] = float("nan")
+    q = torch.randn(rows, heads, hd, generator=gen).to(dev, dtype)
+    return q, k, v, slots, lengths.to(dev)
+
+
+KERNEL_CASES = [  # (dtype, (rows, heads, kv_heads, head_dim, max_context), splits); None = chosen from shapes
+    (torch.bfloat16, (1, 9, 3, 64, 2048), None),  # batch 1, long context: split-K
+    (torch.bfloat16, (1, 9, 3, 64, 2048), 1),
+    (torch.bfloat16, (7, 9, 3, 64, 700), 3),
+    (torch.bfloat16, (64, 8, 2, 128, 300), None),  # enough rows to fill the GPU: one pass
+    (torch.bfloat16, (5, 4, 4, 80, 129), 2),  # no GQA, head_dim not a power of two
+    (torch.float16, (7, 9, 3, 64, 700), None),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("dtype", "shape", "splits"), KERNEL_CASES)
+def test_triton_decode_matches_a_float64_reference(
+    dtype: torch.dtype, shape: tuple[int, int, int, int, int], splits: int | None
+) -> None:
+    from worker.triton_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(sum(shape) * 31 + (splits or 0))
+    q, k, v, slots, lengths = random_decode_case(*shape, dtype=dtype, gen=gen)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    got = decode_attention(q, k, v, slots, lengths, out=out, splits=splits)
+    assert got is out
+    expected = attention_reference(q, k, v, slots, lengths)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_triton_decode_replays_in_a_cuda_graph_with_new_slots_and_lengths() -> None:
+    from worker.triton_attention import decode_attention
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, slots, lengths = random_decode_case(4, 9, 3, 64, 1024, dtype=torch.bfloat16, gen=gen)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_attention(q, k, v, slots, lengths, out=out)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        decode_attention(q, k, v, slots, lengths, out=out)
+    first_slots, first_lengths = slots.clone(), lengths.clone()  # K/V are valid up to these lengths
+    for _ in range(3):
+        perm = torch.randperm(4, generator=gen).to(slots.device)
+        shrink = (0.2 + 0.8 * torch.rand(4, generator=gen)).to(lengths.device)
+        q.copy_(torch.randn(q.shape, generator=gen).to(q))
+        slots.copy_(first_slots[perm])
+        lengths.copy_((first_lengths[perm] * shrink).to(lengths.dtype).clamp(min=1))
+        graph.replay()
+        assert torch.equal(out, decode_attention(q, k, v, slots, lengths))  # same kernel, same grid: bitwise
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_triton_decode_reads_a_vmm_slab_whose_first_slots_are_unmapped() -> None:
+    """Triton validates pointer arguments with the driver; slot 0 of a fresh slab is not mapped."""
+    from cuda_state import BufferSpec, StateSpec
+    from cuda_state.vmm import VmmBackend
+    from worker.triton_attention import decode_attention
+
+    shape = (2, 3, 512, 64)  # (layers, KV, ctx, hd)
+    spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
+    backend = VmmBackend(spec, 4, torch.device("cuda", 0))
+    try:
+        backend.map(2)
+        backend.zero(2)
+        k_all, v_all = backend.views()["k"], backend.views()["v"]
+        k_all[2].normal_()
+        v_all[2].normal_()
+        k, v = k_all[:, 1], v_all[:, 1]  # layer 1, as the model passes it
+        spare = backend.num_slots - 1
+        q = torch.randn(3, 9, 64, device="cuda", dtype=torch.bfloat16)
+        slots = torch.tensor([2, spare, 2], device="cuda")
+        lengths = torch.tensor([300, 1, 512], device="cuda", dtype=torch.int32)
+        for splits in (None, 1, 4):
+            out = decode_attention(q, k, v, slots, lengths, splits=splits)
+            expected = attention_reference(q, k, v, slots, lengths)
+            torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+        backend.mark_used([2])
+    finally:
+        backend.close()
+
+
+# -- GPU: the engine -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_runs_bf16_on_the_vmm_slab_with_graphs(gpu_engine: object) -> None:
+    from cuda_state.vmm import VmmBackend
+    from worker.engine import Engine
+    from worker.gpu import GraphExecutor
+
+    assert isinstance(gpu_engine, Engine)
+    assert gpu_engine.model.dtype == torch.bfloat16 and gpu_engine.model.decode_attention is not None
+    assert isinstance(gpu_engine.table.backend, VmmBackend)
+    assert isinstance(gpu_engine.executor, GraphExecutor)
+    assert gpu_engine.executor.buckets == [8] and gpu_engine.capacity == 8
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_greedy_tokens_match_the_cpu(gpu_engine: object, references: list[Reference]) -> None:
+    from worker.engine import Engine
+
+    assert isinstance(gpu_engine, Engine)
+    for ref in references:
+        sid = open_with(gpu_engine, ref.prompt)
+        assert gpu_engine.generate(sid, **greedy(TOKENS)).token_ids == ref.tokens
+        gpu_engine.close(sid)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.double() - expected.double()).norm() / expected.double().norm())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_logits_match_the_cpu_within_bf16_tolerance(
+    gpu_engine: object, cpu_engine: object, references: list[Reference]
+) -> None:
+    """Teacher-forced: both see the same tokens; the prefill (eager) and every decode step (graph)."""
+    from worker.engine import Engine
+
+    assert isinstance(gpu_engine, Engine) and isinstance(cpu_engine, Engine)
+    for ref in references[:3]:
+        seq = ref.prompt + ref.tokens
+        n = len(ref.prompt)
+        cpu_slot = cpu_engine.table.create()
+        cpu = cpu_engine.executor.execute(seq, list(range(len(seq))), [cpu_slot] * len(seq), list(range(n - 1, len(seq))))
+        cpu_engine.table.free(cpu_slot)
+        slot = gpu_engine.table.create()
+        try:
+            rows = [gpu_engine.executor.execute(ref.prompt, list(range(n)), [slot] * n, [n - 1])]
+            for i, token in enumerate(ref.tokens):
+                rows.append(gpu_engine.executor.execute([token], [n + i], [slot], [0]))
+            gpu = torch.cat(rows).cpu()
+        finally:
+            gpu_engine.table.free(slot)
+        for step in range(len(seq) - n + 1):
+            err = relative_error(gpu[step], cpu[step])
+            assert err < 4e-2, f"step {step}: relative error {err:.4f}"
+        assert gpu[:-1].argmax(-1).tolist() == ref.tokens
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_no_bleed_solo_interleaved_and_batched_agree(gpu_engine: object, references: list[Reference]) -> None:
+    from worker.engine import Engine
+    from worker.gpu import GraphExecutor
+
+    assert isinstance(gpu_engine, Engine) and isinstance(gpu_engine.executor, GraphExecutor)
+    lengths = [8, 5, 7, 6, 8, 4, 8, 3]  # sessions leave the batch at different steps: buckets shrink and pad
+    expected = [ref.tokens[:n] for ref, n in zip(references, lengths, strict=True)]
+    replays = gpu_engine.executor.replays
+
+    solo = []
+    for ref, n in zip(references, lengths, strict=True):
+        sid = open_with(gpu_engine, ref.prompt)
+        solo.append(gpu_engine.generate(sid, **greedy(n)).token_ids)
+        gpu_engine.close(sid)
+    assert solo == expected
+
+    sids = [open_with(gpu_engine, ref.prompt) for ref in references]
+    batched = gpu_engine.generate_many([(sid, greedy(n)) for sid, n in zip(sids, lengths, strict=True)])
+    assert [g.token_ids for g in batched] == expected
+    for sid in sids:
+        gpu_engine.close(sid)
+
+    # Interleaved: half start, run a few steps, the rest join mid-way (mixed prefill + decode steps).
+    sids = [open_with(gpu_engine, ref.prompt) for ref in references]
+    streams = {i: gpu_engine.stream(sids[i], **greedy(lengths[i])) for i in (0, 2, 4, 6)}
+    got: dict[int, list[int]] = {i: [] for i in range(8)}
+    for _ in range(2):
+        for i in (0, 2, 4, 6):
+            got[i] += next(streams[i]).token_ids
+    for i in (1, 3, 5, 7):
+        streams[i] = gpu_engine.stream(sids[i], **greedy(lengths[i]))
+    while streams:
+        for i in list(streams):
+            try:
+                got[i] += next(streams[i]).token_ids
+            except StopIteration:
+                del streams[i]
+    assert [got[i] for i in range(8)] == expected
+    assert gpu_engine.executor.replays > replays  # decode steps did run from graphs
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_batch_invariant_tokens_for_any_prompt(gpu_engine: object) -> None:
+    """No margin selection: arbitrary prompts give bitwise the same greedy and seeded tokens alone,
+    batched and interleaved with other sessions' prefill chunks (decode rows always run in the
+    same 8-row bucket, each prefill chunk as its own forward)."""
+    from worker.engine import Engine
+
+    assert isinstance(gpu_engine, Engine)
+    rng = random.Random(99)
+    prompts = [[rng.randrange(300, 49000) for _ in range(n)] for n in (5, 17, 33, 9, 600, 2, 41, 12)]
+    params = [greedy(12) if i % 2 else {**greedy(12), "temperature": 0.9, "top_p": 0.9, "seed": i} for i in range(8)]
+    solo = []
+    for p, kw in zip(prompts, params, strict=True):
+        sid = open_with(gpu_engine, p)
+        solo.append(gpu_engine.generate(sid, **kw).token_ids)
+        gpu_engine.close(sid)
+    sids = [open_with(gpu_engine, p) for p in prompts]
+    batched = gpu_engine.generate_many(list(zip(sids, params, strict=True)))
+    assert [g.token_ids for g in batched] == solo
+    for sid in sids:
+        gpu_engine.close(sid)
+    # Interleaved: the long prompt (600 tokens: chunks 512 + 88) prefills while others decode.
+    sids = [open_with(gpu_engine, p) for p in prompts]
+    streams = {i: gpu_engine.stream(sids[i], **params[i]) for i in (0, 1, 2, 3)}
+    got: dict[int, list[int]] = {i: [] for i in range(8)}
+    for i in (0, 1, 2, 3):
+        got[i] += next(streams[i]).token_ids
+    for i in (4, 5, 6, 7):
+        streams[i] = gpu_engine.stream(sids[i], **params[i])
+    while streams:
+        for i in list(streams):
+            try:
+                got[i] += next(streams[i]).token_ids
+            except StopIteration:
+                del streams[i]
+    assert [got[i] for i in range(8)] == solo
+    for sid in sids:
+        gpu_engine.close(sid)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_no_bleed_fork_continues_exactly_like_its_parent(gpu_engine: object, references: list[Reference]) -> None:
+    from worker.engine import Engine
+
+    assert isinstance(gpu_engine, Engine)
+    ref = references[0]
+    parent = open_with(gpu_engine, ref.prompt)
+    assert gpu_engine.generate(parent, **greedy(4)).token_ids == ref.tokens[:4]
+    child = gpu_engine.fork(parent)
+    both = gpu_engine.generate_many([(parent, greedy(4)), (child, greedy(4))])
+    assert both[0].token_ids == both[1].token_ids == ref.tokens[4:8]
+    # A second fork, taken at the same point as the first, continues alone like the pair did.
+    grandchild = gpu_engine.fork(child)
+    assert gpu_engine.session_tokens(grandchild) == gpu_engine.session_tokens(parent)
+    other = gpu_engine.fork(grandchild)
+    assert gpu_engine.generate(other, **greedy(1)).token_ids == gpu_engine.generate(grandchild, **greedy(1)).token_ids
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_replay_matches_eager(gpu_engine: object, references: list[Reference]) -> None:
+    from worker.engine import Engine
+    from worker.executor import EagerExecutor
+
+    assert isinstance(gpu_engine, Engine)
+    graphs = gpu_engine.executor
+    eager = EagerExecutor(gpu_engine.model, gpu_engine.table)
+    outputs = {}
+    try:
+        for name, executor in (("graph", graphs), ("eager", eager)):
+            gpu_engine.executor = executor
+            sids = [open_with(gpu_engine, ref.prompt) for ref in references]
+            outputs[name] = [g.token_ids for g in gpu_engine.generate_many([(s, greedy(TOKENS)) for s in sids])]
+            for sid in sids:
+                gpu_engine.close(sid)
+    finally:
+        gpu_engine.executor = graphs
+    assert outputs["graph"] == outputs["eager"] == [ref.tokens for ref in references]
+
+    # The same decode step (8 rows, one full bucket) through both: logits agree to bf16 rounding.
+    sids = [open_with(gpu_engine, ref.prompt) for ref in references]
+    gpu_engine.generate_many([(s, greedy(1)) for s in sids])  # prompts in; one pending token each
+    sessions = [gpu_engine._sessions[s] for s in sids]
+    step = ([s.tokens[s.computed] for s in sessions], [s.computed for s in sessions], [s.slot for s in sessions])
+    from_graph = graphs.execute(*step, list(range(8)))
+    from_eager = eager.execute(*step, list(range(8)))
+    assert relative_error(from_graph, from_eager) < 1e-2
+    assert from_graph.argmax(-1).tolist() == from_eager.argmax(-1).tolist()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_weights_once_and_memory_per_session(loaded: Loaded, gpu_engine: object) -> None:
+    from worker.engine import Engine
+
+    assert isinstance(gpu_engine, Engine)
+    model, table = gpu_engine.model, gpu_engine.table
+    load_cost = loaded.free_before - loaded.free_after
+    fixed = model.weight_bytes() + table.slot_bytes  # weights once, plus the spare slot
+    assert fixed <= load_cost <= fixed + workspace_bytes(model), (load_cost, fixed)
+
+    base = device_free_bytes()
+    sids = [gpu_engine.create_session() for _ in range(table.capacity)]
+    used = base - device_free_bytes()
+    expected = table.capacity * table.slot_bytes
+    assert abs(used - expected) <= 0.01 * expected, (used, expected)
+    assert table.slot_bytes == table.spec.slot_bytes(table.backend.granularity)
+    with pytest.raises(CapacityExhausted):
+        gpu_engine.create_session()
+    for sid in sids:
+        gpu_engine.close(sid)
+    assert abs(device_free_bytes() - base) <= PAGE_TABLE_SLACK
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_create_fork_close_cycles_return_to_baseline(gpu_engine: object, references: list[Reference]) -> None:
+    from worker.engine import Engine
+
+    assert isinstance(gpu_engine, Engine)
+    parent = open_with(gpu_engine, references[0].prompt)
+    gpu_engine.generate(parent, **greedy(1))  # the prompt's K/V are in the slot: forks copy them
+
+    def cycle() -> None:
+        a = gpu_engine.create_session()
+        b = gpu_engine.fork(parent)
+        gpu_engine.close(a)
+        gpu_engine.close(b)
+
+    for _ in range(10):  # first uses (events, driver-internal pools) happen before the baseline
+        cycle()
+    mapped = gpu_engine.table.backend.mapped_bytes()
+    baseline = device_free_bytes()
+    for _ in range(1000):
+        cycle()
+    assert gpu_engine.table.backend.mapped_bytes() == mapped
+    if not UNDER_SANITIZER:  # the sanitizer keeps device memory of its own
+        assert device_free_bytes() == baseline
+    child = gpu_engine.fork(parent)
+    assert gpu_engine.generate(child, **greedy(TOKENS - 1)).token_ids == references[0].tokens[1:]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_closing_a_session_inflight_waits_for_the_step(gpu_engine: object, references: list[Reference]) -> None:
+    from worker.engine import Engine
+
+    assert isinstance(gpu_engine, Engine)
+    a, b = (open_with(gpu_engine, ref.prompt) for ref in references[:2])
+    gpu_engine.generate_many([(a, greedy(1)), (b, greedy(1))])
+    sa, sb = gpu_engine._sessions[a], gpu_engine._sessions[b]
+    step = ([sa.tokens[sa.computed], sb.tokens[sb.computed]], [sa.computed, sb.computed], [sa.slot, sb.slot], [0, 1])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time ahead of the step
+    logits = gpu_engine.executor.execute(*step)  # queued: reads and writes slot a after the sleep
+    start = time.perf_counter()
+    gpu_engine.close(a)  # must not give slot a's memory back under the running step
+    waited = time.perf_counter() - start
+    if not UNDER_SANITIZER:  # the sanitizer runs every launch to completion: nothing is left to wait for
+        assert waited > 0.02, f"close returned after {waited:.4f} s, before the queued step could have run"
+    assert logits[1].argmax().item() == references[1].tokens[1]
+    assert gpu_engine.generate(b, **greedy(TOKENS - 1)).token_ids == references[1].tokens[1:]
+    torch.cuda.synchronize()

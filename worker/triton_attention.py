@@ -1,0 +1,282 @@
+"""Decode attention in Triton: one query token per row, K/V read in place from the session slab.
+
+Row r of the batch belongs to the session in slot `slots[r]` and attends to positions
+0..lengths[r]-1 of that slot. Each program serves one (row, kv_head) pair and the H/KV query heads
+that share it (GQA), so a K/V block is loaded once for the whole group. Softmax is online, in fp32,
+in the log2 domain (exp2 with log2(e) folded into the scale).
+
+For few rows the (row, kv_head) grid cannot fill the GPU, so the keys of each row are split across
+programs (flash-decoding): each split writes an unnormalised partial (acc, max, sum) and a second
+kernel merges them. The split count depends only on shapes, never on `lengths`, so nothing here
+reads device values on the host: both paths are safe to capture in a CUDA graph once compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # keys per inner-loop block
+MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16: the query-head group is padded up to this
+MIN_SPLIT_KEYS = 256  # a split covers at least this many positions of max_context
+MAX_SPLITS = 32
+NUM_WARPS = 4
+
+
+@triton.jit
+def _attend(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    q,  # (GROUP_PAD, BLOCK_D) the group's query heads, zero rows past the group
+    k_ptr,  # this row's K at (slot, kv_head), position 0
+    v_ptr,
+    stride_kt,
+    stride_vt,
+    lo,  # first position to attend to
+    hi,  # one past the last
+    qk_scale,  # softmax scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Online-softmax attention over positions [lo, hi): unnormalised acc, running max (log2), sum."""
+    offs_n = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        n = start + offs_n
+        n_mask = n < hi
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK, BLOCK_D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # (GROUP_PAD, BLOCK) fp32
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block holds at least one key < hi
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _load_group(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    Q, row, kvh, stride_qb, stride_qh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The query heads of kv head `kvh` for batch row `row`: (GROUP_PAD, BLOCK_D), zero-padded."""
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    return tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    Q, K, V, Out, Slots, Lengths, anchor,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_kt,
+    stride_vs, stride_vh, stride_vt,
+    stride_ob, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid (rows, kv_heads): the whole key range of one row in one program.
+
+    K and V point at slot `anchor` (see decode_attention); row r reads slot slots[r].
+    """
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    slot = tl.load(Slots + row).to(tl.int64) - anchor  # relative to the slot K and V point at
+    length = tl.load(Lengths + row).to(tl.int32)
+    q = _load_group(Q, row, kvh, stride_qb, stride_qh, GROUP, HEAD_DIM, GROUP_PAD, BLOCK_D)
+    k_ptr = K + slot * stride_ks + kvh * stride_kh
+    v_ptr = V + slot * stride_vs + kvh * stride_vh
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, stride_kt, stride_vt, 0, length, qk_scale,
+                            HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK)
+    out = acc / l_i[:, None]
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    out_ptr = Out + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    Q, K, V, Slots, Lengths, anchor, PartAcc, PartMax, PartSum,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_kt,
+    stride_vs, stride_vh, stride_vt,
+    qk_scale,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid (rows, kv_heads, SPLITS): split `s` covers its share of [0, length), in whole blocks.
+
+    Partials are contiguous: PartAcc (rows, HEADS, SPLITS, HEAD_DIM), PartMax/PartSum (rows, HEADS, SPLITS).
+    """
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(Slots + row).to(tl.int64) - anchor  # relative to the slot K and V point at
+    length = tl.load(Lengths + row).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, length)  # lo >= hi: an empty split (max -inf, sum 0)
+    q = _load_group(Q, row, kvh, stride_qb, stride_qh, GROUP, HEAD_DIM, GROUP_PAD, BLOCK_D)
+    k_ptr = K + slot * stride_ks + kvh * stride_kh
+    v_ptr = V + slot * stride_vs + kvh * stride_vh
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, stride_kt, stride_vt, lo, hi, qk_scale,
+                            HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    part = (row * HEADS + kvh * GROUP + offs_g) * SPLITS + split  # (GROUP_PAD,) index of (row, head, split)
+    tl.store(PartMax + part, m_i, mask=g_mask)
+    tl.store(PartSum + part, l_i, mask=g_mask)
+    mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(PartAcc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _merge_splits_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    PartAcc, PartMax, PartSum, Out,
+    stride_ob, stride_oh,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (rows, heads): out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < SPLITS
+    d_mask = offs_d < HEAD_DIM
+    base = (row * HEADS + head) * SPLITS
+    m = tl.load(PartMax + base + offs_s, mask=s_mask, other=float("-inf"))
+    sums = tl.load(PartSum + base + offs_s, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)  # finite: split 0 always holds position 0
+    w = tl.exp2(m - m_max)  # empty and padded splits weigh 0
+    acc = tl.load(PartAcc + (base + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(sums * w, 0)
+    tl.store(Out + row * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int:
+    """How many programs share one row's keys: enough to fill about two waves of the GPU.
+
+    1 when rows x kv_heads already fills the SMs or the context is short. Shapes only, so a graph
+    captured for a batch size always launches the same grid.
+    """
+    programs = rows * kv_heads
+    if programs >= sm_count:
+        return 1
+    wanted = math.ceil(2 * sm_count / programs)
+    return max(1, min(wanted, max_context // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  lengths: torch.Tensor, out: torch.Tensor) -> None:
+    rows, heads, head_dim = q.shape
+    _, kv_heads, _, kv_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if kv_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("the head dimension of q, k_cache, v_cache and out must be contiguous")
+    if slots.shape != (rows,) or lengths.shape != (rows,):
+        raise ValueError(f"slots {tuple(slots.shape)} and lengths {tuple(lengths.shape)} must be ({rows},)")
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+
+
+def decode_attention(
+    q: torch.Tensor,  # (B, H, hd)
+    k_cache: torch.Tensor,  # (num_slots, KV, max_context, hd), any strides with a contiguous hd; the last slot mapped
+    v_cache: torch.Tensor,  # same
+    slots: torch.Tensor,  # (B,) int64: the slot each row reads
+    lengths: torch.Tensor,  # (B,) int32 or int64, >= 1: positions 0..length-1 are attended to
+    out: torch.Tensor | None = None,  # (B, H, hd) preallocated output (else allocated here)
+    splits: int | None = None,  # None: chosen from the shapes (see num_splits)
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) v per row over that row's slot and length; (B, H, hd) in q's dtype."""
+    if out is None:
+        out = torch.empty_like(q)
+    _check_shapes(q, k_cache, v_cache, slots, lengths, out)
+    rows, heads, head_dim = q.shape
+    _, kv_heads, max_context, _ = k_cache.shape
+    if rows == 0:
+        return out
+    # Triton checks every pointer argument with cuPointerGetAttribute, which fails on the unmapped
+    # parts of a reserved slab (slot 0 may be free). So K and V are passed as views of the last
+    # slot, the spare that is always mapped, and the kernel offsets from there (negative offsets).
+    anchor = k_cache.shape[0] - 1
+    k_anchor, v_anchor = k_cache[anchor], v_cache[anchor]
+    group = heads // kv_heads
+    if splits is None:
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        splits = num_splits(rows, kv_heads, max_context, _sm_count(index))
+    shape = dict(
+        HEAD_DIM=head_dim,
+        GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK=BLOCK_N,
+    )
+    qk_scale = LOG2E / math.sqrt(head_dim)
+    if splits <= 1:
+        _decode_kernel[(rows, kv_heads)](
+            q, k_anchor, v_anchor, out, slots, lengths, anchor,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            qk_scale, GROUP=group, num_warps=NUM_WARPS, **shape,
+        )
+        return out
+    part_acc = torch.empty((rows, heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    part_max = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(rows, kv_heads, splits)](
+        q, k_anchor, v_anchor, slots, lengths, anchor, part_acc, part_max, part_sum,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        qk_scale, HEADS=heads, GROUP=group, SPLITS=splits, num_warps=NUM_WARPS, **shape,
+    )
+    _merge_splits_kernel[(rows, heads)](
+        part_acc, part_max, part_sum, out,
+        out.stride(0), out.stride(1),
+        HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        BLOCK_D=shape["BLOCK_D"], num_warps=NUM_WARPS,
+    )
+    return out
