@@ -8,12 +8,18 @@ is later taken back.
 
 from __future__ import annotations
 
+import codecs
+
 from .tokenizer import Tokenizer
 
 
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
         self._tok = tokenizer
+        # Byte-level vocabularies: each id is a fixed byte string, and an incremental UTF-8 decoder
+        # holds back an unfinished character by itself. Others: decode a window of ids.
+        self._bytes = tokenizer.token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._ids: list[int] = []
         self._prefix = 0  # window start: text of ids[_prefix:_read] is already in self.text
         self._read = 0
@@ -26,6 +32,11 @@ class Detokenizer:
     def add(self, token_id: int) -> None:
         """Feed one generated token. Sets `stopped` when a stop string appears."""
         self._ids.append(token_id)
+        if self._bytes is not None:
+            delta = self._utf8.decode(self._bytes[token_id]) if 0 <= token_id < len(self._bytes) else ""
+            if delta:
+                self._append(delta)
+            return
         before = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
         after = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=True)
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -34,6 +45,9 @@ class Detokenizer:
 
     def flush(self) -> None:
         """At the end: whatever is left undecoded (e.g. a cut-off UTF-8 sequence) joins the text."""
+        if self._bytes is not None:
+            self._append(self._utf8.decode(b"", final=True))
+            return
         if self._read < len(self._ids) and not self.stopped:
             before = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
             after = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=True)

@@ -84,12 +84,15 @@ class Tokenizer:
         )
         # Byte-level BPE drops bytes that have no token of their own; some vocabularies lack a few
         # (SmolLM2 has none for 0x04, 0xF1, ...). Text holding them is refused instead of mangled.
+        self._missing_bytes = b""
+        # For byte-level vocabularies, the bytes each id decodes to (b"" for special tokens): lets
+        # streaming detokenize a token in O(1) instead of re-decoding a window of ids.
+        self.token_bytes: list[bytes] | None = None
         if isinstance(tok.decoder, decoders.ByteLevel):
             self._missing_bytes = bytes(
                 sorted(_byte_of(c) for c in pre_tokenizers.ByteLevel.alphabet() if tok.token_to_id(c) is None)
             )
-        else:
-            self._missing_bytes = b""
+            self.token_bytes = _byte_level_table(tok)
         # Ids that end a generation: EOS plus e.g. Llama 3's <|eot_id|>.
         self.stop_ids: frozenset[int] = frozenset({eos_id, *extra_stop_ids})
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -226,6 +229,20 @@ class Tokenizer:
 
 def _raise_template_error(message: str) -> None:
     raise ChatTemplateError(message)
+
+
+def _byte_level_table(tok: HFTokenizer) -> list[bytes]:
+    """bytes of every id of a byte-level BPE vocabulary; special tokens map to b"" (they are skipped)."""
+    size = tok.get_vocab_size(with_added_tokens=True)
+    table = [b""] * size
+    added = tok.get_added_tokens_decoder()
+    byte_of = {c: _byte_of(c) for c in pre_tokenizers.ByteLevel.alphabet()}
+    for token, i in tok.get_vocab(with_added_tokens=True).items():
+        if i in added:
+            table[i] = b"" if added[i].special else token.encode("utf-8")
+        else:
+            table[i] = bytes(byte_of[c] for c in token if c in byte_of)
+    return table
 
 
 def _byte_of(char: str) -> int:

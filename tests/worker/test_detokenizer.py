@@ -43,3 +43,23 @@ def test_stop_in_generation(smol_engine: Engine) -> None:
     assert (g.text, g.finish_reason) == (" with a quick brown ", "stop")
     assert g.token_ids == [351, 253, 2365, 6354, 7012]  # the token that completed "bear" is kept in ids
     smol_engine.close(sid)
+
+
+def test_byte_table_matches_the_tokenizer_on_random_ids(smol_engine: Engine) -> None:
+    """The O(1) byte-table path and a full decode agree on any id sequence, specials included."""
+    import random
+
+    tok = smol_engine.tokenizer
+    assert tok.token_bytes is not None and len(tok.token_bytes) == 49152
+    assert tok.token_bytes[2] == b"" and tok.token_bytes[tok.encode(" Paris")[0]] == b" Paris"
+    rng = random.Random(5)
+    for _ in range(50):
+        ids = [rng.randrange(49152) for _ in range(rng.randrange(1, 40))]
+        d = Detokenizer(tok)
+        pieces = []
+        for i in ids:
+            d.add(i)
+            pieces.append(d.take(final=False))
+        d.flush()
+        pieces.append(d.take(final=True))
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
