@@ -64,6 +64,8 @@ if ! stage pytest 240 python -m pytest -m gpu -x -q --durations=15 --junitxml="$
 fi
 
 stage bench 150 python -m cuda_state.bench --json "$OUT/bench.json"
+stage bench-unfused 120 env WORKER_FUSED_KERNELS=0 python -m cuda_state.bench --json "$OUT/bench-unfused.json"
+stage step-profile 120 python -m worker.step_profile --sessions 1 64 --steps 200
 
 stage sanitizer 400 env GPU_TESTS_UNDER_SANITIZER=1 \
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \

@@ -36,16 +36,21 @@ MIN_BUCKET = 64  # decode batches of up to this many rows share one shape: batch
 BUCKETS = (MIN_BUCKET, 128, 256)  # decode batch sizes captured as graphs; larger batches are cut
 WARMUP_RUNS = 2  # eager runs on the capture stream before capturing (compiles Triton, inits cuBLAS)
 GRAPHS_ENV = "WORKER_CUDA_GRAPHS"  # "0" disables graphs whatever the caller asked for
+FUSED_ENV = "WORKER_FUSED_KERNELS"  # "0" keeps the plain torch layer loop on the GPU (A/B comparisons)
 # Fixed slack in the workspace: cuBLAS workspaces (one per stream, the capture stream included),
 # lazily loaded kernel modules of torch and Triton, and caching-allocator fragmentation.
 FIXED_WORKSPACE_BYTES = 768 << 20
 
 
 def attach_gpu_kernels(llama: Llama) -> None:
-    """Route the model's decode-only batches through the Triton kernel (reads K/V from the slab)."""
+    """Route the model's decode-only batches through the Triton kernel (reads K/V from the slab), and
+    its layer stack through the fused kernels (worker.fused_forward) unless FUSED_ENV is "0"."""
+    from .fused_forward import fused_layers
     from .triton_attention import decode_attention
 
     llama.decode_attention = decode_attention
+    if os.environ.get(FUSED_ENV, "1") != "0":
+        llama.fused_layers = fused_layers
 
 
 def workspace_bytes(llama: Llama) -> int:

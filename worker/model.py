@@ -139,6 +139,8 @@ class Llama:
         self.cos, self.sin = rope_tables(config, max_context, device)
         # Set by the GPU engine: a kernel reading K/V by slot and length (worker.triton_attention).
         self.decode_attention: Callable[..., torch.Tensor] | None = None
+        # Set by the GPU engine: the whole layer stack in fused kernels (worker.fused_forward.fused_layers).
+        self.fused_layers: Callable[..., torch.Tensor] | None = None
 
     def state_spec(self) -> StateSpec:
         """Per session: K and V for every layer, (layers, kv_heads, max_context, head_dim)."""
@@ -170,6 +172,26 @@ class Llama:
         c = self.config
         h = self.embed.rows(token_ids)  # (T, dim)
         cos, sin = self.cos[positions], self.sin[positions]  # (T, hd)
+        if self.fused_layers is not None:
+            h = self.fused_layers(self, h, cos, sin, positions, slots, state, batch)
+        else:
+            h = self._layers(h, cos, sin, positions, slots, state, batch)
+        if logits_at is not None:
+            h = h[logits_at]
+        return self.lm_head(rms_norm(h, self.norm, c.norm_eps)).float()
+
+    def _layers(
+        self,
+        h: torch.Tensor,  # (T, dim)
+        cos: torch.Tensor,  # (T, hd)
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        batch: Batch,
+    ) -> torch.Tensor:
+        """The layer stack in plain torch: the residual stream after the last layer (T, dim)."""
+        c = self.config
         k_all, v_all = state["k"], state["v"]
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         for li, layer in enumerate(self.layers):
@@ -186,9 +208,7 @@ class Llama:
             x = rms_norm(h, layer.post_norm, c.norm_eps)
             gate, up = layer.w_gate_up(x).chunk(2, dim=-1)
             h = h + layer.w_down(F.silu(gate) * up)
-        if logits_at is not None:
-            h = h[logits_at]
-        return self.lm_head(rms_norm(h, self.norm, c.norm_eps)).float()
+        return h
 
     def plan(self, slots: list[int], positions: list[int], lengths_on_device: bool = False) -> Batch:
         runs = runs_of(slots, positions)

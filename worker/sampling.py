@@ -84,7 +84,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], randoms: list[Row
 
 def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling over the top-k / top-p truncated distribution of each row."""
-    values, ids = scaled.sort(dim=-1, descending=True)  # (R, V)
+    # Stable: tied probabilities (common with bf16 logits) keep id order, so a row samples the same
+    # token whatever other rows are in the batch (an unstable sort may order ties by the batch shape).
+    values, ids = scaled.sort(dim=-1, descending=True, stable=True)  # (R, V)
     rank = torch.arange(values.shape[-1], device=values.device)[None, :]
     k = torch.where(top_k > 0, top_k, values.shape[-1])[:, None]
     values = values.masked_fill(rank >= k, float("-inf"))

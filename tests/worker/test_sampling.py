@@ -79,3 +79,16 @@ def test_params_validation(params: SamplingParams, message: str) -> None:
 
     with pytest.raises(BadRequest, match=message):
         params.validate(49152)
+
+
+def test_ties_sample_the_same_token_alone_and_batched() -> None:
+    """Many equal logits (as bf16 gives): a row's token must not depend on the other rows."""
+    torch.manual_seed(0)
+    row = torch.randint(0, 4, (1, 4096)).float()  # only 4 distinct values: ties everywhere
+    others = torch.randn(7, 4096)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(8)]
+    for u_seed in range(20):
+        alone = sample(row, params[:1], [RowRandom(u_seed)])
+        randoms = [RowRandom(100 + i) for i in range(3)] + [RowRandom(u_seed)] + [RowRandom(200 + i) for i in range(4)]
+        batched = sample(torch.cat([others[:3], row, others[3:]]), params, randoms)
+        assert batched[3] == alone[0]

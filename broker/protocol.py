@@ -1,0 +1,603 @@
+"""The wire protocol: frames, commands, error codes and typed messages. No I/O.
+
+Every message is one ZeroMQ multipart message (a ROUTER adds the peer's routing id in front):
+
+    [VERSION, command, header, *payload]
+
+- VERSION is checked first; any other first frame is answered with `version_mismatch`.
+- command is one of `Command` (ASCII).
+- header is a msgpack map with string keys. Its fields are validated into the typed message of the
+  command (REPLY: of its `kind`); unknown fields are ignored so that a newer peer may add some.
+- payload: no command defines payload frames yet; a message that carries any is a `bad_request`.
+
+Legs:
+    client -> broker:          CREATE APPEND CHAT GENERATE FORK CLOSE INFO CANCEL STATUS
+    broker -> worker:          the same requests plus `route` (the client's routing id), and for
+                               CREATE and FORK the session id the broker made
+    worker -> broker -> client REPLY (final; `kind` names the result), CHUNK (streamed), ERROR (final)
+    worker <-> broker:         READY WELCOME HEARTBEAT RECONNECT DISCONNECT
+
+CANCEL is one-way: nothing answers it; the generation it cancels ends with finish_reason "cancelled".
+Every request carries a client-made `request_id`; a worker answers a repeated id from its cache
+instead of running it again, which is what makes resending a request safe.
+
+Validation lives in the types: each field's `Annotated` check (broker/fields.py) runs when a message
+is built, from a peer's header or from Python, so a bad value is a `ProtocolError` with code
+`bad_request` naming the field, on either side of the wire.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, Any, ClassVar, Final, TypeVar
+
+import msgpack
+
+from .fields import (
+    FieldError,
+    blob,
+    boolean,
+    build,
+    field_names,
+    int_list,
+    integer,
+    nested,
+    nested_list,
+    number,
+    one_of,
+    plain,
+    str_list,
+    text,
+    validate,
+)
+
+VERSION: Final = b"SSP1"
+
+# Limits. A header holds at most a 1M-token append (msgpack ints take <= 5 bytes) or 4 MiB of text.
+MAX_HEADER_BYTES: Final = 8 << 20
+MAX_MESSAGE_BYTES: Final = MAX_HEADER_BYTES + 4096  # the sockets' MAXMSGSIZE: bigger is dropped by ZeroMQ
+MAX_TOKENS: Final = 1 << 20
+MAX_TEXT_CHARS: Final = 4 << 20
+MAX_NAME_CHARS: Final = 256
+MAX_STOP_STRINGS: Final = 16
+MAX_STOP_CHARS: Final = 256
+MAX_SESSIONS_LISTED: Final = 1 << 20
+MAX_ROUTE_BYTES: Final = 255  # ZeroMQ routing ids are 1..255 bytes
+
+
+class Command(Enum):
+    # requests (client -> broker -> worker)
+    CREATE = b"CREATE"
+    APPEND = b"APPEND"
+    CHAT = b"CHAT"
+    GENERATE = b"GENERATE"
+    FORK = b"FORK"
+    CLOSE = b"CLOSE"
+    INFO = b"INFO"
+    CANCEL = b"CANCEL"
+    STATUS = b"STATUS"  # answered by the broker itself
+    # answers (worker -> broker -> client, or broker -> client)
+    REPLY = b"REPLY"
+    CHUNK = b"CHUNK"
+    ERROR = b"ERROR"
+    # worker <-> broker control
+    READY = b"READY"
+    WELCOME = b"WELCOME"
+    HEARTBEAT = b"HEARTBEAT"
+    RECONNECT = b"RECONNECT"
+    DISCONNECT = b"DISCONNECT"
+
+
+COMMANDS: Final = {c.value: c for c in Command}
+
+
+class ErrorCode(str, Enum):
+    BAD_REQUEST = "bad_request"
+    CAPACITY_EXHAUSTED = "capacity_exhausted"
+    SESSION_NOT_FOUND = "session_not_found"
+    SESSION_LOST = "session_lost"
+    MODEL_NOT_FOUND = "model_not_found"
+    TIMEOUT = "timeout"
+    WORKER_DRAINING = "worker_draining"
+    UNAUTHORIZED = "unauthorized"
+    VERSION_MISMATCH = "version_mismatch"
+    INTERNAL = "internal"
+
+
+ERROR_CODES: Final = {c.value: c for c in ErrorCode}
+FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled"})
+
+
+class ProtocolError(Exception):
+    """A message that does not follow this protocol. Answer it with `error_for(...)` when it can be."""
+
+    def __init__(
+        self, code: ErrorCode, message: str, *, request_id: str | None = None, route: bytes = b""
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.route = route
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_REQUEST, message)
+
+
+def _checked(value: Any) -> None:
+    """Run a message's field checks (from __post_init__); a bad field is a bad_request."""
+    try:
+        validate(value)
+    except FieldError as e:
+        raise _bad(str(e)) from None
+
+
+def error_code(name: str, value: Any) -> Any:
+    """Field check: a wire error code."""
+    if isinstance(value, ErrorCode):
+        return value
+    if not isinstance(value, str):
+        raise FieldError(f"{name} must be a string, got {type(value).__name__}")
+    return ERROR_CODES.get(value, ErrorCode.INTERNAL)  # a newer peer's code still ends the request
+
+
+
+ID_PATTERN: Final = r"[A-Za-z0-9._:-]{1,64}"
+SESSION_PATTERN: Final = r"[0-9a-f]{32}"  # 128 random bits, made by the broker
+
+_SESSION_RE = re.compile(SESSION_PATTERN)
+
+
+def is_session_id(value: object) -> bool:
+    return isinstance(value, str) and _SESSION_RE.fullmatch(value) is not None
+
+
+RequestId = Annotated[str, text(64, ID_PATTERN)]
+SessionId = Annotated[str, text(32, SESSION_PATTERN)]
+OptSessionId = Annotated[str | None, text(32, SESSION_PATTERN, optional=True)]
+Name = Annotated[str, text(MAX_NAME_CHARS, r"(?s).+")]  # non-empty
+OptName = Annotated[str | None, text(MAX_NAME_CHARS, r"(?s).+", optional=True)]
+Label = Annotated[str, text(MAX_NAME_CHARS)]
+Route = Annotated[bytes, blob(MAX_ROUTE_BYTES)]
+TokenIds = Annotated[tuple[int, ...], int_list(MAX_TOKENS)]
+Text = Annotated[str, text(MAX_TEXT_CHARS)]
+Count = Annotated[int, integer(0, 2**62)]
+SessionIds = Annotated[tuple[str, ...], str_list(MAX_SESSIONS_LISTED, text(32, SESSION_PATTERN))]
+
+
+M = TypeVar("M", bound="Message")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of every typed message. Subclasses are frozen dataclasses whose fields are checked."""
+
+    COMMAND: ClassVar[Command]
+    KIND: ClassVar[str] = ""  # REPLY messages only: names the result type
+
+    def __post_init__(self) -> None:
+        _checked(self)
+        self._check()
+
+    def _check(self) -> None:
+        """Checks across fields; the per-field ones ran already."""
+
+    def routed(self: M, route: bytes) -> M:
+        """The same message addressed to `route` (requests and answers only: control messages have no route)."""
+        blob(MAX_ROUTE_BYTES)("route", route)
+        routed = copy.copy(self)  # the other fields were checked already: skip re-validating them
+        object.__setattr__(routed, "route", route)
+        return routed
+
+    def to_header(self) -> dict[str, Any]:
+        header = {name: plain(getattr(self, name)) for name in field_names(type(self))}
+        if not header.get("route"):
+            header.pop("route", None)
+        if self.KIND:
+            header["kind"] = self.KIND
+        return header
+
+
+# -- nested values --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How to generate. Mirrors worker.sampling.SamplingParams; the engine checks the vocabulary."""
+
+    max_tokens: Annotated[int, integer(1, MAX_TOKENS)] = 16
+    temperature: Annotated[float, number(0.0, 100.0)] = 0.0  # 0 = greedy
+    top_p: Annotated[float, number(0.0, 1.0)] = 1.0
+    top_k: Annotated[int, integer(0, 2**31 - 1)] = 0  # 0 = whole vocabulary
+    seed: Annotated[int | None, integer(0, 2**63 - 1, optional=True)] = None
+    stop: Annotated[tuple[str, ...], str_list(MAX_STOP_STRINGS, text(MAX_STOP_CHARS, r"(?s).+"))] = ()
+    stop_token_ids: Annotated[tuple[int, ...], int_list(MAX_STOP_STRINGS)] = ()
+    ignore_eos: Annotated[bool, boolean] = False
+
+    def __post_init__(self) -> None:
+        _checked(self)
+        if self.top_p <= 0.0:
+            raise _bad("top_p must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    name: Name
+    model: Name
+    capacity: Count
+    free_slots: Count
+    sessions: Count
+    draining: Annotated[bool, boolean] = False
+    device: Label = ""
+
+    def __post_init__(self) -> None:
+        _checked(self)
+
+
+# -- requests ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CreateSession(Message):
+    COMMAND: ClassVar[Command] = Command.CREATE
+    request_id: RequestId
+    model: OptName = None  # None: any model
+    session_id: OptSessionId = None  # made by the broker; None from clients
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Append(Message):
+    COMMAND: ClassVar[Command] = Command.APPEND
+    request_id: RequestId
+    session_id: SessionId
+    token_ids: Annotated[tuple[int, ...] | None, int_list(MAX_TOKENS, optional=True)] = None
+    text: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
+    route: Route = b""
+
+    def _check(self) -> None:
+        if (self.token_ids is None) == (self.text is None):
+            raise _bad("append takes exactly one of token_ids or text")
+
+
+@dataclass(frozen=True, slots=True)
+class Chat(Message):
+    """Append one chat turn rendered with the model's chat template (plus the assistant prompt)."""
+
+    COMMAND: ClassVar[Command] = Command.CHAT
+    request_id: RequestId
+    session_id: SessionId
+    content: Text
+    role: Annotated[str, text(64, r"[a-z_]{1,64}")] = "user"
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Generate(Message):
+    COMMAND: ClassVar[Command] = Command.GENERATE
+    request_id: RequestId
+    session_id: SessionId
+    params: Annotated[Sampling, nested(Sampling)] = Sampling()
+    stream: Annotated[bool, boolean] = False  # CHUNK messages before the final REPLY
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Fork(Message):
+    COMMAND: ClassVar[Command] = Command.FORK
+    request_id: RequestId
+    session_id: SessionId
+    child_id: OptSessionId = None  # made by the broker
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Close(Message):
+    COMMAND: ClassVar[Command] = Command.CLOSE
+    request_id: RequestId
+    session_id: SessionId
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Info(Message):
+    COMMAND: ClassVar[Command] = Command.INFO
+    request_id: RequestId
+    session_id: SessionId
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    """One-way: end the generation `target` early. Nothing answers it."""
+
+    COMMAND: ClassVar[Command] = Command.CANCEL
+    request_id: RequestId
+    session_id: SessionId
+    target: RequestId
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Message):
+    """The broker's view of its workers."""
+
+    COMMAND: ClassVar[Command] = Command.STATUS
+    request_id: RequestId
+    route: Route = b""
+
+
+SessionRequest = Append | Chat | Generate | Fork | Close | Info | Cancel
+Request = CreateSession | SessionRequest | Status
+SESSION_REQUEST_TYPES: Final = (Append, Chat, Generate, Fork, Close, Info, Cancel)
+REQUEST_TYPES: Final = (CreateSession, *SESSION_REQUEST_TYPES, Status)
+SESSION_COMMANDS: Final = frozenset(
+    {Command.APPEND, Command.CHAT, Command.GENERATE, Command.FORK, Command.CLOSE, Command.INFO, Command.CANCEL}
+)
+REQUEST_COMMANDS: Final = SESSION_COMMANDS | {Command.CREATE, Command.STATUS}
+
+
+# -- answers ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Created(Message):
+    COMMAND: ClassVar[Command] = Command.REPLY
+    KIND: ClassVar[str] = "created"
+    request_id: RequestId
+    session_id: SessionId
+    model: Name
+    worker: Name
+    max_context: Count
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Appended(Message):
+    COMMAND: ClassVar[Command] = Command.REPLY
+    KIND: ClassVar[str] = "appended"
+    request_id: RequestId
+    session_id: SessionId
+    length: Count  # the session's tokens after the append
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Generated(Message):
+    """The whole generation (also after streaming: a client that missed chunks takes the rest from here)."""
+
+    COMMAND: ClassVar[Command] = Command.REPLY
+    KIND: ClassVar[str] = "generated"
+    request_id: RequestId
+    session_id: SessionId
+    token_ids: TokenIds
+    text: Text
+    finish_reason: Annotated[str, one_of(FINISH_REASONS)]
+    length: Count
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Forked(Message):
+    COMMAND: ClassVar[Command] = Command.REPLY
+    KIND: ClassVar[str] = "forked"
+    request_id: RequestId
+    session_id: SessionId  # the parent
+    child_id: SessionId
+    length: Count
+    worker: Name
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Closed(Message):
+    COMMAND: ClassVar[Command] = Command.REPLY
+    KIND: ClassVar[str] = "closed"
+    request_id: RequestId
+    session_id: SessionId
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo(Message):
+    COMMAND: ClassVar[Command] = Command.REPLY
+    KIND: ClassVar[str] = "info"
+    request_id: RequestId
+    session_id: SessionId
+    length: Count
+    model: Name
+    worker: Name
+    max_context: Count
+    busy: Annotated[bool, boolean] = False  # a generation is in flight
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport(Message):
+    COMMAND: ClassVar[Command] = Command.REPLY
+    KIND: ClassVar[str] = "status"
+    request_id: RequestId
+    broker_id: RequestId
+    workers: Annotated[tuple[WorkerStatus, ...], nested_list(WorkerStatus, 1 << 16)] = ()
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk(Message):
+    """Tokens of a streamed generation, in order. The final REPLY (Generated) carries them all again."""
+
+    COMMAND: ClassVar[Command] = Command.CHUNK
+    request_id: RequestId
+    session_id: SessionId
+    token_ids: TokenIds
+    text: Text
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    COMMAND: ClassVar[Command] = Command.ERROR
+    request_id: Annotated[str | None, text(64, ID_PATTERN, optional=True)]
+    code: Annotated[ErrorCode, error_code]
+    message: Annotated[str, text(4096)] = ""
+    route: Route = b""
+
+
+Reply = Created | Appended | Generated | Forked | Closed | SessionInfo | StatusReport
+REPLY_KINDS: Final[dict[str, type[Message]]] = {
+    c.KIND: c for c in (Created, Appended, Generated, Forked, Closed, SessionInfo, StatusReport)
+}
+
+
+# -- worker <-> broker control ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ready(Message):
+    """A worker registers (again): what it serves and every session it holds."""
+
+    COMMAND: ClassVar[Command] = Command.READY
+    name: Name
+    model: Name
+    capacity: Count
+    free_slots: Count
+    max_context: Count
+    sessions: SessionIds = ()
+    draining: Annotated[bool, boolean] = False
+    device: Label = ""
+    bytes_per_session: Count = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    """The broker accepted a READY; the worker uses these liveness settings from now on."""
+
+    COMMAND: ClassVar[Command] = Command.WELCOME
+    broker_id: RequestId
+    heartbeat_ms: Annotated[int, integer(1, 3_600_000)]
+    liveness: Annotated[int, integer(1, 1000)]
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Both ways. From the broker: its id (a new one means it restarted). From a worker: its load."""
+
+    COMMAND: ClassVar[Command] = Command.HEARTBEAT
+    broker_id: Annotated[str | None, text(64, ID_PATTERN, optional=True)] = None
+    free_slots: Annotated[int | None, integer(0, 2**62, optional=True)] = None
+    sessions: Annotated[int | None, integer(0, 2**62, optional=True)] = None
+    draining: Annotated[bool, boolean] = False
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect(Message):
+    """The broker does not know this worker (it restarted): send READY again."""
+
+    COMMAND: ClassVar[Command] = Command.RECONNECT
+    broker_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect(Message):
+    """A worker leaves (drained or dying): its sessions are gone."""
+
+    COMMAND: ClassVar[Command] = Command.DISCONNECT
+    reason: Annotated[str, text(4096)] = ""
+
+
+_BY_COMMAND: Final[dict[Command, type[Message]]] = {
+    c.COMMAND: c
+    for c in (
+        CreateSession, Append, Chat, Generate, Fork, Close, Info, Cancel, Status,
+        Chunk, Error, Ready, Welcome, Heartbeat, Reconnect, Disconnect,
+    )
+}
+
+
+# -- frames <-> messages ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A message whose frames are well formed but whose header is not yet typed."""
+
+    command: Command
+    header: dict[str, Any]
+    payload: tuple[bytes, ...] = ()
+
+
+def encode(message: Message) -> list[bytes]:
+    return [VERSION, message.COMMAND.value, msgpack.packb(message.to_header(), use_bin_type=True)]
+
+
+def decode_envelope(frames: Sequence[bytes]) -> Envelope:
+    """Check version, command and header encoding. Raises ProtocolError."""
+    if len(frames) < 3:
+        if frames and frames[0] != VERSION:
+            raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"expected protocol {VERSION!r}")
+        raise _bad(f"a message has at least 3 frames [version, command, header], got {len(frames)}")
+    version, command_name, raw = frames[0], frames[1], frames[2]
+    if version != VERSION:
+        raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"expected protocol {VERSION!r}, got {bytes(version[:16])!r}")
+    command = COMMANDS.get(bytes(command_name))
+    if command is None:
+        raise _bad(f"unknown command {bytes(command_name[:32])!r}")
+    if len(raw) > MAX_HEADER_BYTES:
+        raise _bad(f"header is larger than {MAX_HEADER_BYTES} bytes")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # the trust boundary: msgpack raises many types on garbage
+        raise _bad(f"header is not valid msgpack: {type(e).__name__}") from e
+    if not isinstance(header, dict):
+        raise _bad(f"header must be a msgpack map, got {type(header).__name__}")
+    return Envelope(command, header, tuple(bytes(f) for f in frames[3:]))
+
+
+def parse(envelope: Envelope) -> Message:
+    """The typed message of a well-formed envelope. Raises ProtocolError (with request_id and route when known)."""
+    header = envelope.header
+    try:
+        if envelope.payload:
+            raise _bad(f"{envelope.command.name} takes no payload frames, got {len(envelope.payload)}")
+        if envelope.command is Command.REPLY:
+            kind = header.get("kind")
+            cls = REPLY_KINDS.get(kind) if isinstance(kind, str) else None
+            if cls is None:
+                raise _bad(f"unknown reply kind {kind!r}")
+        else:
+            cls = _BY_COMMAND[envelope.command]
+        return build(cls, header)
+    except FieldError as e:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, str(e), request_id=request_id_of(header), route=route_of(header)) from None
+    except ProtocolError as e:
+        e.request_id, e.route = request_id_of(header), route_of(header)
+        raise
+
+
+def decode(frames: Sequence[bytes]) -> Message:
+    return parse(decode_envelope(frames))
+
+
+def request_id_of(header: Mapping[str, Any]) -> str | None:
+    """The header's request id if it is a valid one (to address an error), else None."""
+    value = header.get("request_id")
+    if isinstance(value, str) and re.fullmatch(ID_PATTERN, value):
+        return value
+    return None
+
+
+def route_of(header: Mapping[str, Any]) -> bytes:
+    """The header's route if it is a valid routing id, else b""."""
+    value = header.get("route")
+    if isinstance(value, bytes) and 0 < len(value) <= MAX_ROUTE_BYTES:
+        return value
+    return b""
+
+
+def error_for(e: ProtocolError) -> Error:
+    return Error(request_id=e.request_id, code=e.code, message=e.message, route=e.route)

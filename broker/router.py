@@ -1,0 +1,359 @@
+"""The broker's logic: frames in, frames out. No sockets (broker/server.py does the I/O).
+
+- A client request is validated, then placed (CREATE), answered here (STATUS) or forwarded to the
+  worker holding its session with the client's routing id added as `route`.
+- A worker's answer (REPLY, CHUNK, ERROR) is forwarded to its route unchanged; the broker only reads
+  the header to keep its tables (session created, forked, closed; request finished).
+- A worker that misses `liveness` heartbeats, disconnects, or cannot be reached is gone: every request
+  in flight on it fails at once with session_lost, and later requests for its sessions get session_lost.
+- A freshly started broker is "recovering" for a while: requests for sessions it does not know yet
+  are held until the workers have re-registered (they send the sessions they hold), then answered.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, replace
+from enum import Enum
+
+import structlog
+
+from . import protocol as p
+from .liveness import Liveness
+from .placement import NoPlacement, place
+from .registry import Registry, WorkerRecord
+
+log = structlog.get_logger()
+
+MAX_HELD = 100_000  # requests held while recovering; past this they are refused
+ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNK, p.Command.ERROR})
+
+RequestKey = tuple[bytes, str]  # (client route, request id)
+
+
+class Peer(Enum):
+    CLIENT = "client"
+    WORKER = "worker"
+
+
+class Failure(Enum):
+    UNREACHABLE = "unreachable"  # EHOSTUNREACH: the peer is not connected
+    FULL = "full"  # EAGAIN: the peer's queue is at its high-water mark
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    peer: Peer
+    identity: bytes
+    frames: list[bytes]
+    key: RequestKey | None = None  # the client request this belongs to, for failure handling
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    heartbeat_s: float = 1.0
+    liveness: int = 3
+    recovery_s: float = 5.0  # how long a new broker waits for workers to re-register
+
+
+@dataclass(slots=True)
+class InFlight:
+    worker: bytes
+    command: p.Command
+    session_id: str  # the session addressed; for CREATE and FORK the new session
+
+
+@dataclass(slots=True)
+class Held:
+    route: bytes
+    request: p.CreateSession | p.SessionRequest
+
+
+class Router:
+    def __init__(self, settings: Settings, now: float, broker_id: str | None = None) -> None:
+        self.settings = settings
+        self.broker_id = broker_id or secrets.token_hex(8)
+        self.registry = Registry()
+        self.liveness = Liveness(settings.heartbeat_s, settings.liveness, now)
+        self.inflight: dict[RequestKey, InFlight] = {}
+        self.held: list[Held] = []
+        self.recover_until = now + settings.recovery_s
+        self._asked_to_register: dict[bytes, float] = {}
+        self._out: list[Send] = []
+
+    # -- entry points (each returns what to send) ---------------------------------------------------
+
+    def client_message(self, route: bytes, frames: list[bytes], now: float) -> list[Send]:
+        try:
+            envelope = p.decode_envelope(frames)
+            if envelope.command not in p.REQUEST_COMMANDS:
+                raise p.ProtocolError(
+                    p.ErrorCode.BAD_REQUEST, f"{envelope.command.name} is not a client request",
+                    request_id=p.request_id_of(envelope.header),
+                )
+            message = p.parse(envelope)
+        except p.ProtocolError as e:
+            log.warning("client_message_invalid", code=e.code.value, error=e.message, request=e.request_id)
+            self._error(route, e.request_id, e.code, e.message)
+            return self._flush()
+        if isinstance(message, p.Status):
+            self._reply(route, self._status(message.request_id))
+        elif isinstance(message, p.CreateSession):
+            self._create(route, message, now)
+        elif isinstance(message, p.SESSION_REQUEST_TYPES):
+            self._route(route, message, now)
+        return self._flush()
+
+    def worker_message(self, identity: bytes, frames: list[bytes], now: float) -> list[Send]:
+        try:
+            envelope = p.decode_envelope(frames)
+        except p.ProtocolError as e:
+            log.warning("worker_message_invalid", code=e.code.value, error=e.message, identity=identity.hex())
+            return []
+        record = self.registry.workers.get(identity)
+        if record is not None:
+            self.liveness.seen(identity, now)
+        if envelope.command in ANSWERS:
+            self._answer(identity, envelope, frames)
+            if record is None:
+                self._ask_to_register(identity, now)
+            return self._flush()
+        try:
+            message = p.parse(envelope)
+        except p.ProtocolError as e:
+            log.warning("worker_message_invalid", code=e.code.value, error=e.message, identity=identity.hex())
+            return []
+        if isinstance(message, p.Ready):
+            self._register(identity, message, now)
+        elif isinstance(message, p.Heartbeat):
+            if record is None:
+                self._ask_to_register(identity, now)
+            else:
+                record.draining = message.draining
+                if message.free_slots is not None:
+                    record.free_slots = message.free_slots
+        elif isinstance(message, p.Disconnect):
+            self._worker_gone(identity, f"disconnected: {message.reason}" if message.reason else "disconnected")
+        else:
+            log.warning("worker_message_unexpected", command=message.COMMAND.name, identity=identity.hex())
+        return self._flush()
+
+    def tick(self, now: float) -> list[Send]:
+        """Time passes: expire silent workers, send heartbeats, answer what was held past recovery."""
+        for identity in self.liveness.expired(now):
+            self._worker_gone(identity, "missed heartbeats")
+        if self.liveness.heartbeat_due(now):
+            beat = p.encode(p.Heartbeat(broker_id=self.broker_id))
+            self._out.extend(Send(Peer.WORKER, identity, beat) for identity in self.registry.workers)
+            self._asked_to_register = {
+                i: t for i, t in self._asked_to_register.items() if now - t < 10 * self.settings.heartbeat_s
+            }
+        if self.held and not self.recovering(now):
+            self._release_held(now)
+        return self._flush()
+
+    def undeliverable(self, send: Send, failure: Failure, now: float) -> list[Send]:
+        """A send failed. A worker that cannot be reached is gone; a client that is gone stops its generation."""
+        if send.peer is Peer.WORKER:
+            if failure is Failure.UNREACHABLE:
+                self._worker_gone(send.identity, "unreachable")
+            elif send.key is not None:
+                flight = self.inflight.pop(send.key, None)
+                self._settle_pending(flight)
+                name = self._name(send.identity)
+                self._error(*send.key, p.ErrorCode.INTERNAL, f"worker {name} is overloaded (queue full): retry later")
+            return self._flush()
+        if send.key is None:
+            log.debug("client_send_failed", failure=failure.value)
+            return self._flush()
+        log.info("client_send_failed", failure=failure.value, request=send.key[1])
+        flight = self.inflight.get(send.key)
+        if failure is Failure.UNREACHABLE and flight is not None and flight.command is p.Command.GENERATE:
+            del self.inflight[send.key]
+            cancel = p.Cancel(
+                request_id=secrets.token_hex(8), session_id=flight.session_id, target=send.key[1], route=send.key[0]
+            )
+            self._out.append(Send(Peer.WORKER, flight.worker, p.encode(cancel)))
+        return self._flush()
+
+    def next_tick(self) -> float:
+        deadline = self.liveness.next_event()
+        return min(deadline, self.recover_until) if self.held else deadline
+
+    def recovering(self, now: float) -> bool:
+        return now < self.recover_until
+
+    # -- client requests -------------------------------------------------------------------------
+
+    def _create(self, route: bytes, request: p.CreateSession, now: float) -> None:
+        key = (route, request.request_id)
+        flight = self.inflight.get(key)
+        if flight is not None and flight.command is p.Command.CREATE and flight.worker in self.registry.workers:
+            # A resend: same worker, same session id; the worker answers it from its request cache.
+            again = replace(request, session_id=flight.session_id, route=route)
+            self._to_worker(self.registry.workers[flight.worker], again, key)
+            return
+        try:
+            worker = place(self.registry.workers.values(), request.model)
+        except NoPlacement as e:
+            if e.code is p.ErrorCode.MODEL_NOT_FOUND and self.recovering(now):
+                self._hold(route, request)
+                return
+            log.info("create_refused", code=e.code.value, model=request.model, request=request.request_id)
+            self._error(route, request.request_id, e.code, e.message)
+            return
+        session_id = secrets.token_hex(16)
+        worker.pending += 1
+        self.inflight[key] = InFlight(worker.identity, p.Command.CREATE, session_id)
+        self._to_worker(worker, replace(request, session_id=session_id, route=route), key)
+
+    def _route(self, route: bytes, request: p.SessionRequest, now: float) -> None:
+        worker = self.registry.worker_of(request.session_id)
+        if worker is None:
+            self._unknown_session(route, request, now)
+            return
+        if isinstance(request, p.Cancel):  # one-way: nothing to track
+            self._to_worker(worker, request.routed(route), None)
+            return
+        key = (route, request.request_id)
+        if isinstance(request, p.Fork):
+            flight = self.inflight.get(key)
+            if flight is not None and flight.command is p.Command.FORK:
+                child = flight.session_id  # a resend: the worker answers it from its request cache
+            else:
+                child = secrets.token_hex(16)
+                worker.pending += 1
+            self.inflight[key] = InFlight(worker.identity, p.Command.FORK, child)
+            self._to_worker(worker, replace(request, child_id=child, route=route), key)
+            return
+        self.inflight[key] = InFlight(worker.identity, request.COMMAND, request.session_id)
+        self._to_worker(worker, request.routed(route), key)
+
+    def _unknown_session(self, route: bytes, request: p.SessionRequest, now: float) -> None:
+        if isinstance(request, p.Cancel):
+            return
+        if self.registry.is_lost(request.session_id):
+            self._error(route, request.request_id, p.ErrorCode.SESSION_LOST, "the worker holding this session is gone")
+        elif self.recovering(now):
+            self._hold(route, request)
+        else:
+            self._error(route, request.request_id, p.ErrorCode.SESSION_NOT_FOUND, f"no session {request.session_id}")
+
+    def _hold(self, route: bytes, request: p.CreateSession | p.SessionRequest) -> None:
+        if len(self.held) >= MAX_HELD:
+            self._error(route, request.request_id, p.ErrorCode.INTERNAL, "the broker is restarting: retry shortly")
+            return
+        self.held.append(Held(route, request))
+
+    def _release_held(self, now: float) -> None:
+        held, self.held = self.held, []
+        for h in held:
+            if isinstance(h.request, p.CreateSession):
+                self._create(h.route, h.request, now)
+            else:
+                self._route(h.route, h.request, now)
+
+    def _status(self, request_id: str) -> p.StatusReport:
+        workers = tuple(w.status() for w in self.registry.workers.values())
+        return p.StatusReport(request_id=request_id, broker_id=self.broker_id, workers=workers)
+
+    # -- worker messages -------------------------------------------------------------------------
+
+    def _register(self, identity: bytes, ready: p.Ready, now: float) -> None:
+        again = identity in self.registry.workers
+        self.registry.register(identity, ready)
+        self.liveness.seen(identity, now)
+        self._asked_to_register.pop(identity, None)
+        log.info(
+            "worker_reregistered" if again else "worker_registered",
+            worker=ready.name, model=ready.model, capacity=ready.capacity, sessions=len(ready.sessions),
+            draining=ready.draining, device=ready.device,
+        )
+        welcome = p.Welcome(
+            broker_id=self.broker_id,
+            heartbeat_ms=max(1, round(self.settings.heartbeat_s * 1000)),
+            liveness=self.settings.liveness,
+        )
+        self._out.append(Send(Peer.WORKER, identity, p.encode(welcome)))
+        if self.held:
+            self._release_held(now)
+
+    def _answer(self, identity: bytes, envelope: p.Envelope, frames: list[bytes]) -> None:
+        route = p.route_of(envelope.header)
+        request_id = p.request_id_of(envelope.header)
+        if not route:
+            log.warning("worker_answer_without_route", command=envelope.command.name, worker=self._name(identity))
+            return
+        key = None if request_id is None else (route, request_id)
+        if key is not None and envelope.command is not p.Command.CHUNK:
+            flight = self.inflight.pop(key, None)
+            self._account(identity, flight, envelope)
+        self._out.append(Send(Peer.CLIENT, route, frames, key))
+
+    def _account(self, identity: bytes, flight: InFlight | None, envelope: p.Envelope) -> None:
+        """Keep the session table in step with a final answer."""
+        self._settle_pending(flight)
+        kind = envelope.header.get("kind")
+        if envelope.command is p.Command.REPLY and kind in ("created", "forked", "closed"):
+            try:
+                reply = p.parse(envelope)
+            except p.ProtocolError as e:
+                log.warning("worker_reply_invalid", error=e.message, worker=self._name(identity))
+                return
+            if isinstance(reply, p.Created):
+                self.registry.add_session(identity, reply.session_id)
+            elif isinstance(reply, p.Forked):
+                self.registry.add_session(identity, reply.child_id)
+            elif isinstance(reply, p.Closed):
+                self.registry.drop_session(reply.session_id)
+        elif (
+            envelope.command is p.Command.ERROR
+            and flight is not None
+            and flight.command is p.Command.CLOSE
+            and envelope.header.get("code") == p.ErrorCode.SESSION_NOT_FOUND.value
+        ):
+            self.registry.drop_session(flight.session_id)
+
+    def _settle_pending(self, flight: InFlight | None) -> None:
+        if flight is not None and flight.command in (p.Command.CREATE, p.Command.FORK):
+            record = self.registry.workers.get(flight.worker)
+            if record is not None:
+                record.pending = max(0, record.pending - 1)
+
+    def _worker_gone(self, identity: bytes, reason: str) -> None:
+        self.liveness.forget(identity)
+        record = self.registry.remove(identity)
+        if record is None:
+            return
+        failed = [key for key, flight in self.inflight.items() if flight.worker == identity]
+        log.warning("worker_lost", worker=record.name, reason=reason, sessions=len(record.sessions), failed=len(failed))
+        for key in failed:
+            del self.inflight[key]
+            self._error(*key, p.ErrorCode.SESSION_LOST, f"worker {record.name} is gone ({reason})")
+
+    def _ask_to_register(self, identity: bytes, now: float) -> None:
+        """An unknown worker (this broker restarted, or it was declared dead): ask it for READY, once a beat."""
+        last = self._asked_to_register.get(identity)
+        if last is not None and now - last < self.settings.heartbeat_s:
+            return
+        self._asked_to_register[identity] = now
+        self._out.append(Send(Peer.WORKER, identity, p.encode(p.Reconnect(broker_id=self.broker_id))))
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _to_worker(self, worker: WorkerRecord, request: p.Request, key: RequestKey | None) -> None:
+        self._out.append(Send(Peer.WORKER, worker.identity, p.encode(request), key))
+
+    def _reply(self, route: bytes, message: p.Message) -> None:
+        self._out.append(Send(Peer.CLIENT, route, p.encode(message)))
+
+    def _error(self, route: bytes, request_id: str | None, code: p.ErrorCode, message: str) -> None:
+        self._reply(route, p.Error(request_id=request_id, code=code, message=message))
+
+    def _name(self, identity: bytes) -> str:
+        record = self.registry.workers.get(identity)
+        return record.name if record is not None else identity.hex()
+
+    def _flush(self) -> list[Send]:
+        out, self._out = self._out, []
+        return out

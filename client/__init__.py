@@ -1,0 +1,49 @@
+"""Client library: open sessions on the broker, append, generate (streamed or not), fork, close.
+
+    from client import Client, SessionLost
+    with Client("tcp://127.0.0.1:5555") as client, client.session() as s:
+        print(s.chat("What is the capital of France?").text)
+
+Errors are typed (ClientError and its subclasses, each with a stable `.code`).
+"""
+
+from .aio import AsyncClient, AsyncSession, AsyncStream
+from .errors import (
+    BadRequest,
+    CapacityExhausted,
+    ClientError,
+    InternalError,
+    ModelNotFound,
+    SessionLost,
+    SessionNotFound,
+    Timeout,
+    Unauthorized,
+    VersionMismatch,
+    WorkerDraining,
+)
+from .results import Chunk, Generation, SessionInfo, WorkerInfo
+from .sync import Client, Session, Stream
+
+__all__ = [
+    "AsyncClient",
+    "AsyncSession",
+    "AsyncStream",
+    "BadRequest",
+    "CapacityExhausted",
+    "Chunk",
+    "Client",
+    "ClientError",
+    "Generation",
+    "InternalError",
+    "ModelNotFound",
+    "Session",
+    "SessionInfo",
+    "SessionLost",
+    "SessionNotFound",
+    "Stream",
+    "Timeout",
+    "Unauthorized",
+    "VersionMismatch",
+    "WorkerDraining",
+    "WorkerInfo",
+]

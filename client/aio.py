@@ -1,0 +1,323 @@
+"""The asyncio client: the same API as Client, with coroutines.
+
+    async with AsyncClient("tcp://127.0.0.1:5555") as client:
+        async with await client.session() as s:
+            await s.append(text="Once upon a time")
+            stream = await s.generate(max_tokens=32, stream=True)
+            async for chunk in stream:
+                print(chunk.text, end="")
+
+One reader task sorts answers into a queue per request id, so any number of sessions and streams can
+run concurrently on one AsyncClient (within one event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Literal, TypeVar, overload
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from broker import protocol as p
+
+from . import calls
+from .calls import Call, build, decode_answer, new_request_id
+from .errors import BadRequest, ClientError, SessionLost, SessionNotFound, Timeout
+from .results import Chunk, Generation, SessionInfo, WorkerInfo
+from .transport import connect_client
+
+log = structlog.get_logger()
+
+M = TypeVar("M", bound=p.Message)
+
+
+class AsyncTransport:
+    def __init__(self, address: str, resend_after_s: float) -> None:
+        self.address = address
+        self.resend_after_s = resend_after_s
+        self._context = zmq.asyncio.Context()
+        self._socket: zmq.asyncio.Socket = self._context.socket(zmq.DEALER)
+        connect_client(self._socket, address)
+        self._mail: dict[str, asyncio.Queue[p.Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self.closed = False
+
+    def start(self, request: p.Message) -> Call:
+        if self.closed:
+            raise ClientError("the client is closed")
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        call = Call.of(request, time.monotonic(), self.resend_after_s)
+        self._mail[call.request_id] = asyncio.Queue()
+        self._send(call.frames)
+        return call
+
+    async def next(self, call: Call, timeout_s: float) -> p.Message:
+        box = self._mail[call.request_id]
+        deadline = time.monotonic() + timeout_s
+        while box.empty():
+            now = time.monotonic()
+            if now >= deadline:
+                raise Timeout(f"no answer within {timeout_s:g} s from {self.address}", request_id=call.request_id)
+            if call.resend_due(now):
+                log.debug("request_resent", request=call.request_id)
+                self._send(call.frames)
+                call.resent(now)
+            try:
+                message = await asyncio.wait_for(box.get(), call.wake_at(deadline) - now)
+            except asyncio.TimeoutError:
+                continue
+            call.heard(time.monotonic())
+            return message
+        call.heard(time.monotonic())
+        return box.get_nowait()
+
+    def finish(self, call: Call) -> None:
+        self._mail.pop(call.request_id, None)
+
+    def oneway(self, request: p.Message) -> None:
+        if not self.closed:
+            self._send(p.encode(request))
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except asyncio.CancelledError:
+                pass
+        self._socket.close(linger=0)
+        self._context.term()
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self._socket.send_multipart(frames, zmq.NOBLOCK)  # NOBLOCK sends now (the future is already done)
+        except zmq.Again as e:
+            raise Timeout(f"cannot send to {self.address}: the send queue is full (is the broker up?)") from e
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart()
+            message = decode_answer(frames)
+            request_id = getattr(message, "request_id", None)
+            box = self._mail.get(request_id) if request_id is not None else None
+            if box is not None and message is not None:
+                box.put_nowait(message)
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:5555",
+        *,
+        timeout: float = calls.DEFAULT_TIMEOUT_S,
+        resend_after: float = calls.RESEND_AFTER_S,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._transport = AsyncTransport(address, resend_after)
+
+    async def session(self, model: str | None = None, *, timeout: float | None = None) -> AsyncSession:
+        request = build(p.CreateSession, request_id=new_request_id(), model=model)
+        created = await self._call(request, p.Created, timeout)
+        return AsyncSession(self, created.session_id, model=created.model, worker=created.worker,
+                            max_context=created.max_context)
+
+    def attach(self, session_id: str) -> AsyncSession:
+        if not p.is_session_id(session_id):
+            raise BadRequest(f"not a session id: {session_id!r}")
+        return AsyncSession(self, session_id)
+
+    async def status(self, *, timeout: float | None = None) -> list[WorkerInfo]:
+        report = await self._call(p.Status(request_id=new_request_id()), p.StatusReport, timeout)
+        return calls.worker_infos(report)
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, request: p.Message, kind: type[M], timeout: float | None) -> M:
+        call = self._transport.start(request)
+        try:
+            return calls.expect(await self._transport.next(call, self._timeout(timeout)), kind)
+        finally:
+            self._transport.finish(call)
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+
+class AsyncSession:
+    def __init__(
+        self, client: AsyncClient, session_id: str, *, model: str = "", worker: str = "", max_context: int = 0
+    ) -> None:
+        self.client = client
+        self.id = session_id
+        self.model = model
+        self.worker = worker
+        self.max_context = max_context
+
+    def __repr__(self) -> str:
+        return f"AsyncSession({self.id!r}, worker={self.worker!r})"
+
+    async def append(
+        self, text: str | None = None, *, token_ids: Sequence[int] | None = None, timeout: float | None = None
+    ) -> int:
+        request = build(p.Append, request_id=new_request_id(), session_id=self.id,
+                        token_ids=None if token_ids is None else tuple(token_ids), text=text)
+        return (await self.client._call(request, p.Appended, timeout)).length
+
+    async def append_chat(self, content: str, *, role: str = "user", timeout: float | None = None) -> int:
+        request = build(p.Chat, request_id=new_request_id(), session_id=self.id, content=content, role=role)
+        return (await self.client._call(request, p.Appended, timeout)).length
+
+    @overload
+    async def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
+                   top_p: float = ..., top_k: int = ..., seed: int | None = ...,
+                   stop: str | Sequence[str] | None = ..., stream: Literal[False] = ...,
+                   timeout: float | None = ...) -> Generation: ...
+    @overload
+    async def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
+                   top_p: float = ..., top_k: int = ..., seed: int | None = ...,
+                   stop: str | Sequence[str] | None = ..., stream: Literal[True],
+                   timeout: float | None = ...) -> AsyncStream: ...
+
+    async def chat(
+        self, content: str, *, role: str = "user", max_tokens: int = 256, temperature: float = 0.0,
+        top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+        stream: bool = False, timeout: float | None = None,
+    ) -> Generation | AsyncStream:
+        await self.append_chat(content, role=role, timeout=timeout)
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, (), False)
+        return await self._generate(params, stream, timeout)
+
+    @overload
+    async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
+                       seed: int | None = ..., stop: str | Sequence[str] | None = ...,
+                       stream: Literal[False] = ..., *, stop_token_ids: Sequence[int] = ...,
+                       ignore_eos: bool = ..., timeout: float | None = ...) -> Generation: ...
+    @overload
+    async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
+                       seed: int | None = ..., stop: str | Sequence[str] | None = ..., *,
+                       stream: Literal[True], stop_token_ids: Sequence[int] = ...,
+                       ignore_eos: bool = ..., timeout: float | None = ...) -> AsyncStream: ...
+
+    async def generate(
+        self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+        seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
+        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, timeout: float | None = None,
+    ) -> Generation | AsyncStream:
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
+        return await self._generate(params, stream, timeout)
+
+    async def _generate(self, params: p.Sampling, stream: bool, timeout: float | None) -> Generation | AsyncStream:
+        request = build(p.Generate, request_id=new_request_id(), session_id=self.id, params=params, stream=stream)
+        if not stream:
+            return calls.generation(await self.client._call(request, p.Generated, timeout))
+        transport = self.client._transport
+        return AsyncStream(transport, transport.start(request), self.id, self.client._timeout(timeout))
+
+    async def fork(self, *, timeout: float | None = None) -> AsyncSession:
+        request = build(p.Fork, request_id=new_request_id(), session_id=self.id)
+        forked = await self.client._call(request, p.Forked, timeout)
+        return AsyncSession(self.client, forked.child_id, model=self.model, worker=forked.worker,
+                            max_context=self.max_context)
+
+    async def info(self, *, timeout: float | None = None) -> SessionInfo:
+        request = build(p.Info, request_id=new_request_id(), session_id=self.id)
+        return calls.session_info(await self.client._call(request, p.SessionInfo, timeout))
+
+    async def close(self, *, timeout: float | None = None) -> None:
+        try:
+            await self.client._call(build(p.Close, request_id=new_request_id(), session_id=self.id), p.Closed, timeout)
+        except (SessionNotFound, SessionLost):
+            pass
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.client._transport.closed:
+            return
+        try:
+            await self.close()
+        except ClientError:
+            if exc is None:
+                raise  # otherwise the error that ended the block matters more than a failed close
+
+
+class AsyncStream:
+    """An async iterator of Chunks; the last has finish_reason set. Closing it early cancels the generation."""
+
+    def __init__(self, transport: AsyncTransport, call: Call, session_id: str, timeout_s: float) -> None:
+        self._transport = transport
+        self._call = call
+        self._session_id = session_id
+        self._timeout_s = timeout_s
+        self._state = calls.StreamState()
+        self._open = True
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if not self._open:
+            raise StopAsyncIteration
+        try:
+            message = await self._transport.next(self._call, self._timeout_s)
+        except (Timeout, asyncio.CancelledError):
+            self.close()
+            raise
+        try:
+            chunk = self._state.take(message)
+        except ClientError:
+            self._end()
+            raise
+        if chunk.finish_reason is not None:
+            self._end()
+        return chunk
+
+    @property
+    def result(self) -> Generation | None:
+        return self._state.result
+
+    def close(self) -> None:
+        """Stop reading; a generation still running is cancelled (CANCEL is sent at once, no await needed)."""
+        if self._open:
+            self._end()
+            cancel = p.Cancel(request_id=new_request_id(), session_id=self._session_id, target=self._call.request_id)
+            self._transport.oneway(cancel)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def _end(self) -> None:
+        self._open = False
+        self._transport.finish(self._call)
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

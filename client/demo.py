@@ -1,0 +1,119 @@
+"""The multi-session demo through the whole stack: `python -m client.demo`.
+
+Starts a broker and one worker (the bundled SmolLM2 unless --model says otherwise) on free loopback
+ports, runs two chat sessions interleaved and streamed, forks one, prints the text, closes everything
+and stops both daemons with SIGTERM. Daemon logs go to files in a temporary folder (printed on failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from broker import logs
+
+from . import Client, ClientError, Stream
+
+QUESTIONS = ("What is the capital of France?", "Give me one tip for learning to cook.")
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def spawn(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", module, "start", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_worker(client: Client, worker: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not client.status():
+        if worker.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the worker did not register (see its log)")
+        time.sleep(0.2)
+
+
+def interleave(streams: dict[str, Stream]) -> dict[str, str]:
+    """Read the streams turn about, as a server sees them, printing each chunk labelled by its session."""
+    texts = {name: "" for name in streams}
+    live = dict(streams)
+    while live:
+        for name, stream in list(live.items()):
+            chunk = next(stream)
+            texts[name] += chunk.text
+            if chunk.text.strip():
+                print(f"  [{name}] {chunk.text!r}")
+            if chunk.finish_reason is not None:
+                del live[name]
+    return texts
+
+
+def run_demo(client: Client, max_tokens: int) -> None:
+    workers = client.status()
+    print(f"worker {workers[0].name}: model {workers[0].model!r}, {workers[0].capacity} session slots")
+    with client.session() as a, client.session() as b:
+        print(f"\nTwo sessions ({a.id[:8]}, {b.id[:8]}), streamed and interleaved:")
+        streams = {"A": a.chat(QUESTIONS[0], max_tokens=max_tokens, stream=True),
+                   "B": b.chat(QUESTIONS[1], max_tokens=max_tokens, stream=True)}
+        texts = interleave(streams)
+        for name, question in zip(("A", "B"), QUESTIONS, strict=True):
+            print(f"\n{name}: {question}\n   -> {texts[name].strip()}")
+        with a.fork() as fork:
+            print(f"\nFork of A ({fork.id[:8]}) and A itself get different follow-ups; each keeps A's history:")
+            print(f"  A:    And of Italy?   -> {a.chat('And of Italy?', max_tokens=max_tokens).text.strip()}")
+            print(f"  fork: And of Spain?   -> {fork.chat('And of Spain?', max_tokens=max_tokens).text.strip()}")
+            print(f"  lengths: A {a.info().length} tokens, fork {fork.info().length} tokens")
+    print(f"\nall sessions closed; worker holds {client.status()[0].sessions}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m client.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="worker --model (default: the bundled SmolLM2)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    logs.configure("warning")
+
+    clients, workers = free_address(), free_address()
+    log_dir = Path(tempfile.mkdtemp(prefix="sessionserve-demo-"))
+    broker = spawn("broker.cli", ["--clients", clients, "--workers", workers], log_dir / "broker.log")
+    worker = spawn("worker.cli", ["--broker", workers, "--device", args.device, "--max-sessions", "4", "--name",
+                                  "demo-worker", *(["--model", args.model] if args.model else [])],
+                   log_dir / "worker.log")
+    code = 0
+    try:
+        with Client(clients, timeout=120) as client:
+            print("starting a broker and a worker (loading the model)...")
+            wait_for_worker(client, worker, timeout_s=300)
+            run_demo(client, args.max_tokens)
+    except (ClientError, RuntimeError) as e:
+        print(f"demo failed: {e} (daemon logs in {log_dir})", file=sys.stderr)
+        code = 1
+    finally:
+        for proc in (worker, broker):  # the worker first: it drains, says DISCONNECT, exits
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = 1
+    print(f"broker and worker stopped (exit codes {broker.returncode}, {worker.returncode})")
+    return code or broker.returncode or worker.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Typed client errors: one class per wire error code, all subclasses of ClientError with a stable `code`.
+
+Each docstring says what the caller should do.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class ClientError(Exception):
+    """Base of every error the client raises. `code` is the wire code; `request_id` names the request."""
+
+    code: ClassVar[str] = "internal"
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+
+
+class BadRequest(ClientError):
+    """The request was malformed or out of range (the message names the field). Fix the call."""
+
+    code = "bad_request"
+
+
+class CapacityExhausted(ClientError):
+    """Every session slot that could take this is in use. Close a session, or retry later."""
+
+    code = "capacity_exhausted"
+
+
+class SessionNotFound(ClientError):
+    """No such session: it was never created, or it was closed. Create a new one."""
+
+    code = "session_not_found"
+
+
+class SessionLost(ClientError):
+    """The worker holding the session died; its state is gone. Create a new session and replay the turn."""
+
+    code = "session_lost"
+
+
+class ModelNotFound(ClientError):
+    """No live worker serves the requested model (or none is registered). Check the name or start a worker."""
+
+    code = "model_not_found"
+
+
+class Timeout(ClientError, TimeoutError):
+    """No answer within the call's timeout. The request may still run; a retry with a new call is safe."""
+
+    code = "timeout"
+
+
+class WorkerDraining(ClientError):
+    """The worker is shutting down and takes no new sessions or generations. Retry: others may take it."""
+
+    code = "worker_draining"
+
+
+class Unauthorized(ClientError):
+    """The broker refused the credentials."""
+
+    code = "unauthorized"
+
+
+class VersionMismatch(ClientError):
+    """Client and broker speak different protocol versions. Upgrade one of them."""
+
+    code = "version_mismatch"
+
+
+class InternalError(ClientError):
+    """The server failed on this request (see its logs). The session may still be usable."""
+
+    code = "internal"
+
+
+_BY_CODE: dict[str, type[ClientError]] = {
+    c.code: c
+    for c in (
+        BadRequest, CapacityExhausted, SessionNotFound, SessionLost, ModelNotFound, Timeout, WorkerDraining,
+        Unauthorized, VersionMismatch, InternalError,
+    )
+}
+
+
+def error_for(code: str, message: str, request_id: str | None = None) -> ClientError:
+    """The typed error of a wire code (an unknown code gives InternalError)."""
+    return _BY_CODE.get(code, InternalError)(message, request_id=request_id)

@@ -1,0 +1,43 @@
+"""What client calls return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
+    session_length: int  # tokens in the session afterwards
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Part of a streamed generation. The last chunk has finish_reason set (its tokens may be empty)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    length: int
+    model: str
+    worker: str
+    max_context: int
+    busy: bool  # a generation is in flight
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    name: str
+    model: str
+    capacity: int
+    free_slots: int
+    sessions: int
+    draining: bool
+    device: str

@@ -1,0 +1,243 @@
+"""The blocking client: Client -> Session -> append / chat / generate / fork / close.
+
+    with Client("tcp://127.0.0.1:5555") as client, client.session() as s:
+        s.append(text="The capital of France is")
+        print(s.generate(max_tokens=8).text)
+        for chunk in s.generate(max_tokens=32, stream=True):
+            print(chunk.text, end="")
+
+Timeouts: `timeout` (seconds) bounds the wait for an answer; for a stream, the wait for each chunk.
+A Client and its sessions belong to one thread; use AsyncClient, or one Client per thread, for more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Literal, TypeVar, overload
+
+from broker import protocol as p
+
+from . import calls
+from .calls import build, new_request_id
+from .errors import BadRequest, ClientError, SessionLost, SessionNotFound, Timeout
+from .results import Chunk, Generation, SessionInfo, WorkerInfo
+from .transport import Transport
+
+M = TypeVar("M", bound=p.Message)
+
+
+class Client:
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:5555",
+        *,
+        timeout: float = calls.DEFAULT_TIMEOUT_S,
+        resend_after: float = calls.RESEND_AFTER_S,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._transport = Transport(address, resend_after)
+
+    def session(self, model: str | None = None, *, timeout: float | None = None) -> Session:
+        """A new session on the least-loaded worker serving `model` (None: any model)."""
+        request = build(p.CreateSession, request_id=new_request_id(), model=model)
+        created = self._call(request, p.Created, timeout)
+        return Session(self, created.session_id, model=created.model, worker=created.worker,
+                       max_context=created.max_context)
+
+    def attach(self, session_id: str) -> Session:
+        """A handle on an existing session by id (no round trip; the next call finds out if it exists)."""
+        if not p.is_session_id(session_id):
+            raise BadRequest(f"not a session id: {session_id!r}")
+        return Session(self, session_id)
+
+    def status(self, *, timeout: float | None = None) -> list[WorkerInfo]:
+        """The broker's live workers."""
+        return calls.worker_infos(self._call(p.Status(request_id=new_request_id()), p.StatusReport, timeout))
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing for Session --
+
+    def _call(self, request: p.Message, kind: type[M], timeout: float | None) -> M:
+        call = self._transport.start(request)
+        try:
+            return calls.expect(self._transport.next(call, self._timeout(timeout)), kind)
+        finally:
+            self._transport.finish(call)
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+
+class Session:
+    def __init__(self, client: Client, session_id: str, *, model: str = "", worker: str = "", max_context: int = 0):
+        self.client = client
+        self.id = session_id
+        self.model = model
+        self.worker = worker  # the worker's name as the create answered it ("" for attach())
+        self.max_context = max_context
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r}, worker={self.worker!r})"
+
+    def append(
+        self, text: str | None = None, *, token_ids: Sequence[int] | None = None, timeout: float | None = None
+    ) -> int:
+        """Add prompt text or token ids; returns the session's length in tokens."""
+        request = build(p.Append, request_id=new_request_id(), session_id=self.id,
+                        token_ids=None if token_ids is None else tuple(token_ids), text=text)
+        return self.client._call(request, p.Appended, timeout).length
+
+    def append_chat(self, content: str, *, role: str = "user", timeout: float | None = None) -> int:
+        """Add one chat turn rendered with the model's chat template (by the worker) and the assistant prompt."""
+        request = build(p.Chat, request_id=new_request_id(), session_id=self.id, content=content, role=role)
+        return self.client._call(request, p.Appended, timeout).length
+
+    @overload
+    def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
+             top_p: float = ..., top_k: int = ..., seed: int | None = ..., stop: str | Sequence[str] | None = ...,
+             stream: Literal[False] = ..., timeout: float | None = ...) -> Generation: ...
+    @overload
+    def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
+             top_p: float = ..., top_k: int = ..., seed: int | None = ..., stop: str | Sequence[str] | None = ...,
+             stream: Literal[True], timeout: float | None = ...) -> Stream: ...
+
+    def chat(
+        self, content: str, *, role: str = "user", max_tokens: int = 256, temperature: float = 0.0,
+        top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+        stream: bool = False, timeout: float | None = None,
+    ) -> Generation | Stream:
+        """One chat turn: the templated message, then the assistant's answer (generated, or streamed)."""
+        self.append_chat(content, role=role, timeout=timeout)
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, (), False)
+        return self._generate(params, stream, timeout)
+
+    @overload
+    def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
+                 seed: int | None = ..., stop: str | Sequence[str] | None = ..., stream: Literal[False] = ..., *,
+                 stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ...,
+                 timeout: float | None = ...) -> Generation: ...
+    @overload
+    def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
+                 seed: int | None = ..., stop: str | Sequence[str] | None = ..., *, stream: Literal[True],
+                 stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ...,
+                 timeout: float | None = ...) -> Stream: ...
+
+    def generate(
+        self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+        seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
+        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, timeout: float | None = None,
+    ) -> Generation | Stream:
+        """Continue the session. The generated tokens become part of it, so the next turn follows on."""
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
+        return self._generate(params, stream, timeout)
+
+    def _generate(self, params: p.Sampling, stream: bool, timeout: float | None) -> Generation | Stream:
+        request = build(p.Generate, request_id=new_request_id(), session_id=self.id, params=params, stream=stream)
+        if not stream:
+            return calls.generation(self.client._call(request, p.Generated, timeout))
+        transport = self.client._transport
+        return Stream(transport, transport.start(request), self.id, self.client._timeout(timeout))
+
+    def fork(self, *, timeout: float | None = None) -> Session:
+        """A new session on the same worker that continues exactly as this one would."""
+        forked = self.client._call(build(p.Fork, request_id=new_request_id(), session_id=self.id), p.Forked, timeout)
+        return Session(self.client, forked.child_id, model=self.model, worker=forked.worker,
+                       max_context=self.max_context)
+
+    def info(self, *, timeout: float | None = None) -> SessionInfo:
+        info = self.client._call(build(p.Info, request_id=new_request_id(), session_id=self.id), p.SessionInfo, timeout)
+        return calls.session_info(info)
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Free the session's slot. Closing a session that is already gone (closed, lost) is not an error."""
+        try:
+            self.client._call(build(p.Close, request_id=new_request_id(), session_id=self.id), p.Closed, timeout)
+        except (SessionNotFound, SessionLost):
+            pass
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.client._transport.closed:
+            return
+        try:
+            self.close()
+        except ClientError:
+            if exc is None:
+                raise  # otherwise the error that ended the block matters more than a failed close
+
+
+class Stream:
+    """An iterator of Chunks; the last has finish_reason set. Closing it early cancels the generation.
+
+    `timeout` bounds the wait for each chunk; on Timeout the generation is cancelled.
+    """
+
+    def __init__(self, transport: Transport, call: calls.Call, session_id: str, timeout_s: float) -> None:
+        self._transport = transport
+        self._call = call
+        self._session_id = session_id
+        self._timeout_s = timeout_s
+        self._state = calls.StreamState()
+        self._open = True
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        if not self._open:
+            raise StopIteration
+        try:
+            message = self._transport.next(self._call, self._timeout_s)
+        except Timeout:
+            self.close()
+            raise
+        try:
+            chunk = self._state.take(message)
+        except ClientError:
+            self._end()  # the server ended the request with an error
+            raise
+        if chunk.finish_reason is not None:
+            self._end()
+        return chunk
+
+    @property
+    def result(self) -> Generation | None:
+        """The whole generation, once the last chunk has been read."""
+        return self._state.result
+
+    def close(self) -> None:
+        """Stop reading; a generation still running is cancelled so the session is free again."""
+        if self._open:
+            self._end()
+            cancel = p.Cancel(request_id=new_request_id(), session_id=self._session_id, target=self._call.request_id)
+            self._transport.oneway(cancel)
+
+    def _end(self) -> None:
+        self._open = False
+        self._transport.finish(self._call)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the socket may already be gone
+            pass

@@ -1,0 +1,107 @@
+"""The client's socket: one DEALER to the broker, answers sorted into one mailbox per request id.
+
+Several calls may be open at once on one thread (e.g. two interleaved streams): whichever call waits
+reads the socket for all of them. A Transport belongs to one thread, like the ZeroMQ socket it owns.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import structlog
+import zmq
+
+from broker import protocol as p
+
+from .calls import Call, decode_answer
+from .errors import ClientError, Timeout
+
+log = structlog.get_logger()
+
+RECV_BATCH = 1024
+
+
+def connect_client(sock: zmq.Socket[Any], address: str) -> None:
+    """Set up a DEALER with a stable routing id (after a broker restart it reconnects as the same peer)."""
+    sock.setsockopt(zmq.ROUTING_ID, b"c" + uuid.uuid4().bytes)  # ids starting with 0 are ZeroMQ's own
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings find a vanished broker host and reconnect
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    sock.connect(address)
+
+
+class Transport:
+    def __init__(self, address: str, resend_after_s: float) -> None:
+        self.address = address
+        self.resend_after_s = resend_after_s
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
+        connect_client(self._socket, address)
+        self._mail: dict[str, deque[p.Message]] = {}
+        self.closed = False
+
+    def start(self, request: p.Message) -> Call:
+        """Send a request; its answers collect in a mailbox until `finish`."""
+        if self.closed:
+            raise ClientError("the client is closed")
+        call = Call.of(request, time.monotonic(), self.resend_after_s)
+        self._mail[call.request_id] = deque()
+        self._send(call.frames)
+        return call
+
+    def next(self, call: Call, timeout_s: float) -> p.Message:
+        """The call's next answer; resends on schedule; Timeout when nothing comes within timeout_s."""
+        box = self._mail[call.request_id]
+        deadline = time.monotonic() + timeout_s
+        while not box:
+            now = time.monotonic()
+            if now >= deadline:
+                raise Timeout(f"no answer within {timeout_s:g} s from {self.address}", request_id=call.request_id)
+            if call.resend_due(now):
+                log.debug("request_resent", request=call.request_id)
+                self._send(call.frames)
+                call.resent(now)
+            self._pump(call.wake_at(deadline) - now)
+        call.heard(time.monotonic())
+        return box.popleft()
+
+    def finish(self, call: Call) -> None:
+        self._mail.pop(call.request_id, None)
+
+    def oneway(self, request: p.Message) -> None:
+        """Send something nothing answers (CANCEL). Best effort: a closed client sends nothing."""
+        if not self.closed:
+            self._send(p.encode(request))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._socket.close(linger=0)
+            self._context.term()
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self._socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again as e:
+            raise Timeout(f"cannot send to {self.address}: the send queue is full (is the broker up?)") from e
+
+    def _pump(self, timeout_s: float) -> None:
+        if not self._socket.poll(max(0, round(timeout_s * 1000)), zmq.POLLIN):
+            return
+        for _ in range(RECV_BATCH):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            message = decode_answer(frames)
+            request_id = getattr(message, "request_id", None)
+            box = self._mail.get(request_id) if request_id is not None else None
+            if box is not None and message is not None:
+                box.append(message)

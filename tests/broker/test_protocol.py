@@ -1,0 +1,178 @@
+"""The wire format: every message round-trips, every bad field is a typed ProtocolError, garbage never crashes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import protocol as p
+
+SID = "0123456789abcdef0123456789abcdef"
+SID2 = "fedcba9876543210fedcba9876543210"
+
+EXAMPLES: list[p.Message] = [
+    p.CreateSession(request_id="r1"),
+    p.CreateSession(request_id="r1", model="m", session_id=SID, route=b"c1"),
+    p.Append(request_id="r2", session_id=SID, token_ids=(1, 2, 3)),
+    p.Append(request_id="r2", session_id=SID, text="héllo"),
+    p.Chat(request_id="r3", session_id=SID, content="hi", role="system"),
+    p.Generate(request_id="r4", session_id=SID, params=p.Sampling(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5,
+                                                                   seed=7, stop=("\n",), stop_token_ids=(2,)),
+               stream=True, route=b"c1"),
+    p.Fork(request_id="r5", session_id=SID, child_id=SID2),
+    p.Close(request_id="r6", session_id=SID),
+    p.Info(request_id="r7", session_id=SID),
+    p.Cancel(request_id="r8", session_id=SID, target="r4"),
+    p.Status(request_id="r9"),
+    p.Created(request_id="r1", session_id=SID, model="m", worker="w", max_context=2048, route=b"c1"),
+    p.Appended(request_id="r2", session_id=SID, length=3),
+    p.Generated(request_id="r4", session_id=SID, token_ids=(4, 5), text="ab", finish_reason="stop", length=5),
+    p.Forked(request_id="r5", session_id=SID, child_id=SID2, length=5, worker="w"),
+    p.Closed(request_id="r6", session_id=SID),
+    p.SessionInfo(request_id="r7", session_id=SID, length=5, model="m", worker="w", max_context=64, busy=True),
+    p.StatusReport(request_id="r9", broker_id="b1", workers=(p.WorkerStatus("w", "m", 4, 3, 1, True, "cpu"),)),
+    p.Chunk(request_id="r4", session_id=SID, token_ids=(4,), text="a", route=b"c1"),
+    p.Error(request_id="r4", code=p.ErrorCode.SESSION_LOST, message="gone"),
+    p.Error(request_id=None, code=p.ErrorCode.VERSION_MISMATCH),
+    p.Ready(name="w", model="m", capacity=4, free_slots=3, max_context=64, sessions=(SID,), draining=False, device="cpu"),
+    p.Welcome(broker_id="b1", heartbeat_ms=100, liveness=3),
+    p.Heartbeat(broker_id="b1"),
+    p.Heartbeat(free_slots=3, sessions=1, draining=True),
+    p.Reconnect(broker_id="b1"),
+    p.Disconnect(reason="drained"),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message: p.Message) -> None:
+    frames = p.encode(message)
+    assert frames[0] == p.VERSION and frames[1] == message.COMMAND.value and len(frames) == 3
+    assert p.decode(frames) == message
+
+
+def test_the_error_codes_are_the_designed_ones() -> None:
+    assert {c.value for c in p.ErrorCode} == {
+        "bad_request", "capacity_exhausted", "session_not_found", "session_lost", "model_not_found", "timeout",
+        "worker_draining", "unauthorized", "version_mismatch", "internal",
+    }
+
+
+def frames(command: bytes, header: Any) -> list[bytes]:
+    return [p.VERSION, command, msgpack.packb(header)]
+
+
+@pytest.mark.parametrize(
+    ("command", "header", "complaint"),
+    [
+        (b"CREATE", {}, "missing field request_id"),
+        (b"CREATE", {"request_id": ""}, "request_id is malformed"),
+        (b"CREATE", {"request_id": "a b"}, "request_id is malformed"),
+        (b"CREATE", {"request_id": "r", "model": 3}, "model must be a string"),
+        (b"APPEND", {"request_id": "r", "session_id": "abc", "text": "x"}, "session_id is malformed"),
+        (b"APPEND", {"request_id": "r", "session_id": SID}, "exactly one of token_ids or text"),
+        (b"APPEND", {"request_id": "r", "session_id": SID, "token_ids": [1], "text": "x"}, "exactly one"),
+        (b"APPEND", {"request_id": "r", "session_id": SID, "token_ids": [1, -2]}, "token_ids must hold integers"),
+        (b"APPEND", {"request_id": "r", "session_id": SID, "token_ids": [1.5]}, "token_ids must hold integers"),
+        (b"APPEND", {"request_id": "r", "session_id": SID, "token_ids": "123"}, "token_ids must be a list"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"max_tokens": 0}}, "max_tokens must be in"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"max_tokens": True}}, "must be an integer"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"temperature": -1}}, "temperature must be"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"top_p": 0}}, "top_p must be in (0, 1]"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"seed": 2**63}}, "seed must be in"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"stop": [""]}}, "stop is malformed"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"stop": ["a"] * 17}}, "more than 16"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": []}, "params must be a map"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "stream": 1}, "stream must be a boolean"),
+        (b"CANCEL", {"request_id": "r", "session_id": SID}, "missing field target"),
+        (b"REPLY", {"request_id": "r"}, "unknown reply kind None"),
+        (b"REPLY", {"kind": "generated", "request_id": "r", "session_id": SID, "token_ids": [], "text": "",
+                    "finish_reason": "bored", "length": 0}, "finish_reason must be one of"),
+        (b"CHAT", {"request_id": "r", "session_id": SID, "content": "x", "role": "User!"}, "role is malformed"),
+    ],
+)
+def test_bad_fields_are_bad_requests_naming_the_field(command: bytes, header: Any, complaint: str) -> None:
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode(frames(command, header))
+    assert e.value.code is p.ErrorCode.BAD_REQUEST
+    assert complaint in e.value.message
+
+
+def test_an_error_keeps_the_request_id_and_route_when_they_are_valid() -> None:
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode(frames(b"GENERATE", {"request_id": "r42", "session_id": "nope", "route": b"c9"}))
+    assert (e.value.request_id, e.value.route) == ("r42", b"c9")
+    error = p.error_for(e.value)
+    assert (error.request_id, error.code, error.route) == ("r42", p.ErrorCode.BAD_REQUEST, b"c9")
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        ([], p.ErrorCode.BAD_REQUEST),
+        ([b"junk"], p.ErrorCode.VERSION_MISMATCH),
+        ([b"SSP0", b"CREATE", msgpack.packb({"request_id": "r"})], p.ErrorCode.VERSION_MISMATCH),
+        ([p.VERSION, b"create", msgpack.packb({"request_id": "r"})], p.ErrorCode.BAD_REQUEST),
+        ([p.VERSION, b"CREATE", b"\xc1"], p.ErrorCode.BAD_REQUEST),
+        ([p.VERSION, b"CREATE", msgpack.packb(["r"])], p.ErrorCode.BAD_REQUEST),
+        ([p.VERSION, b"CREATE", msgpack.packb({1: "r"})], p.ErrorCode.BAD_REQUEST),
+        ([p.VERSION, b"CREATE", msgpack.packb({"request_id": "r"}), b"x"], p.ErrorCode.BAD_REQUEST),
+        ([p.VERSION, b"CREATE", b"\x91" * 10_000], p.ErrorCode.BAD_REQUEST),
+        ([p.VERSION, b"CREATE", b" " * (p.MAX_HEADER_BYTES + 1)], p.ErrorCode.BAD_REQUEST),
+    ],
+)
+def test_malformed_frames(raw: list[bytes], code: p.ErrorCode) -> None:
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode(raw)
+    assert e.value.code is code
+
+
+def test_unknown_fields_are_ignored_and_unknown_error_codes_still_end_a_request() -> None:
+    assert p.decode(frames(b"CLOSE", {"request_id": "r", "session_id": SID, "extra": [1]})) == p.Close(
+        request_id="r", session_id=SID
+    )
+    error = p.decode(frames(b"ERROR", {"request_id": "r", "code": "from_the_future", "message": "?"}))
+    assert isinstance(error, p.Error) and error.code is p.ErrorCode.INTERNAL
+
+
+def test_messages_built_in_python_are_checked_too() -> None:
+    with pytest.raises(p.ProtocolError, match="max_tokens"):
+        p.Sampling(max_tokens=-1)
+    with pytest.raises(p.ProtocolError, match="session_id"):
+        p.Info(request_id="r", session_id="ABC")
+    assert p.Chunk(request_id="r", session_id=SID, token_ids=[1, 2], text="").token_ids == (1, 2)  # type: ignore[arg-type]
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+field_names = st.sampled_from(
+    ["request_id", "session_id", "model", "token_ids", "text", "params", "stream", "route", "kind", "code",
+     "target", "child_id", "content", "role", "name", "capacity", "sessions", "broker_id", "max_tokens"]
+)
+headers = st.dictionaries(field_names, msgpack_values, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=5))
+def test_random_frames_only_ever_raise_protocol_errors(raw: list[bytes]) -> None:
+    try:
+        p.decode(raw)
+    except p.ProtocolError:
+        pass
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from([c.value for c in p.Command]), headers)
+def test_random_headers_only_ever_raise_protocol_errors(command: bytes, header: dict[str, Any]) -> None:
+    try:
+        message = p.decode([p.VERSION, command, msgpack.packb(header, use_bin_type=True)])
+    except p.ProtocolError:
+        return
+    assert p.decode(p.encode(message)) == message

@@ -1,0 +1,214 @@
+"""The broker's logic without sockets: frames in, frames out, time passed in explicitly."""
+
+from __future__ import annotations
+
+import msgpack
+
+from broker import protocol as p
+from broker.router import Failure, Peer, Router, Send, Settings
+
+SETTINGS = Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0)
+W1, W2 = b"w1-id", b"w2-id"
+C1, C2 = b"client-1", b"client-2"
+
+
+def decoded(sends: list[Send]) -> list[tuple[Peer, bytes, p.Message]]:
+    return [(s.peer, s.identity, p.decode(s.frames)) for s in sends]
+
+
+def one(sends: list[Send]) -> tuple[Peer, bytes, p.Message]:
+    out = decoded(sends)
+    assert len(out) == 1, out
+    return out[0]
+
+
+def ready(name: str, capacity: int = 2, sessions: tuple[str, ...] = ()) -> p.Ready:
+    return p.Ready(name=name, model="m", capacity=capacity, free_slots=capacity - len(sessions), max_context=64,
+                   sessions=sessions)
+
+
+def running(*workers: tuple[bytes, p.Ready]) -> Router:
+    """A router past its recovery window with these workers registered."""
+    router = Router(SETTINGS, now=0.0, broker_id="b1")
+    for identity, r in workers:
+        router.worker_message(identity, p.encode(r), 2.0)
+    return router
+
+
+def create(router: Router, client: bytes, rid: str, now: float = 2.0) -> tuple[Peer, bytes, p.Message]:
+    return one(router.client_message(client, p.encode(p.CreateSession(request_id=rid)), now))
+
+
+def created(router: Router, worker: bytes, request: p.CreateSession, now: float = 2.0) -> list[Send]:
+    assert request.session_id is not None
+    answer = p.Created(request_id=request.request_id, session_id=request.session_id, model="m", worker="w",
+                       max_context=64, route=request.route)
+    return router.worker_message(worker, p.encode(answer), now)
+
+
+def test_registration_is_welcomed_with_the_liveness_settings() -> None:
+    router = Router(SETTINGS, now=0.0, broker_id="b1")
+    assert one(router.worker_message(W1, p.encode(ready("w1")), 0.1)) == (
+        Peer.WORKER, W1, p.Welcome(broker_id="b1", heartbeat_ms=250, liveness=3)
+    )
+
+
+def test_create_is_placed_forwarded_with_route_and_session_id_and_the_answer_comes_back() -> None:
+    router = running((W1, ready("w1")), (W2, ready("w2", sessions=("a" * 32,))))
+    peer, identity, request = create(router, C1, "r1")
+    assert (peer, identity) == (Peer.WORKER, W1)  # the emptier worker
+    assert isinstance(request, p.CreateSession) and request.route == C1 and request.session_id is not None
+    assert router.registry.workers[W1].pending == 1
+    answer = created(router, W1, request)
+    assert answer[0].peer is Peer.CLIENT and answer[0].identity == C1
+    assert isinstance(p.decode(answer[0].frames), p.Created)
+    assert router.registry.worker_of(request.session_id) is router.registry.workers[W1]
+    assert router.registry.workers[W1].pending == 0 and not router.inflight
+
+
+def test_session_requests_go_to_the_session_s_worker() -> None:
+    sid = "b" * 32
+    router = running((W1, ready("w1")), (W2, ready("w2", sessions=(sid,))))
+    gen = p.Generate(request_id="g1", session_id=sid, stream=True)
+    peer, identity, forwarded = one(router.client_message(C1, p.encode(gen), 2.0))
+    assert (peer, identity, forwarded) == (Peer.WORKER, W2, gen.routed(C1))
+    chunk = p.Chunk(request_id="g1", session_id=sid, token_ids=(1,), text="a", route=C1)
+    assert router.worker_message(W2, p.encode(chunk), 2.1)[0].frames == p.encode(chunk)  # forwarded unchanged
+    assert (C1, "g1") in router.inflight
+    done = p.Generated(request_id="g1", session_id=sid, token_ids=(1, 2), text="ab", finish_reason="length",
+                       length=9, route=C1)
+    router.worker_message(W2, p.encode(done), 2.2)
+    assert not router.inflight
+
+
+def test_pending_creates_count_against_capacity() -> None:
+    router = running((W1, ready("w1", capacity=1)))
+    create(router, C1, "r1")
+    peer, identity, error = create(router, C2, "r2")
+    assert (peer, identity) == (Peer.CLIENT, C2)
+    assert isinstance(error, p.Error) and error.code is p.ErrorCode.CAPACITY_EXHAUSTED and error.request_id == "r2"
+
+
+def test_a_resent_create_goes_to_the_same_worker_with_the_same_session_id() -> None:
+    router = running((W1, ready("w1", capacity=1)), (W2, ready("w2", capacity=1)))
+    _, first_worker, first = create(router, C1, "r1")
+    _, again_worker, again = create(router, C1, "r1")
+    assert (again_worker, again) == (first_worker, first)
+    assert sum(w.pending for w in router.registry.workers.values()) == 1
+
+
+def test_unknown_sessions_are_not_found_and_malformed_requests_are_bad() -> None:
+    router = running((W1, ready("w1")))
+    _, _, error = one(router.client_message(C1, p.encode(p.Info(request_id="i1", session_id="c" * 32)), 2.0))
+    assert isinstance(error, p.Error) and error.code is p.ErrorCode.SESSION_NOT_FOUND and error.request_id == "i1"
+    _, _, error = one(router.client_message(C1, [p.VERSION, b"INFO", msgpack.packb({"request_id": "i2"})], 2.0))
+    assert isinstance(error, p.Error) and error.code is p.ErrorCode.BAD_REQUEST and error.request_id == "i2"
+    _, _, error = one(router.client_message(C1, [b"garbage"], 2.0))
+    assert isinstance(error, p.Error) and error.code is p.ErrorCode.VERSION_MISMATCH
+    _, _, error = one(router.client_message(C1, p.encode(ready("evil")), 2.0))
+    assert isinstance(error, p.Error) and "not a client request" in error.message
+    assert router.worker_message(W1, [b"garbage"], 2.0) == []  # the worker socket drops garbage
+    assert router.worker_message(W1, p.encode(p.Status(request_id="s")), 2.0) == []
+
+
+def test_a_dead_worker_fails_in_flight_requests_at_once_and_later_ones_are_lost() -> None:
+    sid = "d" * 32
+    router = running((W1, ready("w1", sessions=(sid,))))
+    router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id=sid)), 2.0)
+    assert all(peer is Peer.WORKER for peer, _, _ in decoded(router.tick(2.7)))  # heartbeats only
+    sends = decoded(router.tick(2.75))  # last heard at 2.0, 3 x 0.25 s later: dead
+    assert (Peer.CLIENT, C1, p.Error(request_id="g1", code=p.ErrorCode.SESSION_LOST,
+                                     message="worker w1 is gone (missed heartbeats)")) in sends
+    assert not router.registry.workers and not router.inflight
+    _, _, later = one(router.client_message(C2, p.encode(p.Info(request_id="i1", session_id=sid)), 3.0))
+    assert isinstance(later, p.Error) and later.code is p.ErrorCode.SESSION_LOST
+
+
+def test_disconnect_and_unreachable_workers_are_gone_too() -> None:
+    sid = "e" * 32
+    router = running((W1, ready("w1", sessions=(sid,))), (W2, ready("w2")))
+    router.worker_message(W1, p.encode(p.Disconnect(reason="drained")), 2.1)
+    assert router.registry.is_lost(sid) and set(router.registry.workers) == {W2}
+    _, _, request = create(router, C1, "r1", now=2.2)
+    _, _, not_found = one(router.client_message(C1, p.encode(p.Info(request_id="x", session_id="f" * 32)), 2.2))
+    assert isinstance(not_found, p.Error) and not_found.code is p.ErrorCode.SESSION_NOT_FOUND
+    failed = Send(Peer.WORKER, W2, p.encode(request), (C1, "r1"))
+    _, identity, error = one(router.undeliverable(failed, Failure.UNREACHABLE, 2.3))
+    assert identity == C1 and isinstance(error, p.Error) and error.code is p.ErrorCode.SESSION_LOST
+    assert not router.registry.workers
+
+
+def test_a_full_worker_queue_is_an_internal_error_for_that_request_only() -> None:
+    router = running((W1, ready("w1")))
+    _, _, request = create(router, C1, "r1")
+    failed = Send(Peer.WORKER, W1, p.encode(request), (C1, "r1"))
+    _, identity, error = one(router.undeliverable(failed, Failure.FULL, 2.1))
+    assert identity == C1 and isinstance(error, p.Error) and error.code is p.ErrorCode.INTERNAL
+    assert W1 in router.registry.workers and router.registry.workers[W1].pending == 0
+
+
+def test_a_client_that_went_away_has_its_generation_cancelled() -> None:
+    sid = "a" * 32
+    router = running((W1, ready("w1", sessions=(sid,))))
+    router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id=sid, stream=True)), 2.0)
+    chunk = router.worker_message(W1, p.encode(p.Chunk(request_id="g1", session_id=sid, token_ids=(1,), text="",
+                                                       route=C1)), 2.1)
+    peer, identity, cancel = one(router.undeliverable(chunk[0], Failure.UNREACHABLE, 2.1))
+    assert (peer, identity) == (Peer.WORKER, W1)
+    assert isinstance(cancel, p.Cancel) and cancel.target == "g1" and cancel.session_id == sid
+    assert router.undeliverable(chunk[0], Failure.UNREACHABLE, 2.2) == []  # only once
+
+
+def test_a_restarted_broker_holds_requests_until_workers_re_register() -> None:
+    sid = "9" * 32
+    router = Router(SETTINGS, now=0.0, broker_id="new")
+    info = p.Info(request_id="i1", session_id=sid)
+    assert router.client_message(C1, p.encode(info), 0.1) == []  # held: recovering
+    assert router.client_message(C1, p.encode(p.CreateSession(request_id="c1")), 0.1) == []  # no worker yet
+    # The worker does not know the broker restarted: its heartbeat is answered with RECONNECT (once a beat).
+    assert one(router.worker_message(W1, p.encode(p.Heartbeat(free_slots=1)), 0.2))[2] == p.Reconnect(broker_id="new")
+    assert router.worker_message(W1, p.encode(p.Heartbeat(free_slots=1)), 0.3) == []
+    sends = decoded(router.worker_message(W1, p.encode(ready("w1", capacity=2, sessions=(sid,))), 0.4))
+    assert sends[0] == (Peer.WORKER, W1, p.Welcome(broker_id="new", heartbeat_ms=250, liveness=3))
+    assert sends[1] == (Peer.WORKER, W1, info.routed(C1))
+    assert isinstance(sends[2][2], p.CreateSession) and sends[2][1] == W1
+    # After the recovery window, unknown sessions are simply not found.
+    router.client_message(C2, p.encode(p.Info(request_id="i2", session_id="8" * 32)), 0.5)
+    assert router.held
+    sends = decoded(router.tick(1.0))  # a heartbeat is due too
+    assert (Peer.CLIENT, C2, p.Error(request_id="i2", code=p.ErrorCode.SESSION_NOT_FOUND,
+                                     message=f"no session {'8' * 32}")) in sends
+    assert not router.held
+
+
+def test_answers_from_an_unknown_worker_are_forwarded_and_it_is_asked_to_register() -> None:
+    router = Router(SETTINGS, now=0.0, broker_id="b2")
+    done = p.Generated(request_id="g1", session_id="a" * 32, token_ids=(), text="", finish_reason="stop", length=1,
+                       route=C1)
+    sends = router.worker_message(W1, p.encode(done), 0.1)
+    assert [(s.peer, s.identity) for s in sends] == [(Peer.CLIENT, C1), (Peer.WORKER, W1)]
+    assert p.decode(sends[1].frames) == p.Reconnect(broker_id="b2")
+
+
+def test_fork_and_close_keep_the_session_table() -> None:
+    sid = "1" * 32
+    router = running((W1, ready("w1", capacity=3, sessions=(sid,))))
+    _, _, fork = one(router.client_message(C1, p.encode(p.Fork(request_id="f1", session_id=sid)), 2.0))
+    assert isinstance(fork, p.Fork) and fork.child_id is not None and router.registry.workers[W1].pending == 1
+    forked = p.Forked(request_id="f1", session_id=sid, child_id=fork.child_id, length=3, worker="w1", route=C1)
+    router.worker_message(W1, p.encode(forked), 2.1)
+    assert router.registry.workers[W1].sessions == {sid, fork.child_id}
+    router.client_message(C1, p.encode(p.Close(request_id="x1", session_id=sid)), 2.2)
+    router.worker_message(W1, p.encode(p.Closed(request_id="x1", session_id=sid, route=C1)), 2.3)
+    assert router.registry.workers[W1].sessions == {fork.child_id}
+
+
+def test_status_and_heartbeats() -> None:
+    router = running((W1, ready("w1", capacity=3, sessions=("1" * 32,))))
+    _, _, report = one(router.client_message(C1, p.encode(p.Status(request_id="s1")), 2.0))
+    assert report == p.StatusReport(request_id="s1", broker_id="b1",
+                                    workers=(p.WorkerStatus("w1", "m", 3, 2, 1, False, ""),))
+    router.worker_message(W1, p.encode(p.Heartbeat(free_slots=2, sessions=1, draining=True)), 2.1)
+    assert router.registry.workers[W1].draining
+    beats = decoded(router.tick(2.25))
+    assert beats == [(Peer.WORKER, W1, p.Heartbeat(broker_id="b1"))]

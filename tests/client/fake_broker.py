@@ -1,0 +1,53 @@
+"""A broker stand-in on a real ROUTER socket, scripted per test: it records requests and answers as told."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+import zmq
+
+from broker import protocol as p
+
+Reply = Callable[[p.Message], None]
+Script = Callable[[p.Message, Reply], None]  # (request, reply) -> None
+
+
+class FakeBroker:
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.received: list[p.Message] = []
+        self._context = zmq.Context()
+        self._socket: zmq.Socket[bytes] = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> FakeBroker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._socket.close()
+        self._context.term()
+
+    def of(self, kind: type[p.Message]) -> list[p.Message]:
+        return [m for m in self.received if isinstance(m, kind)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._socket.poll(20):
+                continue
+            identity, *frames = self._socket.recv_multipart()
+            message = p.decode(frames)
+            self.received.append(message)
+
+            def reply(answer: p.Message, identity: bytes = identity) -> None:
+                self._socket.send_multipart([identity, *p.encode(answer)])
+
+            self.script(message, reply)

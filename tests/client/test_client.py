@@ -1,0 +1,213 @@
+"""Client and AsyncClient against a scripted broker: resends, timeouts, streams, cancels, typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import client as client_pkg
+from broker import protocol as p
+from client import (
+    AsyncClient,
+    BadRequest,
+    CapacityExhausted,
+    Chunk,
+    Client,
+    ClientError,
+    Generation,
+    ModelNotFound,
+    SessionLost,
+    SessionNotFound,
+    Timeout,
+    WorkerDraining,
+)
+from client.calls import Call, StreamState
+from client.errors import error_for
+
+from .fake_broker import FakeBroker, Reply
+
+SID = "5" * 32
+
+
+def generated(request: p.Generate, ids: tuple[int, ...], reason: str = "length") -> p.Generated:
+    return p.Generated(request_id=request.request_id, session_id=request.session_id, token_ids=ids,
+                       text="".join(chr(97 + i) for i in ids), finish_reason=reason, length=10 + len(ids))
+
+
+def chunk(request: p.Generate, ids: tuple[int, ...]) -> p.Chunk:
+    return p.Chunk(request_id=request.request_id, session_id=request.session_id, token_ids=ids,
+                   text="".join(chr(97 + i) for i in ids))
+
+
+def test_every_error_class_is_importable_from_client_with_its_code() -> None:
+    codes = {cls.code for cls in vars(client_pkg).values() if isinstance(cls, type) and issubclass(cls, ClientError)}
+    assert codes == {c.value for c in p.ErrorCode}
+    assert isinstance(error_for("session_lost", "x"), SessionLost)
+    assert type(error_for("no_such_code", "x")).__name__ == "InternalError"
+    assert issubclass(Timeout, TimeoutError)
+
+
+def test_a_request_that_hears_nothing_is_resent_with_the_same_id() -> None:
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Generate) and len(fake.of(p.Generate)) == 2:  # drop the first one
+            reply(generated(request, (1, 2)))
+
+    with FakeBroker(script) as fake, Client(fake.address, timeout=5, resend_after=0.1) as c:
+        result = c.attach(SID).generate(max_tokens=2)
+    assert result == Generation([1, 2], "bc", "length", 12)
+    first, second = fake.of(p.Generate)
+    assert first == second
+
+
+def test_create_is_never_resent_and_times_out() -> None:
+    with FakeBroker(lambda request, reply: None) as fake, Client(fake.address, resend_after=0.05) as c:
+        start = time.monotonic()
+        with pytest.raises(Timeout) as e:
+            c.session(timeout=0.4)
+        assert 0.35 < time.monotonic() - start < 2.0
+        assert e.value.code == "timeout"
+    assert len(fake.of(p.CreateSession)) == 1
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [("capacity_exhausted", CapacityExhausted), ("model_not_found", ModelNotFound),
+     ("worker_draining", WorkerDraining), ("bad_request", BadRequest)],
+)
+def test_errors_are_typed(code: str, error: type[ClientError]) -> None:
+    def script(request: p.Message, reply: Reply) -> None:
+        assert isinstance(request, p.CreateSession)
+        reply(p.Error(request_id=request.request_id, code=p.ERROR_CODES[code], message="nope"))
+
+    with FakeBroker(script) as fake, Client(fake.address, timeout=5) as c:
+        with pytest.raises(error) as e:
+            c.session()
+        assert e.value.code == code and e.value.message == "nope"
+
+
+def test_bad_arguments_are_refused_before_anything_is_sent() -> None:
+    with FakeBroker(lambda request, reply: None) as fake, Client(fake.address) as c:
+        s = c.attach(SID)
+        with pytest.raises(BadRequest, match="max_tokens"):
+            s.generate(max_tokens=0)
+        with pytest.raises(BadRequest, match="top_p"):
+            s.generate(top_p=1.5)
+        with pytest.raises(BadRequest, match="exactly one"):
+            s.append()
+        with pytest.raises(BadRequest, match="not a session id"):
+            c.attach("../etc/passwd")
+    assert fake.received == []
+
+
+def test_a_stream_yields_chunks_then_the_rest_from_the_final_answer() -> None:
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Generate):
+            assert request.stream
+            reply(chunk(request, (1,)))
+            reply(chunk(request, (2, 3)))
+            # the chunk with (4,) was lost: the final answer carries every token
+            reply(generated(request, (1, 2, 3, 4, 5)))
+
+    with FakeBroker(script) as fake, Client(fake.address, timeout=5) as c:
+        stream = c.attach(SID).generate(max_tokens=5, stream=True)
+        chunks = list(stream)
+    assert chunks == [Chunk([1], "b"), Chunk([2, 3], "cd"), Chunk([4, 5], "ef", "length")]
+    assert stream.result == Generation([1, 2, 3, 4, 5], "bcdef", "length", 15)
+
+
+def test_closing_a_stream_early_or_timing_out_sends_cancel() -> None:
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Generate):
+            reply(chunk(request, (1,)))
+
+    with FakeBroker(script) as fake, Client(fake.address, timeout=5, resend_after=10) as c:
+        s = c.attach(SID)
+        with s.generate(max_tokens=50, stream=True) as stream:
+            assert next(stream) == Chunk([1], "b")
+        slow = s.generate(max_tokens=50, stream=True, timeout=0.2)
+        next(slow)
+        with pytest.raises(Timeout):
+            next(slow)
+        with pytest.raises(StopIteration):
+            next(slow)
+        deadline = time.monotonic() + 2
+        while len(fake.of(p.Cancel)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    targets = [m.target for m in fake.of(p.Cancel)]  # type: ignore[attr-defined]
+    assert targets == [m.request_id for m in fake.of(p.Generate)]  # type: ignore[attr-defined]
+
+
+def test_an_error_ends_a_stream_with_its_typed_exception() -> None:
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Generate):
+            reply(chunk(request, (1,)))
+            reply(p.Error(request_id=request.request_id, code=p.ErrorCode.SESSION_LOST, message="worker died"))
+
+    with FakeBroker(script) as fake, Client(fake.address, timeout=5) as c:
+        stream = c.attach(SID).generate(max_tokens=50, stream=True)
+        assert next(stream).token_ids == [1]
+        with pytest.raises(SessionLost, match="worker died"):
+            next(stream)
+        assert list(stream) == []
+    assert fake.of(p.Cancel) == []  # the server ended it: nothing to cancel
+
+
+def test_session_close_tolerates_a_session_that_is_already_gone() -> None:
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, (p.Close, p.Info)):
+            reply(p.Error(request_id=request.request_id, code=p.ErrorCode.SESSION_NOT_FOUND, message="closed"))
+
+    with FakeBroker(script) as fake, Client(fake.address, timeout=5) as c:
+        with c.attach(SID) as s:
+            with pytest.raises(SessionNotFound):
+                s.info()
+    assert len(fake.of(p.Close)) == 1
+
+
+def test_async_client_resends_streams_and_runs_calls_concurrently() -> None:
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Generate):
+            if request.params.max_tokens == 7 and len([g for g in fake.of(p.Generate)
+                                                       if g.params.max_tokens == 7]) == 1:  # type: ignore[attr-defined]
+                return  # drop the first attempt of this one
+            if request.stream:
+                reply(chunk(request, (1,)))
+            reply(generated(request, (1, 2)))
+        elif isinstance(request, p.CreateSession):
+            reply(p.Created(request_id=request.request_id, session_id=SID, model="m", worker="w", max_context=64))
+
+    async def main() -> tuple[Generation, list[Chunk], Generation]:
+        async with AsyncClient(fake.address, timeout=5, resend_after=0.1) as c:
+            s = await c.session()
+            assert (s.id, s.worker, s.max_context) == (SID, "w", 64)
+            resent, stream = await asyncio.gather(s.generate(max_tokens=7), s.generate(max_tokens=3, stream=True))
+            chunks = [ch async for ch in stream]
+            return resent, chunks, await s.generate(max_tokens=2)
+
+    with FakeBroker(script) as fake:
+        resent, chunks, plain = asyncio.run(main())
+    assert resent == plain == Generation([1, 2], "bc", "length", 12)
+    assert chunks == [Chunk([1], "b"), Chunk([2], "c", "length")]
+
+
+def test_resend_schedule_backs_off_and_resets_when_an_answer_comes() -> None:
+    call = Call.of(p.Info(request_id="i", session_id=SID), now=0.0, resend_after_s=1.0)
+    assert not call.resend_due(0.9) and call.resend_due(1.0)
+    call.resent(1.0)
+    assert call.next_resend == 3.0
+    call.resent(3.0)
+    assert call.next_resend == 7.0
+    call.heard(7.5)
+    assert call.next_resend == 8.5
+    assert not Call.of(p.CreateSession(request_id="c"), 0.0, 1.0).resend_due(100.0)
+
+
+def test_stream_state_keeps_only_text_that_was_not_yielded() -> None:
+    state = StreamState()
+    request = p.Generate(request_id="g", session_id=SID)
+    assert state.take(chunk(request, (0, 1))) == Chunk([0, 1], "ab")
+    assert state.take(generated(request, (0, 1, 2), reason="stop")) == Chunk([2], "c", "stop")
+    with pytest.raises(SessionLost):
+        StreamState().take(p.Error(request_id="g", code=p.ErrorCode.SESSION_LOST))

@@ -1,0 +1,238 @@
+"""The worker daemon in-process, with a scripted engine and a ROUTER standing in for the broker.
+
+Shows what is hard to see from outside: heartbeats keep coming while the compute loop is stuck in a
+long step, a resent request is answered from the cache, chunks coalesce, errors map to wire codes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import zmq
+
+from broker import protocol as p
+from cuda_state import CapacityExhausted
+from worker.daemon import Serve, WorkerConfig, coalesce, error_code
+from worker.errors import SessionBusy, SessionNotFound
+
+SID = "a" * 32
+
+
+@dataclass
+class FakeChunk:
+    request_id: str
+    session_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+class FakeEngine:
+    """One token per step per generation (token = its position); `step_delay` makes a step slow."""
+
+    model_name = "fake"
+    max_context = 64
+    capacity = 2
+    device = "cpu"
+    bytes_per_session = 1
+
+    def __init__(self) -> None:
+        self.lengths: dict[str, int] = {}
+        self.active: dict[str, tuple[str, int]] = {}  # engine id -> (session, tokens left)
+        self.step_delay = 0.0
+        self.appends = 0
+
+    @property
+    def free_slots(self) -> int:
+        return self.capacity - len(self.lengths)
+
+    def create_session(self, session_id: str | None = None) -> str:
+        if len(self.lengths) >= self.capacity:
+            raise CapacityExhausted("full")
+        assert session_id is not None
+        self.lengths[session_id] = 0
+        return session_id
+
+    def fork(self, session_id: str, child_id: str | None = None) -> str:
+        raise NotImplementedError
+
+    def close(self, session_id: str) -> None:
+        del self.lengths[self._known(session_id)]
+
+    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int:
+        self.appends += 1
+        self.lengths[self._known(session_id)] += len(token_ids or ())
+        return self.lengths[session_id]
+
+    def chat(self, session_id: str, content: str, role: str = "user") -> int:
+        raise NotImplementedError
+
+    def sessions(self) -> list[str]:
+        return list(self.lengths)
+
+    def session_length(self, session_id: str) -> int:
+        return self.lengths[self._known(session_id)]
+
+    def start_generate(self, session_id: str, params: Any, request_id: str | None = None) -> str:
+        self._known(session_id)
+        if any(s == session_id for s, _ in self.active.values()):
+            raise SessionBusy("busy")
+        engine_id = f"e{len(self.active)}-{time.monotonic_ns()}"
+        self.active[engine_id] = (session_id, params.max_tokens)
+        return engine_id
+
+    def cancel(self, request_id: str) -> None:
+        self.active.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.active)
+
+    def step(self) -> list[FakeChunk]:
+        time.sleep(self.step_delay)
+        out = []
+        for engine_id, (sid, left) in list(self.active.items()):
+            self.lengths[sid] += 1
+            done = left == 1
+            out.append(FakeChunk(engine_id, sid, [self.lengths[sid]], "x", "length" if done else None))
+            if done:
+                del self.active[engine_id]
+            else:
+                self.active[engine_id] = (sid, left - 1)
+        return out
+
+    def _known(self, session_id: str) -> str:
+        if session_id not in self.lengths:
+            raise SessionNotFound(session_id)
+        return session_id
+
+
+class Broker:
+    """A ROUTER the worker connects to; the test drives the conversation."""
+
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.worker = b""
+
+    def recv(self, timeout_s: float = 5.0) -> p.Message:
+        assert self.sock.poll(int(timeout_s * 1000)), "nothing from the worker"
+        self.worker, *frames = self.sock.recv_multipart()
+        return p.decode(frames)
+
+    def recv_until(self, kind: type[p.Message], timeout_s: float = 5.0) -> p.Message:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            message = self.recv(max(0.01, deadline - time.monotonic()))
+            if isinstance(message, kind):
+                return message
+
+    def send(self, message: p.Message) -> None:
+        self.sock.send_multipart([self.worker, *p.encode(message)])
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Serve, FakeEngine, Broker]]:
+    broker = Broker()
+    engine = FakeEngine()
+    serve = Serve(engine, WorkerConfig(broker=broker.address, name="fw", heartbeat_ms=50), lambda s: s)
+    thread = threading.Thread(target=serve.run, daemon=True)
+    thread.start()
+    ready = broker.recv()
+    assert isinstance(ready, p.Ready) and (ready.name, ready.model, ready.capacity) == ("fw", "fake", 2)
+    broker.send(p.Welcome(broker_id="b1", heartbeat_ms=50, liveness=3))
+    try:
+        yield serve, engine, broker
+    finally:
+        serve.drain()
+        serve.drain()  # a second call cancels whatever still runs
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        broker.sock.close()
+        broker.context.term()
+
+
+def test_heartbeats_keep_coming_while_the_compute_loop_is_in_a_long_step(
+    served: tuple[Serve, FakeEngine, Broker],
+) -> None:
+    serve, engine, broker = served
+    broker.send(p.CreateSession(request_id="c1", session_id=SID, route=b"client"))
+    assert isinstance(broker.recv_until(p.Created), p.Created)
+    broker.send(p.Append(request_id="a1", session_id=SID, token_ids=(1, 2), route=b"client"))
+    broker.recv_until(p.Appended)
+    engine.step_delay = 0.6  # far longer than liveness x heartbeat (150 ms)
+    broker.send(p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=1), route=b"client"))
+    start = time.monotonic()
+    beats = []
+    while time.monotonic() - start < 0.5:
+        message = broker.recv()
+        if isinstance(message, p.Heartbeat):
+            beats.append(message)
+    assert len(beats) >= 6  # one every 50 ms while the step sleeps
+    assert beats[-1].sessions == 1 and beats[-1].free_slots == 1
+    done = broker.recv_until(p.Generated)
+    assert isinstance(done, p.Generated) and done.token_ids == (3,) and done.route == b"client"
+
+
+def test_a_resent_request_is_answered_from_the_cache(served: tuple[Serve, FakeEngine, Broker]) -> None:
+    serve, engine, broker = served
+    broker.send(p.CreateSession(request_id="c1", session_id=SID, route=b"client"))
+    broker.recv_until(p.Created)
+    append = p.Append(request_id="a1", session_id=SID, token_ids=(1, 2, 3), route=b"client")
+    broker.send(append)
+    first = broker.recv_until(p.Appended)
+    broker.send(append.routed(b"client-reconnected"))
+    again = broker.recv_until(p.Appended)
+    assert engine.appends == 1
+    assert again == first.routed(b"client-reconnected")
+
+
+def test_errors_reach_the_broker_with_their_wire_codes(served: tuple[Serve, FakeEngine, Broker]) -> None:
+    serve, engine, broker = served
+    broker.send(p.Info(request_id="i1", session_id=SID, route=b"client"))
+    error = broker.recv_until(p.Error)
+    assert isinstance(error, p.Error) and error.code is p.ErrorCode.SESSION_NOT_FOUND and error.route == b"client"
+    for i in range(3):
+        broker.send(p.CreateSession(request_id=f"c{i}", session_id=f"{i}" * 32, route=b"client"))
+    answers = [broker.recv_until((p.Created, p.Error)) for _ in range(3)]  # type: ignore[arg-type]
+    assert [type(a).__name__ for a in answers] == ["Created", "Created", "Error"]
+    assert answers[2].code is p.ErrorCode.CAPACITY_EXHAUSTED  # type: ignore[attr-defined]
+
+    # Draining: a generation in flight finishes, new sessions are refused, then the worker says goodbye.
+    broker.send(p.Append(request_id="a1", session_id="0" * 32, token_ids=(1,), route=b"client"))
+    broker.recv_until(p.Appended)
+    engine.step_delay = 0.01
+    broker.send(p.Generate(request_id="g1", session_id="0" * 32, params=p.Sampling(max_tokens=30), route=b"client"))
+    broker.recv_until(p.Heartbeat)
+    serve.drain()
+    broker.send(p.CreateSession(request_id="c9", session_id="9" * 32, route=b"client"))
+    draining = broker.recv_until(p.Error)
+    assert isinstance(draining, p.Error) and draining.code is p.ErrorCode.WORKER_DRAINING
+    finished = broker.recv_until(p.Generated)
+    assert isinstance(finished, p.Generated) and finished.finish_reason == "length" and len(finished.token_ids) == 30
+    assert broker.recv_until(p.Disconnect) == p.Disconnect(reason="drained")
+
+
+def test_coalesce_merges_chunks_of_one_request_and_keeps_its_order() -> None:
+    def chunk(rid: str, ids: tuple[int, ...]) -> p.Chunk:
+        return p.Chunk(request_id=rid, session_id=SID, token_ids=ids, text="".join(map(str, ids)), route=b"c")
+
+    final = p.Generated(request_id="r1", session_id=SID, token_ids=(1, 2, 3), text="123", finish_reason="length",
+                        length=3)
+    merged = coalesce([chunk("r1", (1,)), chunk("r2", (7,)), chunk("r1", (2,)), final, chunk("r1", (4,)),
+                       chunk("r2", (8,))])
+    assert merged == [chunk("r1", (1, 2)), chunk("r2", (7, 8)), final, chunk("r1", (4,))]
+
+
+def test_error_codes_of_exceptions() -> None:
+    assert error_code(SessionBusy("x")) is p.ErrorCode.BAD_REQUEST
+    assert error_code(CapacityExhausted("x")) is p.ErrorCode.CAPACITY_EXHAUSTED
+    assert error_code(SessionNotFound("x")) is p.ErrorCode.SESSION_NOT_FOUND
+    assert error_code(p.ProtocolError(p.ErrorCode.BAD_REQUEST, "x")) is p.ErrorCode.BAD_REQUEST
+    assert error_code(ValueError("x")) is p.ErrorCode.INTERNAL

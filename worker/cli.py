@@ -1,0 +1,130 @@
+"""`worker start`: load the model once, register with the broker, serve until SIGTERM/SIGINT drains it.
+
+Every flag falls back to an environment variable. Exit codes: 0 after a clean drain, 1 when the engine
+failed while serving, 2 for bad arguments, 3 when the model or device cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+import structlog
+
+from broker import logs
+from broker import protocol as p
+
+from .daemon import Serve, WorkerConfig
+
+EXIT_STARTUP_FAILED = 3
+
+
+def _env(name: str, default: str | None) -> str | None:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def _env_int(name: str, default: int) -> int:
+    value = _env(name, None)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"worker: {name}={value!r} is not an integer") from None
+
+
+def positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def device(value: str) -> str:
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
+
+
+def parser() -> argparse.ArgumentParser:
+    defaults = WorkerConfig()
+    top = argparse.ArgumentParser(prog="worker", description="Serve one model's sessions for a broker.")
+    sub = top.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="run a worker in the foreground")
+    start.add_argument("--broker", default=_env("WORKER_BROKER", defaults.broker),
+                       help="the broker's worker address [env WORKER_BROKER] (default %(default)s)")
+    start.add_argument("--model", default=_env("WORKER_MODEL", None),
+                       help="a .gguf file, a Hugging Face folder, or random:PRESET[:SEED] (e.g. random:tiny) "
+                            "[env WORKER_MODEL] (default: the bundled SmolLM2-135M-Instruct)")
+    start.add_argument("--device", type=device, default=_env("WORKER_DEVICE", "auto"),
+                       help="auto, cpu, cuda or cuda:N [env WORKER_DEVICE] (default %(default)s)")
+    start.add_argument("--max-sessions", type=positive, default=_env_int("WORKER_MAX_SESSIONS", 8),
+                       help="session slots (fewer if memory is short) [env WORKER_MAX_SESSIONS] (default %(default)s)")
+    start.add_argument("--max-context", type=positive, default=_env_int("WORKER_MAX_CONTEXT", 2048),
+                       help="tokens per session [env WORKER_MAX_CONTEXT] (default %(default)s)")
+    start.add_argument("--name", default=_env("WORKER_NAME", f"{socket.gethostname()}-{os.getpid()}"),
+                       help="shown in logs and status [env WORKER_NAME] (default HOST-PID)")
+    start.add_argument("--drain-timeout", type=float, default=float(_env("WORKER_DRAIN_TIMEOUT", "60") or 60),
+                       help="seconds in-flight generations get to finish after SIGTERM [env WORKER_DRAIN_TIMEOUT]")
+    start.add_argument("--reconnect-max-ms", type=positive,
+                       default=_env_int("WORKER_RECONNECT_MAX_MS", defaults.reconnect_max_ms),
+                       help="ceiling of the reconnect backoff [env WORKER_RECONNECT_MAX_MS] (default %(default)s)")
+    start.add_argument("--log-level", choices=logs.LEVELS, default=_env("WORKER_LOG_LEVEL", "info"),
+                       help="[env WORKER_LOG_LEVEL] (default %(default)s)")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        p.Ready(name=args.name, model="-", capacity=0, free_slots=0, max_context=0)
+    except p.ProtocolError as e:
+        raise SystemExit(f"worker: --name: {e.message}") from None
+    logs.configure(args.log_level, role="worker", worker=args.name)
+    log = structlog.get_logger()
+    config = WorkerConfig(
+        broker=args.broker, name=args.name, drain_timeout_s=args.drain_timeout, reconnect_max_ms=args.reconnect_max_ms,
+    )
+    serve: Serve | None = None
+    stop_requested = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        if serve is not None:
+            serve.drain()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        from .engine import Engine, SamplingParams
+
+        engine = Engine.load(
+            model=args.model, device=args.device, max_sessions=args.max_sessions, max_context=args.max_context
+        )
+    except Exception as e:  # the startup edge: any load failure is reported and exits with its own code
+        log.error("worker_start_failed", error=str(e), error_type=type(e).__name__, model=args.model)
+        return EXIT_STARTUP_FAILED
+
+    def sampling(s: p.Sampling) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+            stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+        )
+
+    serve = Serve(engine, config, sampling)
+    if stop_requested:
+        log.info("worker_stopped_before_serving")
+        return 0
+    log.info("worker_serving", broker=args.broker, model=engine.model_name, capacity=engine.capacity)
+    return serve.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,595 @@
+"""The worker process: one engine, driven by one compute loop, connected to the broker by an I/O thread.
+
+    broker <-DEALER-> Link (I/O thread)  --inbox-->  Serve (compute loop, owns the engine)
+                                         <--outbox--
+
+- `Link` owns the socket: it registers (READY with capacity, model and every live session), sends
+  heartbeats on time whatever the engine is doing, notices a restarted or silent broker and registers
+  again, and coalesces streamed chunks when the socket falls behind. ZeroMQ reconnects the TCP
+  connection with exponential backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX).
+- `Serve` owns the engine (not thread-safe): it admits requests between batched steps, runs
+  `engine.step()` while there is work, and turns chunks into CHUNK/REPLY messages. Every request id is
+  remembered with its final answer, so a resent request is answered again, never run twice.
+- SIGTERM/SIGINT: drain. New sessions and generations get worker_draining (the broker stops placing
+  here when the next heartbeat says so), generations in flight finish, then DISCONNECT and exit.
+  A second signal, or the drain timeout, cancels what is still running.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import structlog
+import zmq
+
+from broker import protocol as p
+
+log = structlog.get_logger()
+
+IDLE_WAIT_S = 0.05  # how long the compute loop waits for a request when the engine is idle
+MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives up and leaves
+MAX_INBOX_BATCH = 1024  # requests admitted between two steps
+
+
+class EngineAPI(Protocol):
+    """The part of worker.engine.Engine the daemon drives (see that module for the semantics)."""
+
+    model_name: str
+    max_context: int
+
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def free_slots(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def bytes_per_session(self) -> int: ...
+    def create_session(self, session_id: str | None = None) -> str: ...
+    def fork(self, session_id: str, child_id: str | None = None) -> str: ...
+    def close(self, session_id: str) -> None: ...
+    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int: ...
+    def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
+    def sessions(self) -> list[str]: ...
+    def session_length(self, session_id: str) -> int: ...
+    def start_generate(self, session_id: str, params: Any, request_id: str | None = None) -> str: ...
+    def cancel(self, request_id: str) -> None: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> Sequence[Any]: ...
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    broker: str = "tcp://127.0.0.1:5556"
+    name: str = "worker"
+    heartbeat_ms: int = 1000  # until the broker's WELCOME says otherwise
+    liveness: int = 3
+    reconnect_max_ms: int = 2000  # ZeroMQ's reconnect backoff ceiling, and READY's resend ceiling
+    drain_timeout_s: float = 60.0
+    request_cache: int = 4096  # final answers kept for resent requests
+    hwm: int = 100_000
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What the Link reports; replaced (never mutated) by the compute loop, so reading it needs no lock."""
+
+    free_slots: int
+    sessions: tuple[str, ...]
+    draining: bool = False
+
+
+class Draining(Exception):
+    code = "worker_draining"
+
+
+def error_code(exc: BaseException) -> p.ErrorCode:
+    """The wire code of an exception: its `code` attribute when that is one (engine, cuda_state, protocol)."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, p.ErrorCode):
+        return code
+    if isinstance(code, str) and code in p.ERROR_CODES:
+        return p.ERROR_CODES[code]
+    return p.ErrorCode.INTERNAL
+
+
+# -- the I/O thread -------------------------------------------------------------------------------------
+
+
+class Link:
+    """The DEALER socket to the broker, owned by its own thread. The compute loop talks to it by queues."""
+
+    def __init__(self, config: WorkerConfig, ready: Callable[[], p.Ready], state: Callable[[], WorkerState]) -> None:
+        self.config = config
+        self.identity = f"{config.name}-{secrets.token_hex(4)}".encode()[-255:]
+        self._ready = ready
+        self._state = state
+        self._context = zmq.Context()
+        self._inbox: queue.SimpleQueue[p.Message] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[p.Message] = queue.SimpleQueue()
+        wake = f"inproc://wake-{secrets.token_hex(8)}"
+        self._wake_rx: zmq.Socket[bytes] = self._context.socket(zmq.PAIR)
+        self._wake_rx.bind(wake)
+        self._wake_tx: zmq.Socket[bytes] = self._context.socket(zmq.PAIR)  # used by the compute thread only
+        self._wake_tx.connect(wake)
+        self._stop = threading.Event()
+        self._farewell: str | None = None
+        self._refuse_code = p.ErrorCode.WORKER_DRAINING
+        self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
+        self.heartbeat_s = config.heartbeat_ms / 1000
+        self.liveness = config.liveness
+        self.broker_id: str | None = None
+        self.registered = threading.Event()
+        now = time.monotonic()
+        self._last_heard = now  # any message from the broker
+        self._next_beat = now
+        self._ready_backoff = self.heartbeat_s  # READY resend interval while the broker is silent
+        self._next_ready = now + self._ready_backoff
+
+    # -- compute-thread side --
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def send(self, messages: Sequence[p.Message]) -> None:
+        if not messages:
+            return
+        for m in messages:
+            self._outbox.put(m)
+        self._wake()
+
+    def receive(self, timeout_s: float) -> list[p.Message]:
+        """Requests from the broker: waits up to timeout_s for the first, then takes what is there."""
+        try:
+            first = self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return []
+        batch = [first]
+        while len(batch) < MAX_INBOX_BATCH:
+            try:
+                batch.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def stop(self, farewell: str | None = None, refuse: p.ErrorCode = p.ErrorCode.WORKER_DRAINING) -> None:
+        """Flush what is queued, answer requests nobody will serve with `refuse`, say DISCONNECT(farewell)
+        when given, close the socket. Call it once the compute loop has stopped taking requests."""
+        self._farewell = farewell
+        self._refuse_code = refuse
+        self._stop.set()
+        self._wake()
+        self._thread.join(timeout=10)
+        self._wake_tx.close(linger=0)
+        if not self._thread.is_alive():  # term() would wait for the thread's sockets
+            self._context.term()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a wake-up is already pending
+
+    # -- the I/O thread --
+
+    def _run(self) -> None:
+        dealer = self._connect()
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        now = time.monotonic()
+        self._last_heard = now
+        self._next_beat = now + self.heartbeat_s
+        self._next_ready = now + self._ready_backoff
+        self._send(dealer, self._ready())
+        try:
+            while not self._stop.is_set():
+                timeout = max(0.0, min(self._next_beat, self._next_ready) - time.monotonic())
+                events = dict(poller.poll(round(timeout * 1000) + 1))
+                if dealer in events:
+                    self._receive_all(dealer)
+                if self._wake_rx in events:
+                    self._drain_wakes()
+                    self._flush(dealer)
+                self._timers(dealer, time.monotonic())
+            self._flush(dealer)
+            self._refuse_unserved(dealer)
+            if self._farewell is not None:
+                self._send(dealer, p.Disconnect(reason=self._farewell))
+        except Exception:
+            log.exception("link_failed")
+        finally:
+            dealer.close(linger=1000)  # give the last answers and DISCONNECT a second to leave
+            self._wake_rx.close(linger=0)
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        dealer: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.ROUTING_ID, self.identity)
+        dealer.setsockopt(zmq.SNDHWM, self.config.hwm)
+        dealer.setsockopt(zmq.RCVHWM, self.config.hwm)
+        dealer.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        dealer.setsockopt(zmq.RECONNECT_IVL, 100)
+        dealer.setsockopt(zmq.RECONNECT_IVL_MAX, self.config.reconnect_max_ms)
+        # ZMTP heartbeats find a dead TCP connection (a vanished host) and make ZeroMQ reconnect.
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, self.config.heartbeat_ms)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.config.heartbeat_ms * self.config.liveness)
+        dealer.connect(self.config.broker)
+        return dealer
+
+    def _receive_all(self, dealer: zmq.Socket[bytes]) -> None:
+        for _ in range(MAX_INBOX_BATCH):
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_heard = time.monotonic()
+            self._on_message(dealer, frames)
+
+    def _on_message(self, dealer: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        try:
+            message = p.decode(frames)
+        except p.ProtocolError as e:
+            log.warning("broker_message_invalid", code=e.code.value, error=e.message, request=e.request_id)
+            if e.route and e.request_id:
+                self._send(dealer, p.error_for(e))
+            return
+        if isinstance(message, p.Welcome):
+            self._welcomed(message)
+        elif isinstance(message, p.Heartbeat):
+            if message.broker_id is not None and message.broker_id != self.broker_id:
+                log.info("broker_changed", broker_id=message.broker_id, was=self.broker_id)
+                self._send(dealer, self._ready())
+        elif isinstance(message, p.Reconnect):
+            log.info("broker_asks_register", broker_id=message.broker_id)
+            self._send(dealer, self._ready())
+        elif isinstance(message, p.REQUEST_TYPES):
+            self._inbox.put(message)
+        else:
+            log.warning("broker_message_unexpected", command=message.COMMAND.name)
+
+    def _welcomed(self, welcome: p.Welcome) -> None:
+        if welcome.broker_id != self.broker_id:
+            log.info(
+                "registered", broker_id=welcome.broker_id, heartbeat_ms=welcome.heartbeat_ms, liveness=welcome.liveness
+            )
+        self.broker_id = welcome.broker_id
+        self.heartbeat_s = welcome.heartbeat_ms / 1000
+        self.liveness = welcome.liveness
+        self._ready_backoff = self.heartbeat_s
+        self._next_beat = min(self._next_beat, time.monotonic() + self.heartbeat_s)
+        self.registered.set()
+
+    def _timers(self, dealer: zmq.Socket[bytes], now: float) -> None:
+        if now >= self._next_beat:
+            state = self._state()
+            beat = p.Heartbeat(free_slots=state.free_slots, sessions=len(state.sessions), draining=state.draining)
+            self._send(dealer, beat)
+            self._next_beat = now + self.heartbeat_s
+        silent = now - self._last_heard > self.heartbeat_s * self.liveness
+        if silent and now >= self._next_ready:
+            # The broker is gone or restarting: keep offering READY, backing off, until one is welcomed.
+            if self.registered.is_set():
+                log.warning("broker_silent", seconds=round(now - self._last_heard, 2))
+            self.registered.clear()
+            self._send(dealer, self._ready())
+            self._ready_backoff = min(self._ready_backoff * 2, self.config.reconnect_max_ms / 1000)
+            self._next_ready = now + self._ready_backoff
+        elif not silent:
+            self._next_ready = now + self._ready_backoff
+
+    def _refuse_unserved(self, dealer: zmq.Socket[bytes]) -> None:
+        """Requests that arrived too late to be served get an answer rather than silence."""
+        unserved: list[p.Message] = []
+        while True:
+            try:
+                unserved.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                unserved.append(p.decode(frames))
+            except p.ProtocolError:
+                continue
+        for request in unserved:
+            route: bytes = getattr(request, "route", b"")
+            if isinstance(request, p.REQUEST_TYPES) and not isinstance(request, p.Cancel) and route:
+                message = f"worker {self.config.name} is shutting down"
+                self._send(dealer, p.Error(request_id=request.request_id, code=self._refuse_code, message=message,
+                                           route=route))
+
+    def _drain_wakes(self) -> None:
+        while True:
+            try:
+                self._wake_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _flush(self, dealer: zmq.Socket[bytes]) -> None:
+        pending: list[p.Message] = []
+        while True:
+            try:
+                pending.append(self._outbox.get_nowait())
+            except queue.Empty:
+                break
+        for message in coalesce(pending):
+            self._send(dealer, message)
+
+    def _send(self, dealer: zmq.Socket[bytes], message: p.Message) -> None:
+        try:
+            dealer.send_multipart(p.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            # Queue full (broker away for long): drop. Final answers stay cached for the client's resend.
+            log.warning("send_dropped", command=message.COMMAND.name, request=getattr(message, "request_id", None))
+
+
+def coalesce(messages: Sequence[p.Message]) -> list[p.Message]:
+    """Merge consecutive CHUNKs of one request (the socket fell behind), keeping each request's order."""
+    out: list[p.Message] = []
+    open_chunk: dict[str, int] = {}  # request id -> index in out of its mergeable chunk
+    for m in messages:
+        if isinstance(m, p.Chunk):
+            i = open_chunk.get(m.request_id)
+            if i is not None:
+                prev = out[i]
+                assert isinstance(prev, p.Chunk)
+                out[i] = replace(prev, token_ids=prev.token_ids + m.token_ids, text=prev.text + m.text)
+                continue
+            open_chunk[m.request_id] = len(out)
+        elif isinstance(m, (p.Generated, p.Error)) and m.request_id is not None:
+            open_chunk.pop(m.request_id, None)
+        out.append(m)
+    return out
+
+
+# -- the compute loop -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Active:
+    """A generation in flight."""
+
+    request_id: str  # the client's
+    session_id: str
+    route: bytes
+    stream: bool
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+
+class Serve:
+    def __init__(self, engine: EngineAPI, config: WorkerConfig, sampling: Callable[[p.Sampling], Any]) -> None:
+        self.engine = engine
+        self.config = config
+        self._sampling = sampling  # protocol Sampling -> the engine's SamplingParams
+        self.draining = False
+        self._drain_deadline = float("inf")
+        self._active: dict[str, Active] = {}  # engine request id -> generation
+        self._by_session: dict[str, str] = {}  # session id -> engine request id
+        self._done: OrderedDict[tuple[str, str], p.Message] = OrderedDict()  # (session, request id) -> answer
+        self._step_failures = 0
+        self.state = WorkerState(engine.free_slots, tuple(engine.sessions()))
+        self.link = Link(config, self.ready_message, lambda: self.state)
+
+    def ready_message(self) -> p.Ready:
+        state = self.state
+        return p.Ready(
+            name=self.config.name, model=self.engine.model_name, capacity=self.engine.capacity,
+            free_slots=state.free_slots, max_context=self.engine.max_context, sessions=state.sessions,
+            draining=state.draining, device=self.engine.device, bytes_per_session=self.engine.bytes_per_session,
+        )
+
+    def drain(self) -> None:
+        """Stop taking new work; a second call cancels what is still running."""
+        if self.draining:
+            self._drain_deadline = 0.0
+            return
+        self.draining = True
+        self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        self._refresh_state()
+        log.info("worker_draining", generations=len(self._active))
+
+    def run(self) -> int:
+        """Serve until drained. Returns the process exit code."""
+        self.link.start()
+        try:
+            while not (self.draining and not self.engine.has_work()):
+                if not self.link.alive:
+                    log.error("worker_link_died")
+                    return 1
+                self._admit(self.link.receive(0.0 if self.engine.has_work() else IDLE_WAIT_S))
+                if self.draining and time.monotonic() >= self._drain_deadline:
+                    self._cancel_all()
+                if self.engine.has_work() and not self._step():
+                    self.link.stop("engine failed", refuse=p.ErrorCode.SESSION_LOST)
+                    return 1
+        except BaseException:
+            log.exception("worker_failed")
+            self.link.stop("worker failed", refuse=p.ErrorCode.SESSION_LOST)
+            raise
+        log.info("worker_drained")
+        self.link.stop("drained")
+        return 0
+
+    # -- requests --
+
+    def _admit(self, requests: list[p.Message]) -> None:
+        for request in requests:
+            self._handle(request)
+
+    def _handle(self, request: p.Message) -> None:
+        if isinstance(request, p.Cancel):
+            engine_id = self._by_session.get(request.session_id)
+            active = self._active.get(engine_id) if engine_id else None
+            if active is not None and active.request_id == request.target:
+                self.engine.cancel(engine_id)  # type: ignore[arg-type]
+            return
+        rid: str = getattr(request, "request_id", "")
+        route: bytes = getattr(request, "route", b"")
+        key = (getattr(request, "session_id", None) or "", rid)
+        if self._resent(key, route):
+            return
+        log_ = log.bind(request=rid, session=key[0] or None)
+        try:
+            answer = self._execute(request)
+        except Exception as e:
+            code = error_code(e)
+            if code is p.ErrorCode.INTERNAL:
+                log_.exception("request_failed", command=request.COMMAND.name)
+            else:
+                log_.info("request_refused", command=request.COMMAND.name, code=code.value, error=str(e))
+            answer = p.Error(request_id=rid, code=code, message=str(e) or type(e).__name__)
+        if answer is not None:
+            self._answer(key, answer.routed(route))
+
+    def _resent(self, key: tuple[str, str], route: bytes) -> bool:
+        """A request id seen before: answer from the cache, or follow the running generation. No re-run."""
+        done = self._done.get(key)
+        if done is not None:
+            self.link.send([done.routed(route)])
+            return True
+        engine_id = self._by_session.get(key[0])
+        active = self._active.get(engine_id) if engine_id else None
+        if active is not None and active.request_id == key[1]:
+            active.route = route  # the rest of the stream (and the full answer) goes to the new route
+            return True
+        return False
+
+    def _execute(self, request: p.Message) -> p.Message | None:
+        e = self.engine
+        name = self.config.name
+        if isinstance(request, p.CreateSession):
+            self._refuse_if_draining("new sessions")
+            if request.session_id is None:
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "CREATE needs the broker's session_id")
+            sid = e.create_session(request.session_id)
+            self._refresh_state()
+            log.info("session_created", session=sid, request=request.request_id)
+            return p.Created(request_id=request.request_id, session_id=sid, model=e.model_name, worker=name,
+                             max_context=e.max_context)
+        if isinstance(request, p.Append):
+            ids = list(request.token_ids) if request.token_ids is not None else None
+            length = e.append(request.session_id, token_ids=ids, text=request.text)
+            return p.Appended(request_id=request.request_id, session_id=request.session_id, length=length)
+        if isinstance(request, p.Chat):
+            length = e.chat(request.session_id, request.content, role=request.role)
+            return p.Appended(request_id=request.request_id, session_id=request.session_id, length=length)
+        if isinstance(request, p.Generate):
+            self._refuse_if_draining("new generations")
+            engine_id = e.start_generate(request.session_id, self._sampling(request.params))
+            self._active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream)
+            self._by_session[request.session_id] = engine_id
+            return None  # answered when the generation finishes
+        if isinstance(request, p.Fork):
+            self._refuse_if_draining("new sessions")
+            if request.child_id is None:
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "FORK needs the broker's child_id")
+            child = e.fork(request.session_id, request.child_id)
+            self._refresh_state()
+            log.info("session_forked", session=child, parent=request.session_id, request=request.request_id)
+            return p.Forked(request_id=request.request_id, session_id=request.session_id, child_id=child,
+                            length=e.session_length(child), worker=name)
+        if isinstance(request, p.Close):
+            e.close(request.session_id)  # a generation on it ends "cancelled" in the next step
+            self._refresh_state()
+            log.info("session_closed", session=request.session_id, request=request.request_id)
+            return p.Closed(request_id=request.request_id, session_id=request.session_id)
+        if isinstance(request, p.Info):
+            return p.SessionInfo(request_id=request.request_id, session_id=request.session_id,
+                                 length=e.session_length(request.session_id), model=e.model_name, worker=name,
+                                 max_context=e.max_context, busy=request.session_id in self._by_session)
+        raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"a worker does not serve {request.COMMAND.name}")
+
+    def _refuse_if_draining(self, what: str) -> None:
+        if self.draining:
+            raise Draining(f"worker {self.config.name} is draining: it takes no {what}")
+
+    def _answer(self, key: tuple[str, str], answer: p.Message) -> None:
+        self._done[key] = answer
+        if len(self._done) > self.config.request_cache:
+            self._done.popitem(last=False)
+        self.link.send([answer])
+
+    # -- steps --
+
+    def _step(self) -> bool:
+        """One engine step and its answers. False once the engine has failed too often to go on."""
+        try:
+            chunks = self.engine.step()
+        except Exception:
+            self._step_failures += 1
+            log.exception("step_failed", failures=self._step_failures, generations=len(self._active))
+            self._fail_all("the engine step failed")
+            return self._step_failures < MAX_STEP_FAILURES
+        self._step_failures = 0
+        out: list[p.Message] = []
+        for chunk in chunks:
+            message = self._on_chunk(chunk)
+            if message is not None:
+                out.append(message)
+        self.link.send(out)
+        return True
+
+    def _on_chunk(self, chunk: Any) -> p.Message | None:
+        active = self._active.get(chunk.request_id)
+        if active is None:
+            return None
+        active.token_ids += chunk.token_ids
+        active.text.append(chunk.text)
+        if chunk.finish_reason is None:
+            if active.stream and (chunk.token_ids or chunk.text):
+                return p.Chunk(request_id=active.request_id, session_id=active.session_id,
+                               token_ids=tuple(chunk.token_ids), text=chunk.text, route=active.route)
+            return None
+        self._retire(chunk.request_id, active)
+        try:
+            length = self.engine.session_length(active.session_id)
+        except Exception:  # closed while generating
+            length = 0
+        answer = p.Generated(request_id=active.request_id, session_id=active.session_id,
+                             token_ids=tuple(active.token_ids), text="".join(active.text),
+                             finish_reason=chunk.finish_reason, length=length, route=active.route)
+        key = (active.session_id, active.request_id)
+        self._done[key] = answer
+        if len(self._done) > self.config.request_cache:
+            self._done.popitem(last=False)
+        return answer
+
+    def _retire(self, engine_id: str, active: Active) -> None:
+        del self._active[engine_id]
+        if self._by_session.get(active.session_id) == engine_id:
+            del self._by_session[active.session_id]
+
+    def _fail_all(self, why: str) -> None:
+        errors: list[p.Message] = []
+        for engine_id, active in list(self._active.items()):
+            self._retire(engine_id, active)
+            try:
+                self.engine.cancel(engine_id)
+            except Exception:
+                log.exception("cancel_failed", request=active.request_id)
+            errors.append(p.Error(request_id=active.request_id, code=p.ErrorCode.INTERNAL, message=why,
+                                  route=active.route))
+        self.link.send(errors)
+
+    def _cancel_all(self) -> None:
+        for engine_id in list(self._active):
+            self.engine.cancel(engine_id)
+        self._drain_deadline = float("inf")
+
+    def _refresh_state(self) -> None:
+        self.state = WorkerState(self.engine.free_slots, tuple(self.engine.sessions()), self.draining)
