@@ -1,0 +1,199 @@
+"""The GPU benchmark: our full stack, our engine in-process, and Hugging Face transformers, one run.
+
+    python -m client.bench_gpu [--sessions 1 64] [--prompt-tokens 128] [--new-tokens 256] [--json FILE]
+
+All three run a SmolLM2-135M-shaped Llama with the same seeded random bf16 weights
+(`random:smollm2-135m`) on the same GPU:
+  (a) stack:     a broker and one worker as processes on loopback, driven by `loadtest`
+  (b) engine:    the same workload through `worker.engine.Engine` in-process (no broker)
+  (c) hf:        `LlamaForCausalLM.generate` with a static cache, greedy, one batch of all sessions
+Each session appends a prompt of --prompt-tokens random ids and generates --new-tokens (EOS ignored,
+so every system makes exactly the same number of tokens). Prints output tokens/s, the ratios, and the
+issue's targets against the measured values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from broker import logs
+
+from . import Client
+from .demo import free_address, spawn, wait_for_worker
+from .loadtest import LoadConfig, run
+
+MODEL = "random:smollm2-135m"
+TARGET_STACK_64 = 40_000.0  # output tokens/s, full stack, 64 sessions
+TARGET_VS_HF = 4.0  # full stack over transformers' static-cache generate, 64 sessions
+TARGET_STACK_1 = 1_000.0  # output tokens/s, full stack, one session
+TARGET_STACK_VS_ENGINE = 0.90  # full stack over the engine in-process, 64 sessions
+TARGET_MEMORY_SLACK = 0.05  # GPU memory with 64 sessions <= weights + 64 x bytes per session + 5%
+
+
+def hf_state_dict(weights: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Our loader's names -> transformers' LlamaForCausalLM names (same layout: rotate-half RoPE)."""
+    names = {
+        "input_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+        "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj", "post_norm": "post_attention_layernorm",
+        "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+    }
+    sd = {"model.embed_tokens.weight": weights["embed"], "model.norm.weight": weights["norm"], "lm_head.weight": weights["embed"]}
+    for i in range(n_layers):
+        for ours, theirs in names.items():
+            sd[f"model.layers.{i}.{theirs}.weight"] = weights[f"layers.{i}.{ours}"]
+    return sd
+
+
+def bench_hf(batch: int, prompt_tokens: int, new_tokens: int, seed: int) -> float:
+    """transformers' greedy generate with a static cache: output tokens/s for one batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from worker.loader import load_model
+
+    loaded = load_model(MODEL)
+    c = loaded.config
+    fields: dict[str, Any] = dict(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.context_length, tie_word_embeddings=True,
+    )
+    model: Any = LlamaForCausalLM(LlamaConfig(**fields))  # transformers is optional here: not type-checked
+    model.load_state_dict(hf_state_dict(loaded.weights, c.n_layers))
+    model.to(device="cuda", dtype=torch.bfloat16)
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(300, 49000, (batch, prompt_tokens), generator=gen).cuda()
+    kwargs: dict[str, Any] = dict(do_sample=False, cache_implementation="static", pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up: kernels, cache allocation
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out: Any = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    made = (out.shape[1] - prompt_tokens) * batch
+    del model
+    torch.cuda.empty_cache()
+    return made / elapsed
+
+
+def workload(sessions: int, prompt_tokens: int, new_tokens: int, seed: int, **kw: Any) -> LoadConfig:
+    rounds = 4 if sessions > 1 else 8  # each session makes `rounds` generations of new_tokens
+    return LoadConfig(
+        sessions=sessions, prompt_tokens=prompt_tokens, max_tokens=new_tokens, turns=1, requests=sessions * rounds,
+        ignore_eos=True, temperature=0.0, seed=seed, model=None, progress=False, max_context=1024,
+        warmup=sessions, vocab_size=49152, **kw,
+    )
+
+
+def memory_check(sessions: int) -> dict[str, float]:
+    """Device memory used by an engine with `sessions` live sessions against weights + sessions x bytes."""
+    from worker.engine import Engine
+
+    torch.cuda.init()
+    torch.cuda.empty_cache()
+    free0, _ = torch.cuda.mem_get_info()
+    engine = Engine.load(MODEL, device="cuda", max_sessions=sessions, max_context=1024)
+    sids = [engine.create_session() for _ in range(sessions)]
+    torch.cuda.synchronize()
+    free1, _ = torch.cuda.mem_get_info()
+    used = free0 - free1
+    budget = engine.model.weight_bytes() + sessions * engine.bytes_per_session
+    result = {"used_bytes": used, "weights_plus_sessions_bytes": budget, "ratio": used / budget,
+              "slot_bytes": engine.table.slot_bytes, "bytes_per_session": engine.bytes_per_session}
+    for sid in sids:
+        engine.close(sid)
+    engine.table.close()
+    del engine
+    torch.cuda.empty_cache()
+    return result
+
+
+class Stack:
+    """A broker and one GPU worker as processes on loopback, stopped with SIGTERM."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.clients, workers = free_address(), free_address()
+        self.logs = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+        self.broker = spawn("broker.cli", ["--clients", self.clients, "--workers", workers], self.logs / "broker.log")
+        self.worker = spawn("worker.cli", ["--broker", workers, "--model", MODEL, "--device", "cuda",
+                                           "--max-sessions", str(max_sessions), "--max-context", "1024"],
+                            self.logs / "worker.log")
+        with Client(self.clients, timeout=120) as client:
+            wait_for_worker(client, self.worker, timeout_s=300)
+
+    def stop(self) -> None:
+        for proc in (self.worker, self.broker):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--processes", type=int, default=4, help="loadtest client processes for the full stack")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    logs.configure("warning")
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "model": MODEL, "runs": {}}
+
+    for n in args.sessions:
+        engine = run(workload(n, args.prompt_tokens, args.new_tokens, args.seed, in_process=True, device="cuda", model=MODEL))
+        hf = bench_hf(n, args.prompt_tokens, args.new_tokens, args.seed)
+        results["runs"][n] = {"engine": engine.to_dict(), "hf_tokens_per_s": hf}
+    stack = Stack(max(args.sessions))
+    try:
+        for n in args.sessions:
+            report = run(workload(n, args.prompt_tokens, args.new_tokens, args.seed, broker=stack.clients,
+                                  processes=min(args.processes, n)))
+            results["runs"][n]["stack"] = report.to_dict()
+            print(report.table())
+    finally:
+        stack.stop()
+    results["memory_64"] = memory_check(64)
+
+    print(f"\n{results['device']}, {MODEL} (bf16), prompts of {args.prompt_tokens}, {args.new_tokens} new tokens each")
+    print(f"{'sessions':>8} {'stack tok/s':>12} {'engine tok/s':>13} {'hf tok/s':>10} {'stack/engine':>13} {'stack/hf':>9}")
+    for n, r in results["runs"].items():
+        s, e, h = r["stack"]["output_tokens_per_s"], r["engine"]["output_tokens_per_s"], r["hf_tokens_per_s"]
+        print(f"{n:8d} {s:12.0f} {e:13.0f} {h:10.0f} {s / e:13.2f} {s / h:9.2f}")
+        r["ratios"] = {"stack_over_engine": s / e, "stack_over_hf": s / h}
+    mem = results["memory_64"]
+    print("\ntargets:")
+    checks: list[tuple[str, float, float]] = []
+    if 64 in results["runs"]:
+        r = results["runs"][64]
+        checks += [
+            ("64 sessions, stack output tokens/s", r["stack"]["output_tokens_per_s"], TARGET_STACK_64),
+            ("64 sessions, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_VS_HF),
+            ("64 sessions, stack / engine in-process", r["ratios"]["stack_over_engine"], TARGET_STACK_VS_ENGINE),
+        ]
+    if 1 in results["runs"]:
+        checks.append(("1 session, stack output tokens/s", results["runs"][1]["stack"]["output_tokens_per_s"], TARGET_STACK_1))
+    for name, value, target in checks:
+        print(f"  {name:42s} {value:10.2f}  target >= {target:<8g} {'met' if value >= target else 'MISSED'}")
+    limit = 1 + TARGET_MEMORY_SLACK
+    print(f"  {'GPU memory, 64 sessions / (weights + 64 x bytes)':42s} {mem['ratio']:10.3f}  target <= {limit:<8g} "
+          f"{'met' if mem['ratio'] <= limit else 'MISSED'}  ({mem['used_bytes'] / 2**30:.2f} GiB used)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

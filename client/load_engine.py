@@ -1,0 +1,159 @@
+"""The in-process driver: the same users, run against `worker.engine.Engine` directly (no broker, no sockets).
+
+One loop: advance every user that is ready (create, append, fork and close are synchronous engine
+calls; a turn's generation is queued with `start_generate`), then run one batched `step()` for all of
+them and stamp its chunks with the time `step()` returned. So the numbers are the engine's own, and
+a full-stack run of the same workload over them is the stack's overhead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from .load_progress import REFRESH_S, Tally
+from .load_stats import RawRun, RequestSample
+from .load_workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+log = structlog.get_logger()
+
+
+@dataclass
+class _Waiting:
+    """A user whose turn is generating."""
+
+    script: Script
+    sample: RequestSample
+    session: str
+
+
+def _code(e: Exception) -> str:
+    return str(getattr(e, "code", "internal"))
+
+
+class EngineDriver:
+    def __init__(self, engine: Engine, raw: RawRun, tally: Tally) -> None:
+        from cuda_state.errors import StateError
+        from worker.errors import EngineError
+        from worker.sampling import SamplingParams
+
+        self.engine = engine
+        self.raw = raw
+        self.tally = tally
+        self._errors: tuple[type[Exception], ...] = (EngineError, StateError)
+        self._params = SamplingParams
+        self._waiting: dict[str, _Waiting] = {}  # request id -> user
+        self._ready: list[tuple[Script, Any, Failed | None]] = []  # users to advance, with what to send them
+
+    def run(self, scripts: list[Script], on_progress: Callable[[], None]) -> None:
+        self._ready = [(s, None, None) for s in scripts]
+        next_report = time.perf_counter()
+        while self._ready or self._waiting:
+            ready, self._ready = self._ready, []
+            for script, value, error in ready:
+                self._advance(script, value, error)
+            if self._waiting:
+                self._step()
+            if time.perf_counter() >= next_report:
+                on_progress()
+                next_report = time.perf_counter() + REFRESH_S
+
+    def _step(self) -> None:
+        chunks = self.engine.step()
+        now = time.perf_counter()
+        for chunk in chunks:
+            waiting = self._waiting.get(chunk.request_id)
+            if waiting is None:
+                continue
+            sample = waiting.sample
+            if chunk.token_ids:
+                n = len(chunk.token_ids)
+                sample.chunk_times.append(now)
+                sample.chunk_tokens.append(n)
+                self.tally.output_tokens += n
+            if chunk.finish_reason is not None:
+                sample.end = now
+                self.tally.done += 1
+                del self._waiting[chunk.request_id]
+                done = TurnDone(self.engine.session_length(waiting.session), sample.prompt_tokens)
+                self._ready.append((waiting.script, done, None))
+
+    def _advance(self, script: Script, value: Any, error: Failed | None) -> None:
+        """Run the user's synchronous actions until it waits on a generation or ends."""
+        while True:
+            try:
+                action = script.throw(error) if error is not None else script.send(value)
+            except StopIteration:
+                return
+            value, error = None, None
+            try:
+                if isinstance(action, Turn):
+                    self._start_turn(script, action)
+                    return
+                value = self._op(action)
+            except Failed as e:
+                error = e
+
+    def _start_turn(self, script: Script, turn: Turn) -> None:
+        sample = RequestSample(start=time.perf_counter(), forked=turn.forked)
+        self.raw.requests.append(sample)
+        session: str = turn.session
+        try:
+            before = self.engine.session_length(session)
+            t = time.perf_counter()
+            length = self.engine.append(session, token_ids=turn.prompt.token_ids, text=turn.prompt.text)
+            self.raw.op("append", time.perf_counter() - t)
+            sample.prompt_tokens = length - before
+            p = turn.params
+            params = self._params(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed, ignore_eos=p.ignore_eos)
+            request_id = self.engine.start_generate(session, params)
+        except self._errors as e:
+            sample.end = time.perf_counter()
+            sample.error = _code(e)
+            self.tally.failed += 1
+            raise Failed(sample.error) from e
+        self._waiting[request_id] = _Waiting(script, sample, session)
+
+    def _op(self, action: Create | Fork | Close) -> Any:
+        kind = type(action).__name__.lower()
+        start = time.perf_counter()
+        try:
+            result: Any
+            if isinstance(action, Create):
+                result = Opened(self.engine.create_session(), self.engine.max_context)
+            elif isinstance(action, Fork):
+                result = Opened(self.engine.fork(action.session), self.engine.max_context)
+            else:
+                self.engine.close(action.session)
+                result = None
+        except self._errors as e:
+            self.raw.op_failed(kind, _code(e))
+            raise Failed(_code(e)) from e
+        self.raw.op(kind, time.perf_counter() - start)
+        return result
+
+
+def load_engine(model: str | None, device: str, max_sessions: int, max_context: int) -> Engine:
+    from worker.engine import Engine
+
+    return Engine.load(model=model, device=device, max_sessions=max_sessions, max_context=max_context)
+
+
+def run_in_process(
+    engine: Engine, workload: Workload, sessions: int, budget: Budget, tally: Tally, on_progress: Callable[[], None],
+) -> RawRun:
+    """Drive `sessions` users against the engine until the budget is spent and every session is closed."""
+    raw = RawRun(start=time.perf_counter())
+    budget.begin(raw.start)
+    scripts = [user(i, workload, budget, raw.counts) for i in range(sessions)]
+    EngineDriver(engine, raw, tally).run(scripts, on_progress)
+    raw.finish = time.perf_counter()
+    log.debug("in_process_run_done", requests=len(raw.requests), steps=engine.steps)
+    return raw

@@ -1,0 +1,257 @@
+"""The full-stack driver: users run as asyncio tasks on one AsyncClient, in one or several client processes.
+
+One Python process cannot consume tens of thousands of streamed tokens/s, so `processes > 1` splits the
+users over that many processes (multiprocessing, spawn). They start on one signal and one clock
+(`time.perf_counter()` is CLOCK_MONOTONIC, shared by every process on the host); each sends its running
+totals for the progress bar while it runs and its raw samples at the end, merged by the parent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import structlog
+
+from .aio import AsyncClient, AsyncSession
+from .errors import ClientError
+from .load_progress import REFRESH_S, Tally
+from .load_stats import RawRun, RequestSample, merge
+from .load_workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
+
+log = structlog.get_logger()
+
+START_TIMEOUT_S = 120.0  # for a client process to start (import) and say it is ready
+JOIN_TIMEOUT_S = 30.0
+
+
+class LoadTestError(RuntimeError):
+    """The run could not be carried out (no broker, a client process failed, the model did not load): see the message."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one client process runs: users [first, first + count) of the whole run, and its share of requests."""
+
+    address: str
+    model: str | None
+    timeout: float
+    workload: Workload
+    first: int
+    count: int
+    requests: int | None
+    duration: float | None
+
+
+def split(address: str, model: str | None, timeout: float, workload: Workload, sessions: int, processes: int,
+          requests: int | None, duration: float | None) -> list[Part]:
+    """Users and requests shared as evenly as possible (the first parts get the remainders)."""
+    processes = max(1, min(processes, sessions))
+    parts = []
+    first = 0
+    for i in range(processes):
+        count = sessions // processes + (i < sessions % processes)
+        share = None if requests is None else requests // processes + (i < requests % processes)
+        parts.append(Part(address, model, timeout, workload, first, count, share, duration))
+        first += count
+    return parts
+
+
+# -- one process --------------------------------------------------------------------------------
+
+
+class StackDriver:
+    """Executes users' actions through the client library and times them."""
+
+    def __init__(self, client: AsyncClient, model: str | None, raw: RawRun, tally: Tally) -> None:
+        self.client = client
+        self.model = model
+        self.raw = raw
+        self.tally = tally
+
+    async def run_user(self, script: Script) -> None:
+        value: Any = None
+        error: Failed | None = None
+        while True:
+            try:
+                action = script.throw(error) if error is not None else script.send(value)
+            except StopIteration:
+                return
+            value, error = None, None
+            try:
+                value = await (self._turn(action) if isinstance(action, Turn) else self._op(action))
+            except Failed as e:
+                error = e
+
+    async def _turn(self, turn: Turn) -> TurnDone:
+        sample = RequestSample(start=time.perf_counter(), forked=turn.forked)
+        self.raw.requests.append(sample)
+        session: AsyncSession = turn.session
+        p = turn.params
+        try:
+            length = await session.append(text=turn.prompt.text, token_ids=turn.prompt.token_ids)
+            self.raw.op("append", time.perf_counter() - sample.start)
+            sample.prompt_tokens = length - turn.length
+            stream = await session.generate(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
+                                            ignore_eos=p.ignore_eos, stream=True)
+            async for chunk in stream:
+                if chunk.token_ids:
+                    n = len(chunk.token_ids)
+                    sample.chunk_times.append(time.perf_counter())
+                    sample.chunk_tokens.append(n)
+                    self.tally.output_tokens += n
+        except ClientError as e:
+            sample.end = time.perf_counter()
+            sample.error = e.code
+            self.tally.failed += 1
+            raise Failed(e.code) from e
+        sample.end = time.perf_counter()
+        self.tally.done += 1
+        result = stream.result
+        return TurnDone(result.session_length if result is not None else length + sample.output_tokens, sample.prompt_tokens)
+
+    async def _op(self, action: Create | Fork | Close) -> Opened | None:
+        kind = type(action).__name__.lower()
+        start = time.perf_counter()
+        try:
+            result: Opened | None = None
+            if isinstance(action, Create):
+                session = await self.client.session(self.model)
+                result = Opened(session, session.max_context)
+            elif isinstance(action, Fork):
+                child = await action.session.fork()
+                result = Opened(child, child.max_context)
+            else:
+                await action.session.close()
+        except ClientError as e:
+            self.raw.op_failed(kind, e.code)
+            raise Failed(e.code) from e
+        self.raw.op(kind, time.perf_counter() - start)
+        return result
+
+
+async def run_part(part: Part, start: float | None, tally: Tally, on_progress: Callable[[], None]) -> RawRun:
+    """Run one part's users to the end of the budget; `start` is the shared start (None: now)."""
+    raw = RawRun(start=time.perf_counter() if start is None else start)
+    budget = Budget(part.requests, part.duration)
+    budget.begin(raw.start)
+    scripts = [user(i, part.workload, budget, raw.counts) for i in range(part.first, part.first + part.count)]
+    async with AsyncClient(part.address, timeout=part.timeout) as client:
+        driver = StackDriver(client, part.model, raw, tally)
+        reporter = asyncio.create_task(_report_every(on_progress))
+        try:
+            await asyncio.gather(*(driver.run_user(s) for s in scripts))
+        finally:
+            reporter.cancel()
+    raw.finish = time.perf_counter()
+    return raw
+
+
+async def _report_every(on_progress: Callable[[], None]) -> None:
+    while True:
+        await asyncio.sleep(REFRESH_S)
+        on_progress()
+
+
+# -- several processes --------------------------------------------------------------------------
+
+
+def run_processes(parts: list[Part], tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None],
+                  log_level: str = "warning") -> RawRun:
+    """Run each part in its own client process; `tally` is kept as the sum of theirs."""
+    if len(parts) == 1:
+        on_start()
+        return asyncio.run(run_part(parts[0], None, tally, on_progress))
+    ctx = mp.get_context("spawn")
+    messages: Queue[tuple[str, int, Any]] = ctx.Queue()
+    go = ctx.Event()
+    start = ctx.Value("d", 0.0)
+    procs = [ctx.Process(target=_child, args=(i, part, messages, go, start, log_level), name=f"loadtest-{i}", daemon=True)
+             for i, part in enumerate(parts)]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, messages, go, start, tally, on_start, on_progress)
+    except BaseException:
+        for proc in procs:  # the run is over: stop the others now
+            if proc.is_alive():
+                proc.terminate()
+        raise
+    finally:
+        for proc in procs:
+            proc.join(timeout=JOIN_TIMEOUT_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+
+
+def _collect(procs: Sequence[BaseProcess], messages: Queue[tuple[str, int, Any]], go: Event, start: Synchronized[float],
+             tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None]) -> RawRun:
+    ready: set[int] = set()
+    tallies: dict[int, Tally] = {}
+    runs: dict[int, RawRun] = {}
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while len(runs) < len(procs):
+        try:
+            kind, index, payload = messages.get(timeout=REFRESH_S)
+        except queue.Empty:
+            _check_alive(procs, runs)
+            if len(ready) < len(procs) and time.monotonic() > deadline:
+                raise LoadTestError(f"client processes did not start within {START_TIMEOUT_S:g} s") from None
+            continue
+        if kind == "failed":
+            raise LoadTestError(f"client process {index} failed:\n{payload}")
+        if kind == "ready":
+            ready.add(index)
+            if len(ready) == len(procs):
+                start.value = time.perf_counter()
+                go.set()
+                on_start()
+        elif kind == "progress":
+            tallies[index] = payload
+        elif kind == "done":
+            runs[index], tallies[index] = payload
+        _sum(tally, tallies.values())
+        on_progress()
+    return merge([runs[i] for i in sorted(runs)])
+
+
+def _sum(tally: Tally, parts: Iterable[Tally]) -> None:
+    tally.done = tally.failed = tally.output_tokens = 0
+    for part in parts:
+        tally.add(part)
+
+
+def _check_alive(procs: Sequence[BaseProcess], runs: dict[int, RawRun]) -> None:
+    for i, proc in enumerate(procs):
+        if i not in runs and proc.exitcode is not None:
+            raise LoadTestError(f"client process {i} exited with code {proc.exitcode} before sending its results")
+
+
+def _child(index: int, part: Part, messages: Queue[tuple[str, int, Any]], go: Event, start: Synchronized[float],
+           log_level: str) -> None:
+    """A client process: its own structlog set-up, then its part of the run on the parent's signal."""
+    from broker import logs
+
+    logs.configure(log_level, role="loadtest", process=index)
+    try:
+        messages.put(("ready", index, None))
+        if not go.wait(timeout=START_TIMEOUT_S):
+            return
+        tally = Tally()
+        raw = asyncio.run(run_part(part, start.value, tally, lambda: messages.put(("progress", index, copy.copy(tally)))))
+        messages.put(("done", index, (raw, tally)))
+    except BaseException:
+        messages.put(("failed", index, traceback.format_exc()))
+        raise

@@ -1,0 +1,267 @@
+"""The load test's measurements: raw samples, their merge, and the report with vLLM `bench serve` names.
+
+Times are `time.perf_counter()` seconds (CLOCK_MONOTONIC on Linux, so samples taken by several client
+processes on one host share one clock). Definitions, as vLLM's `bench serve` has them:
+
+- TTFT: from the start of the turn (its prompt sent) to the first chunk that carries a token.
+- ITL: the gaps between consecutive chunks that carry tokens (a chunk of k coalesced tokens is one gap).
+- TPOT: (end - first token) / (output tokens - 1), per request, for requests with more than one token.
+- E2E latency: from the start of the turn to its final chunk.
+- Percentiles interpolate linearly between the closest ranks (numpy's default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+PERCENTILES = (50, 90, 99)
+TIMELINE_BINS = 40  # throughput-over-time resolution when the run is short
+TIMELINE_MAX_BIN_S = 1.0
+SESSION_OPS = ("create", "append", "fork", "close")
+
+
+# -- raw samples --------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestSample:
+    """One generate request (one turn: append the prompt, then generate streamed)."""
+
+    start: float  # the turn began (prompt sent)
+    forked: bool = False  # ran on a fork child
+    prompt_tokens: int = 0  # tokens the append added to the session
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
+    end: float = 0.0  # the final chunk (or the error) arrived
+    error: str | None = None  # the wire error code when the request failed
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+
+@dataclass
+class RawRun:
+    """Everything one client process measured; runs of several processes merge into one."""
+
+    start: float  # the run began (every process starts on one signal)
+    finish: float = 0.0  # the last session was closed
+    requests: list[RequestSample] = field(default_factory=list)
+    ops: dict[str, list[float]] = field(default_factory=lambda: {op: [] for op in SESSION_OPS})  # seconds, successes
+    op_errors: dict[str, Counter[str]] = field(default_factory=dict)  # op -> error code -> count
+    counts: Counter[str] = field(default_factory=Counter)  # sessions_opened, context_rollovers, forks, ...
+
+    def op(self, kind: str, seconds: float) -> None:
+        self.ops.setdefault(kind, []).append(seconds)
+
+    def op_failed(self, kind: str, code: str) -> None:
+        self.op_errors.setdefault(kind, Counter())[code] += 1
+
+
+def merge(runs: Sequence[RawRun]) -> RawRun:
+    """One run from several processes' runs."""
+    merged = RawRun(start=min(r.start for r in runs), finish=max(r.finish for r in runs))
+    for run in runs:
+        merged.requests += run.requests
+        for kind, values in run.ops.items():
+            merged.ops.setdefault(kind, []).extend(values)
+        for kind, codes in run.op_errors.items():
+            merged.op_errors.setdefault(kind, Counter()).update(codes)
+        merged.counts.update(run.counts)
+    merged.requests.sort(key=lambda r: r.start)
+    return merged
+
+
+# -- per-request figures ------------------------------------------------------------------------
+
+
+def ttft(sample: RequestSample) -> float | None:
+    return sample.chunk_times[0] - sample.start if sample.chunk_times else None
+
+
+def itls(sample: RequestSample) -> list[float]:
+    times = sample.chunk_times
+    return [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+
+
+def tpot(sample: RequestSample) -> float | None:
+    n = sample.output_tokens
+    if n < 2:
+        return None
+    return (sample.end - sample.chunk_times[0]) / (n - 1)
+
+
+def e2e(sample: RequestSample) -> float:
+    return sample.end - sample.start
+
+
+# -- distributions ------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of a non-empty sequence, linear between closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A latency distribution in milliseconds; every figure is None when there were no values."""
+
+    count: int
+    mean: float | None = None
+    std: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+    @classmethod
+    def of(cls, values_ms: Sequence[float]) -> Summary:
+        if not values_ms:
+            return cls(0)
+        mean = sum(values_ms) / len(values_ms)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values_ms) / len(values_ms))
+        p50, p90, p99 = (percentile(values_ms, q) for q in PERCENTILES)
+        return cls(len(values_ms), mean, std, p50, p90, p99, max(values_ms))
+
+    def flat(self, name: str) -> dict[str, float | None]:
+        """vLLM's keys: mean_ttft_ms, median_ttft_ms, std_ttft_ms, p50_ttft_ms, p90_ttft_ms, p99_ttft_ms."""
+        return {
+            f"mean_{name}_ms": self.mean, f"median_{name}_ms": self.p50, f"std_{name}_ms": self.std,
+            f"p50_{name}_ms": self.p50, f"p90_{name}_ms": self.p90, f"p99_{name}_ms": self.p99,
+        }
+
+
+def timeline(samples: Iterable[RequestSample], start: float, end: float) -> list[tuple[float, float]]:
+    """Output tokens/s over time: (bin centre in seconds from start, tokens/s in that bin)."""
+    span = max(end - start, 1e-9)
+    width = min(TIMELINE_MAX_BIN_S, span / TIMELINE_BINS)
+    bins = [0] * max(1, math.ceil(span / width))
+    for sample in samples:
+        for t, n in zip(sample.chunk_times, sample.chunk_tokens, strict=True):
+            bins[min(max(int((t - start) / width), 0), len(bins) - 1)] += n
+    return [((i + 0.5) * width, n / width) for i, n in enumerate(bins)]
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    mode: str  # "full-stack" or "in-process"
+    config: dict[str, Any]
+    duration_s: float  # from the run's start to the end of its last request
+    completed: int
+    failed: int
+    request_errors: dict[str, int]  # error code -> failed requests
+    total_input_tokens: int
+    total_output_tokens: int
+    ttft: Summary
+    tpot: Summary
+    itl: Summary
+    e2el: Summary
+    ops: dict[str, Summary]  # session create / append / fork / close
+    op_errors: dict[str, dict[str, int]]
+    counts: dict[str, int]
+    timeline: list[tuple[float, float]]
+    # The distributions themselves (ms), for plots; not part of to_dict().
+    ttft_ms: list[float] = field(default_factory=list, repr=False)
+    itl_ms: list[float] = field(default_factory=list, repr=False)
+    tpot_ms: list[float] = field(default_factory=list, repr=False)
+    e2el_ms: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.total_output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.total_input_tokens + self.total_output_tokens) / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.completed / self.duration_s if self.duration_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every figure, flat under vLLM's names where vLLM has one."""
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "config": self.config,
+            "duration": self.duration_s,
+            "completed": self.completed,
+            "failed": self.failed,
+            "errors": dict(self.request_errors),
+            "total_input_tokens": self.total_input_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "request_throughput": self.requests_per_s,
+            "output_throughput": self.output_tokens_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,  # the same, under the Report property's name
+            "total_token_throughput": self.total_tokens_per_s,
+        }
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            out.update(getattr(self, name).flat(name))
+        out["session_ops"] = {
+            kind: {"count": s.count, "mean_ms": s.mean, "p50_ms": s.p50, "p99_ms": s.p99,
+                   "errors": dict(self.op_errors.get(kind, {}))}
+            for kind, s in self.ops.items()
+        }
+        out["counts"] = dict(self.counts)
+        out["output_throughput_over_time"] = [{"t": t, "tokens_per_s": v} for t, v in self.timeline]
+        return out
+
+    def table(self) -> Table:
+        """The summary table: a rich renderable, whose str() is the plain-text table (so print() works too)."""
+        from .load_table import report_table
+
+        return report_table(self)
+
+    def render(self, width: int = 100) -> str:
+        """The summary table as plain text."""
+        from .load_table import render
+
+        return render(self, width)
+
+
+def build_report(raw: RawRun, mode: str, config: dict[str, Any]) -> Report:
+    done = [r for r in raw.requests if r.error is None]
+    failed = [r for r in raw.requests if r.error is not None]
+    last_end = max((r.end for r in raw.requests), default=raw.finish)
+    ttft_ms = [t * 1e3 for t in map(ttft, done) if t is not None]
+    itl_ms = [g * 1e3 for r in done for g in itls(r)]
+    tpot_ms = [t * 1e3 for t in map(tpot, done) if t is not None]
+    e2el_ms = [e2e(r) * 1e3 for r in done]
+    return Report(
+        mode=mode,
+        config=config,
+        duration_s=max(last_end - raw.start, 0.0),
+        completed=len(done),
+        failed=len(failed),
+        request_errors=dict(Counter(r.error for r in failed if r.error is not None)),
+        total_input_tokens=sum(r.prompt_tokens for r in done),
+        total_output_tokens=sum(r.output_tokens for r in done),
+        ttft=Summary.of(ttft_ms),
+        tpot=Summary.of(tpot_ms),
+        itl=Summary.of(itl_ms),
+        e2el=Summary.of(e2el_ms),
+        ops={kind: Summary.of([s * 1e3 for s in values]) for kind, values in raw.ops.items()},
+        op_errors={kind: dict(codes) for kind, codes in raw.op_errors.items()},
+        counts=dict(raw.counts),
+        timeline=timeline(done, raw.start, last_end),
+        ttft_ms=ttft_ms,
+        itl_ms=itl_ms,
+        tpot_ms=tpot_ms,
+        e2el_ms=e2el_ms,
+    )
