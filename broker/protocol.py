@@ -14,8 +14,15 @@ Legs:
     client -> broker:          CREATE APPEND CHAT GENERATE FORK CLOSE INFO CANCEL STATUS
     broker -> worker:          the same requests plus `route` (the client's routing id), and for
                                CREATE and FORK the session id the broker made
-    worker -> broker -> client REPLY (final; `kind` names the result), CHUNK (streamed), ERROR (final)
+    worker -> broker -> client REPLY (final; `kind` names the result), CHUNKS (streamed), ERROR (final);
+                               CHUNK (one request's streamed tokens) is still understood, no longer sent
     worker <-> broker:         READY WELCOME HEARTBEAT RECONNECT DISCONNECT
+
+Streaming: per engine step a worker sends ONE CHUNKS message per client route, whose `chunks` list holds
+a {request_id, token_ids, text} map for every streamed request of that client that moved in the step
+(consecutive CHUNKS of a route are merged when the worker's socket falls behind). The broker forwards
+it untouched after checking the route, the client splits it back into its streams. A request's final
+REPLY (or ERROR) stays a message of its own, sent after all of its chunks, and carries every token.
 
 CANCEL is one-way: nothing answers it; the generation it cancels ends with finish_reason "cancelled".
 Every request carries a client-made `request_id`; a worker answers a repeated id from its cache
@@ -33,7 +40,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Annotated, Any, ClassVar, Final, TypeVar
+from typing import Annotated, Any, ClassVar, Final, NamedTuple, TypeVar
 
 import msgpack
 
@@ -67,6 +74,7 @@ MAX_STOP_STRINGS: Final = 16
 MAX_STOP_CHARS: Final = 256
 MAX_SESSIONS_LISTED: Final = 1 << 20
 MAX_ROUTE_BYTES: Final = 255  # ZeroMQ routing ids are 1..255 bytes
+MAX_CHUNKS: Final = 1 << 16  # requests in one CHUNKS message
 
 
 class Command(Enum):
@@ -83,6 +91,7 @@ class Command(Enum):
     # answers (worker -> broker -> client, or broker -> client)
     REPLY = b"REPLY"
     CHUNK = b"CHUNK"
+    CHUNKS = b"CHUNKS"
     ERROR = b"ERROR"
     # worker <-> broker control
     READY = b"READY"
@@ -150,6 +159,7 @@ def error_code(name: str, value: Any) -> Any:
 ID_PATTERN: Final = r"[A-Za-z0-9._:-]{1,64}"
 SESSION_PATTERN: Final = r"[0-9a-f]{32}"  # 128 random bits, made by the broker
 
+_ID_RE = re.compile(ID_PATTERN)
 _SESSION_RE = re.compile(SESSION_PATTERN)
 
 
@@ -439,6 +449,93 @@ class Chunk(Message):
     route: Route = b""
 
 
+class StreamChunk(NamedTuple):
+    """One request's part of a CHUNKS message (a map with these keys on the wire).
+
+    A plain tuple rather than a checked dataclass: one is made per token on both ends, so its fields are
+    checked by the CHUNKS message's one pass over its list (`stream_chunks`), not one by one.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+
+
+_MAX_TOKEN_ID = 2**31 - 1
+_tuple_new = tuple.__new__
+
+
+def stream_chunks(name: str, value: Any) -> Any:
+    """Field check of CHUNKS' `chunks`: 1..MAX_CHUNKS maps (or StreamChunks), each with a valid request_id,
+    token_ids and text. One loop with the checks inlined: this runs for every streamed token."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise FieldError(f"{name} must be a list, got {type(value).__name__}")
+    if not 0 < len(value) <= MAX_CHUNKS:
+        raise FieldError(f"{name} must hold 1 to {MAX_CHUNKS} chunks, got {len(value)}")
+    out = []
+    rid: Any
+    ids: Any
+    chunk_text: Any
+    for item in value:
+        if type(item) is dict:
+            rid, ids, chunk_text = item.get("request_id"), item.get("token_ids"), item.get("text")
+        elif isinstance(item, StreamChunk):
+            rid, ids, chunk_text = item
+        else:
+            raise FieldError(f"{name} must hold maps, got {type(item).__name__}")
+        if type(rid) is not str or _ID_RE.fullmatch(rid) is None:
+            raise FieldError(f"{name}.request_id is missing or malformed: {str(rid)[:80]!r}")
+        if type(ids) not in (list, tuple) or len(ids) > MAX_TOKENS:
+            raise FieldError(f"{name}.token_ids must be a list of at most {MAX_TOKENS} integers")
+        for t in ids:
+            if type(t) is not int or not 0 <= t <= _MAX_TOKEN_ID:
+                raise FieldError(f"{name}.token_ids must hold integers in [0, {_MAX_TOKEN_ID}], got {t!r}")
+        if type(chunk_text) is not str or len(chunk_text) > MAX_TEXT_CHARS:
+            raise FieldError(f"{name}.text must be a string of at most {MAX_TEXT_CHARS} characters")
+        out.append(_tuple_new(StreamChunk, (rid, tuple(ids), chunk_text)))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunks(Message):
+    """Streamed tokens of one client's requests, in order per request: one message per route per engine step.
+
+    Each request's chunk holds the tokens (and text) it made since its previous chunk; the final REPLY
+    (Generated) carries them all again, so a client that missed a CHUNKS message loses nothing.
+    """
+
+    COMMAND: ClassVar[Command] = Command.CHUNKS
+    chunks: Annotated[tuple[StreamChunk, ...], stream_chunks]
+    route: Route = b""
+
+    @classmethod
+    def unchecked(cls, chunks: tuple[StreamChunk, ...], route: bytes) -> Chunks:
+        """Skip the per-chunk checks, for a sender whose chunks are valid by construction: the worker's step
+        loop (request ids checked when the GENERATE came, token ids and text from its engine). Whoever
+        decodes the message checks every field, as always."""
+        message = object.__new__(cls)
+        object.__setattr__(message, "chunks", chunks)
+        object.__setattr__(message, "route", route)
+        return message
+
+    def to_header(self) -> dict[str, Any]:
+        header: dict[str, Any] = {
+            "chunks": [{"request_id": c.request_id, "token_ids": c.token_ids, "text": c.text} for c in self.chunks]
+        }
+        if self.route:
+            header["route"] = self.route
+        return header
+
+
+def chunk_request_ids(header: Mapping[str, Any]) -> list[str]:
+    """The valid request ids of a CHUNKS header, whatever else is wrong with it (for failure handling)."""
+    chunks = header.get("chunks")
+    if not isinstance(chunks, list):
+        return []
+    ids = (c.get("request_id") for c in chunks if isinstance(c, dict))
+    return [rid for rid in ids if isinstance(rid, str) and _ID_RE.fullmatch(rid)]
+
+
 @dataclass(frozen=True, slots=True)
 class Error(Message):
     COMMAND: ClassVar[Command] = Command.ERROR
@@ -514,7 +611,7 @@ _BY_COMMAND: Final[dict[Command, type[Message]]] = {
     c.COMMAND: c
     for c in (
         CreateSession, Append, Chat, Generate, Fork, Close, Info, Cancel, Status,
-        Chunk, Error, Ready, Welcome, Heartbeat, Reconnect, Disconnect,
+        Chunk, Chunks, Error, Ready, Welcome, Heartbeat, Reconnect, Disconnect,
     )
 }
 
@@ -586,7 +683,7 @@ def decode(frames: Sequence[bytes]) -> Message:
 def request_id_of(header: Mapping[str, Any]) -> str | None:
     """The header's request id if it is a valid one (to address an error), else None."""
     value = header.get("request_id")
-    if isinstance(value, str) and re.fullmatch(ID_PATTERN, value):
+    if isinstance(value, str) and _ID_RE.fullmatch(value):
         return value
     return None
 

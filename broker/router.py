@@ -2,8 +2,10 @@
 
 - A client request is validated, then placed (CREATE), answered here (STATUS) or forwarded to the
   worker holding its session with the client's routing id added as `route`.
-- A worker's answer (REPLY, CHUNK, ERROR) is forwarded to its route unchanged; the broker only reads
-  the header to keep its tables (session created, forked, closed; request finished).
+- A worker's answer (REPLY, CHUNKS, CHUNK, ERROR) is forwarded to its route unchanged; the broker only
+  reads the header to find the route and to keep its tables (session created, forked, closed; request
+  finished). CHUNKS, the streamed tokens of one engine step for one client, is checked no further than
+  its route and the type of its list: the client checks the chunks, so nothing is done here per token.
 - A worker that misses `liveness` heartbeats, disconnects, or cannot be reached is gone: every request
   in flight on it fails at once with session_lost, and later requests for its sessions get session_lost.
 - A freshly started broker is "recovering" for a while: requests for sessions it does not know yet
@@ -26,7 +28,7 @@ from .registry import Registry, WorkerRecord
 log = structlog.get_logger()
 
 MAX_HELD = 100_000  # requests held while recovering; past this they are refused
-ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNK, p.Command.ERROR})
+ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNKS, p.Command.CHUNK, p.Command.ERROR})
 
 RequestKey = tuple[bytes, str]  # (client route, request id)
 
@@ -163,17 +165,18 @@ class Router:
                 name = self._name(send.identity)
                 self._error(*send.key, p.ErrorCode.INTERNAL, f"worker {name} is overloaded (queue full): retry later")
             return self._flush()
-        if send.key is None:
+        if send.key is not None:
+            keys = [send.key]
+        elif len(send.frames) > 2 and send.frames[1] == p.Command.CHUNKS.value:
+            # A stream batch: the client of every generation in it is gone. Read its request ids only now.
+            keys = [(send.identity, rid) for rid in p.chunk_request_ids(p.decode_envelope(send.frames).header)]
+        else:
             log.debug("client_send_failed", failure=failure.value)
             return self._flush()
-        log.info("client_send_failed", failure=failure.value, request=send.key[1])
-        flight = self.inflight.get(send.key)
-        if failure is Failure.UNREACHABLE and flight is not None and flight.command is p.Command.GENERATE:
-            del self.inflight[send.key]
-            cancel = p.Cancel(
-                request_id=secrets.token_hex(8), session_id=flight.session_id, target=send.key[1], route=send.key[0]
-            )
-            self._out.append(Send(Peer.WORKER, flight.worker, p.encode(cancel)))
+        log.info("client_send_failed", failure=failure.value, requests=[key[1] for key in keys][:8])
+        if failure is Failure.UNREACHABLE:
+            for key in keys:
+                self._cancel_generation(key)
         return self._flush()
 
     def next_tick(self) -> float:
@@ -280,10 +283,17 @@ class Router:
 
     def _answer(self, identity: bytes, envelope: p.Envelope, frames: list[bytes]) -> None:
         route = p.route_of(envelope.header)
-        request_id = p.request_id_of(envelope.header)
         if not route:
             log.warning("worker_answer_without_route", command=envelope.command.name, worker=self._name(identity))
             return
+        if envelope.command is p.Command.CHUNKS:  # the hot path: one per client per engine step
+            chunks = envelope.header.get("chunks")
+            if not isinstance(chunks, list) or not chunks or envelope.payload:
+                log.warning("worker_chunks_invalid", worker=self._name(identity))
+                return
+            self._out.append(Send(Peer.CLIENT, route, frames))
+            return
+        request_id = p.request_id_of(envelope.header)
         key = None if request_id is None else (route, request_id)
         if key is not None and envelope.command is not p.Command.CHUNK:
             flight = self.inflight.pop(key, None)
@@ -313,6 +323,14 @@ class Router:
             and envelope.header.get("code") == p.ErrorCode.SESSION_NOT_FOUND.value
         ):
             self.registry.drop_session(flight.session_id)
+
+    def _cancel_generation(self, key: RequestKey) -> None:
+        """The client of a generation in flight cannot be reached: stop it (once) rather than generate for nobody."""
+        flight = self.inflight.get(key)
+        if flight is not None and flight.command is p.Command.GENERATE:
+            del self.inflight[key]
+            cancel = p.Cancel(request_id=secrets.token_hex(8), session_id=flight.session_id, target=key[1], route=key[0])
+            self._out.append(Send(Peer.WORKER, flight.worker, p.encode(cancel)))
 
     def _settle_pending(self, flight: InFlight | None) -> None:
         if flight is not None and flight.command in (p.Command.CREATE, p.Command.FORK):

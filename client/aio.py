@@ -7,14 +7,15 @@
             async for chunk in stream:
                 print(chunk.text, end="")
 
-One reader task sorts answers into a queue per request id, so any number of sessions and streams can
-run concurrently on one AsyncClient (within one event loop).
+One reader task sorts answers into a mailbox per request id (splitting CHUNKS into its streams' chunks),
+so any number of sessions and streams can run concurrently on one AsyncClient (within one event loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Literal, TypeVar, overload
@@ -26,7 +27,7 @@ import zmq.asyncio
 from broker import protocol as p
 
 from . import calls
-from .calls import Call, build, decode_answer, new_request_id
+from .calls import Answer, Call, build, decode_answer, new_request_id
 from .errors import BadRequest, ClientError, SessionLost, SessionNotFound, Timeout
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
 from .transport import connect_client
@@ -36,6 +37,56 @@ log = structlog.get_logger()
 M = TypeVar("M", bound=p.Message)
 
 
+class Mailbox:
+    """One call's answers, the future its one reader waits on, and an alarm for its timeout and resend.
+
+    Cheaper than an asyncio.Queue read with wait_for (a task and a timer per answer), which matters as a
+    stream takes one answer per token: the alarm is set again only when it would ring too late, so while
+    answers keep coming one alarm serves many waits (one that rings early just wakes the reader to check).
+    """
+
+    __slots__ = ("items", "waiter", "alarm", "alarm_at", "closed")
+
+    def __init__(self) -> None:
+        self.items: deque[Answer] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.alarm: asyncio.TimerHandle | None = None
+        self.alarm_at = 0.0
+        self.closed = False
+
+    def put(self, item: Answer) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def wait(self, loop: asyncio.AbstractEventLoop, wake_in_s: float) -> None:
+        """Until an answer comes or about wake_in_s have passed (maybe sooner: the caller checks why it woke)."""
+        wake_at = loop.time() + wake_in_s
+        if self.alarm is None or self.alarm_at > wake_at:
+            if self.alarm is not None:
+                self.alarm.cancel()
+            self.alarm = loop.call_at(wake_at, self._ring)
+            self.alarm_at = wake_at
+        self.waiter = loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def close(self) -> None:
+        """The call is over: no alarm left behind, and a reader still waiting is woken to find that out."""
+        self.closed = True
+        if self.alarm is not None:
+            self.alarm.cancel()
+            self.alarm = None
+        self._ring()
+
+    def _ring(self) -> None:
+        self.alarm = None
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
 class AsyncTransport:
     def __init__(self, address: str, resend_after_s: float) -> None:
         self.address = address
@@ -43,7 +94,7 @@ class AsyncTransport:
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket = self._context.socket(zmq.DEALER)
         connect_client(self._socket, address)
-        self._mail: dict[str, asyncio.Queue[p.Message]] = {}
+        self._mail: dict[str, Mailbox] = {}
         self._reader: asyncio.Task[None] | None = None
         self.closed = False
 
@@ -53,32 +104,34 @@ class AsyncTransport:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         call = Call.of(request, time.monotonic(), self.resend_after_s)
-        self._mail[call.request_id] = asyncio.Queue()
+        self._mail[call.request_id] = Mailbox()
         self._send(call.frames)
         return call
 
-    async def next(self, call: Call, timeout_s: float) -> p.Message:
+    async def next(self, call: Call, timeout_s: float) -> Answer:
+        """The call's next answer (one reader per call); resends on schedule; Timeout after timeout_s of silence."""
         box = self._mail[call.request_id]
-        deadline = time.monotonic() + timeout_s
-        while box.empty():
-            now = time.monotonic()
-            if now >= deadline:
-                raise Timeout(f"no answer within {timeout_s:g} s from {self.address}", request_id=call.request_id)
-            if call.resend_due(now):
-                log.debug("request_resent", request=call.request_id)
-                self._send(call.frames)
-                call.resent(now)
-            try:
-                message = await asyncio.wait_for(box.get(), call.wake_at(deadline) - now)
-            except asyncio.TimeoutError:
-                continue
-            call.heard(time.monotonic())
-            return message
+        if not box.items:
+            loop = asyncio.get_running_loop()
+            deadline = time.monotonic() + timeout_s
+            while not box.items:
+                if box.closed:
+                    raise ClientError("the client is closed" if self.closed else "the call was closed while waiting")
+                now = time.monotonic()
+                if now >= deadline:
+                    raise Timeout(f"no answer within {timeout_s:g} s from {self.address}", request_id=call.request_id)
+                if call.resend_due(now):
+                    log.debug("request_resent", request=call.request_id)
+                    self._send(call.frames)
+                    call.resent(now)
+                await box.wait(loop, call.wake_at(deadline) - now)
         call.heard(time.monotonic())
-        return box.get_nowait()
+        return box.items.popleft()
 
     def finish(self, call: Call) -> None:
-        self._mail.pop(call.request_id, None)
+        box = self._mail.pop(call.request_id, None)
+        if box is not None:
+            box.close()
 
     def oneway(self, request: p.Message) -> None:
         if not self.closed:
@@ -88,6 +141,8 @@ class AsyncTransport:
         if self.closed:
             return
         self.closed = True
+        for box in self._mail.values():
+            box.close()
         if self._reader is not None:
             self._reader.cancel()
             try:
@@ -107,10 +162,16 @@ class AsyncTransport:
         while True:
             frames = await self._socket.recv_multipart()
             message = decode_answer(frames)
+            if isinstance(message, p.Chunks):
+                for chunk in message.chunks:
+                    box = self._mail.get(chunk.request_id)
+                    if box is not None:
+                        box.put(chunk)
+                continue
             request_id = getattr(message, "request_id", None)
             box = self._mail.get(request_id) if request_id is not None else None
             if box is not None and message is not None:
-                box.put_nowait(message)
+                box.put(message)
 
 
 class AsyncClient:

@@ -29,6 +29,10 @@ MAX_RESEND_S = 8.0
 M = TypeVar("M", bound=p.Message)
 T = TypeVar("T")
 
+# What a call's mailbox holds: a whole message, or one request's chunk split out of a CHUNKS message.
+Answer = p.Message | p.StreamChunk
+ANSWER_TYPES: tuple[type[p.Message], ...] = (*p.REPLY_KINDS.values(), p.Chunks, p.Chunk, p.Error)
+
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
@@ -93,13 +97,13 @@ def decode_answer(frames: list[bytes]) -> p.Message | None:
     except p.ProtocolError as e:
         log.warning("answer_invalid", code=e.code.value, error=e.message, request=e.request_id)
         return None
-    if not isinstance(message, (*p.REPLY_KINDS.values(), p.Chunk, p.Error)):
+    if not isinstance(message, ANSWER_TYPES):
         log.warning("answer_unexpected", command=message.COMMAND.name)
         return None
     return message
 
 
-def expect(message: p.Message, kind: type[M]) -> M:
+def expect(message: Answer, kind: type[M]) -> M:
     """The answer as `kind`; an ERROR is raised as its typed ClientError."""
     if isinstance(message, p.Error):
         raise error_for(message.code.value, message.message, message.request_id)
@@ -124,22 +128,27 @@ def worker_infos(report: p.StatusReport) -> list[WorkerInfo]:
 
 
 class StreamState:
-    """Turns CHUNKs and the final REPLY into Chunks. The final one carries whatever the chunks missed."""
+    """Turns streamed chunks and the final REPLY into Chunks. The final one carries whatever the chunks missed."""
 
     def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.text = ""
+        self.tokens = 0  # streamed so far
+        self._text: list[str] = []
         self.result: Generation | None = None
 
-    def take(self, message: p.Message) -> Chunk:
-        if isinstance(message, p.Chunk):
-            self.token_ids += message.token_ids
-            self.text += message.text
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def take(self, message: Answer) -> Chunk:
+        if isinstance(message, (p.StreamChunk, p.Chunk)):  # per token: nothing here but bookkeeping
+            self.tokens += len(message.token_ids)
+            self._text.append(message.text)
             return Chunk(list(message.token_ids), message.text)
         final = expect(message, p.Generated)
         self.result = generation(final)
-        tail_ids = list(final.token_ids[len(self.token_ids) :])
-        tail_text = final.text[len(self.text) :] if final.text.startswith(self.text) else ""
-        self.token_ids = list(final.token_ids)
-        self.text = final.text
+        text = self.text
+        tail_ids = list(final.token_ids[self.tokens :])
+        tail_text = final.text[len(text) :] if final.text.startswith(text) else ""
+        self.tokens = len(final.token_ids)
+        self._text = [final.text]
         return Chunk(tail_ids, tail_text, final.finish_reason)

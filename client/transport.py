@@ -1,7 +1,9 @@
 """The client's socket: one DEALER to the broker, answers sorted into one mailbox per request id.
 
 Several calls may be open at once on one thread (e.g. two interleaved streams): whichever call waits
-reads the socket for all of them. A Transport belongs to one thread, like the ZeroMQ socket it owns.
+reads the socket for all of them. A CHUNKS message (one engine step's tokens for several of this
+client's streams) is split here into its per-request chunks. A Transport belongs to one thread, like the
+ZeroMQ socket it owns.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import zmq
 
 from broker import protocol as p
 
-from .calls import Call, decode_answer
+from .calls import Answer, Call, decode_answer
 from .errors import ClientError, Timeout
 
 log = structlog.get_logger()
@@ -44,7 +46,7 @@ class Transport:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         connect_client(self._socket, address)
-        self._mail: dict[str, deque[p.Message]] = {}
+        self._mail: dict[str, deque[Answer]] = {}
         self.closed = False
 
     def start(self, request: p.Message) -> Call:
@@ -56,7 +58,7 @@ class Transport:
         self._send(call.frames)
         return call
 
-    def next(self, call: Call, timeout_s: float) -> p.Message:
+    def next(self, call: Call, timeout_s: float) -> Answer:
         """The call's next answer; resends on schedule; Timeout when nothing comes within timeout_s."""
         box = self._mail[call.request_id]
         deadline = time.monotonic() + timeout_s
@@ -101,6 +103,12 @@ class Transport:
             except zmq.Again:
                 return
             message = decode_answer(frames)
+            if isinstance(message, p.Chunks):
+                for chunk in message.chunks:
+                    box = self._mail.get(chunk.request_id)
+                    if box is not None:
+                        box.append(chunk)
+                continue
             request_id = getattr(message, "request_id", None)
             box = self._mail.get(request_id) if request_id is not None else None
             if box is not None and message is not None:

@@ -5,11 +5,12 @@
 
 - `Link` owns the socket: it registers (READY with capacity, model and every live session), sends
   heartbeats on time whatever the engine is doing, notices a restarted or silent broker and registers
-  again, and coalesces streamed chunks when the socket falls behind. ZeroMQ reconnects the TCP
-  connection with exponential backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX).
+  again, and merges the queued CHUNKS of a client when the socket falls behind. ZeroMQ reconnects the
+  TCP connection with exponential backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX).
 - `Serve` owns the engine (not thread-safe): it admits requests between batched steps, runs
-  `engine.step()` while there is work, and turns chunks into CHUNK/REPLY messages. Every request id is
-  remembered with its final answer, so a resent request is answered again, never run twice.
+  `engine.step()` while there is work, and turns a step's chunks into one CHUNKS message per client
+  route (streamed requests that moved) plus a final REPLY for each request that finished. Every request
+  id is remembered with its final answer, so a resent request is answered again, never run twice.
 - SIGTERM/SIGINT: drain. New sessions and generations get worker_draining (the broker stops placing
   here when the next heartbeat says so), generations in flight finish, then DISCONNECT and exit.
   A second signal, or the drain timeout, cancels what is still running.
@@ -23,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
@@ -338,21 +339,34 @@ class Link:
 
 
 def coalesce(messages: Sequence[p.Message]) -> list[p.Message]:
-    """Merge consecutive CHUNKs of one request (the socket fell behind), keeping each request's order."""
+    """Merge CHUNKS of one route that queued up (the socket fell behind) into the first of them, one chunk per
+    request. Never across another message to that route, so every client sees its messages in the order sent."""
     out: list[p.Message] = []
-    open_chunk: dict[str, int] = {}  # request id -> index in out of its mergeable chunk
+    open_batch: dict[bytes, int] = {}  # route -> index in out of its mergeable CHUNKS
+    merged: dict[int, dict[str, p.StreamChunk]] = {}  # index in out -> its chunks by request id, once merged into
     for m in messages:
-        if isinstance(m, p.Chunk):
-            i = open_chunk.get(m.request_id)
-            if i is not None:
-                prev = out[i]
-                assert isinstance(prev, p.Chunk)
-                out[i] = replace(prev, token_ids=prev.token_ids + m.token_ids, text=prev.text + m.text)
-                continue
-            open_chunk[m.request_id] = len(out)
-        elif isinstance(m, (p.Generated, p.Error)) and m.request_id is not None:
-            open_chunk.pop(m.request_id, None)
-        out.append(m)
+        route: bytes = getattr(m, "route", b"")
+        if not isinstance(m, p.Chunks):
+            open_batch.pop(route, None)
+            out.append(m)
+            continue
+        i = open_batch.get(route)
+        if i is None:
+            open_batch[route] = len(out)
+            out.append(m)
+            continue
+        into = merged.get(i)
+        if into is None:
+            first = out[i]
+            assert isinstance(first, p.Chunks)
+            into = merged[i] = {c.request_id: c for c in first.chunks}
+        for c in m.chunks:
+            prev = into.get(c.request_id)
+            into[c.request_id] = c if prev is None else p.StreamChunk(
+                c.request_id, prev.token_ids + c.token_ids, prev.text + c.text
+            )
+    for i, by_request in merged.items():
+        out[i] = p.Chunks.unchecked(tuple(by_request.values()), out[i].route)  # type: ignore[attr-defined]
     return out
 
 
@@ -536,33 +550,41 @@ class Serve:
             self._fail_all("the engine step failed")
             return self._step_failures < MAX_STEP_FAILURES
         self._step_failures = 0
-        out: list[p.Message] = []
+        # One CHUNKS per client route for the streamed requests that moved, then the final answers.
+        batches: dict[bytes, list[p.StreamChunk]] = {}
+        finals: list[p.Message] = []
         for chunk in chunks:
-            message = self._on_chunk(chunk)
-            if message is not None:
-                out.append(message)
+            active = self._active.get(chunk.request_id)
+            if active is None:
+                continue
+            ids = chunk.token_ids
+            if ids:
+                active.token_ids += ids
+            if chunk.text:
+                active.text.append(chunk.text)
+            if chunk.finish_reason is not None:
+                finals.append(self._finish(chunk.request_id, active, chunk.finish_reason))
+            elif active.stream and (ids or chunk.text):
+                batch = batches.get(active.route)
+                if batch is None:
+                    batch = batches[active.route] = []
+                batch.append(p.StreamChunk(active.request_id, tuple(ids), chunk.text))
+        # Valid by construction (see Chunks.unchecked): no per-token checks here; the client checks them all.
+        out: list[p.Message] = [p.Chunks.unchecked(tuple(batch), route) for route, batch in batches.items()]
+        out += finals
         self.link.send(out)
         return True
 
-    def _on_chunk(self, chunk: Any) -> p.Message | None:
-        active = self._active.get(chunk.request_id)
-        if active is None:
-            return None
-        active.token_ids += chunk.token_ids
-        active.text.append(chunk.text)
-        if chunk.finish_reason is None:
-            if active.stream and (chunk.token_ids or chunk.text):
-                return p.Chunk(request_id=active.request_id, session_id=active.session_id,
-                               token_ids=tuple(chunk.token_ids), text=chunk.text, route=active.route)
-            return None
-        self._retire(chunk.request_id, active)
+    def _finish(self, engine_id: str, active: Active, finish_reason: str) -> p.Message:
+        """A generation ended: its whole answer, remembered for a resend."""
+        self._retire(engine_id, active)
         try:
             length = self.engine.session_length(active.session_id)
         except Exception:  # closed while generating
             length = 0
         answer = p.Generated(request_id=active.request_id, session_id=active.session_id,
                              token_ids=tuple(active.token_ids), text="".join(active.text),
-                             finish_reason=chunk.finish_reason, length=length, route=active.route)
+                             finish_reason=finish_reason, length=length, route=active.route)
         key = (active.session_id, active.request_id)
         self._done[key] = answer
         if len(self._done) > self.config.request_cache:

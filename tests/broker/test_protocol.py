@@ -36,6 +36,9 @@ EXAMPLES: list[p.Message] = [
     p.SessionInfo(request_id="r7", session_id=SID, length=5, model="m", worker="w", max_context=64, busy=True),
     p.StatusReport(request_id="r9", broker_id="b1", workers=(p.WorkerStatus("w", "m", 4, 3, 1, True, "cpu"),)),
     p.Chunk(request_id="r4", session_id=SID, token_ids=(4,), text="a", route=b"c1"),
+    p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"), p.StreamChunk("r5", (), "é"), p.StreamChunk("r6", (1, 2), "")),
+             route=b"c1"),
+    p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"),)),
     p.Error(request_id="r4", code=p.ErrorCode.SESSION_LOST, message="gone"),
     p.Error(request_id=None, code=p.ErrorCode.VERSION_MISMATCH),
     p.Ready(name="w", model="m", capacity=4, free_slots=3, max_context=64, sessions=(SID,), draining=False, device="cpu"),
@@ -92,6 +95,22 @@ def frames(command: bytes, header: Any) -> list[bytes]:
         (b"REPLY", {"kind": "generated", "request_id": "r", "session_id": SID, "token_ids": [], "text": "",
                     "finish_reason": "bored", "length": 0}, "finish_reason must be one of"),
         (b"CHAT", {"request_id": "r", "session_id": SID, "content": "x", "role": "User!"}, "role is malformed"),
+        (b"CHUNKS", {}, "missing field chunks"),
+        (b"CHUNKS", {"chunks": "abc"}, "chunks must be a list"),
+        (b"CHUNKS", {"chunks": {"request_id": "r"}}, "chunks must be a list"),
+        (b"CHUNKS", {"chunks": []}, "chunks must hold 1 to"),
+        (b"CHUNKS", {"chunks": [["r", [1], "a"]]}, "chunks must hold maps"),
+        (b"CHUNKS", {"chunks": [{"token_ids": [1], "text": "a"}]}, "chunks.request_id is missing or malformed"),
+        (b"CHUNKS", {"chunks": [{"request_id": "a b", "token_ids": [1], "text": "a"}]}, "request_id is missing or"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "text": "a"}]}, "chunks.token_ids must be a list"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": "12", "text": "a"}]}, "chunks.token_ids must be a"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1, -2], "text": "a"}]}, "token_ids must hold"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [True], "text": "a"}]}, "token_ids must hold"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [2**31], "text": "a"}]}, "token_ids must hold"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1]}]}, "chunks.text must be a string"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1], "text": b"a"}]}, "chunks.text must be"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [], "text": ""}, 7]}, "chunks must hold maps"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [], "text": ""}], "route": "c1"}, "route must be"),
     ],
 )
 def test_bad_fields_are_bad_requests_naming_the_field(command: bytes, header: Any, complaint: str) -> None:
@@ -138,6 +157,27 @@ def test_unknown_fields_are_ignored_and_unknown_error_codes_still_end_a_request(
     assert isinstance(error, p.Error) and error.code is p.ErrorCode.INTERNAL
 
 
+def test_chunks_ignores_unknown_fields_and_a_broken_one_keeps_no_request_id() -> None:
+    header = {"chunks": [{"request_id": "r1", "token_ids": [1], "text": "a", "logprobs": [0.5]}], "route": b"c", "x": 1}
+    assert p.decode(frames(b"CHUNKS", header)) == p.Chunks(chunks=(p.StreamChunk("r1", (1,), "a"),), route=b"c")
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode(frames(b"CHUNKS", {"chunks": [{"request_id": "r1", "token_ids": [-1], "text": ""}], "route": b"c9"}))
+    assert (e.value.code, e.value.request_id, e.value.route) == (p.ErrorCode.BAD_REQUEST, None, b"c9")
+    with pytest.raises(p.ProtocolError, match="takes no payload"):
+        p.decode([*p.encode(p.Chunks(chunks=(p.StreamChunk("r1", (1,), "a"),))), b"extra"])
+    assert p.chunk_request_ids({"chunks": [{"request_id": "r1"}, {"request_id": "no good"}, 5, {"x": 1}]}) == ["r1"]
+    assert p.chunk_request_ids({"chunks": "r1"}) == []
+
+
+def test_unchecked_chunks_are_the_same_message_as_checked_ones() -> None:
+    chunks = (p.StreamChunk("r1", (1, 2), "ab"), p.StreamChunk("r2", (3,), "c"))
+    fast = p.Chunks.unchecked(chunks, b"c1")
+    assert fast == p.Chunks(chunks=chunks, route=b"c1")
+    assert p.decode(p.encode(fast)) == fast
+    with pytest.raises(p.ProtocolError, match="token_ids must hold"):
+        p.Chunks(chunks=(p.StreamChunk("r1", (-1,), ""),))  # built from Python the normal way: checked
+
+
 def test_messages_built_in_python_are_checked_too() -> None:
     with pytest.raises(p.ProtocolError, match="max_tokens"):
         p.Sampling(max_tokens=-1)
@@ -154,7 +194,7 @@ msgpack_values = st.recursive(
 )
 field_names = st.sampled_from(
     ["request_id", "session_id", "model", "token_ids", "text", "params", "stream", "route", "kind", "code",
-     "target", "child_id", "content", "role", "name", "capacity", "sessions", "broker_id", "max_tokens"]
+     "target", "child_id", "content", "role", "name", "capacity", "sessions", "broker_id", "max_tokens", "chunks"]
 )
 headers = st.dictionaries(field_names, msgpack_values, max_size=8)
 
@@ -175,4 +215,24 @@ def test_random_headers_only_ever_raise_protocol_errors(command: bytes, header: 
         message = p.decode([p.VERSION, command, msgpack.packb(header, use_bin_type=True)])
     except p.ProtocolError:
         return
+    assert p.decode(p.encode(message)) == message
+
+
+chunk_maps = st.fixed_dictionaries(
+    {"request_id": st.from_regex(r"[A-Za-z0-9._:-]{1,64}", fullmatch=True) | msgpack_values,
+     "token_ids": st.lists(st.integers(-2, 2**32), max_size=4) | msgpack_values,
+     "text": st.text(max_size=8) | msgpack_values},
+    optional={"extra": msgpack_values},
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(chunk_maps | msgpack_values, max_size=4), st.binary(max_size=8) | msgpack_values)
+def test_random_chunks_only_ever_raise_protocol_errors(chunks: list[Any], route: Any) -> None:
+    try:
+        message = p.decode([p.VERSION, b"CHUNKS", msgpack.packb({"chunks": chunks, "route": route}, use_bin_type=True)])
+    except p.ProtocolError as e:
+        assert e.code is p.ErrorCode.BAD_REQUEST
+        return
+    assert isinstance(message, p.Chunks) and len(message.chunks) == len(chunks)
     assert p.decode(p.encode(message)) == message

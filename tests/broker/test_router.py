@@ -212,3 +212,57 @@ def test_status_and_heartbeats() -> None:
     assert router.registry.workers[W1].draining
     beats = decoded(router.tick(2.25))
     assert beats == [(Peer.WORKER, W1, p.Heartbeat(broker_id="b1"))]
+
+
+def chunks(route: bytes, *request_ids: str) -> p.Chunks:
+    return p.Chunks(chunks=tuple(p.StreamChunk(rid, (1,), "a") for rid in request_ids), route=route)
+
+
+def test_a_chunks_batch_goes_to_its_client_untouched_and_leaves_the_tables_alone() -> None:
+    sid, sid2 = "a" * 32, "b" * 32
+    router = running((W1, ready("w1", sessions=(sid, sid2))))
+    router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id=sid, stream=True)), 2.0)
+    router.client_message(C1, p.encode(p.Generate(request_id="g2", session_id=sid2, stream=True)), 2.0)
+    frames = p.encode(chunks(C1, "g1", "g2"))
+    [send] = router.worker_message(W1, frames, 2.6)
+    assert (send.peer, send.identity, send.key) == (Peer.CLIENT, C1, None)
+    assert send.frames is frames  # forwarded as received: nothing re-encoded
+    assert set(router.inflight) == {(C1, "g1"), (C1, "g2")}  # still streaming
+    router.tick(2.8)  # silent since 2.0 but for the batch: alive
+    assert W1 in router.registry.workers
+
+
+def test_malformed_chunks_batches_from_a_worker_are_dropped() -> None:
+    router = running((W1, ready("w1")))
+    pack = msgpack.packb
+    for frames in (
+        [p.VERSION, b"CHUNKS", pack({"chunks": [{"request_id": "g1"}]})],  # no route: nowhere to send it
+        [p.VERSION, b"CHUNKS", pack({"chunks": "g1", "route": C1})],
+        [p.VERSION, b"CHUNKS", pack({"chunks": [], "route": C1})],
+        [p.VERSION, b"CHUNKS", pack({"route": C1})],
+        [*p.encode(chunks(C1, "g1")), b"payload"],
+        [p.VERSION, b"CHUNKS", b"\xc1"],
+    ):
+        assert router.worker_message(W1, frames, 2.1) == [], frames
+
+
+def test_a_client_cannot_send_chunks() -> None:
+    router = running((W1, ready("w1")))
+    _, identity, error = one(router.client_message(C1, p.encode(chunks(C2, "g1")), 2.0))
+    assert identity == C1 and isinstance(error, p.Error) and error.code is p.ErrorCode.BAD_REQUEST
+    assert "not a client request" in error.message
+
+
+def test_a_client_that_went_away_mid_batch_has_every_generation_of_the_batch_cancelled() -> None:
+    sid, sid2, sid3 = "a" * 32, "b" * 32, "c" * 32
+    router = running((W1, ready("w1", sessions=(sid, sid2))), (W2, ready("w2", sessions=(sid3,))))
+    router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id=sid, stream=True)), 2.0)
+    router.client_message(C1, p.encode(p.Generate(request_id="g2", session_id=sid2, stream=True)), 2.0)
+    router.client_message(C1, p.encode(p.Generate(request_id="g3", session_id=sid3, stream=True)), 2.0)
+    [send] = router.worker_message(W1, p.encode(chunks(C1, "g1", "g2")), 2.1)
+    assert router.undeliverable(send, Failure.FULL, 2.1) == []  # a full queue: the client may catch up
+    cancels = decoded(router.undeliverable(send, Failure.UNREACHABLE, 2.1))
+    assert [(peer, identity) for peer, identity, _ in cancels] == [(Peer.WORKER, W1), (Peer.WORKER, W1)]
+    assert [(c.target, c.session_id) for _, _, c in cancels] == [("g1", sid), ("g2", sid2)]  # type: ignore[attr-defined]
+    assert set(router.inflight) == {(C1, "g3")}  # not in the batch: another worker's, it fails on its own
+    assert router.undeliverable(send, Failure.UNREACHABLE, 2.2) == []  # only once

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -11,6 +12,7 @@ import client as client_pkg
 from broker import protocol as p
 from client import (
     AsyncClient,
+    AsyncStream,
     BadRequest,
     CapacityExhausted,
     Chunk,
@@ -208,6 +210,120 @@ def test_stream_state_keeps_only_text_that_was_not_yielded() -> None:
     state = StreamState()
     request = p.Generate(request_id="g", session_id=SID)
     assert state.take(chunk(request, (0, 1))) == Chunk([0, 1], "ab")
-    assert state.take(generated(request, (0, 1, 2), reason="stop")) == Chunk([2], "c", "stop")
+    assert state.take(p.StreamChunk("g", (2,), "c")) == Chunk([2], "c")
+    assert state.take(generated(request, (0, 1, 2, 3), reason="stop")) == Chunk([3], "d", "stop")
+    assert state.text == "abcd" and state.tokens == 4
     with pytest.raises(SessionLost):
         StreamState().take(p.Error(request_id="g", code=p.ErrorCode.SESSION_LOST))
+
+
+SID2 = "6" * 32
+
+
+def batched_script(fake: list[FakeBroker]) -> Callable[[p.Message, Reply], None]:
+    """Answers two streamed GENERATEs (once both came) with batches holding both, as a worker's steps do:
+    [a1 b10], a batch that does not follow the protocol (dropped), [b11 a2 + a request nobody made], finals."""
+
+    def script(request: p.Message, reply: Reply) -> None:
+        if not isinstance(request, p.Generate):
+            return
+        requests = fake[0].of(p.Generate)
+        if len(requests) < 2:
+            return
+        a, b = requests
+        assert isinstance(a, p.Generate) and isinstance(b, p.Generate)
+
+        def part(g: p.Generate, ids: tuple[int, ...]) -> p.StreamChunk:
+            return p.StreamChunk(g.request_id, ids, "".join(chr(97 + i) for i in ids))
+
+        reply(p.Chunks(chunks=(part(a, (1,)), part(b, (10,)))))
+        reply(p.Chunks.unchecked((part(a, (5,)), p.StreamChunk(b.request_id, (-1,), "?")), b""))  # one bad chunk
+        reply(p.Chunks(chunks=(part(b, (11,)), part(a, (2,)), p.StreamChunk("nobody-asked", (9,), "j"))))
+        reply(generated(a, (1, 2, 3)))
+        reply(generated(b, (10, 11, 12)))
+
+    return script
+
+
+EXPECTED_A = [Chunk([1], "b"), Chunk([2], "c"), Chunk([3], "d", "length")]
+EXPECTED_B = [Chunk([10], "k"), Chunk([11], "l"), Chunk([12], "m", "length")]
+
+
+def test_one_batch_feeds_several_streams_of_a_client_each_in_order() -> None:
+    holder: list[FakeBroker] = []
+    with FakeBroker(batched_script(holder)) as fake, Client(fake.address, timeout=5) as c:
+        holder.append(fake)
+        a = c.attach(SID).generate(max_tokens=3, stream=True)
+        b = c.attach(SID2).generate(max_tokens=3, stream=True)
+        got_a, got_b = [next(a)], []
+        got_b += list(b)  # reading b pumps the socket for a too
+        got_a += list(a)
+    assert (got_a, got_b) == (EXPECTED_A, EXPECTED_B)
+    assert a.result == Generation([1, 2, 3], "bcd", "length", 13)
+    assert b.result == Generation([10, 11, 12], "klm", "length", 13)
+    assert fake.of(p.Cancel) == []
+
+
+def test_one_batch_feeds_several_async_streams_each_in_order() -> None:
+    holder: list[FakeBroker] = []
+
+    async def main() -> tuple[list[Chunk], list[Chunk]]:
+        async with AsyncClient(fake.address, timeout=5) as c:
+            a = await c.attach(SID).generate(max_tokens=3, stream=True)
+            b = await c.attach(SID2).generate(max_tokens=3, stream=True)
+
+            async def read(stream: AsyncStream) -> list[Chunk]:
+                return [ch async for ch in stream]
+
+            got_a, got_b = await asyncio.gather(read(a), read(b))
+            return got_a, got_b
+
+    with FakeBroker(batched_script(holder)) as fake:
+        holder.append(fake)
+        assert asyncio.run(main()) == (EXPECTED_A, EXPECTED_B)
+    assert fake.of(p.Cancel) == []
+
+
+def test_an_async_stream_times_out_and_resends_while_waiting() -> None:
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Generate) and len(fake.of(p.Generate)) == 3:  # answer the second resend only
+            reply(p.Chunks(chunks=(p.StreamChunk(request.request_id, (1,), "b"),)))
+
+    async def main() -> tuple[list[Chunk], float]:
+        async with AsyncClient(fake.address, timeout=5, resend_after=0.05) as c:
+            stream = await c.attach(SID).generate(max_tokens=3, stream=True, timeout=0.4)
+            got = [await stream.__anext__()]
+            start = time.monotonic()
+            with pytest.raises(Timeout):
+                await stream.__anext__()
+            waited = time.monotonic() - start
+            await asyncio.sleep(0.2)  # let the CANCEL leave before the socket closes
+            return got, waited
+
+    with FakeBroker(script) as fake:
+        got, waited = asyncio.run(main())
+    assert got == [Chunk([1], "b")]
+    assert 0.35 < waited < 2.0
+    generates = fake.of(p.Generate)
+    assert len(generates) >= 4 and all(g == generates[0] for g in generates)  # resent, same id, while waiting
+    assert len(fake.of(p.Cancel)) == 1  # the timeout cancelled the generation
+
+
+def test_closing_an_async_stream_or_client_wakes_its_waiting_reader() -> None:
+    async def main() -> None:
+        async with AsyncClient(fake.address, timeout=30, resend_after=30) as c:
+            stream = await c.attach(SID).generate(max_tokens=3, stream=True)
+            reader = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.05)
+            stream.close()  # from another task: the reader is not left waiting for 30 s
+            with pytest.raises(ClientError, match="closed"):
+                await asyncio.wait_for(reader, 2)
+            other = await c.attach(SID).generate(max_tokens=3, stream=True)
+            reader = asyncio.ensure_future(other.__anext__())
+            await asyncio.sleep(0.05)
+            await c.close()
+            with pytest.raises(ClientError, match="client is closed"):
+                await asyncio.wait_for(reader, 2)
+
+    with FakeBroker(lambda request, reply: None) as fake:
+        asyncio.run(main())

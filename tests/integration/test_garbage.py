@@ -42,6 +42,9 @@ def garbage(rng: random.Random) -> list[list[bytes]]:
         [V, b"APPEND", pack({"request_id": "g6", "session_id": 5, "text": "x"})],
         [V, b"CREATE", pack(rid), b"payload"],  # payload where none is defined
         [V, b"REPLY", pack({"kind": "generated", "request_id": "g7", "route": b"nobody"})],  # answers from a client
+        [V, b"CHUNKS", pack({"chunks": [{"request_id": "g7", "token_ids": [1], "text": "a"}], "route": b"nobody"})],
+        [V, b"CHUNKS", pack({"chunks": "g7", "route": b"nobody"})],
+        [V, b"CHUNKS", pack({"chunks": [{"request_id": "g7", "token_ids": [-1]}], "route": b"nobody"}), b"x"],
         [V, b"READY", pack({"name": "evil"})],  # control messages on the wrong socket
         [V, b"HEARTBEAT", pack({"broker_id": 5})],
         [V, b"CREATE", b"\x91" * 100_000],  # deeply nested arrays

@@ -219,15 +219,128 @@ def test_errors_reach_the_broker_with_their_wire_codes(served: tuple[Serve, Fake
     assert broker.recv_until(p.Disconnect) == p.Disconnect(reason="drained")
 
 
-def test_coalesce_merges_chunks_of_one_request_and_keeps_its_order() -> None:
-    def chunk(rid: str, ids: tuple[int, ...]) -> p.Chunk:
-        return p.Chunk(request_id=rid, session_id=SID, token_ids=ids, text="".join(map(str, ids)), route=b"c")
+def test_streams_of_two_clients_come_as_batches_per_client_in_order(served: tuple[Serve, FakeEngine, Broker]) -> None:
+    serve, engine, broker = served
+    routes = {"g0": b"client-0", "g1": b"client-1"}
+    for i in range(2):
+        sid, route = f"{i}" * 32, routes[f"g{i}"]
+        broker.send(p.CreateSession(request_id=f"c{i}", session_id=sid, route=route))
+        broker.recv_until(p.Created)
+        broker.send(p.Append(request_id=f"a{i}", session_id=sid, token_ids=(1,), route=route))
+        broker.recv_until(p.Appended)
+    engine.step_delay = 0.002
+    for i in range(2):
+        broker.send(p.Generate(request_id=f"g{i}", session_id=f"{i}" * 32, params=p.Sampling(max_tokens=40),
+                               stream=True, route=routes[f"g{i}"]))
+    streamed: dict[str, list[int]] = {"g0": [], "g1": []}
+    finals: dict[str, p.Generated] = {}
+    batches = 0
+    while len(finals) < 2:
+        message = broker.recv()
+        if isinstance(message, p.Chunks):
+            batches += 1
+            for chunk in message.chunks:
+                assert routes[chunk.request_id] == message.route and chunk.request_id not in finals
+                streamed[chunk.request_id] += chunk.token_ids
+        elif isinstance(message, p.Generated):
+            finals[message.request_id] = message
+    for rid, final in finals.items():
+        assert final.route == routes[rid] and len(final.token_ids) == 40
+        assert streamed[rid] == list(final.token_ids[:-1])  # the last token comes with the final answer
+    assert batches <= 2 * 39
+
+
+def test_coalesce_merges_queued_batches_of_a_route_and_keeps_each_client_s_order() -> None:
+    def batch(route: bytes, *parts: tuple[str, tuple[int, ...]]) -> p.Chunks:
+        return p.Chunks(chunks=tuple(p.StreamChunk(rid, ids, "".join(map(str, ids))) for rid, ids in parts), route=route)
 
     final = p.Generated(request_id="r1", session_id=SID, token_ids=(1, 2, 3), text="123", finish_reason="length",
-                        length=3)
-    merged = coalesce([chunk("r1", (1,)), chunk("r2", (7,)), chunk("r1", (2,)), final, chunk("r1", (4,)),
-                       chunk("r2", (8,))])
-    assert merged == [chunk("r1", (1, 2)), chunk("r2", (7, 8)), final, chunk("r1", (4,))]
+                        length=3, route=b"c1")
+    merged = coalesce([
+        batch(b"c1", ("r1", (1,)), ("r2", (7,))),
+        batch(b"c2", ("r3", (5,))),
+        batch(b"c1", ("r2", (8,)), ("r1", (2,)), ("r4", (9,))),
+        batch(b"c2", ("r3", (6,))),
+        final,  # closes c1's batch: what c1 gets after it stays after it
+        batch(b"c1", ("r2", (10,))),
+        batch(b"c2", ("r3", (7,))),
+    ])
+    assert merged == [
+        batch(b"c1", ("r1", (1, 2)), ("r2", (7, 8)), ("r4", (9,))),
+        batch(b"c2", ("r3", (5, 6, 7))),
+        final,
+        batch(b"c1", ("r2", (10,))),
+    ]
+    alone = [batch(b"c1", ("r1", (1,))), final]
+    assert coalesce(alone) == alone
+
+
+@pytest.fixture
+def stepped() -> Iterator[tuple[Serve, FakeEngine, list[list[p.Message]]]]:
+    """A Serve driven by hand (its link thread never starts): what each call would send, one list per send."""
+    engine = FakeEngine()
+    serve = Serve(engine, WorkerConfig(broker="tcp://127.0.0.1:1", name="fw"), lambda s: s)
+    sent: list[list[p.Message]] = []
+    serve.link.send = lambda messages: sent.append(list(messages))  # type: ignore[method-assign]
+    try:
+        yield serve, engine, sent
+    finally:
+        serve.link._wake_tx.close(linger=0)
+        serve.link._wake_rx.close(linger=0)
+        serve.link._context.term()
+
+
+def test_a_step_sends_one_chunks_message_per_client_route(
+    stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
+) -> None:
+    serve, engine, sent = stepped
+    engine.capacity = 4
+    sids = [f"{i}" * 32 for i in range(4)]
+    routes = [b"client-1", b"client-2", b"client-1", b"client-2"]
+    for i, (sid, route) in enumerate(zip(sids, routes, strict=True)):
+        serve._handle(p.CreateSession(request_id=f"c{i}", session_id=sid, route=route))
+        serve._handle(p.Append(request_id=f"a{i}", session_id=sid, token_ids=(1,), route=route))
+    streamed = [p.Generate(request_id=f"g{i}", session_id=sid, params=p.Sampling(max_tokens=3), stream=i != 3,
+                           route=route) for i, (sid, route) in enumerate(zip(sids, routes, strict=True))]
+    for request in streamed:
+        serve._handle(request)
+    sent.clear()
+
+    assert serve._step()
+    [step] = sent
+    assert [(type(m).__name__, m.route) for m in step] == [("Chunks", b"client-1"), ("Chunks", b"client-2")]  # type: ignore[attr-defined]
+    by_route = {m.route: m.chunks for m in step}  # type: ignore[attr-defined]
+    assert by_route[b"client-1"] == (p.StreamChunk("g0", (2,), "x"), p.StreamChunk("g2", (2,), "x"))
+    assert by_route[b"client-2"] == (p.StreamChunk("g1", (2,), "x"),)  # g3 is not streamed: nothing until its end
+    for message in step:  # what the broker and the client will decode
+        assert p.decode(p.encode(message)) == message
+
+    assert serve._step() and serve._step()
+    last = sent[-1]
+    assert [type(m).__name__ for m in last] == ["Generated"] * 4  # the final answers carry every token
+    assert [m.token_ids for m in last] == [(2, 3, 4)] * 4  # type: ignore[attr-defined]
+    assert [m.route for m in last] == routes  # type: ignore[attr-defined]
+    assert not serve._active
+
+
+def test_a_resent_generate_moves_the_rest_of_its_stream_to_the_new_route(
+    stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
+) -> None:
+    serve, engine, sent = stepped
+    serve._handle(p.CreateSession(request_id="c1", session_id=SID, route=b"old"))
+    serve._handle(p.Append(request_id="a1", session_id=SID, token_ids=(1,), route=b"old"))
+    generate = p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=3), stream=True, route=b"old")
+    serve._handle(generate)
+    serve._step()
+    serve._handle(generate.routed(b"new"))  # the client reconnected (or the broker restarted) and resent it
+    serve._step()
+    serve._step()
+    batches = [m for messages in sent for m in messages if isinstance(m, p.Chunks)]
+    assert [(m.route, m.chunks) for m in batches] == [
+        (b"old", (p.StreamChunk("g1", (2,), "x"),)), (b"new", (p.StreamChunk("g1", (3,), "x"),))
+    ]
+    final = sent[-1][-1]
+    assert isinstance(final, p.Generated) and final.route == b"new" and final.token_ids == (2, 3, 4)
 
 
 def test_error_codes_of_exceptions() -> None:
