@@ -74,7 +74,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], randoms: list[Row
     sampled = [i for i, p in enumerate(params) if p.temperature > 0.0]
     if sampled:
         rows = torch.tensor(sampled, device=logits.device)
-        u = torch.tensor([randoms[i].uniform() for i in sampled], dtype=torch.float32, device=logits.device)
+        u = torch.tensor([randoms[i].uniform() for i in sampled], dtype=torch.float64, device=logits.device)
         temps = torch.tensor([params[i].temperature for i in sampled], dtype=torch.float32, device=logits.device)
         top_k = torch.tensor([params[i].top_k for i in sampled], device=logits.device)
         top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float32, device=logits.device)
@@ -83,7 +83,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], randoms: list[Row
 
 
 def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling over the top-k / top-p truncated distribution of each row."""
+    """Inverse-CDF sampling over the top-k / top-p truncated distribution of each row.
+
+    The softmax and the running sums are float64: a float32 cumulative sum over a 49k vocabulary
+    drifts by ~1e-3, far more than one token's probability, and its rounding depends on how many
+    rows the scan kernel gets, so the same row could pick another token in another batch (seen on
+    the H100). In float64 the drift (~1e-12) is far below any token's mass.
+    """
+    scaled = scaled.double()
+    u = u.double()
     # Stable: tied probabilities (common with bf16 logits) keep id order, so a row samples the same
     # token whatever other rows are in the batch (an unstable sort may order ties by the batch shape).
     values, ids = scaled.sort(dim=-1, descending=True, stable=True)  # (R, V)
@@ -92,7 +100,7 @@ def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top
     values = values.masked_fill(rank >= k, float("-inf"))
     probs = values.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)  # the top token is always kept
+    probs = probs.masked_fill(mass_before >= top_p.double()[:, None], 0.0)  # the top token is always kept
     cdf = probs.cumsum(dim=-1)
     target = (u * cdf[:, -1])[:, None]
     pick = torch.searchsorted(cdf, target, right=True).clamp_(max=values.shape[-1] - 1)
