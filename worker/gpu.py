@@ -10,9 +10,9 @@ Batch invariance: a row's numbers must not depend on what else is in the step (t
 inputs give the same tokens whatever else runs). Matrix kernels pick their reduction order by the
 shape, so every decode row runs in a bucket of at least MIN_BUCKET rows (one bucket, one kernel,
 for up to MIN_BUCKET sessions; on a model this size a 64-row step costs what a 1-row step does),
-and every prefill chunk runs as its own forward, whose shape depends only on that session's chunk.
-A step that mixes decode rows and prefill chunks is split that way: decode rows from the graph,
-each chunk eagerly.
+and the prefill chunks of a step run packed in one forward padded to a fixed PREFILL_ROWS rows, with
+attention per chunk. A step that mixes decode rows and prefill chunks is split that way: decode rows
+from the graph, the chunks in one eager forward.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ log = structlog.get_logger(__name__)
 MIN_BUCKET = 64  # decode batches of up to this many rows share one shape: batch-invariant numbers
 BUCKETS = (MIN_BUCKET, 128, 256)  # decode batch sizes captured as graphs; larger batches are cut
 WARMUP_RUNS = 2  # eager runs on the capture stream before capturing (compiles Triton, inits cuBLAS)
+PREFILL_ROWS = 2048  # rows of every prefill forward (= the engine's GPU step budget for prompt tokens)
 GRAPHS_ENV = "WORKER_CUDA_GRAPHS"  # "0" disables graphs whatever the caller asked for
 FUSED_ENV = "WORKER_FUSED_KERNELS"  # "0" keeps the plain torch layer loop on the GPU (A/B comparisons)
 # Fixed slack in the workspace: cuBLAS workspaces (one per stream, the capture stream included),
@@ -121,7 +122,14 @@ class GraphExecutor:
     so the same numbers): the switch changes launch overhead only.
     """
 
-    def __init__(self, model: Llama, table: SessionTable, buckets: list[int] | None = None, use_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        model: Llama,
+        table: SessionTable,
+        buckets: list[int] | None = None,
+        use_graphs: bool = True,
+        prefill_rows: int = PREFILL_ROWS,
+    ) -> None:
         if model.decode_attention is None:
             raise ValueError("GraphExecutor needs the decode kernel: call attach_gpu_kernels(model) first")
         self.model: Llama = model
@@ -142,6 +150,8 @@ class GraphExecutor:
         self._copied.record()
         self._stream: torch.cuda.Stream = torch.cuda.Stream(device)
         self.use_graphs: bool = use_graphs
+        # Every prefill forward has this many rows (chunks packed, the rest padding): one shape.
+        self.prefill_rows: int = prefill_rows
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if use_graphs:
@@ -162,18 +172,65 @@ class GraphExecutor:
             part = decode[i : i + biggest]
             logits = self._decode([tokens[r] for r in part], [positions[r] for r in part], [slots[r] for r in part])
             rows.update((r, logits[j]) for j, r in enumerate(part) if r in wanted)
-        for run in prefill:
-            end = run.start + run.n
-            last = [run.n - 1] if end - 1 in wanted else []
-            logits = self.eager.execute(tokens[run.start : end], positions[run.start : end], slots[run.start : end], last)
-            if last:
-                rows[end - 1] = logits[0]
-            missing = wanted.intersection(range(run.start, end - 1))
-            if missing:
-                raise ValueError(f"logits of prefill rows {sorted(missing)} other than a chunk's last are not kept")
+        missing = wanted.intersection(r for run in prefill for r in range(run.start, run.start + run.n - 1))
+        if missing:
+            raise ValueError(f"logits of prefill rows {sorted(missing)} other than a chunk's last are not kept")
+        for group in self._prefill_groups(prefill):
+            rows.update(self._prefill(group, tokens, positions, slots, wanted))
         return torch.stack([rows[r] for r in logits_at]) if logits_at else torch.empty(
             (0, self.model.config.vocab_size), dtype=torch.float32, device=self.model.device
         )
+
+    def _prefill_groups(self, runs: list[Run]) -> list[list[Run]]:
+        """Prefill runs packed in order into forwards of at most `prefill_rows` tokens."""
+        groups: list[list[Run]] = []
+        size = self.prefill_rows + 1
+        for run in runs:
+            if size + run.n > self.prefill_rows:
+                groups.append([])
+                size = 0
+            groups[-1].append(run)
+            size += run.n
+        return groups
+
+    def _prefill(
+        self, runs: list[Run], tokens: list[int], positions: list[int], slots: list[int], wanted: set[int]
+    ) -> dict[int, torch.Tensor]:
+        """One forward over several sessions' prefill chunks, padded to `prefill_rows` rows.
+
+        The fixed shape makes every matrix product the same kernel whatever the chunks are, and
+        attention runs per chunk, so a chunk's numbers do not depend on its neighbours. Padding
+        rows write K/V at position 0 of the spare slot and take part in no attention.
+        """
+        rows = max(self.prefill_rows, sum(r.n for r in runs))
+        spare = self.table.spare_slot
+        t, p, s = [0] * rows, [0] * rows, [spare] * rows
+        packed: list[Run] = []
+        at: list[int] = []  # packed row of each wanted chunk end
+        keys: list[int] = []  # the caller's row for it
+        cursor = 0
+        for run in runs:
+            end = run.start + run.n
+            t[cursor : cursor + run.n] = tokens[run.start : end]
+            p[cursor : cursor + run.n] = positions[run.start : end]
+            s[cursor : cursor + run.n] = slots[run.start : end]
+            packed.append(Run(run.slot, cursor, run.n, run.pos))
+            if end - 1 in wanted:
+                at.append(cursor + run.n - 1)
+                keys.append(end - 1)
+            cursor += run.n
+        dev = self.model.device
+        batch = Batch(packed, decode_only=False, padded=cursor < rows)
+        logits = self.model.forward(
+            torch.tensor(t, dtype=torch.long, device=dev),
+            torch.tensor(p, dtype=torch.long, device=dev),
+            torch.tensor(s, dtype=torch.long, device=dev),
+            self.state,
+            batch,
+            torch.tensor(at, dtype=torch.long, device=dev),
+        )
+        self.table.mark_used(sorted({r.slot for r in runs}))
+        return {key: logits[i] for i, key in enumerate(keys)}
 
     def _decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """One padded decode step over distinct sessions' single tokens: logits (n, vocab), a copy."""

@@ -10,7 +10,7 @@ token each), mixed freely. Nothing here knows about sessions, sampling or schedu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,10 @@ class Batch:
     runs: list[Run]
     decode_only: bool  # every run is a single token: the batched decode-attention path applies
     lengths: torch.Tensor | None = None  # int32 [rows]: positions + 1, on the model's device (decode)
+    # Rows outside every run (padding to a fixed shape): their attention output is zero and they
+    # write K/V only where the caller pointed them (the spare slot).
+    padded: bool = False
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # run index -> causal mask, built once per forward
 
 
 def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
@@ -229,18 +233,29 @@ class Llama:
         if batch.decode_only and self.decode_attention is not None and batch.lengths is not None:
             out: torch.Tensor = self.decode_attention(q, k_cache, v_cache, slots, batch.lengths)
             return out
-        return torch.cat([self._run_attention(q, k_cache, v_cache, r) for r in batch.runs], dim=0)
+        outs = [self._run_attention(q, k_cache, v_cache, batch, i) for i in range(len(batch.runs))]
+        if not batch.padded:
+            return torch.cat(outs, dim=0)
+        out = q.new_zeros(q.shape)
+        for run, o in zip(batch.runs, outs, strict=True):
+            out[run.start : run.start + run.n] = o
+        return out
 
-    def _run_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, run: Run) -> torch.Tensor:
+    def _run_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Batch, i: int) -> torch.Tensor:
         """Causal attention of one session's run over its cached prefix, read in place from the slab."""
+        run = batch.runs[i]
         end = run.pos + run.n
         qs = q[run.start : run.start + run.n].transpose(0, 1)  # (H, n, hd)
         k = k_cache[run.slot, :, :end]  # (KV, end, hd), a view of the slab
         v = v_cache[run.slot, :, :end]
         mask = None
-        if run.n > 1:
-            key_pos = torch.arange(end, device=q.device)
-            query_pos = torch.arange(run.pos, end, device=q.device)
-            mask = key_pos[None, :] <= query_pos[:, None]  # (n, end)
-        out = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
+        if run.n > 1 and run.pos > 0:
+            mask = batch.masks.get(i)
+            if mask is None:
+                key_pos = torch.arange(end, device=q.device)
+                query_pos = torch.arange(run.pos, end, device=q.device)
+                mask = batch.masks[i] = key_pos[None, :] <= query_pos[:, None]  # (n, end)
+        # A run from position 0 is plain causal attention: no mask tensor, the fused kernels apply.
+        causal = run.n > 1 and run.pos == 0
+        out = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=True)[0]
         return out.transpose(0, 1)  # (n, H, hd)

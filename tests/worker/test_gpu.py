@@ -589,7 +589,7 @@ def test_no_bleed_solo_interleaved_and_batched_agree(gpu_engine: object, referen
 def test_batch_invariant_tokens_for_any_prompt(gpu_engine: object) -> None:
     """No margin selection: arbitrary prompts give bitwise the same greedy and seeded tokens alone,
     batched and interleaved with other sessions' prefill chunks (decode rows always run in the
-    same 8-row bucket, each prefill chunk as its own forward)."""
+    same 8-row bucket, prefill chunks packed into one fixed-shape forward with attention per chunk)."""
     from worker.engine import Engine
 
     assert isinstance(gpu_engine, Engine)
