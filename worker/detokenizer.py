@@ -1,9 +1,10 @@
 """Incremental detokenization with stop strings, for streaming.
 
-Text is produced token by token without decoding the whole output each time (a window of a few
-tokens is decoded, as in vLLM/TGI), bytes of an unfinished UTF-8 character are held back, and so
-is any tail that could still turn into a stop string, so a streamed client never sees text that
-is later taken back.
+Text is produced token by token without decoding the whole output each time: for byte-level
+vocabularies each id's bytes go through an incremental UTF-8 decoder (O(1) per token); otherwise a
+window of a few tokens is decoded, as in vLLM/TGI. Bytes of an unfinished UTF-8 character are held
+back, and so is any tail that could still turn into a stop string, so a streamed client never sees
+text that is later taken back.
 """
 
 from __future__ import annotations
