@@ -27,7 +27,7 @@ import zmq.asyncio
 from broker import protocol as p
 
 from . import calls
-from .calls import Answer, Call, build, decode_answer, new_request_id
+from .calls import Answer, Call, addressed, build, decode_answer, new_request_id
 from .errors import BadRequest, ClientError, SessionLost, SessionNotFound, Timeout
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
 from .transport import connect_client
@@ -161,17 +161,10 @@ class AsyncTransport:
     async def _read(self) -> None:
         while True:
             frames = await self._socket.recv_multipart()
-            message = decode_answer(frames)
-            if isinstance(message, p.Chunks):
-                for chunk in message.chunks:
-                    box = self._mail.get(chunk.request_id)
-                    if box is not None:
-                        box.put(chunk)
-                continue
-            request_id = getattr(message, "request_id", None)
-            box = self._mail.get(request_id) if request_id is not None else None
-            if box is not None and message is not None:
-                box.put(message)
+            for request_id, item in addressed(decode_answer(frames)):
+                box = self._mail.get(request_id)
+                if box is not None:
+                    box.put(item)
 
 
 class AsyncClient:

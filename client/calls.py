@@ -103,6 +103,16 @@ def decode_answer(frames: list[bytes]) -> p.Message | None:
     return message
 
 
+def addressed(message: p.Message | None) -> list[tuple[str, Answer]]:
+    """(request id, message) for each request an answer speaks to: a CHUNKS batch splits into its chunks."""
+    if isinstance(message, p.Chunks):
+        return [(chunk.request_id, chunk) for chunk in message.chunks]
+    request_id = getattr(message, "request_id", None)
+    if message is None or request_id is None:
+        return []
+    return [(request_id, message)]
+
+
 def expect(message: Answer, kind: type[M]) -> M:
     """The answer as `kind`; an ERROR is raised as its typed ClientError."""
     if isinstance(message, p.Error):

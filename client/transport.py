@@ -18,7 +18,7 @@ import zmq
 
 from broker import protocol as p
 
-from .calls import Answer, Call, decode_answer
+from .calls import Answer, Call, addressed, decode_answer
 from .errors import ClientError, Timeout
 
 log = structlog.get_logger()
@@ -102,14 +102,7 @@ class Transport:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            message = decode_answer(frames)
-            if isinstance(message, p.Chunks):
-                for chunk in message.chunks:
-                    box = self._mail.get(chunk.request_id)
-                    if box is not None:
-                        box.append(chunk)
-                continue
-            request_id = getattr(message, "request_id", None)
-            box = self._mail.get(request_id) if request_id is not None else None
-            if box is not None and message is not None:
-                box.append(message)
+            for request_id, item in addressed(decode_answer(frames)):
+                box = self._mail.get(request_id)
+                if box is not None:
+                    box.append(item)

@@ -2,7 +2,7 @@
 
 from .errors import BackendUnavailable, CapacityExhausted, CudaDriverError, SlotError, StateError
 from .host import HostBackend
-from .select import open_table, select_backend
+from .select import select_backend
 from .spec import BufferSpec, StateSpec
 from .table import SessionTable
 
@@ -16,6 +16,5 @@ __all__ = [
     "SlotError",
     "StateError",
     "StateSpec",
-    "open_table",
     "select_backend",
 ]

@@ -15,7 +15,6 @@ from .backend import StateBackend
 from .errors import BackendUnavailable
 from .host import HostBackend
 from .spec import StateSpec
-from .table import SessionTable
 
 log = structlog.get_logger(__name__)
 
@@ -85,8 +84,3 @@ def open_backend(choice: Choice, spec: StateSpec, capacity: int, reserve_bytes: 
 
     return VmmBackend(spec, capacity, choice.device, reserve_bytes=reserve_bytes)
 
-
-def open_table(spec: StateSpec, device: str = "auto", max_sessions: int = 8, reserve_bytes: int = 0) -> SessionTable:
-    choice = select_backend(device)
-    log.info("state_backend", backend=choice.kind, device=str(choice.device), reason=choice.reason)
-    return SessionTable(open_backend(choice, spec, max_sessions, reserve_bytes))
