@@ -1,7 +1,8 @@
-"""`broker start`: run the broker until SIGTERM or SIGINT. Every flag falls back to an environment variable.
+"""`broker start`: run the broker until SIGTERM or SIGINT (SIGHUP re-reads the allowed keys).
+`broker keygen DIR NAME`: make a CURVE key pair. Every flag of `start` falls back to an environment variable.
 
 Exit codes: 0 after a clean shutdown, 2 for bad arguments, 3 when the broker cannot start (e.g. an
-address is already in use).
+address is already in use, or a key directory is incomplete).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 import structlog
 
-from . import logs
+from . import keys, logs
+from .router import MAX_SESSIONS_FLAG
 from .server import BrokerConfig, BrokerServer
 
 EXIT_STARTUP_FAILED = 3
@@ -38,6 +41,13 @@ def positive(value: str) -> int:
     return n
 
 
+def non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     defaults = BrokerConfig()
     top = argparse.ArgumentParser(prog="broker", description="Route sessions between clients and workers.")
@@ -56,18 +66,45 @@ def parser() -> argparse.ArgumentParser:
                             "re-register [env BROKER_RECOVERY_MS] (default: liveness + 2 heartbeats)")
     start.add_argument("--hwm", type=positive, default=_env_int("BROKER_HWM", defaults.hwm),
                        help="messages queued per peer [env BROKER_HWM] (default %(default)s)")
+    start.add_argument("--keys", type=Path, default=os.environ.get("BROKER_KEYS") or None,
+                       help="turn CURVE authentication on: DIR/broker.key_secret, DIR/workers/*.key and "
+                            "DIR/clients/*.key (see `broker keygen`) [env BROKER_KEYS] (default: off)")
+    start.add_argument(MAX_SESSIONS_FLAG, type=non_negative,
+                       default=_env_int("BROKER_MAX_SESSIONS_PER_CLIENT", defaults.max_sessions_per_client),
+                       help="live sessions one client may hold, 0 for no cap [env BROKER_MAX_SESSIONS_PER_CLIENT] "
+                            "(default %(default)s)")
+    start.add_argument("--request-timeout-ms", type=non_negative,
+                       default=_env_int("BROKER_REQUEST_TIMEOUT_MS", defaults.request_timeout_ms),
+                       help="fail a request with `timeout` when its worker makes no progress for this long, 0 for "
+                            "never [env BROKER_REQUEST_TIMEOUT_MS] (default %(default)s)")
     start.add_argument("--log-level", choices=logs.LEVELS, default=os.environ.get("BROKER_LOG_LEVEL", "info"),
                        help="[env BROKER_LOG_LEVEL] (default %(default)s)")
+    keygen = sub.add_parser("keygen", help="write a CURVE key pair: DIR/NAME.key (public), DIR/NAME.key_secret")
+    keygen.add_argument("directory", type=Path, help="where to write (made if missing)")
+    keygen.add_argument("name", help="the key's name, e.g. broker, a worker's or a client's name")
     return top
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    try:
+        public, secret = keys.keygen(args.directory, args.name)
+    except (keys.KeyFileError, OSError) as e:
+        sys.stderr.write(f"broker keygen: {e}\n")
+        return 1
+    sys.stdout.write(f"{public}\n{secret}\n")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "keygen":
+        return run_keygen(args)
     logs.configure(args.log_level, role="broker")
     log = structlog.get_logger()
     config = BrokerConfig(
         clients=args.clients, workers=args.workers, heartbeat_ms=args.heartbeat_ms, liveness=args.liveness,
-        recovery_ms=args.recovery_ms, hwm=args.hwm,
+        recovery_ms=args.recovery_ms, hwm=args.hwm, keys=args.keys, max_sessions_per_client=args.max_sessions_per_client,
+        request_timeout_ms=args.request_timeout_ms,
     )
     stop = False
 
@@ -75,15 +112,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         nonlocal stop
         stop = True
 
+    reload = False
+
+    def request_reload(signum: int, frame: FrameType | None) -> None:
+        nonlocal reload
+        reload = True
+
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGHUP, request_reload)
     try:
         server = BrokerServer(config)
-    except OSError as e:
+    except (OSError, keys.KeyFileError) as e:
         log.error("broker_start_failed", error=str(e))
         return EXIT_STARTUP_FAILED
+
+    def should_stop() -> bool:
+        nonlocal reload
+        if reload:
+            reload = False
+            server.reload_keys()
+        return stop
+
     try:
-        server.serve(lambda: stop)
+        server.serve(should_stop)
     finally:
         server.close()
     log.info("broker_stopped")

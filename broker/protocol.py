@@ -113,6 +113,7 @@ class ErrorCode(str, Enum):
     TIMEOUT = "timeout"
     WORKER_DRAINING = "worker_draining"
     UNAUTHORIZED = "unauthorized"
+    SESSION_EXPIRED = "session_expired"
     VERSION_MISMATCH = "version_mismatch"
     INTERNAL = "internal"
 
@@ -178,6 +179,10 @@ TokenIds = Annotated[tuple[int, ...], int_list(MAX_TOKENS)]
 Text = Annotated[str, text(MAX_TEXT_CHARS)]
 Count = Annotated[int, integer(0, 2**62)]
 SessionIds = Annotated[tuple[str, ...], str_list(MAX_SESSIONS_LISTED, text(32, SESSION_PATTERN))]
+# Who a session belongs to: a client's CURVE public key (Z85, 40 chars) when the broker authenticates, else "".
+OWNER_PATTERN: Final = r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}"
+Owner = Annotated[str, text(40, f"(?:{OWNER_PATTERN})?")]
+Owners = Annotated[tuple[str, ...], str_list(MAX_SESSIONS_LISTED, text(40, f"(?:{OWNER_PATTERN})?"))]
 
 
 M = TypeVar("M", bound="Message")
@@ -244,6 +249,7 @@ class WorkerStatus:
     sessions: Count
     draining: Annotated[bool, boolean] = False
     device: Label = ""
+    last_seen_ms: Count = 0  # since the broker last heard from the worker
 
     def __post_init__(self) -> None:
         _checked(self)
@@ -258,6 +264,7 @@ class CreateSession(Message):
     request_id: RequestId
     model: OptName = None  # None: any model
     session_id: OptSessionId = None  # made by the broker; None from clients
+    owner: Owner = ""  # set by the broker: the creating client's key when it authenticates clients
     route: Route = b""
 
 
@@ -568,6 +575,11 @@ class Ready(Message):
     draining: Annotated[bool, boolean] = False
     device: Label = ""
     bytes_per_session: Count = 0
+    owners: Owners = ()  # one per session ("" = none), so that ownership survives a broker restart
+
+    def _check(self) -> None:
+        if self.owners and len(self.owners) != len(self.sessions):
+            raise _bad(f"owners has {len(self.owners)} items for {len(self.sessions)} sessions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,13 +594,17 @@ class Welcome(Message):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
-    """Both ways. From the broker: its id (a new one means it restarted). From a worker: its load."""
+    """Both ways. From the broker: its id (a new one means it restarted). From a worker: its load, its
+    progress (`steps`: engine steps so far; a worker with requests in flight whose count stands still is
+    hung) and the sessions it closed for idling since the last report (`expired`)."""
 
     COMMAND: ClassVar[Command] = Command.HEARTBEAT
     broker_id: Annotated[str | None, text(64, ID_PATTERN, optional=True)] = None
     free_slots: Annotated[int | None, integer(0, 2**62, optional=True)] = None
     sessions: Annotated[int | None, integer(0, 2**62, optional=True)] = None
     draining: Annotated[bool, boolean] = False
+    steps: Annotated[int | None, integer(0, 2**62, optional=True)] = None
+    expired: SessionIds = ()
 
 
 @dataclass(frozen=True, slots=True)

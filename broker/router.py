@@ -10,6 +10,11 @@
   in flight on it fails at once with session_lost, and later requests for its sessions get session_lost.
 - A freshly started broker is "recovering" for a while: requests for sessions it does not know yet
   are held until the workers have re-registered (they send the sessions they hold), then answered.
+- Sessions have owners. With authentication on, a session belongs to the client key that created it
+  (forks to the key that forked) and any other key gets `unauthorized`; without it, to the client's
+  routing id, used only to count sessions against the per-client cap.
+- A request whose worker makes no progress (no answer, no engine step) for `request_timeout_s` fails with
+  `timeout`, checked once per heartbeat; the worker and its other sessions stay.
 """
 
 from __future__ import annotations
@@ -56,6 +61,12 @@ class Settings:
     heartbeat_s: float = 1.0
     liveness: int = 3
     recovery_s: float = 5.0  # how long a new broker waits for workers to re-register
+    authenticated: bool = False  # clients carry CURVE keys: sessions are owned by them
+    max_sessions_per_client: int = 0  # 0: no cap
+    request_timeout_s: float = 0.0  # 0: requests wait for their worker as long as it lives
+
+
+MAX_SESSIONS_FLAG = "--max-sessions-per-client"
 
 
 @dataclass(slots=True)
@@ -63,12 +74,15 @@ class InFlight:
     worker: bytes
     command: p.Command
     session_id: str  # the session addressed; for CREATE and FORK the new session
+    sent_at: float = 0.0
+    owner: str = ""  # CREATE and FORK: whose the new session will be
 
 
 @dataclass(slots=True)
 class Held:
     route: bytes
     request: p.CreateSession | p.SessionRequest
+    user: str
 
 
 class Router:
@@ -81,11 +95,13 @@ class Router:
         self.held: list[Held] = []
         self.recover_until = now + settings.recovery_s
         self._asked_to_register: dict[bytes, float] = {}
+        self._pending_by_owner: dict[str, int] = {}  # creates and forks in flight per owner
         self._out: list[Send] = []
 
     # -- entry points (each returns what to send) ---------------------------------------------------
 
-    def client_message(self, route: bytes, frames: list[bytes], now: float) -> list[Send]:
+    def client_message(self, route: bytes, frames: list[bytes], now: float, user: str = "") -> list[Send]:
+        """`user`: the client's CURVE public key (Z85) when the broker authenticates clients."""
         try:
             envelope = p.decode_envelope(frames)
             if envelope.command not in p.REQUEST_COMMANDS:
@@ -99,11 +115,11 @@ class Router:
             self._error(route, e.request_id, e.code, e.message)
             return self._flush()
         if isinstance(message, p.Status):
-            self._reply(route, self._status(message.request_id))
+            self._reply(route, self._status(message.request_id, now))
         elif isinstance(message, p.CreateSession):
-            self._create(route, message, now)
+            self._create(route, message, now, user)
         elif isinstance(message, p.SESSION_REQUEST_TYPES):
-            self._route(route, message, now)
+            self._route(route, message, now, user)
         return self._flush()
 
     def worker_message(self, identity: bytes, frames: list[bytes], now: float) -> list[Send]:
@@ -115,7 +131,10 @@ class Router:
         record = self.registry.workers.get(identity)
         if record is not None:
             self.liveness.seen(identity, now)
+            record.seen_at = now
         if envelope.command in ANSWERS:
+            if record is not None:
+                record.progress_at = now
             self._answer(identity, envelope, frames)
             if record is None:
                 self._ask_to_register(identity, now)
@@ -131,9 +150,7 @@ class Router:
             if record is None:
                 self._ask_to_register(identity, now)
             else:
-                record.draining = message.draining
-                if message.free_slots is not None:
-                    record.free_slots = message.free_slots
+                self._heartbeat(record, message, now)
         elif isinstance(message, p.Disconnect):
             self._worker_gone(identity, f"disconnected: {message.reason}" if message.reason else "disconnected")
         else:
@@ -150,6 +167,8 @@ class Router:
             self._asked_to_register = {
                 i: t for i, t in self._asked_to_register.items() if now - t < 10 * self.settings.heartbeat_s
             }
+            if self.settings.request_timeout_s > 0:
+                self._time_out(now)
         if self.held and not self.recovering(now):
             self._release_held(now)
         return self._flush()
@@ -188,32 +207,59 @@ class Router:
 
     # -- client requests -------------------------------------------------------------------------
 
-    def _create(self, route: bytes, request: p.CreateSession, now: float) -> None:
+    def _owner(self, route: bytes, user: str) -> str:
+        """Whom a new session belongs to: the client's key, or without authentication its routing id."""
+        return user if self.settings.authenticated else "route:" + route.hex()
+
+    def _over_cap(self, route: bytes, request_id: str, owner: str) -> bool:
+        """Refuse a new session past the per-client cap (live sessions plus the ones being made)."""
+        cap = self.settings.max_sessions_per_client
+        if cap <= 0:
+            return False
+        held = self.registry.owned_by(owner) + self._pending_by_owner.get(owner, 0)
+        if held < cap:
+            return False
+        log.info("create_refused", code="bad_request", reason="per_client_cap", sessions=held, request=request_id)
+        self._error(route, request_id, p.ErrorCode.BAD_REQUEST,
+                    f"this client holds {held} sessions: the limit is {cap} per client ({MAX_SESSIONS_FLAG})")
+        return True
+
+    def _create(self, route: bytes, request: p.CreateSession, now: float, user: str) -> None:
         key = (route, request.request_id)
         flight = self.inflight.get(key)
         if flight is not None and flight.command is p.Command.CREATE and flight.worker in self.registry.workers:
             # A resend: same worker, same session id; the worker answers it from its request cache.
-            again = replace(request, session_id=flight.session_id, route=route)
+            again = replace(request, session_id=flight.session_id, owner=user, route=route)
             self._to_worker(self.registry.workers[flight.worker], again, key)
+            return
+        owner = self._owner(route, user)
+        if self._over_cap(route, request.request_id, owner):
             return
         try:
             worker = place(self.registry.workers.values(), request.model)
         except NoPlacement as e:
             if e.code is p.ErrorCode.MODEL_NOT_FOUND and self.recovering(now):
-                self._hold(route, request)
+                self._hold(route, request, user)
                 return
             log.info("create_refused", code=e.code.value, model=request.model, request=request.request_id)
             self._error(route, request.request_id, e.code, e.message)
             return
         session_id = secrets.token_hex(16)
-        worker.pending += 1
-        self.inflight[key] = InFlight(worker.identity, p.Command.CREATE, session_id)
-        self._to_worker(worker, replace(request, session_id=session_id, route=route), key)
+        self._promise(worker, owner)
+        self.inflight[key] = InFlight(worker.identity, p.Command.CREATE, session_id, now, owner)
+        self._to_worker(worker, replace(request, session_id=session_id, owner=user, route=route), key)
 
-    def _route(self, route: bytes, request: p.SessionRequest, now: float) -> None:
+    def _route(self, route: bytes, request: p.SessionRequest, now: float, user: str) -> None:
         worker = self.registry.worker_of(request.session_id)
         if worker is None:
-            self._unknown_session(route, request, now)
+            self._unknown_session(route, request, now, user)
+            return
+        if self.settings.authenticated and self.registry.owner_of(request.session_id) != user:
+            if not isinstance(request, p.Cancel):
+                log.warning("request_unauthorized", command=request.COMMAND.name, session=request.session_id,
+                            request=request.request_id)
+                self._error(route, request.request_id, p.ErrorCode.UNAUTHORIZED,
+                            f"session {request.session_id} belongs to another client")
             return
         if isinstance(request, p.Cancel):  # one-way: nothing to track
             self._to_worker(worker, request.routed(route), None)
@@ -222,49 +268,75 @@ class Router:
         if isinstance(request, p.Fork):
             flight = self.inflight.get(key)
             if flight is not None and flight.command is p.Command.FORK:
-                child = flight.session_id  # a resend: the worker answers it from its request cache
+                child, owner = flight.session_id, flight.owner  # a resend: answered from the worker's cache
             else:
+                owner = self.registry.owner_of(request.session_id) or self._owner(route, user)
+                if self._over_cap(route, request.request_id, owner):
+                    return
                 child = secrets.token_hex(16)
-                worker.pending += 1
-            self.inflight[key] = InFlight(worker.identity, p.Command.FORK, child)
+                self._promise(worker, owner)
+            self.inflight[key] = InFlight(worker.identity, p.Command.FORK, child, now, owner)
             self._to_worker(worker, replace(request, child_id=child, route=route), key)
             return
-        self.inflight[key] = InFlight(worker.identity, request.COMMAND, request.session_id)
+        self.inflight[key] = InFlight(worker.identity, request.COMMAND, request.session_id, now)
         self._to_worker(worker, request.routed(route), key)
 
-    def _unknown_session(self, route: bytes, request: p.SessionRequest, now: float) -> None:
+    def _unknown_session(self, route: bytes, request: p.SessionRequest, now: float, user: str) -> None:
         if isinstance(request, p.Cancel):
             return
-        if self.registry.is_lost(request.session_id):
-            self._error(route, request.request_id, p.ErrorCode.SESSION_LOST, "the worker holding this session is gone")
+        gone = self.registry.gone(request.session_id)
+        if gone is p.ErrorCode.SESSION_LOST:
+            self._error(route, request.request_id, gone, "the worker holding this session is gone")
+        elif gone is p.ErrorCode.SESSION_EXPIRED:
+            self._error(route, request.request_id, gone, "the session was closed after idling too long")
         elif self.recovering(now):
-            self._hold(route, request)
+            self._hold(route, request, user)
         else:
             self._error(route, request.request_id, p.ErrorCode.SESSION_NOT_FOUND, f"no session {request.session_id}")
 
-    def _hold(self, route: bytes, request: p.CreateSession | p.SessionRequest) -> None:
+    def _hold(self, route: bytes, request: p.CreateSession | p.SessionRequest, user: str) -> None:
         if len(self.held) >= MAX_HELD:
             self._error(route, request.request_id, p.ErrorCode.INTERNAL, "the broker is restarting: retry shortly")
             return
-        self.held.append(Held(route, request))
+        self.held.append(Held(route, request, user))
 
     def _release_held(self, now: float) -> None:
         held, self.held = self.held, []
         for h in held:
             if isinstance(h.request, p.CreateSession):
-                self._create(h.route, h.request, now)
+                self._create(h.route, h.request, now, h.user)
             else:
-                self._route(h.route, h.request, now)
+                self._route(h.route, h.request, now, h.user)
 
-    def _status(self, request_id: str) -> p.StatusReport:
-        workers = tuple(w.status() for w in self.registry.workers.values())
+    def _status(self, request_id: str, now: float) -> p.StatusReport:
+        workers = tuple(w.status(now) for w in self.registry.workers.values())
         return p.StatusReport(request_id=request_id, broker_id=self.broker_id, workers=workers)
+
+    def _time_out(self, now: float) -> None:
+        """Fail the requests whose worker has made no progress for request_timeout_s."""
+        limit = self.settings.request_timeout_s
+        stale: list[tuple[RequestKey, InFlight]] = []
+        for key, flight in self.inflight.items():
+            record = self.registry.workers.get(flight.worker)
+            if record is not None and now - max(flight.sent_at, record.progress_at) > limit:
+                stale.append((key, flight))
+        for key, flight in stale:
+            del self.inflight[key]
+            self._settle_pending(flight)
+            name = self._name(flight.worker)
+            log.warning("request_timed_out", worker=name, command=flight.command.name, request=key[1],
+                        session=flight.session_id)
+            self._error(*key, p.ErrorCode.TIMEOUT, f"worker {name} made no progress on this request for {limit:g} s")
+            if flight.command is p.Command.GENERATE:  # should it come back, it stops generating for nobody
+                cancel = p.Cancel(request_id=secrets.token_hex(8), session_id=flight.session_id, target=key[1],
+                                  route=key[0])
+                self._out.append(Send(Peer.WORKER, flight.worker, p.encode(cancel)))
 
     # -- worker messages -------------------------------------------------------------------------
 
     def _register(self, identity: bytes, ready: p.Ready, now: float) -> None:
         again = identity in self.registry.workers
-        self.registry.register(identity, ready)
+        self.registry.register(identity, ready, now)
         self.liveness.seen(identity, now)
         self._asked_to_register.pop(identity, None)
         log.info(
@@ -280,6 +352,19 @@ class Router:
         self._out.append(Send(Peer.WORKER, identity, p.encode(welcome)))
         if self.held:
             self._release_held(now)
+
+    def _heartbeat(self, record: WorkerRecord, beat: p.Heartbeat, now: float) -> None:
+        record.draining = beat.draining
+        if beat.free_slots is not None:
+            record.free_slots = beat.free_slots
+        if beat.steps is not None and beat.steps != record.steps:
+            record.steps = beat.steps
+            record.progress_at = now
+        for sid in beat.expired:
+            if self.registry.worker_of(sid) is record:
+                self.registry.drop_session(sid, p.ErrorCode.SESSION_EXPIRED)
+        if beat.expired:
+            log.info("sessions_expired", worker=record.name, sessions=len(beat.expired))
 
     def _answer(self, identity: bytes, envelope: p.Envelope, frames: list[bytes]) -> None:
         route = p.route_of(envelope.header)
@@ -310,19 +395,19 @@ class Router:
             except p.ProtocolError as e:
                 log.warning("worker_reply_invalid", error=e.message, worker=self._name(identity))
                 return
+            owner = flight.owner if flight is not None else ""
             if isinstance(reply, p.Created):
-                self.registry.add_session(identity, reply.session_id)
+                self.registry.add_session(identity, reply.session_id, owner)
             elif isinstance(reply, p.Forked):
-                self.registry.add_session(identity, reply.child_id)
+                self.registry.add_session(identity, reply.child_id, owner)
             elif isinstance(reply, p.Closed):
                 self.registry.drop_session(reply.session_id)
-        elif (
-            envelope.command is p.Command.ERROR
-            and flight is not None
-            and flight.command is p.Command.CLOSE
-            and envelope.header.get("code") == p.ErrorCode.SESSION_NOT_FOUND.value
-        ):
-            self.registry.drop_session(flight.session_id)
+        elif envelope.command is p.Command.ERROR and flight is not None:
+            code = envelope.header.get("code")
+            if code == p.ErrorCode.SESSION_EXPIRED.value:
+                self.registry.drop_session(flight.session_id, p.ErrorCode.SESSION_EXPIRED)
+            elif flight.command is p.Command.CLOSE and code == p.ErrorCode.SESSION_NOT_FOUND.value:
+                self.registry.drop_session(flight.session_id)
 
     def _cancel_generation(self, key: RequestKey) -> None:
         """The client of a generation in flight cannot be reached: stop it (once) rather than generate for nobody."""
@@ -332,11 +417,21 @@ class Router:
             cancel = p.Cancel(request_id=secrets.token_hex(8), session_id=flight.session_id, target=key[1], route=key[0])
             self._out.append(Send(Peer.WORKER, flight.worker, p.encode(cancel)))
 
+    def _promise(self, worker: WorkerRecord, owner: str) -> None:
+        """A create or fork is on its way to `worker`: its slot and the owner's cap count it until answered."""
+        worker.pending += 1
+        self._pending_by_owner[owner] = self._pending_by_owner.get(owner, 0) + 1
+
     def _settle_pending(self, flight: InFlight | None) -> None:
         if flight is not None and flight.command in (p.Command.CREATE, p.Command.FORK):
             record = self.registry.workers.get(flight.worker)
             if record is not None:
                 record.pending = max(0, record.pending - 1)
+            left = self._pending_by_owner.get(flight.owner, 0) - 1
+            if left > 0:
+                self._pending_by_owner[flight.owner] = left
+            else:
+                self._pending_by_owner.pop(flight.owner, None)
 
     def _worker_gone(self, identity: bytes, reason: str) -> None:
         self.liveness.forget(identity)
@@ -346,7 +441,7 @@ class Router:
         failed = [key for key, flight in self.inflight.items() if flight.worker == identity]
         log.warning("worker_lost", worker=record.name, reason=reason, sessions=len(record.sessions), failed=len(failed))
         for key in failed:
-            del self.inflight[key]
+            self._settle_pending(self.inflight.pop(key))
             self._error(*key, p.ErrorCode.SESSION_LOST, f"worker {record.name} is gone ({reason})")
 
     def _ask_to_register(self, identity: bytes, now: float) -> None:

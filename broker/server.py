@@ -3,19 +3,30 @@
 Majordomo's shape: poll, dispatch on the socket a message came from, then run the timers (dead workers,
 heartbeats). Every send is NOBLOCK: a peer that is gone (EHOSTUNREACH, thanks to ROUTER_MANDATORY) or
 full (EAGAIN at its high-water mark) never blocks the loop; the router decides what that means.
+
+With keys (`--keys DIR`) both sockets are CURVE servers and pyzmq's ThreadAuthenticator, held for the
+broker's whole life, checks every handshake against the socket's own allow-list (ZAP domain "workers" or
+"clients"). A client's messages then carry its public key (ZeroMQ's "User-Id" property), which the router
+uses as the owner of the sessions it creates.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import structlog
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from . import protocol as p
+from .keys import CLIENTS_DOMAIN, WORKERS_DOMAIN, BrokerKeys
 from .router import Failure, Peer, Router, Send, Settings
 
 log = structlog.get_logger()
@@ -23,6 +34,8 @@ log = structlog.get_logger()
 # Messages read from one socket before looking at the other and at the timers: keeps both fair.
 RECV_BATCH = 256
 MAX_POLL_S = 0.25  # a stop request is noticed within this
+AUTH_FAILURE_LOG_S = 10.0  # refused handshakes are logged at most this often per socket (peers retry fast)
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 # Plain ints: pyzmq's send_multipart combines enum flags per frame, which costs ~10% of the broker's time.
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
@@ -37,10 +50,17 @@ class BrokerConfig:
     recovery_ms: int | None = None  # None: (liveness + 2) heartbeats
     hwm: int = 100_000  # messages queued per peer before sends to it fail with EAGAIN
     max_message_bytes: int = p.MAX_MESSAGE_BYTES
+    keys: Path | None = None  # CURVE on: see broker/keys.py for the layout
+    max_sessions_per_client: int = 1024  # 0: no cap
+    request_timeout_ms: int = 60_000  # 0: no deadline
 
     def settings(self) -> Settings:
         recovery = self.recovery_ms if self.recovery_ms is not None else (self.liveness + 2) * self.heartbeat_ms
-        return Settings(heartbeat_s=self.heartbeat_ms / 1000, liveness=self.liveness, recovery_s=recovery / 1000)
+        return Settings(
+            heartbeat_s=self.heartbeat_ms / 1000, liveness=self.liveness, recovery_s=recovery / 1000,
+            authenticated=self.keys is not None, max_sessions_per_client=self.max_sessions_per_client,
+            request_timeout_s=self.request_timeout_ms / 1000,
+        )
 
 
 class BrokerServer:
@@ -48,19 +68,42 @@ class BrokerServer:
         self.config = config
         self.router = Router(config.settings(), time.monotonic())
         self._context = zmq.Context()
+        self._keys = BrokerKeys.load(config.keys) if config.keys is not None else None  # KeyFileError: bad keys
+        self.auth: ThreadAuthenticator | None = None
+        self._monitors: list[tuple[zmq.Socket[Any], str]] = []
+        self._auth_failures = {CLIENTS_DOMAIN: 0, WORKERS_DOMAIN: 0}
+        self._auth_logged_at = 0.0
         try:
-            self.clients = self._router_socket(config.clients)
+            if self._keys is not None:
+                # Held in self.auth for the broker's life: a collected authenticator silently lets everyone in.
+                self.auth = ThreadAuthenticator(self._context, log=logging.getLogger("broker.auth"))
+                self.auth.start()
+                self.reload_keys()
+            self.clients = self._router_socket(config.clients, CLIENTS_DOMAIN)
             try:
-                self.workers = self._router_socket(config.workers)
+                self.workers = self._router_socket(config.workers, WORKERS_DOMAIN)
             except OSError:
                 self.clients.close(linger=0)
                 raise
         except OSError:
+            self._stop_auth()
             self._context.term()
             raise
 
-    def _router_socket(self, address: str) -> zmq.Socket[bytes]:
+    def reload_keys(self) -> None:
+        """(Re)read the allow-lists, e.g. after an operator added a key (SIGHUP)."""
+        if self.auth is None or self._keys is None:
+            return
+        self.auth.configure_curve(domain=WORKERS_DOMAIN, location=str(self._keys.workers))
+        self.auth.configure_curve(domain=CLIENTS_DOMAIN, location=str(self._keys.clients))
+        log.info("keys_loaded", workers=self._keys.allowed(WORKERS_DOMAIN), clients=self._keys.allowed(CLIENTS_DOMAIN))
+
+    def _router_socket(self, address: str, domain: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._context.socket(zmq.ROUTER)
+        if self._keys is not None:
+            self._keys.apply(sock, domain)
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+            self._monitors.append((monitor, domain))
         # All options before bind: they apply to connections accepted from then on.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> EHOSTUNREACH, not a silent drop
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer that reconnects with its id takes it over
@@ -79,10 +122,18 @@ class BrokerServer:
         log.info(
             "broker_started", broker_id=self.router.broker_id, clients=self.config.clients,
             workers=self.config.workers, heartbeat_ms=self.config.heartbeat_ms, liveness=self.config.liveness,
+            auth="curve" if self._keys is not None else "off",
         )
+        if self._keys is None:
+            exposed = [a for a in (self.config.clients, self.config.workers) if not _is_loopback(a)]
+            log.warning("auth_disabled", exposed=exposed or None,
+                        detail="no --keys: peers are not authenticated"
+                        + (f"; listening beyond loopback on {', '.join(exposed)}" if exposed else "; loopback only"))
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.workers, zmq.POLLIN)
+        for monitor, _ in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
         while not should_stop():
             now = time.monotonic()
             timeout_s = min(max(self.router.next_tick() - now, 0.0), MAX_POLL_S)
@@ -90,16 +141,29 @@ class BrokerServer:
             if self.workers in ready:
                 self._drain(self.workers, self.router.worker_message)
             if self.clients in ready:
-                self._drain(self.clients, self.router.client_message)
+                if self._keys is not None:
+                    self._drain_authenticated_clients()
+                else:
+                    self._drain(self.clients, self.router.client_message)
+            if self._monitors:
+                self._handshake_failures(ready)
             now = time.monotonic()
             if now >= self.router.next_tick():
                 self._send_all(self.router.tick(now))
         log.info("broker_stopping", workers=len(self.router.registry.workers), inflight=len(self.router.inflight))
 
     def close(self) -> None:
+        for monitor, _ in self._monitors:
+            monitor.close(linger=0)
         self.clients.close(linger=0)
         self.workers.close(linger=0)
+        self._stop_auth()
         self._context.term()
+
+    def _stop_auth(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
     def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[bytes, list[bytes], float], list[Send]]) -> None:
         for _ in range(RECV_BATCH):
@@ -110,6 +174,36 @@ class BrokerServer:
             if len(frames) < 2:  # a ROUTER always prepends the peer's id; nothing to answer to
                 continue
             self._send_all(handle(frames[0], frames[1:], time.monotonic()))
+
+    def _drain_authenticated_clients(self) -> None:
+        """Like _drain, plus each message's sender key (the ZAP handler's user id: the Z85 public key)."""
+        for _ in range(RECV_BATCH):
+            try:
+                parts = self.clients.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(parts) < 2:
+                continue
+            user = parts[1].get("User-Id") or ""
+            frames = [part.bytes for part in parts]
+            self._send_all(self.router.client_message(frames[0], frames[1:], time.monotonic(), user=str(user)))
+
+    def _handshake_failures(self, ready: dict[Any, int]) -> None:
+        """Count refused handshakes (wrong or unknown keys, no CURVE) and log them, rate-limited."""
+        for monitor, domain in self._monitors:
+            if monitor not in ready:
+                continue
+            while True:
+                try:
+                    monitor.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._auth_failures[domain] += 1
+        now = time.monotonic()
+        if any(self._auth_failures.values()) and now - self._auth_logged_at >= AUTH_FAILURE_LOG_S:
+            log.warning("handshakes_refused", **{f"{d}_socket": n for d, n in self._auth_failures.items()})
+            self._auth_logged_at = now
+            self._auth_failures = dict.fromkeys(self._auth_failures, 0)
 
     def _send_all(self, sends: list[Send]) -> None:
         queue = deque(sends)
@@ -135,3 +229,16 @@ class BrokerServer:
             log.error("send_failed", peer=send.peer.value, error=str(e))
             return Failure.UNREACHABLE
         return None
+
+
+def _is_loopback(address: str) -> bool:
+    """tcp://127.0.0.1:5555 and the like (ipc:// and inproc:// are local too)."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # *, an interface name or a host name: reachable from outside

@@ -14,6 +14,7 @@ so any number of sessions and streams can run concurrently on one AsyncClient (w
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -25,12 +26,13 @@ import zmq
 import zmq.asyncio
 
 from broker import protocol as p
+from broker.keys import CurveClient
 
 from . import calls
 from .calls import Answer, Call, addressed, build, decode_answer, new_request_id
 from .errors import BadRequest, ClientError, SessionLost, SessionNotFound, Timeout
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
-from .transport import connect_client
+from .transport import HandshakeWatch, connect_client, curve_of, timed_out
 
 log = structlog.get_logger()
 
@@ -88,12 +90,13 @@ class Mailbox:
 
 
 class AsyncTransport:
-    def __init__(self, address: str, resend_after_s: float) -> None:
+    def __init__(self, address: str, resend_after_s: float, curve: CurveClient | None = None) -> None:
         self.address = address
         self.resend_after_s = resend_after_s
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket = self._context.socket(zmq.DEALER)
-        connect_client(self._socket, address)
+        self._watch = HandshakeWatch(self._socket)
+        connect_client(self._socket, address, curve)
         self._mail: dict[str, Mailbox] = {}
         self._reader: asyncio.Task[None] | None = None
         self.closed = False
@@ -119,7 +122,7 @@ class AsyncTransport:
                     raise ClientError("the client is closed" if self.closed else "the call was closed while waiting")
                 now = time.monotonic()
                 if now >= deadline:
-                    raise Timeout(f"no answer within {timeout_s:g} s from {self.address}", request_id=call.request_id)
+                    raise timed_out(self._watch, self.address, timeout_s, call.request_id)
                 if call.resend_due(now):
                     log.debug("request_resent", request=call.request_id)
                     self._send(call.frames)
@@ -149,6 +152,7 @@ class AsyncTransport:
                 await self._reader
             except asyncio.CancelledError:
                 pass
+        self._watch.close()
         self._socket.close(linger=0)
         self._context.term()
 
@@ -174,10 +178,14 @@ class AsyncClient:
         *,
         timeout: float = calls.DEFAULT_TIMEOUT_S,
         resend_after: float = calls.RESEND_AFTER_S,
+        broker_key: str | os.PathLike[str] | None = None,
+        key: str | os.PathLike[str] | None = None,
     ) -> None:
+        """`broker_key`, `key`: with a broker that authenticates (`broker start --keys`), the broker's public key
+        file and this client's key pair file (NAME.key_secret, from `broker keygen`)."""
         self.address = address
         self.timeout = timeout
-        self._transport = AsyncTransport(address, resend_after)
+        self._transport = AsyncTransport(address, resend_after, curve_of(broker_key, key))
 
     async def session(self, model: str | None = None, *, timeout: float | None = None) -> AsyncSession:
         request = build(p.CreateSession, request_id=new_request_id(), model=model)

@@ -61,8 +61,14 @@ class WorkerDraining(ClientError):
     code = "worker_draining"
 
 
+class SessionExpired(ClientError):
+    """The worker closed the session after it idled longer than its --session-idle-timeout. Open a new one."""
+
+    code = "session_expired"
+
+
 class Unauthorized(ClientError):
-    """The broker refused the credentials."""
+    """The broker refused this client's key, or the session belongs to another client."""
 
     code = "unauthorized"
 
@@ -83,7 +89,7 @@ _BY_CODE: dict[str, type[ClientError]] = {
     c.code: c
     for c in (
         BadRequest, CapacityExhausted, SessionNotFound, SessionLost, ModelNotFound, Timeout, WorkerDraining,
-        Unauthorized, VersionMismatch, InternalError,
+        Unauthorized, VersionMismatch, InternalError, SessionExpired,
     )
 }
 

@@ -12,6 +12,7 @@ A Client and its sessions belong to one thread; use AsyncClient, or one Client p
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Literal, TypeVar, overload
@@ -22,7 +23,7 @@ from . import calls
 from .calls import build, new_request_id
 from .errors import BadRequest, ClientError, SessionLost, SessionNotFound, Timeout
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
-from .transport import Transport
+from .transport import Transport, curve_of
 
 M = TypeVar("M", bound=p.Message)
 
@@ -34,10 +35,14 @@ class Client:
         *,
         timeout: float = calls.DEFAULT_TIMEOUT_S,
         resend_after: float = calls.RESEND_AFTER_S,
+        broker_key: str | os.PathLike[str] | None = None,
+        key: str | os.PathLike[str] | None = None,
     ) -> None:
+        """`broker_key`, `key`: with a broker that authenticates (`broker start --keys`), the broker's public key
+        file and this client's key pair file (NAME.key_secret, from `broker keygen`)."""
         self.address = address
         self.timeout = timeout
-        self._transport = Transport(address, resend_after)
+        self._transport = Transport(address, resend_after, curve_of(broker_key, key))
 
     def session(self, model: str | None = None, *, timeout: float | None = None) -> Session:
         """A new session on the least-loaded worker serving `model` (None: any model)."""

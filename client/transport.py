@@ -8,6 +8,7 @@ ZeroMQ socket it owns.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections import deque
@@ -17,16 +18,63 @@ import structlog
 import zmq
 
 from broker import protocol as p
+from broker.keys import CurveClient
 
 from .calls import Answer, Call, addressed, decode_answer
-from .errors import ClientError, Timeout
+from .errors import ClientError, Timeout, Unauthorized
 
 log = structlog.get_logger()
 
 RECV_BATCH = 1024
 
 
-def connect_client(sock: zmq.Socket[Any], address: str) -> None:
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+REFUSED = (
+    "the broker refused this client's handshake: its key is not in the broker's clients/, --broker-key is not "
+    "the broker's public key, or the broker requires keys and none were given"
+)
+
+
+def curve_of(broker_key: str | os.PathLike[str] | None, key: str | os.PathLike[str] | None) -> CurveClient | None:
+    """Keys from files (the broker's public key, this client's .key_secret): both or neither."""
+    if broker_key is None and key is None:
+        return None
+    if broker_key is None or key is None:
+        raise ValueError("give both broker_key (the broker's public key file) and key (this client's .key_secret)")
+    return CurveClient.load(broker_key, key)
+
+
+class HandshakeWatch:
+    """Notices refused handshakes (ZeroMQ retries them silently), so a wait that times out can say why."""
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        address = f"inproc://handshake-{uuid.uuid4().hex}"
+        sock.monitor(address, _HANDSHAKE_FAILED)
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(sock.context.underlying)  # also for asyncio
+        self._pair: zmq.Socket[bytes] = self._context.socket(zmq.PAIR)
+        self._pair.connect(address)
+        self._refused = False
+
+    def refused(self) -> bool:
+        while True:
+            try:
+                self._pair.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return self._refused
+            self._refused = True
+
+    def close(self) -> None:
+        self._pair.close(linger=0)
+
+
+def timed_out(watch: HandshakeWatch, address: str, timeout_s: float, request_id: str) -> ClientError:
+    """The error for a wait with no answer: Unauthorized when the broker refused our handshake."""
+    if watch.refused():
+        return Unauthorized(REFUSED, request_id=request_id)
+    return Timeout(f"no answer within {timeout_s:g} s from {address}", request_id=request_id)
+
+
+def connect_client(sock: zmq.Socket[Any], address: str, curve: CurveClient | None = None) -> None:
     """Set up a DEALER with a stable routing id (after a broker restart it reconnects as the same peer)."""
     sock.setsockopt(zmq.ROUTING_ID, b"c" + uuid.uuid4().bytes)  # ids starting with 0 are ZeroMQ's own
     sock.setsockopt(zmq.LINGER, 0)
@@ -36,16 +84,19 @@ def connect_client(sock: zmq.Socket[Any], address: str) -> None:
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP pings find a vanished broker host and reconnect
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    if curve is not None:
+        curve.apply(sock)
     sock.connect(address)
 
 
 class Transport:
-    def __init__(self, address: str, resend_after_s: float) -> None:
+    def __init__(self, address: str, resend_after_s: float, curve: CurveClient | None = None) -> None:
         self.address = address
         self.resend_after_s = resend_after_s
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
-        connect_client(self._socket, address)
+        self._watch = HandshakeWatch(self._socket)
+        connect_client(self._socket, address, curve)
         self._mail: dict[str, deque[Answer]] = {}
         self.closed = False
 
@@ -65,7 +116,7 @@ class Transport:
         while not box:
             now = time.monotonic()
             if now >= deadline:
-                raise Timeout(f"no answer within {timeout_s:g} s from {self.address}", request_id=call.request_id)
+                raise timed_out(self._watch, self.address, timeout_s, call.request_id)
             if call.resend_due(now):
                 log.debug("request_resent", request=call.request_id)
                 self._send(call.frames)
@@ -85,6 +136,7 @@ class Transport:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._watch.close()
             self._socket.close(linger=0)
             self._context.term()
 

@@ -18,6 +18,7 @@ import structlog
 
 from broker import logs
 from broker import protocol as p
+from broker.keys import CurveClient, KeyFileError
 
 from .daemon import Serve, WorkerConfig
 
@@ -44,6 +45,13 @@ def positive(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def non_negative_float(value: str) -> float:
+    x = float(value)
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return x
 
 
 def device(value: str) -> str:
@@ -75,6 +83,14 @@ def parser() -> argparse.ArgumentParser:
     start.add_argument("--reconnect-max-ms", type=positive,
                        default=_env_int("WORKER_RECONNECT_MAX_MS", defaults.reconnect_max_ms),
                        help="ceiling of the reconnect backoff [env WORKER_RECONNECT_MAX_MS] (default %(default)s)")
+    start.add_argument("--broker-key", default=_env("WORKER_BROKER_KEY", None),
+                       help="the broker's public key file (broker.key), when it authenticates [env WORKER_BROKER_KEY]")
+    start.add_argument("--key", default=_env("WORKER_KEY", None),
+                       help="this worker's key pair file (NAME.key_secret from `broker keygen`) [env WORKER_KEY]")
+    start.add_argument("--session-idle-timeout", type=non_negative_float,
+                       default=float(_env("WORKER_SESSION_IDLE_TIMEOUT", "0") or 0),
+                       help="close sessions idle (no request, no generation) longer than this many seconds; 0 for "
+                            "never [env WORKER_SESSION_IDLE_TIMEOUT] (default %(default)s)")
     start.add_argument("--log-level", choices=logs.LEVELS, default=_env("WORKER_LOG_LEVEL", "info"),
                        help="[env WORKER_LOG_LEVEL] (default %(default)s)")
     return top
@@ -86,10 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.Ready(name=args.name, model="-", capacity=0, free_slots=0, max_context=0)
     except p.ProtocolError as e:
         raise SystemExit(f"worker: --name: {e.message}") from None
+    if (args.broker_key is None) != (args.key is None):
+        raise SystemExit("worker: give both --broker-key and --key, or neither")
     logs.configure(args.log_level, role="worker", worker=args.name)
     log = structlog.get_logger()
+    try:
+        curve = CurveClient.load(args.broker_key, args.key) if args.key is not None else None
+    except KeyFileError as e:
+        log.error("worker_start_failed", error=str(e))
+        return EXIT_STARTUP_FAILED
     config = WorkerConfig(
         broker=args.broker, name=args.name, drain_timeout_s=args.drain_timeout, reconnect_max_ms=args.reconnect_max_ms,
+        curve=curve, session_idle_timeout_s=args.session_idle_timeout,
     )
     serve: Serve | None = None
     stop_requested = False

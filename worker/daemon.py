@@ -11,6 +11,9 @@
   `engine.step()` while there is work, and turns a step's chunks into one CHUNKS message per client
   route (streamed requests that moved) plus a final REPLY for each request that finished. Every request
   id is remembered with its final answer, so a resent request is answered again, never run twice.
+- Sessions idle longer than `session_idle_timeout_s` (no request, no generation) are closed; the broker
+  hears of it in the next HEARTBEAT (`expired`), and a later request gets `session_expired`.
+- With CURVE keys the DEALER authenticates to the broker (broker/keys.py); a refused handshake is logged.
 - SIGTERM/SIGINT: drain. New sessions and generations get worker_draining (the broker stops placing
   here when the next heartbeat says so), generations in flight finish, then DISCONNECT and exit.
   A second signal, or the drain timeout, cancels what is still running.
@@ -31,12 +34,16 @@ import structlog
 import zmq
 
 from broker import protocol as p
+from broker.keys import CurveClient
 
 log = structlog.get_logger()
 
 IDLE_WAIT_S = 0.05  # how long the compute loop waits for a request when the engine is idle
 MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives up and leaves
 MAX_INBOX_BATCH = 1024  # requests admitted between two steps
+MAX_EXPIRED_REMEMBERED = 1 << 16  # expired session ids answered with session_expired (oldest forgotten first)
+HANDSHAKE_LOG_S = 10.0  # a refused handshake is logged at most this often (ZeroMQ retries every reconnect)
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class EngineAPI(Protocol):
@@ -76,6 +83,8 @@ class WorkerConfig:
     drain_timeout_s: float = 60.0
     request_cache: int = 4096  # final answers kept for resent requests
     hwm: int = 100_000
+    curve: CurveClient | None = None  # the broker's public key and this worker's pair
+    session_idle_timeout_s: float = 0.0  # 0: sessions never expire
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,11 @@ class WorkerState:
     free_slots: int
     sessions: tuple[str, ...]
     draining: bool = False
+    owners: tuple[str, ...] = ()  # one per session
+
+
+class SessionExpired(Exception):
+    code = "session_expired"
 
 
 class Draining(Exception):
@@ -107,11 +121,13 @@ def error_code(exc: BaseException) -> p.ErrorCode:
 class Link:
     """The DEALER socket to the broker, owned by its own thread. The compute loop talks to it by queues."""
 
-    def __init__(self, config: WorkerConfig, ready: Callable[[], p.Ready], state: Callable[[], WorkerState]) -> None:
+    def __init__(self, config: WorkerConfig, ready: Callable[[], p.Ready], state: Callable[[], WorkerState],
+                 steps: Callable[[], int] = lambda: 0) -> None:
         self.config = config
         self.identity = f"{config.name}-{secrets.token_hex(4)}".encode()[-255:]
         self._ready = ready
         self._state = state
+        self._steps = steps
         self._context = zmq.Context()
         self._inbox: queue.SimpleQueue[p.Message] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[p.Message] = queue.SimpleQueue()
@@ -133,6 +149,8 @@ class Link:
         self._next_beat = now
         self._ready_backoff = self.heartbeat_s  # READY resend interval while the broker is silent
         self._next_ready = now + self._ready_backoff
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._handshake_logged_at = -HANDSHAKE_LOG_S
 
     # -- compute-thread side --
 
@@ -189,6 +207,8 @@ class Link:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         now = time.monotonic()
         self._last_heard = now
         self._next_beat = now + self.heartbeat_s
@@ -203,6 +223,8 @@ class Link:
                 if self._wake_rx in events:
                     self._drain_wakes()
                     self._flush(dealer)
+                if self._monitor is not None and self._monitor in events:
+                    self._handshake_failed()
                 self._timers(dealer, time.monotonic())
             self._flush(dealer)
             self._refuse_unserved(dealer)
@@ -211,6 +233,8 @@ class Link:
         except Exception:
             log.exception("link_failed")
         finally:
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
             dealer.close(linger=1000)  # give the last answers and DISCONNECT a second to leave
             self._wake_rx.close(linger=0)
 
@@ -225,8 +249,25 @@ class Link:
         # ZMTP heartbeats find a dead TCP connection (a vanished host) and make ZeroMQ reconnect.
         dealer.setsockopt(zmq.HEARTBEAT_IVL, self.config.heartbeat_ms)
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.config.heartbeat_ms * self.config.liveness)
+        if self.config.curve is not None:
+            self.config.curve.apply(dealer)
+        self._monitor = dealer.get_monitor_socket(_HANDSHAKE_FAILED)  # a broker that wants keys refuses none too
         dealer.connect(self.config.broker)
         return dealer
+
+    def _handshake_failed(self) -> None:
+        assert self._monitor is not None
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        now = time.monotonic()
+        if now - self._handshake_logged_at >= HANDSHAKE_LOG_S:
+            self._handshake_logged_at = now
+            log.error("broker_refused_handshake", broker=self.config.broker,
+                      detail="the broker does not accept this worker's key (is its .key in the broker's workers/?), "
+                             "--broker-key is not the broker's public key, or the broker wants keys and none were given")
 
     def _receive_all(self, dealer: zmq.Socket[bytes]) -> None:
         for _ in range(MAX_INBOX_BATCH):
@@ -274,7 +315,8 @@ class Link:
     def _timers(self, dealer: zmq.Socket[bytes], now: float) -> None:
         if now >= self._next_beat:
             state = self._state()
-            beat = p.Heartbeat(free_slots=state.free_slots, sessions=len(state.sessions), draining=state.draining)
+            beat = p.Heartbeat(free_slots=state.free_slots, sessions=len(state.sessions), draining=state.draining,
+                               steps=self._steps())
             self._send(dealer, beat)
             self._next_beat = now + self.heartbeat_s
         silent = now - self._last_heard > self.heartbeat_s * self.liveness
@@ -396,8 +438,13 @@ class Serve:
         self._by_session: dict[str, str] = {}  # session id -> engine request id
         self._done: OrderedDict[tuple[str, str], p.Message] = OrderedDict()  # (session, request id) -> answer
         self._step_failures = 0
+        self.steps = 0  # engine steps run: the progress the broker watches for
+        self._owners: dict[str, str] = {}  # session id -> the client key it belongs to ("" = none)
+        self._last_used: dict[str, float] = {}  # session id -> when a request or generation last touched it
+        self._expired: OrderedDict[str, None] = OrderedDict()
+        self._next_expiry_check = float("inf") if config.session_idle_timeout_s <= 0 else 0.0
         self.state = WorkerState(engine.free_slots, tuple(engine.sessions()))
-        self.link = Link(config, self.ready_message, lambda: self.state)
+        self.link = Link(config, self.ready_message, lambda: self.state, lambda: self.steps)
 
     def ready_message(self) -> p.Ready:
         state = self.state
@@ -405,6 +452,7 @@ class Serve:
             name=self.config.name, model=self.engine.model_name, capacity=self.engine.capacity,
             free_slots=state.free_slots, max_context=self.engine.max_context, sessions=state.sessions,
             draining=state.draining, device=self.engine.device, bytes_per_session=self.engine.bytes_per_session,
+            owners=state.owners,
         )
 
     def drain(self) -> None:
@@ -426,8 +474,11 @@ class Serve:
                     log.error("worker_link_died")
                     return 1
                 self._admit(self.link.receive(0.0 if self.engine.has_work() else IDLE_WAIT_S))
-                if self.draining and time.monotonic() >= self._drain_deadline:
+                now = time.monotonic()
+                if self.draining and now >= self._drain_deadline:
                     self._cancel_all()
+                if now >= self._next_expiry_check:
+                    self._expire_idle(now)
                 if self.engine.has_work() and not self._step():
                     self.link.stop("engine failed", refuse=p.ErrorCode.SESSION_LOST)
                     return 1
@@ -459,6 +510,11 @@ class Serve:
             return
         log_ = log.bind(request=rid, session=key[0] or None)
         try:
+            if key[0] in self._expired:
+                raise SessionExpired(f"session {key[0]} was closed after idling more than "
+                                     f"{self.config.session_idle_timeout_s:g} s (worker --session-idle-timeout)")
+            if key[0] in self._last_used:
+                self._last_used[key[0]] = time.monotonic()
             answer = self._execute(request)
         except Exception as e:
             code = error_code(e)
@@ -491,6 +547,8 @@ class Serve:
             if request.session_id is None:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "CREATE needs the broker's session_id")
             sid = e.create_session(request.session_id)
+            self._owners[sid] = request.owner
+            self._last_used[sid] = time.monotonic()
             self._refresh_state()
             log.info("session_created", session=sid, request=request.request_id)
             return p.Created(request_id=request.request_id, session_id=sid, model=e.model_name, worker=name,
@@ -513,12 +571,16 @@ class Serve:
             if request.child_id is None:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "FORK needs the broker's child_id")
             child = e.fork(request.session_id, request.child_id)
+            self._owners[child] = self._owners.get(request.session_id, "")
+            self._last_used[child] = time.monotonic()
             self._refresh_state()
             log.info("session_forked", session=child, parent=request.session_id, request=request.request_id)
             return p.Forked(request_id=request.request_id, session_id=request.session_id, child_id=child,
                             length=e.session_length(child), worker=name)
         if isinstance(request, p.Close):
             e.close(request.session_id)  # a generation on it ends "cancelled" in the next step
+            self._owners.pop(request.session_id, None)
+            self._last_used.pop(request.session_id, None)
             self._refresh_state()
             log.info("session_closed", session=request.session_id, request=request.request_id)
             return p.Closed(request_id=request.request_id, session_id=request.session_id)
@@ -550,6 +612,7 @@ class Serve:
             self._fail_all("the engine step failed")
             return self._step_failures < MAX_STEP_FAILURES
         self._step_failures = 0
+        self.steps += 1
         # One CHUNKS per client route for the streamed requests that moved, then the final answers.
         batches: dict[bytes, list[p.StreamChunk]] = {}
         finals: list[p.Message] = []
@@ -592,6 +655,8 @@ class Serve:
         return answer
 
     def _retire(self, engine_id: str, active: Active) -> None:
+        if active.session_id in self._last_used:
+            self._last_used[active.session_id] = time.monotonic()
         del self._active[engine_id]
         if self._by_session.get(active.session_id) == engine_id:
             del self._by_session[active.session_id]
@@ -613,5 +678,30 @@ class Serve:
             self.engine.cancel(engine_id)
         self._drain_deadline = float("inf")
 
+    def _expire_idle(self, now: float) -> None:
+        """Close the sessions idle longer than the timeout (not generating); tell the broker at once."""
+        timeout = self.config.session_idle_timeout_s
+        self._next_expiry_check = now + min(1.0, timeout / 4)
+        idle = [sid for sid, t in self._last_used.items() if now - t > timeout and sid not in self._by_session]
+        if not idle:
+            return
+        for sid in idle:
+            try:
+                self.engine.close(sid)
+            except Exception:
+                log.exception("expire_failed", session=sid)
+            del self._last_used[sid]
+            self._owners.pop(sid, None)
+            self._expired[sid] = None
+            if len(self._expired) > MAX_EXPIRED_REMEMBERED:
+                self._expired.popitem(last=False)
+        self._refresh_state()
+        log.info("sessions_expired", sessions=len(idle), idle_timeout_s=timeout)
+        state = self.state
+        self.link.send([p.Heartbeat(free_slots=state.free_slots, sessions=len(state.sessions), draining=state.draining,
+                                    steps=self.steps, expired=tuple(idle))])
+
     def _refresh_state(self) -> None:
-        self.state = WorkerState(self.engine.free_slots, tuple(self.engine.sessions()), self.draining)
+        sessions = tuple(self.engine.sessions())
+        owners = tuple(self._owners.get(sid, "") for sid in sessions)
+        self.state = WorkerState(self.engine.free_slots, sessions, self.draining, owners)

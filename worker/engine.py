@@ -297,6 +297,9 @@ class Engine:
         """Queue a generation; it runs in the following steps. Validates everything now."""
         session = self._session(session_id)
         params.validate(self.tokenizer.vocab_size)
+        if params.max_tokens > self.max_context:
+            raise BadRequest(f"max_tokens {params.max_tokens} exceeds the context of {self.max_context} tokens "
+                             "(worker --max-context)")
         if session.request is not None:
             raise SessionBusy(f"session {session_id} already has a generation in flight")
         if not session.tokens:

@@ -66,9 +66,9 @@ def test_registry_tracks_sessions_and_remembers_lost_ones() -> None:
     assert reg.worker_of(B) is None and reg.workers[b"w1"].sessions == {A}
     removed = reg.remove(b"w1")
     assert removed is not None and removed.name == "w1"
-    assert reg.worker_of(A) is None and reg.is_lost(A) and not reg.is_lost(B)
+    assert reg.worker_of(A) is None and reg.gone(A) is ErrorCode.SESSION_LOST and reg.gone(B) is None
     reg.register(b"w3", ready("w3", (A,)))  # a worker that comes back with it (a network blip) un-loses it
-    assert not reg.is_lost(A) and reg.worker_of(A) is reg.workers[b"w3"]
+    assert reg.gone(A) is None and reg.worker_of(A) is reg.workers[b"w3"]
 
 
 def test_registering_again_replaces_the_session_list() -> None:

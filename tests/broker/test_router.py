@@ -128,7 +128,7 @@ def test_disconnect_and_unreachable_workers_are_gone_too() -> None:
     sid = "e" * 32
     router = running((W1, ready("w1", sessions=(sid,))), (W2, ready("w2")))
     router.worker_message(W1, p.encode(p.Disconnect(reason="drained")), 2.1)
-    assert router.registry.is_lost(sid) and set(router.registry.workers) == {W2}
+    assert router.registry.gone(sid) is p.ErrorCode.SESSION_LOST and set(router.registry.workers) == {W2}
     _, _, request = create(router, C1, "r1", now=2.2)
     _, _, not_found = one(router.client_message(C1, p.encode(p.Info(request_id="x", session_id="f" * 32)), 2.2))
     assert isinstance(not_found, p.Error) and not_found.code is p.ErrorCode.SESSION_NOT_FOUND

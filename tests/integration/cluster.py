@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from client import Client
 
@@ -89,14 +90,15 @@ class Cluster:
         self.workers: dict[str, Daemon] = {}
         self._broker_starts = 0
 
-    def start_broker(self) -> Daemon:
+    def start_broker(self, extra: list[str] | None = None) -> Daemon:
         if self.broker is not None:
             self.broker.close()
         self._broker_starts += 1
         self.broker = Daemon(
             "broker.cli",
             ["--clients", self.clients, "--workers", self.workers_address, "--heartbeat-ms", str(self.heartbeat_ms),
-             "--liveness", str(self.liveness), "--recovery-ms", str(self.recovery_ms), "--log-level", "debug"],
+             "--liveness", str(self.liveness), "--recovery-ms", str(self.recovery_ms), "--log-level", "debug",
+             *(extra or [])],
             self.tmp / f"broker-{self._broker_starts}.log",
         )
         return self.broker
@@ -113,13 +115,14 @@ class Cluster:
         self.workers[name] = daemon
         return daemon
 
-    def client(self, timeout: float = 20.0) -> Client:
-        return Client(self.clients, timeout=timeout)
+    def client(self, timeout: float = 20.0, **keys: Any) -> Client:
+        """`keys`: broker_key=..., key=... for a broker started with --keys."""
+        return Client(self.clients, timeout=timeout, **keys)
 
-    def wait_for_workers(self, names: set[str], timeout: float = 60.0) -> None:
+    def wait_for_workers(self, names: set[str], timeout: float = 60.0, **keys: Any) -> None:
         """Until the broker lists exactly these workers."""
         deadline = time.monotonic() + timeout
-        with self.client(timeout=2.0) as c:
+        with self.client(timeout=2.0, **keys) as c:
             while True:
                 try:
                     seen = {w.name for w in c.status()}

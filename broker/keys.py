@@ -1,0 +1,117 @@
+"""CurveZMQ keys: generate them, load them, and put them on sockets.
+
+Layout of the broker's key directory (`broker start --keys DIR`):
+
+    DIR/broker.key_secret   the broker's key pair (its public half, DIR/broker.key, goes to every peer)
+    DIR/workers/*.key       public keys allowed to register as workers
+    DIR/clients/*.key       public keys allowed to connect as clients
+
+A worker or a client takes the broker's public key file (`--broker-key`) and its own key pair
+(`--key NAME.key_secret`). Files are ZeroMQ's certificate format (`zmq.auth`), made by `broker keygen`.
+The two allow-lists are separate ZAP domains, so a client key cannot register as a worker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+
+BROKER_KEY_NAME = "broker"
+WORKERS_DIR = "workers"
+CLIENTS_DIR = "clients"
+WORKERS_DOMAIN = "workers"
+CLIENTS_DOMAIN = "clients"
+
+
+class KeyFileError(ValueError):
+    """A key file is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """What a connecting peer needs: the broker's public key and its own pair (all Z85, 40 bytes)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @property
+    def user(self) -> str:
+        """The identity the broker sees: this peer's public key."""
+        return self.public.decode()
+
+    @classmethod
+    def load(cls, broker_key: str | os.PathLike[str], key: str | os.PathLike[str]) -> CurveClient:
+        server_public, _ = _load(broker_key, need_secret=False)
+        public, secret = _load(key, need_secret=True)
+        assert secret is not None
+        return cls(server_public, public, secret)
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        """Before connect."""
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+
+@dataclass(frozen=True)
+class BrokerKeys:
+    """The broker's pair and the directories of allowed public keys."""
+
+    public: bytes
+    secret: bytes
+    workers: Path
+    clients: Path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> BrokerKeys:
+        root = Path(directory)
+        public, secret = _load(root / f"{BROKER_KEY_NAME}.key_secret", need_secret=True)
+        assert secret is not None
+        workers, clients = root / WORKERS_DIR, root / CLIENTS_DIR
+        for d in (workers, clients):
+            if not d.is_dir():
+                raise KeyFileError(f"{d} is missing: it holds the allowed public keys (*.key)")
+        return cls(public, secret, workers, clients)
+
+    def allowed(self, domain: str) -> int:
+        """How many public keys a domain allows (for the log)."""
+        return len(zmq.auth.load_certificates(self.workers if domain == WORKERS_DOMAIN else self.clients))
+
+    def apply(self, sock: zmq.Socket[Any], domain: str) -> None:
+        """Before bind: CURVE server with the given ZAP domain (its allow-list)."""
+        sock.zap_domain = domain.encode()
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.curve_server = True
+
+
+def keygen(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+    """Write DIR/NAME.key (public) and DIR/NAME.key_secret (pair, readable by the owner only)."""
+    if not name or "/" in name or name.startswith("."):
+        raise KeyFileError(f"bad key name {name!r}")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    public, secret = root / f"{name}.key", root / f"{name}.key_secret"
+    if public.exists() or secret.exists():
+        raise KeyFileError(f"{public} or {secret} exists already: not overwriting a key")
+    zmq.auth.create_certificates(root, name)
+    secret.chmod(0o600)
+    return public, secret
+
+
+def _load(path: str | os.PathLike[str], need_secret: bool) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise KeyFileError(f"cannot read key file {path}: {e}") from e
+    if len(public) != 40:
+        raise KeyFileError(f"{path}: the public key is not 40 Z85 characters")
+    if need_secret and (secret is None or len(secret) != 40):
+        raise KeyFileError(f"{path} holds no secret key: pass the NAME.key_secret file")
+    return public, secret

@@ -1,0 +1,158 @@
+"""CURVE security with real daemons: only allowed keys get in, each allow-list on its own socket, and a
+session can be used only by the client key that created it (also after a broker restart)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client import Client, Unauthorized
+
+from .cluster import ROOT, Cluster
+
+PROMPT = [7, 8, 9, 10]
+
+
+def keygen(directory: Path, name: str) -> None:
+    """Through the real command, as an operator would."""
+    out = subprocess.run([sys.executable, "-m", "broker.cli", "keygen", str(directory), name], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == [str(directory / f"{name}.key"), str(directory / f"{name}.key_secret")]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("keys")
+    keygen(root, "broker")
+    keygen(root / "workers", "w1")
+    keygen(root / "clients", "alice")
+    keygen(root / "clients", "bob")
+    keygen(root / "outsiders", "eve")  # a valid key pair the broker does not know
+    return root
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory, keys: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("secured"), recovery_ms=3000)
+    try:
+        cluster.start_broker(["--keys", str(keys)])
+        cluster.start_worker("w1", extra=worker_keys(keys, keys / "workers" / "w1.key_secret"))
+        cluster.wait_for_workers({"w1"}, **as_client(keys, "alice"))
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def worker_keys(keys: Path, secret: Path) -> list[str]:
+    return ["--broker-key", str(keys / "broker.key"), "--key", str(secret)]
+
+
+def as_client(keys: Path, name: str, where: str = "clients") -> dict[str, Path]:
+    return {"broker_key": keys / "broker.key", "key": keys / where / f"{name}.key_secret"}
+
+
+def test_keygen_refuses_to_overwrite_a_key(keys: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "broker.cli", "keygen", str(keys), "broker"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "not overwriting a key" in out.stderr
+    assert (keys / "broker.key_secret").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_session_belongs_to_the_key_that_created_it(secured: Cluster, keys: Path) -> None:
+    with secured.client(**as_client(keys, "alice")) as alice, secured.client(**as_client(keys, "bob")) as bob:
+        with alice.session() as mine:
+            mine.append(token_ids=PROMPT)
+            expected = mine.fork().generate(max_tokens=6, ignore_eos=True).token_ids  # the fork is alice's too
+            theirs = bob.attach(mine.id)
+            attempts = {
+                "info": theirs.info, "append": lambda: theirs.append(token_ids=[1]),
+                "generate": lambda: theirs.generate(max_tokens=2), "fork": theirs.fork, "close": theirs.close,
+            }
+            for name, attempt in attempts.items():
+                with pytest.raises(Unauthorized, match="belongs to another client"):
+                    attempt()
+            theirs.generate(max_tokens=2, stream=True).close()  # a cancel from bob is ignored, not an error
+            assert mine.info().length == len(PROMPT)  # untouched by all of bob's attempts
+            assert mine.generate(max_tokens=6, ignore_eos=True).token_ids == expected
+            with bob.session() as own:  # bob has his own sessions, of course
+                own.append(token_ids=PROMPT)
+                assert own.generate(max_tokens=6, ignore_eos=True).token_ids == expected
+
+
+@pytest.mark.parametrize("who", ["no keys", "unknown key", "wrong broker key"])
+def test_unauthenticated_clients_are_refused_and_others_keep_working(secured: Cluster, keys: Path, who: str) -> None:
+    credentials = {
+        "no keys": {},
+        "unknown key": as_client(keys, "eve", "outsiders"),
+        "wrong broker key": {"broker_key": keys / "outsiders" / "eve.key", "key": keys / "clients" / "alice.key_secret"},
+    }[who]
+    with secured.client(timeout=1.5, **credentials) as stranger:
+        started = time.monotonic()
+        with pytest.raises(Unauthorized, match="refused this client's handshake"):
+            stranger.session()
+        assert time.monotonic() - started < 3
+    with secured.client(**as_client(keys, "alice")) as alice, alice.session() as s:
+        assert s.append(token_ids=PROMPT) == len(PROMPT)
+
+
+def test_workers_need_a_worker_key(secured: Cluster, keys: Path) -> None:
+    """A client's key cannot register as a worker, and neither can a worker without keys."""
+    secured.start_worker("mallory", extra=worker_keys(keys, keys / "clients" / "bob.key_secret"))
+    secured.start_worker("anon")
+    deadline = time.monotonic() + 60  # loading the model takes a while on a busy machine
+    for name in ("mallory", "anon"):
+        while "broker_refused_handshake" not in secured.workers[name].log_text():
+            assert secured.workers[name].alive and time.monotonic() < deadline, secured.workers[name].log_text()
+            time.sleep(0.05)
+    time.sleep(0.5)  # five heartbeats more: time to register, were it allowed
+    with secured.client(**as_client(keys, "alice")) as alice:
+        assert [w.name for w in alice.status()] == ["w1"]
+        with alice.session() as s:
+            assert s.worker == "w1"
+    for name in ("mallory", "anon"):
+        secured.workers.pop(name).close()
+
+
+def test_ownership_survives_a_broker_restart(secured: Cluster, keys: Path) -> None:
+    with secured.client(**as_client(keys, "alice")) as alice:
+        s = alice.session()
+        s.append(token_ids=PROMPT)
+        assert secured.broker is not None
+        secured.broker.kill()
+        secured.start_broker(["--keys", str(keys)])
+        assert s.append(token_ids=[5]) == len(PROMPT) + 1  # held until w1 re-registered, then served
+    with secured.client(**as_client(keys, "bob")) as bob:
+        with pytest.raises(Unauthorized, match="belongs to another client"):
+            bob.attach(s.id).info()
+    with secured.client(**as_client(keys, "alice")) as alice:
+        alice.attach(s.id).close()
+
+
+def test_without_keys_the_broker_says_it_is_open_and_stays_on_loopback(cluster: Cluster) -> None:
+    cluster.start_broker()
+    deadline = time.monotonic() + 20
+    assert cluster.broker is not None
+    while "auth_disabled" not in cluster.broker.log_text():
+        assert time.monotonic() < deadline, cluster.broker.log_text()
+        time.sleep(0.05)
+    line = next(x for x in cluster.broker.log_text().splitlines() if "auth_disabled" in x)
+    assert "loopback only" in line
+    assert cluster.clients.startswith("tcp://127.0.0.1:")
+
+
+def test_a_broker_with_an_incomplete_key_directory_exits_with_code_3(cluster: Cluster, tmp_path: Path) -> None:
+    keygen(tmp_path, "broker")  # no workers/ or clients/ allow-list
+    broker = cluster.start_broker(["--keys", str(tmp_path)])
+    assert broker.proc.wait(timeout=30) == 3
+    assert "workers is missing" in broker.log_text()
+
+
+def test_an_unauthenticated_client_can_be_used_with_the_client_helper(keys: Path) -> None:
+    """Both key files or neither: one alone is a clear error before anything is sent."""
+    with pytest.raises(ValueError, match="give both broker_key"):
+        Client("tcp://127.0.0.1:1", key=keys / "clients" / "alice.key_secret")
