@@ -265,8 +265,9 @@ class Router:
             self._to_worker(worker, request.routed(route), None)
             return
         key = (route, request.request_id)
+        flight = self.inflight.get(key)
+        sent_at = now if flight is None else flight.sent_at  # a resend does not move the deadline
         if isinstance(request, p.Fork):
-            flight = self.inflight.get(key)
             if flight is not None and flight.command is p.Command.FORK:
                 child, owner = flight.session_id, flight.owner  # a resend: answered from the worker's cache
             else:
@@ -275,10 +276,10 @@ class Router:
                     return
                 child = secrets.token_hex(16)
                 self._promise(worker, owner)
-            self.inflight[key] = InFlight(worker.identity, p.Command.FORK, child, now, owner)
+            self.inflight[key] = InFlight(worker.identity, p.Command.FORK, child, sent_at, owner)
             self._to_worker(worker, replace(request, child_id=child, route=route), key)
             return
-        self.inflight[key] = InFlight(worker.identity, request.COMMAND, request.session_id, now)
+        self.inflight[key] = InFlight(worker.identity, request.COMMAND, request.session_id, sent_at)
         self._to_worker(worker, request.routed(route), key)
 
     def _unknown_session(self, route: bytes, request: p.SessionRequest, now: float, user: str) -> None:
@@ -288,7 +289,8 @@ class Router:
         if gone is p.ErrorCode.SESSION_LOST:
             self._error(route, request.request_id, gone, "the worker holding this session is gone")
         elif gone is p.ErrorCode.SESSION_EXPIRED:
-            self._error(route, request.request_id, gone, "the session was closed after idling too long")
+            self._error(route, request.request_id, gone, "the worker closed this session after it idled too long "
+                        "(worker --session-idle-timeout)")
         elif self.recovering(now):
             self._hold(route, request, user)
         else:

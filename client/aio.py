@@ -30,7 +30,7 @@ from broker.keys import CurveClient
 
 from . import calls
 from .calls import Answer, Call, addressed, build, decode_answer, new_request_id
-from .errors import BadRequest, ClientError, SessionLost, SessionNotFound, Timeout
+from .errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
 from .transport import HandshakeWatch, connect_client, curve_of, timed_out
 
@@ -305,7 +305,7 @@ class AsyncSession:
     async def close(self, *, timeout: float | None = None) -> None:
         try:
             await self.client._call(build(p.Close, request_id=new_request_id(), session_id=self.id), p.Closed, timeout)
-        except (SessionNotFound, SessionLost):
+        except (SessionNotFound, SessionLost, SessionExpired):
             pass
 
     async def __aenter__(self) -> AsyncSession:

@@ -21,7 +21,7 @@ from broker import protocol as p
 
 from . import calls
 from .calls import build, new_request_id
-from .errors import BadRequest, ClientError, SessionLost, SessionNotFound, Timeout
+from .errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
 from .transport import Transport, curve_of
 
@@ -164,10 +164,10 @@ class Session:
         return calls.session_info(info)
 
     def close(self, *, timeout: float | None = None) -> None:
-        """Free the session's slot. Closing a session that is already gone (closed, lost) is not an error."""
+        """Free the session's slot. Closing a session that is already gone (closed, lost, expired) is not an error."""
         try:
             self.client._call(build(p.Close, request_id=new_request_id(), session_id=self.id), p.Closed, timeout)
-        except (SessionNotFound, SessionLost):
+        except (SessionNotFound, SessionLost, SessionExpired):
             pass
 
     def __enter__(self) -> Session:

@@ -266,3 +266,79 @@ def test_a_client_that_went_away_mid_batch_has_every_generation_of_the_batch_can
     assert [(c.target, c.session_id) for _, _, c in cancels] == [("g1", sid), ("g2", sid2)]  # type: ignore[attr-defined]
     assert set(router.inflight) == {(C1, "g3")}  # not in the batch: another worker's, it fails on its own
     assert router.undeliverable(send, Failure.UNREACHABLE, 2.2) == []  # only once
+
+
+ALICE, BOB = "A" * 40, "B" * 40  # Z85 public keys, as the server passes them with authentication on
+
+
+def test_with_authentication_a_session_is_usable_only_by_its_creator_and_its_forks_are_its_too() -> None:
+    router = Router(Settings(heartbeat_s=0.25, recovery_s=1.0, authenticated=True), now=0.0, broker_id="b1")
+    router.worker_message(W1, p.encode(ready("w1", capacity=4)), 2.0)
+    _, _, request = one(router.client_message(C1, p.encode(p.CreateSession(request_id="r1")), 2.0, user=ALICE))
+    assert isinstance(request, p.CreateSession) and request.owner == ALICE and request.session_id is not None
+    created(router, W1, request)
+    sid = request.session_id
+    for message in (p.Info(request_id="i1", session_id=sid), p.Fork(request_id="f1", session_id=sid),
+                    p.Close(request_id="c1", session_id=sid), p.Generate(request_id="g1", session_id=sid)):
+        peer, identity, error = one(router.client_message(C2, p.encode(message), 2.1, user=BOB))
+        assert (peer, identity) == (Peer.CLIENT, C2)
+        assert isinstance(error, p.Error) and error.code is p.ErrorCode.UNAUTHORIZED
+        assert error.message == f"session {sid} belongs to another client"
+    assert router.client_message(C2, p.encode(p.Cancel(request_id="x1", session_id=sid, target="g1")), 2.1, user=BOB) == []
+    # the owner on another connection (same key, new routing id) is the owner: forks are hers too
+    peer, identity, fork = one(router.client_message(C2, p.encode(p.Fork(request_id="f2", session_id=sid)), 2.2, user=ALICE))
+    assert peer is Peer.WORKER and isinstance(fork, p.Fork) and fork.child_id is not None
+    forked = p.Forked(request_id="f2", session_id=sid, child_id=fork.child_id, length=1, worker="w1", route=C2)
+    router.worker_message(W1, p.encode(forked), 2.3)
+    assert router.registry.owner_of(fork.child_id) == ALICE and router.registry.owned_by(ALICE) == 2
+
+
+def test_the_per_client_cap_counts_live_and_pending_sessions_and_names_the_limit() -> None:
+    router = Router(Settings(heartbeat_s=0.25, recovery_s=1.0, max_sessions_per_client=2), now=0.0, broker_id="b1")
+    router.worker_message(W1, p.encode(ready("w1", capacity=8)), 2.0)
+    _, _, first = create(router, C1, "r1")
+    assert isinstance(first, p.CreateSession)
+    created(router, W1, first)
+    _, _, second = create(router, C1, "r2")  # pending: not answered yet, counts already
+    peer, identity, refused = create(router, C1, "r3")
+    assert (peer, identity) == (Peer.CLIENT, C1) and isinstance(refused, p.Error)
+    assert refused.code is p.ErrorCode.BAD_REQUEST
+    assert refused.message == "this client holds 2 sessions: the limit is 2 per client (--max-sessions-per-client)"
+    assert first.session_id is not None
+    peer, _, fork_refused = one(router.client_message(C1, p.encode(p.Fork(request_id="f1", session_id=first.session_id)), 2.1))
+    assert isinstance(fork_refused, p.Error) and fork_refused.code is p.ErrorCode.BAD_REQUEST
+    assert create(router, C2, "r4")[0] is Peer.WORKER  # another client is not affected
+    closed = p.Closed(request_id="c1", session_id=first.session_id, route=C1)
+    router.client_message(C1, p.encode(p.Close(request_id="c1", session_id=first.session_id)), 2.2)
+    router.worker_message(W1, p.encode(closed), 2.3)
+    assert create(router, C1, "r5", now=2.4)[0] is Peer.WORKER  # a closed session frees a place
+
+
+def test_a_request_on_a_worker_that_makes_no_progress_times_out_and_the_generation_is_cancelled() -> None:
+    settings = Settings(heartbeat_s=0.25, liveness=100, recovery_s=1.0, request_timeout_s=1.0)
+    sid = "c" * 32
+    router = Router(settings, now=0.0, broker_id="b1")
+    router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 2.0)
+    router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id=sid)), 2.0)
+    for step, now in enumerate((2.5, 3.0, 3.5, 4.0), start=1):  # heartbeats with progress: no timeout
+        router.worker_message(W1, p.encode(p.Heartbeat(steps=step)), now)
+        assert not [s for s in router.tick(now) if s.peer is Peer.CLIENT]
+    router.worker_message(W1, p.encode(p.Heartbeat(steps=4)), 4.5)  # stuck from 4.0 on, but still beating
+    assert not [s for s in router.tick(4.75) if s.peer is Peer.CLIENT]
+    out = decoded(router.tick(5.25))
+    errors = [(identity, m) for peer, identity, m in out if peer is Peer.CLIENT]
+    assert errors == [(C1, p.Error(request_id="g1", code=p.ErrorCode.TIMEOUT,
+                                   message="worker w1 made no progress on this request for 1 s"))]
+    cancels = [m for peer, _, m in out if isinstance(m, p.Cancel)]
+    assert len(cancels) == 1 and cancels[0].target == "g1" and cancels[0].session_id == sid
+    assert not router.inflight and router.registry.worker_of(sid) is not None  # the worker and session stay
+
+
+def test_sessions_a_worker_expired_answer_session_expired() -> None:
+    sid, other = "d" * 32, "e" * 32
+    router = running((W1, ready("w1", capacity=4, sessions=(sid, other))))
+    router.worker_message(W1, p.encode(p.Heartbeat(free_slots=3, sessions=1, expired=(sid,))), 2.1)
+    assert router.registry.worker_of(sid) is None and router.registry.worker_of(other) is not None
+    _, _, error = one(router.client_message(C1, p.encode(p.Info(request_id="i1", session_id=sid)), 2.2))
+    assert isinstance(error, p.Error) and error.code is p.ErrorCode.SESSION_EXPIRED
+    assert router.registry.workers[W1].free == 3
