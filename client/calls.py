@@ -72,7 +72,11 @@ class Call:
     def of(cls, request: p.Message, now: float, resend_after_s: float) -> Call:
         request_id: str = getattr(request, "request_id", "")
         resendable = not isinstance(request, (p.CreateSession, p.Cancel))
-        return cls(request_id, p.encode(request), resendable, resend_after_s, resend_after_s, now + resend_after_s)
+        frames = p.encode(request)
+        if len(frames[2]) > p.MAX_HEADER_BYTES:  # the broker could not even answer: ZeroMQ drops such a message
+            raise BadRequest(f"the request is {len(frames[2])} bytes: the limit is {p.MAX_HEADER_BYTES} bytes per message",
+                             request_id=request_id)
+        return cls(request_id, frames, resendable, resend_after_s, resend_after_s, now + resend_after_s)
 
     def heard(self, now: float) -> None:
         """An answer came: the peer is alive, so start the resend clock again."""

@@ -52,10 +52,13 @@ class Part:
     count: int
     requests: int | None
     duration: float | None
+    broker_key: str | None = None  # CURVE: the broker's public key file and this client's key pair file
+    key: str | None = None
 
 
 def split(address: str, model: str | None, timeout: float, workload: Workload, sessions: int, processes: int,
-          requests: int | None, duration: float | None) -> list[Part]:
+          requests: int | None, duration: float | None, broker_key: str | None = None,
+          key: str | None = None) -> list[Part]:
     """Users and requests shared as evenly as possible (the first parts get the remainders)."""
     processes = max(1, min(processes, sessions))
     parts = []
@@ -63,7 +66,7 @@ def split(address: str, model: str | None, timeout: float, workload: Workload, s
     for i in range(processes):
         count = sessions // processes + (i < sessions % processes)
         share = None if requests is None else requests // processes + (i < requests % processes)
-        parts.append(Part(address, model, timeout, workload, first, count, share, duration))
+        parts.append(Part(address, model, timeout, workload, first, count, share, duration, broker_key, key))
         first += count
     return parts
 
@@ -147,7 +150,7 @@ async def run_part(part: Part, start: float | None, tally: Tally, on_progress: C
     budget = Budget(part.requests, part.duration)
     budget.begin(raw.start)
     scripts = [user(i, part.workload, budget, raw.counts) for i in range(part.first, part.first + part.count)]
-    async with AsyncClient(part.address, timeout=part.timeout) as client:
+    async with AsyncClient(part.address, timeout=part.timeout, broker_key=part.broker_key, key=part.key) as client:
         driver = StackDriver(client, part.model, raw, tally)
         reporter = asyncio.create_task(_report_every(on_progress))
         try:

@@ -80,6 +80,8 @@ class LoadConfig:
     timeout: float = 60.0  # seconds to wait for each answer or streamed chunk
     vocab_size: int = 256  # token-id prompts draw from [0, vocab_size); 256 is valid for every model here
     warmup: int = 0  # generate requests run first and not measured (compilation, CUDA-graph capture)
+    broker_key: str | None = None  # a broker with --keys: its public key file ...
+    key: str | None = None  # ... and this client's key pair file (NAME.key_secret)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -101,6 +103,8 @@ class LoadConfig:
             raise ValueError("in-process mode runs in one process: leave processes at 1")
         if not self.in_process and not self.broker:
             raise ValueError("give a broker address, or in_process=True")
+        if (self.broker_key is None) != (self.key is None):
+            raise ValueError("give both broker_key and key, or neither")
         if self.workload().prompt_room + self.max_tokens > self.max_context:
             raise ValueError(f"one turn ({self.prompt_tokens} prompt + {self.max_tokens} generated tokens) "
                              f"does not fit max_context {self.max_context}")
@@ -170,17 +174,18 @@ def _run_stack(config: LoadConfig, log_level: str) -> RawRun:
 
     assert config.broker is not None  # validate() checked
     try:
-        with Client(config.broker, timeout=min(config.timeout, REACH_TIMEOUT_S)) as client:
+        with Client(config.broker, timeout=min(config.timeout, REACH_TIMEOUT_S), broker_key=config.broker_key,
+                    key=config.key) as client:
             workers = client.status()
     except ClientError as e:
         raise LoadTestError(f"no broker answers at {config.broker}: {e}") from e
     log.info("loadtest_workers", workers=[(w.name, w.model, w.capacity) for w in workers])
     if config.warmup:
         warm = split(config.broker, config.model, config.timeout, config.workload(warmup=True), min(config.sessions, config.warmup),
-                     1, config.warmup, None)
+                     1, config.warmup, None, config.broker_key, config.key)
         run_processes(warm, Tally(), _nothing, _nothing)
     parts = split(config.broker, config.model, config.timeout, config.workload(), config.sessions, config.processes,
-                  config.request_limit, config.duration)
+                  config.request_limit, config.duration, config.broker_key, config.key)
     tally = Tally()
     with ProgressView(config.request_limit, config.duration, config.progress) as view:
         raw = run_processes(parts, tally, view.started, lambda: view.update(tally), log_level)
@@ -206,6 +211,10 @@ def parser() -> argparse.ArgumentParser:
     target = ap.add_argument_group("target")
     target.add_argument("--broker", default=_env("LOADTEST_BROKER", d.broker),
                         help="the broker's client address [env LOADTEST_BROKER] (default %(default)s)")
+    target.add_argument("--broker-key", default=_env("LOADTEST_BROKER_KEY", None),
+                        help="a broker with --keys: its public key file [env LOADTEST_BROKER_KEY]")
+    target.add_argument("--key", default=_env("LOADTEST_KEY", None),
+                        help="a broker with --keys: this client's key pair file, NAME.key_secret [env LOADTEST_KEY]")
     target.add_argument("--in-process", action="store_true",
                         help="drive worker.engine.Engine in this process instead of the stack (no broker)")
     target.add_argument("--model", default=_env("LOADTEST_MODEL", None),
@@ -253,7 +262,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         duration=args.duration, ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
         processes=args.processes, fork_every=args.fork_every, prompt_kind=args.prompt_kind, max_context=args.max_context,
         progress=not args.no_progress and sys.stderr.isatty(), timeout=args.timeout, vocab_size=args.vocab_size,
-        warmup=args.warmup,
+        warmup=args.warmup, broker_key=args.broker_key, key=args.key,
     )
 
 

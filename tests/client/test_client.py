@@ -100,6 +100,8 @@ def test_bad_arguments_are_refused_before_anything_is_sent() -> None:
             s.append()
         with pytest.raises(BadRequest, match="not a session id"):
             c.attach("../etc/passwd")
+        with pytest.raises(BadRequest, match=f"the limit is {p.MAX_HEADER_BYTES} bytes per message"):
+            s.append("€" * 3_000_000)  # within the 4M-character limit, but 9 MB on the wire
     assert fake.received == []
 
 

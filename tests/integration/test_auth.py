@@ -156,3 +156,12 @@ def test_an_unauthenticated_client_can_be_used_with_the_client_helper(keys: Path
     """Both key files or neither: one alone is a clear error before anything is sent."""
     with pytest.raises(ValueError, match="give both broker_key"):
         Client("tcp://127.0.0.1:1", key=keys / "clients" / "alice.key_secret")
+
+
+def test_loadtest_drives_a_secured_broker_with_its_keys(secured: Cluster, keys: Path) -> None:
+    from client.loadtest import LoadConfig, run
+
+    creds = as_client(keys, "bob")
+    report = run(LoadConfig(broker=secured.clients, sessions=2, prompt_tokens=8, max_tokens=4, turns=2, ignore_eos=True,
+                            broker_key=str(creds["broker_key"]), key=str(creds["key"])))
+    assert (report.completed, report.failed, report.total_output_tokens) == (4, 0, 16)
