@@ -96,6 +96,9 @@ class Router:
         self.recover_until = now + settings.recovery_s
         self._asked_to_register: dict[bytes, float] = {}
         self._pending_by_owner: dict[str, int] = {}  # creates and forks in flight per owner
+        # Generations failed with session_lost when their worker was declared dead: should that worker come
+        # back (it was only stopped or cut off), they are cancelled rather than left generating for nobody.
+        self._orphans: dict[bytes, list[p.Cancel]] = {}
         self._out: list[Send] = []
 
     # -- entry points (each returns what to send) ---------------------------------------------------
@@ -352,6 +355,8 @@ class Router:
             liveness=self.settings.liveness,
         )
         self._out.append(Send(Peer.WORKER, identity, p.encode(welcome)))
+        for cancel in self._orphans.pop(identity, ()):
+            self._out.append(Send(Peer.WORKER, identity, p.encode(cancel)))
         if self.held:
             self._release_held(now)
 
@@ -442,9 +447,16 @@ class Router:
             return
         failed = [key for key, flight in self.inflight.items() if flight.worker == identity]
         log.warning("worker_lost", worker=record.name, reason=reason, sessions=len(record.sessions), failed=len(failed))
+        orphans = self._orphans.setdefault(identity, [])
         for key in failed:
-            self._settle_pending(self.inflight.pop(key))
+            flight = self.inflight.pop(key)
+            self._settle_pending(flight)
             self._error(*key, p.ErrorCode.SESSION_LOST, f"worker {record.name} is gone ({reason})")
+            if flight.command is p.Command.GENERATE and len(orphans) < MAX_HELD:
+                orphans.append(p.Cancel(request_id=secrets.token_hex(8), session_id=flight.session_id, target=key[1],
+                                        route=key[0]))
+        if not orphans:
+            del self._orphans[identity]
 
     def _ask_to_register(self, identity: bytes, now: float) -> None:
         """An unknown worker (this broker restarted, or it was declared dead): ask it for READY, once a beat."""

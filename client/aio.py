@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, cast, overload
 
 import structlog
 import zmq
@@ -157,10 +157,13 @@ class AsyncTransport:
         self._context.term()
 
     def _send(self, frames: list[bytes]) -> None:
-        try:
-            self._socket.send_multipart(frames, zmq.NOBLOCK)  # NOBLOCK sends now (the future is already done)
-        except zmq.Again as e:
-            raise Timeout(f"cannot send to {self.address}: the send queue is full (is the broker up?)") from e
+        # NOBLOCK sends now: the future is done already, and a full queue is its exception (zmq.Again), not a raise.
+        sent = cast("asyncio.Future[Any]", self._socket.send_multipart(frames, zmq.NOBLOCK))
+        error = sent.exception() if sent.done() else None
+        if isinstance(error, zmq.Again):
+            raise Timeout(f"cannot send to {self.address}: the send queue is full (is the broker up?)") from error
+        if error is not None:
+            raise error
 
     async def _read(self) -> None:
         while True:

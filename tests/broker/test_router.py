@@ -122,6 +122,14 @@ def test_a_dead_worker_fails_in_flight_requests_at_once_and_later_ones_are_lost(
     assert not router.registry.workers and not router.inflight
     _, _, later = one(router.client_message(C2, p.encode(p.Info(request_id="i1", session_id=sid)), 3.0))
     assert isinstance(later, p.Error) and later.code is p.ErrorCode.SESSION_LOST
+    # It was only stopped: it comes back, its session with it, and the generation failed for the client stops.
+    back = decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 4.0))
+    assert [type(m) for _, _, m in back] == [p.Welcome, p.Cancel]
+    cancel = back[1][2]
+    assert isinstance(cancel, p.Cancel) and (cancel.session_id, cancel.target, cancel.route) == (sid, "g1", C1)
+    assert router.registry.worker_of(sid) is not None and router.registry.gone(sid) is None
+    assert [type(m) for _, _, m in decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 5.0))] == [
+        p.Welcome]  # once
 
 
 def test_disconnect_and_unreachable_workers_are_gone_too() -> None:
