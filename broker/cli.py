@@ -17,7 +17,9 @@ from types import FrameType
 
 import structlog
 
-from . import keys, logs
+from . import keys, logs, status_cmd
+from .metrics import BrokerMetrics
+from .metrics_http import MetricsServer
 from .router import MAX_SESSIONS_FLAG
 from .server import BrokerConfig, BrokerServer
 
@@ -79,6 +81,11 @@ def parser() -> argparse.ArgumentParser:
                             "never [env BROKER_REQUEST_TIMEOUT_MS] (default %(default)s)")
     start.add_argument("--log-level", choices=logs.LEVELS, default=os.environ.get("BROKER_LOG_LEVEL", "info"),
                        help="[env BROKER_LOG_LEVEL] (default %(default)s)")
+    start.add_argument("--metrics-port", type=non_negative, default=_env_int("BROKER_METRICS_PORT", None),
+                       help="serve /metrics, /healthz and /readyz on this port [env BROKER_METRICS_PORT] (default: off)")
+    start.add_argument("--metrics-host", default=os.environ.get("BROKER_METRICS_HOST") or "127.0.0.1",
+                       help="interface of the metrics port [env BROKER_METRICS_HOST] (default %(default)s)")
+    status_cmd.add_parser(sub)
     keygen = sub.add_parser("keygen", help="write a CURVE key pair: DIR/NAME.key (public), DIR/NAME.key_secret")
     keygen.add_argument("directory", type=Path, help="where to write (made if missing)")
     keygen.add_argument("name", help="the key's name, e.g. broker, a worker's or a client's name")
@@ -99,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "keygen":
         return run_keygen(args)
+    if args.command == "status":
+        return status_cmd.run(args)
     logs.configure(args.log_level, role="broker")
     log = structlog.get_logger()
     config = BrokerConfig(
@@ -126,6 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, keys.KeyFileError) as e:
         log.error("broker_start_failed", error=str(e))
         return EXIT_STARTUP_FAILED
+    metrics_server: MetricsServer | None = None
+    if args.metrics_port is not None:
+        metrics = BrokerMetrics(server.router, server.router.counters)
+        try:
+            metrics_server = MetricsServer(metrics.registry, args.metrics_host, args.metrics_port,
+                                           alive=server.pulse.alive, ready=metrics.readiness).start()
+        except OSError as e:
+            log.error("broker_start_failed", error=str(e))
+            server.close()
+            return EXIT_STARTUP_FAILED
 
     def should_stop() -> bool:
         nonlocal reload
@@ -137,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server.serve(should_stop)
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         server.close()
     log.info("broker_stopped")
     return 0

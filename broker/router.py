@@ -27,6 +27,7 @@ import structlog
 
 from . import protocol as p
 from .liveness import Liveness
+from .metrics import RouterCounters
 from .placement import NoPlacement, place
 from .registry import Registry, WorkerRecord
 
@@ -100,6 +101,7 @@ class Router:
         # back (it was only stopped or cut off), they are cancelled rather than left generating for nobody.
         self._orphans: dict[bytes, list[p.Cancel]] = {}
         self._out: list[Send] = []
+        self.counters = RouterCounters()  # read by broker.metrics at scrape time
 
     # -- entry points (each returns what to send) ---------------------------------------------------
 
@@ -117,6 +119,7 @@ class Router:
             log.warning("client_message_invalid", code=e.code.value, error=e.message, request=e.request_id)
             self._error(route, e.request_id, e.code, e.message)
             return self._flush()
+        self.counters.request(envelope.command)
         if isinstance(message, p.Status):
             self._reply(route, self._status(message.request_id, now))
         elif isinstance(message, p.CreateSession):
@@ -342,6 +345,7 @@ class Router:
     def _register(self, identity: bytes, ready: p.Ready, now: float) -> None:
         again = identity in self.registry.workers
         self.registry.register(identity, ready, now)
+        self.counters.worker_registered(again)
         self.liveness.seen(identity, now)
         self._asked_to_register.pop(identity, None)
         log.info(
@@ -385,6 +389,8 @@ class Router:
                 return
             self._out.append(Send(Peer.CLIENT, route, frames))
             return
+        if envelope.command is p.Command.ERROR:
+            self.counters.error(envelope.header.get("code"))
         request_id = p.request_id_of(envelope.header)
         key = None if request_id is None else (route, request_id)
         if key is not None and envelope.command is not p.Command.CHUNK:
@@ -445,6 +451,7 @@ class Router:
         record = self.registry.remove(identity)
         if record is None:
             return
+        self.counters.worker_lost(reason, len(record.sessions))
         failed = [key for key, flight in self.inflight.items() if flight.worker == identity]
         log.warning("worker_lost", worker=record.name, reason=reason, sessions=len(record.sessions), failed=len(failed))
         orphans = self._orphans.setdefault(identity, [])
@@ -475,6 +482,7 @@ class Router:
         self._out.append(Send(Peer.CLIENT, route, p.encode(message)))
 
     def _error(self, route: bytes, request_id: str | None, code: p.ErrorCode, message: str) -> None:
+        self.counters.error(code)
         self._reply(route, p.Error(request_id=request_id, code=code, message=message))
 
     def _name(self, identity: bytes) -> str:

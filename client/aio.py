@@ -96,7 +96,13 @@ class AsyncTransport:
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket = self._context.socket(zmq.DEALER)
         self._watch = HandshakeWatch(self._socket)
-        connect_client(self._socket, address, curve)
+        try:
+            connect_client(self._socket, address, curve)
+        except zmq.ZMQError as e:  # a malformed address: free the sockets, or the context's term() waits forever
+            self._watch.close()
+            self._socket.close(linger=0)
+            self._context.term()
+            raise ClientError(f"cannot connect to {address!r}: {e}") from e
         self._mail: dict[str, Mailbox] = {}
         self._reader: asyncio.Task[None] | None = None
         self.closed = False

@@ -41,3 +41,4 @@ class WorkerInfo:
     sessions: int
     draining: bool
     device: str
+    last_seen_s: float = 0.0  # since the broker last heard from the worker

@@ -96,7 +96,13 @@ class Transport:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         self._watch = HandshakeWatch(self._socket)
-        connect_client(self._socket, address, curve)
+        try:
+            connect_client(self._socket, address, curve)
+        except zmq.ZMQError as e:  # a malformed address: free the sockets, or the context's term() waits forever
+            self._watch.close()
+            self._socket.close(linger=0)
+            self._context.term()
+            raise ClientError(f"cannot connect to {address!r}: {e}") from e
         self._mail: dict[str, deque[Answer]] = {}
         self.closed = False
 

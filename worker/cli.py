@@ -19,8 +19,10 @@ import structlog
 from broker import logs
 from broker import protocol as p
 from broker.keys import CurveClient, KeyFileError
+from broker.metrics_http import MetricsServer
 
 from .daemon import Serve, WorkerConfig
+from .metrics import worker_readiness
 
 EXIT_STARTUP_FAILED = 3
 
@@ -38,6 +40,13 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise SystemExit(f"worker: {name}={value!r} is not an integer") from None
+
+
+def port(value: str) -> int:
+    n = int(value)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {n}")
+    return n
 
 
 def positive(value: str) -> int:
@@ -91,6 +100,11 @@ def parser() -> argparse.ArgumentParser:
                        default=float(_env("WORKER_SESSION_IDLE_TIMEOUT", "0") or 0),
                        help="close sessions idle (no request, no generation) longer than this many seconds; 0 for "
                             "never [env WORKER_SESSION_IDLE_TIMEOUT] (default %(default)s)")
+    metrics_port = _env("WORKER_METRICS_PORT", None)
+    start.add_argument("--metrics-port", type=port, default=None if metrics_port is None else port(metrics_port),
+                       help="serve /metrics, /healthz and /readyz on this port [env WORKER_METRICS_PORT] (default: off)")
+    start.add_argument("--metrics-host", default=_env("WORKER_METRICS_HOST", "127.0.0.1"),
+                       help="interface of the metrics port [env WORKER_METRICS_HOST] (default %(default)s)")
     start.add_argument("--log-level", choices=logs.LEVELS, default=_env("WORKER_LOG_LEVEL", "info"),
                        help="[env WORKER_LOG_LEVEL] (default %(default)s)")
     return top
@@ -146,8 +160,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if stop_requested:
         log.info("worker_stopped_before_serving")
         return 0
+    metrics_server: MetricsServer | None = None
+    if args.metrics_port is not None:
+        served = serve
+
+        def ready() -> tuple[bool, str]:
+            return worker_readiness(served.link.registered.is_set(), served.draining)
+
+        try:
+            metrics_server = MetricsServer(serve.metrics.registry, args.metrics_host, args.metrics_port,
+                                           alive=serve.pulse.alive, ready=ready).start()
+        except OSError as e:
+            log.error("worker_start_failed", error=str(e))
+            return EXIT_STARTUP_FAILED
     log.info("worker_serving", broker=args.broker, model=engine.model_name, capacity=engine.capacity)
-    return serve.run()
+    try:
+        return serve.run()
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
 
 
 if __name__ == "__main__":

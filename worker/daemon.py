@@ -35,6 +35,9 @@ import zmq
 
 from broker import protocol as p
 from broker.keys import CurveClient
+from broker.metrics_http import Pulse
+
+from .metrics import WorkerMetrics, WorkerSnapshot, torch_memory
 
 log = structlog.get_logger()
 
@@ -438,6 +441,7 @@ class Serve:
         self._by_session: dict[str, str] = {}  # session id -> engine request id
         self._done: OrderedDict[tuple[str, str], p.Message] = OrderedDict()  # (session, request id) -> answer
         self._step_failures = 0
+        self._step_end = 0.0  # perf_counter() at the end of the last engine step
         self.steps = 0  # engine steps run: the progress the broker watches for
         self._owners: dict[str, str] = {}  # session id -> the client key it belongs to ("" = none)
         self._last_used: dict[str, float] = {}  # session id -> when a request or generation last touched it
@@ -445,6 +449,17 @@ class Serve:
         self._next_expiry_check = float("inf") if config.session_idle_timeout_s <= 0 else 0.0
         self.state = WorkerState(engine.free_slots, tuple(engine.sessions()))
         self.link = Link(config, self.ready_message, lambda: self.state, lambda: self.steps)
+        self.pulse = Pulse()  # /healthz: run() beats it every turn
+        self.metrics = WorkerMetrics(self.metrics_snapshot, worker=config.name, model=engine.model_name,
+                                     device=engine.device, max_context=engine.max_context,
+                                     memory=torch_memory(engine.device))
+
+    def metrics_snapshot(self) -> WorkerSnapshot:
+        """Read on the metrics thread: only values this loop replaces whole."""
+        state = self.state
+        return WorkerSnapshot(sessions=len(state.sessions), capacity=self.engine.capacity, free_slots=state.free_slots,
+                              running=len(self._active), bytes_per_session=self.engine.bytes_per_session,
+                              draining=state.draining)
 
     def ready_message(self) -> p.Ready:
         state = self.state
@@ -473,6 +488,7 @@ class Serve:
                 if not self.link.alive:
                     log.error("worker_link_died")
                     return 1
+                self.pulse.beat()
                 self._admit(self.link.receive(0.0 if self.engine.has_work() else IDLE_WAIT_S))
                 now = time.monotonic()
                 if self.draining and now >= self._drain_deadline:
@@ -497,6 +513,7 @@ class Serve:
             self._handle(request)
 
     def _handle(self, request: p.Message) -> None:
+        self.metrics.request(request.COMMAND)
         if isinstance(request, p.Cancel):
             engine_id = self._by_session.get(request.session_id)
             active = self._active.get(engine_id) if engine_id else None
@@ -523,6 +540,7 @@ class Serve:
             else:
                 log_.info("request_refused", command=request.COMMAND.name, code=code.value, error=str(e))
             answer = p.Error(request_id=rid, code=code, message=str(e) or type(e).__name__)
+            self.metrics.error(code)
         if answer is not None:
             self._answer(key, answer.routed(route))
 
@@ -565,6 +583,7 @@ class Serve:
             engine_id = e.start_generate(request.session_id, self._sampling(request.params))
             self._active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream)
             self._by_session[request.session_id] = engine_id
+            self.metrics.generation_started(engine_id, time.perf_counter())
             return None  # answered when the generation finishes
         if isinstance(request, p.Fork):
             self._refuse_if_draining("new sessions")
@@ -604,6 +623,7 @@ class Serve:
 
     def _step(self) -> bool:
         """One engine step and its answers. False once the engine has failed too often to go on."""
+        t0 = time.perf_counter()
         try:
             chunks = self.engine.step()
         except Exception:
@@ -613,6 +633,8 @@ class Serve:
             return self._step_failures < MAX_STEP_FAILURES
         self._step_failures = 0
         self.steps += 1
+        t1 = self._step_end = time.perf_counter()
+        new_tokens = 0
         # One CHUNKS per client route for the streamed requests that moved, then the final answers.
         batches: dict[bytes, list[p.StreamChunk]] = {}
         finals: list[p.Message] = []
@@ -622,7 +644,10 @@ class Serve:
                 continue
             ids = chunk.token_ids
             if ids:
+                if not active.token_ids:
+                    self.metrics.first_token(chunk.request_id, t1)
                 active.token_ids += ids
+                new_tokens += len(ids)
             if chunk.text:
                 active.text.append(chunk.text)
             if chunk.finish_reason is not None:
@@ -636,11 +661,14 @@ class Serve:
         out: list[p.Message] = [p.Chunks.unchecked(tuple(batch), route) for route, batch in batches.items()]
         out += finals
         self.link.send(out)
+        e = self.engine
+        self.metrics.step(t1, t1 - t0, getattr(e, "last_rows", len(chunks)), getattr(e, "last_prefill_tokens", 0), new_tokens)
         return True
 
     def _finish(self, engine_id: str, active: Active, finish_reason: str) -> p.Message:
         """A generation ended: its whole answer, remembered for a resend."""
         self._retire(engine_id, active)
+        self.metrics.generation_finished(engine_id, self._step_end, len(active.token_ids), finish_reason)
         try:
             length = self.engine.session_length(active.session_id)
         except Exception:  # closed while generating
@@ -665,6 +693,8 @@ class Serve:
         errors: list[p.Message] = []
         for engine_id, active in list(self._active.items()):
             self._retire(engine_id, active)
+            self.metrics.generation_finished(engine_id, time.perf_counter(), len(active.token_ids), "error")
+            self.metrics.error(p.ErrorCode.INTERNAL)
             try:
                 self.engine.cancel(engine_id)
             except Exception:

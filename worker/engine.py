@@ -113,6 +113,9 @@ class Engine:
         self._finished: list[Chunk] = []  # final chunks produced outside a step (cancel, close)
         self._mailboxes: dict[str, deque[Chunk]] = {}  # for the sync helpers
         self.steps = 0
+        self.last_rows = 0  # requests in the last step's batch (0: it ran none)
+        self.last_prefill_tokens = 0  # prompt tokens the last step computed
+        self._decode_rows = 0
 
     # -- construction -------------------------------------------------------------------------
 
@@ -328,6 +331,7 @@ class Engine:
         """One batched step over all active requests. Returns one chunk per request that moved."""
         chunks, self._finished = self._finished, []
         plan = self._schedule()
+        self.last_rows = len(plan)
         if not plan:
             return chunks
         tokens: list[int] = []
@@ -343,6 +347,7 @@ class Engine:
             if n == s.pending:  # the whole prompt is in: this row's logits give the next token
                 sampled_rows.append(len(tokens) - 1)
                 sampled.append(request)
+        self.last_prefill_tokens = len(tokens) - self._decode_rows
         logits = self.executor.execute(tokens, positions, slots, sampled_rows)
         for request, n in plan:
             request.session.computed += n
@@ -407,6 +412,7 @@ class Engine:
     def _schedule(self) -> list[tuple[Request, int]]:
         """(request, tokens this step): every decode row, then whole prefill chunks in arrival order."""
         plan = [(r, 1) for r in self._active.values() if r.session.pending == 1]
+        self._decode_rows = len(plan)
         budget = self.step_tokens
         for request in self._active.values():
             pending = request.session.pending

@@ -1,0 +1,239 @@
+"""The broker's Prometheus metrics: the router's tables read at scrape time, plus event counters.
+
+Two halves, so that the router's hot path pays one dict increment per event and nothing per scrape:
+
+- `RouterCounters`: plain counts the router bumps as things happen (requests by command, errors by
+  code, workers registered and lost). No prometheus, no locks: one thread (the broker loop) writes.
+- `BrokerMetrics(router, counters)`: a private `CollectorRegistry` whose collector reads the router's
+  registry, in-flight and held tables and the counters when Prometheus scrapes, on the metrics
+  server's thread. It copies what it reads in single C-level steps (`list(d.values())`), which the
+  GIL keeps whole, and never writes.
+
+Names follow vLLM's where one exists (`vllm:num_requests_running` -> `sessionserve:num_requests_running`);
+ours (workers, sessions, slots) take the same `sessionserve:` prefix. What a broker exports:
+
+    sessionserve:num_workers                      gauge    workers registered
+    sessionserve:num_sessions                     gauge    sessions on live workers
+    sessionserve:num_requests_running             gauge    client requests forwarded to a worker, not answered yet
+    sessionserve:num_requests_waiting             gauge    requests held while a restarted broker recovers
+    sessionserve:recovering                       gauge    1 during that recovery window
+    sessionserve:worker_capacity                  gauge    per worker {worker, model, device}: session slots
+    sessionserve:worker_sessions                  gauge    per worker: live sessions
+    sessionserve:worker_free_slots                gauge    per worker: slots a new session could take
+    sessionserve:worker_draining                  gauge    per worker: 1 while it drains
+    sessionserve:worker_session_bytes             gauge    per worker: device memory of one session's state
+    sessionserve:worker_last_seen_seconds         gauge    per worker: since the broker last heard from it
+    sessionserve:requests_total{command}          counter  client requests (create, append, generate, ...)
+    sessionserve:request_errors_total{code}       counter  errors answered to clients (broker's and workers')
+    sessionserve:workers_registered_total         counter  registrations
+    sessionserve:worker_reregistrations_total     counter  READY from a worker already registered
+    sessionserve:workers_lost_total{reason}       counter  missed_heartbeats, disconnected, unreachable, ...
+    sessionserve:sessions_lost_total              counter  sessions on the workers that were lost
+    process_*                                              resident memory, CPU seconds, open fds
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from enum import Enum
+from typing import TYPE_CHECKING, TypeVar
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .metrics_http import Readiness
+
+if TYPE_CHECKING:
+    from .registry import WorkerRecord
+    from .router import Router
+
+PREFIX = "sessionserve:"
+MAX_LABEL_VALUES = 64  # distinct values one counter keeps; later new ones count under OTHER (one more)
+OTHER = "other"
+WORKER_LABELS = ("worker", "model", "device")
+
+T = TypeVar("T")
+
+
+def label(value: object) -> str:
+    """A label value: an enum's string value (ErrorCode) or its lower-case name (Command), a string as is."""
+    if isinstance(value, Enum):
+        return value.value if isinstance(value.value, str) else value.name.lower()
+    return value if isinstance(value, str) else str(value)
+
+
+def bump(counts: dict[T, int], key: T, other: T) -> None:
+    """counts[key] += 1. Once MAX_LABEL_VALUES keys exist, a new key counts as `other` (so a peer that sends
+    ever new values cannot grow the exposition without bound)."""
+    n = counts.get(key)
+    if n is None:
+        if len(counts) >= MAX_LABEL_VALUES:
+            key = other
+            n = counts.get(other, 0)
+        else:
+            n = 0
+    counts[key] = n + 1
+
+
+def lost_reason(reason: str) -> str:
+    """The bounded label of a free-text reason: 'missed heartbeats' -> 'missed_heartbeats',
+    'disconnected: drained' -> 'disconnected'."""
+    head = reason.split(":", 1)[0].strip().lower()
+    return "_".join(head.split()) or "unknown"
+
+
+class RouterCounters:
+    """What happened since the broker started, counted by the router. Every method is O(1)."""
+
+    __slots__ = ("requests", "errors", "workers_lost", "workers_registered", "workers_reregistered", "sessions_lost")
+
+    def __init__(self) -> None:
+        self.requests: dict[str | Enum, int] = {}  # by command (a Command, or its name)
+        self.errors: dict[object, int] = {}  # by wire error code (an ErrorCode, or its value)
+        self.workers_lost: dict[str, int] = {}  # by lost_reason()
+        self.workers_registered = 0
+        self.workers_reregistered = 0  # a known worker sent READY again (its broker restarted, or it reconnected)
+        self.sessions_lost = 0  # sessions that were on a worker when it was lost
+
+    def request(self, command: str | Enum) -> None:
+        """A valid client request arrived (call once per request, resends included)."""
+        bump(self.requests, command, OTHER)
+
+    def error(self, code: object) -> None:
+        """An ERROR went to a client: made by the broker, or forwarded from a worker (its header's code as sent:
+        anything that is not a string or an enum counts as "invalid")."""
+        bump(self.errors, code if isinstance(code, (str, Enum)) else "invalid", OTHER)
+
+    def worker_registered(self, again: bool = False) -> None:
+        if again:
+            self.workers_reregistered += 1
+        else:
+            self.workers_registered += 1
+
+    def worker_lost(self, reason: str, sessions: int = 0) -> None:
+        """A registered worker is gone (missed heartbeats, disconnected, unreachable) with `sessions` on it."""
+        bump(self.workers_lost, lost_reason(reason), OTHER)
+        self.sessions_lost += sessions
+
+
+def _copied(read: Callable[[], T], tries: int = 3) -> T | None:
+    """Read a table the broker loop may be changing: retry the rare 'changed size during iteration'."""
+    for _ in range(tries):
+        try:
+            return read()
+        except RuntimeError:
+            continue
+    return None
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, label_name: str, counts: dict[T, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=[label_name])
+    totals: dict[str, int] = {}
+    for key, n in list(counts.items()):
+        text = label(key)
+        totals[text] = totals.get(text, 0) + n  # a Command and its name are one series
+    for text, n in sorted(totals.items()):
+        family.add_metric([text], n)
+    return family
+
+
+class _BrokerCollector(Collector):
+    def __init__(self, router: Router, counters: RouterCounters, clock: Callable[[], float]) -> None:
+        self.router = router
+        self.counters = counters
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        router = self.router
+        workers = _copied(lambda: list(router.registry.workers.values())) or []
+        yield _gauge("num_workers", "Workers registered with the broker.", len(workers))
+        yield _gauge("num_sessions", "Sessions on live workers.", router.registry.session_count())
+        yield _gauge("num_requests_running", "Client requests forwarded to a worker and not answered yet.",
+                     len(router.inflight))
+        yield _gauge("num_requests_waiting", "Client requests held while the broker recovers after a restart.",
+                     len(router.held))
+        yield _gauge("recovering", "1 while a freshly started broker waits for workers to re-register.",
+                     1 if router.recovering(self.clock()) else 0)
+        yield from self._per_worker(workers)
+        yield from self._counters()
+
+    def _per_worker(self, workers: list[WorkerRecord]) -> Iterable[Metric]:
+        families = {
+            "capacity": GaugeMetricFamily(PREFIX + "worker_capacity", "Session slots of the worker.",
+                                          labels=WORKER_LABELS),
+            "sessions": GaugeMetricFamily(PREFIX + "worker_sessions", "Live sessions on the worker.",
+                                          labels=WORKER_LABELS),
+            "free": GaugeMetricFamily(PREFIX + "worker_free_slots",
+                                      "Slots a new session could take (capacity - sessions - creates in flight).",
+                                      labels=WORKER_LABELS),
+            "draining": GaugeMetricFamily(PREFIX + "worker_draining", "1 while the worker drains (takes no new work).",
+                                          labels=WORKER_LABELS),
+            "bytes": GaugeMetricFamily(PREFIX + "worker_session_bytes", "Device memory of one session's state.",
+                                       labels=WORKER_LABELS, unit="bytes"),
+            "seen": GaugeMetricFamily(PREFIX + "worker_last_seen_seconds",
+                                      "Seconds since the broker last heard from the worker.", labels=WORKER_LABELS),
+        }
+        now = self.clock()
+        used: set[tuple[str, str, str]] = set()
+        for w in workers:
+            labels = (w.name, w.model, w.device)
+            if labels in used:  # two live workers with one name: keep their series apart
+                labels = (f"{w.name}#{w.identity.hex()[-8:]}", w.model, w.device)
+            used.add(labels)
+            families["capacity"].add_metric(labels, w.capacity)
+            families["sessions"].add_metric(labels, len(w.sessions))
+            families["free"].add_metric(labels, max(w.free, 0))
+            families["draining"].add_metric(labels, 1 if w.draining else 0)
+            if w.bytes_per_session:
+                families["bytes"].add_metric(labels, w.bytes_per_session)
+            families["seen"].add_metric(labels, max(now - w.seen_at, 0.0))
+        return [f for f in families.values() if f.samples]
+
+    def _counters(self) -> Iterable[Metric]:
+        c = self.counters
+        yield _counter("requests", "Client requests by command.", "command", c.requests)
+        yield _counter("request_errors", "Errors answered to clients, by error code.", "code", c.errors)
+        yield _counter("workers_lost", "Workers declared gone, by reason.", "reason", c.workers_lost)
+        yield CounterMetricFamily(PREFIX + "workers_registered", "Workers that registered.",
+                                  value=c.workers_registered)
+        yield CounterMetricFamily(PREFIX + "worker_reregistrations",
+                                  "READY from a worker already registered (it reconnected).",
+                                  value=c.workers_reregistered)
+        yield CounterMetricFamily(PREFIX + "sessions_lost", "Sessions on workers that were lost.",
+                                  value=c.sessions_lost)
+
+
+class BrokerMetrics:
+    """The broker process's metrics registry. Serve `registry` with a MetricsServer.
+
+    `readiness()` is the broker's /readyz: not ready while it recovers after a restart (requests for
+    unknown sessions are held), or while fewer than `min_workers` workers take new sessions. Workers
+    must still be able to reach a broker that is not ready: point them at its address directly, or
+    at a Service that publishes not-ready addresses.
+    """
+
+    def __init__(self, router: Router, counters: RouterCounters, *, min_workers: int = 0,
+                 clock: Callable[[], float] = time.monotonic, process: bool = True) -> None:
+        self.router = router
+        self.counters = counters
+        self.min_workers = min_workers
+        self.clock = clock
+        self.registry = CollectorRegistry()
+        self.registry.register(_BrokerCollector(router, counters, clock))
+        if process:  # process_resident_memory_bytes, process_cpu_seconds_total, open fds (Linux)
+            ProcessCollector(registry=self.registry)
+
+    def readiness(self) -> Readiness:
+        if self.router.recovering(self.clock()):
+            return False, "recovering: waiting for workers to re-register"
+        workers = _copied(lambda: list(self.router.registry.workers.values())) or []
+        taking = sum(1 for w in workers if not w.draining)
+        if taking < self.min_workers:
+            return False, f"{taking} workers take new sessions; {self.min_workers} needed"
+        return True, f"ready: {len(workers)} workers, {taking} taking new sessions"

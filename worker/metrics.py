@@ -1,0 +1,339 @@
+"""The worker's Prometheus metrics, built for a compute loop whose engine step takes about a millisecond.
+
+The compute loop only does plain arithmetic on this object: no prometheus call, no lock, no allocation
+per token. Prometheus reads it on the metrics server's thread through a custom collector:
+
+- gauges (sessions, slots, generations running, memory) come from a `snapshot()` callable at scrape time;
+- counters are ints and dicts bumped in O(1);
+- histograms are our own bucket counts (`Buckets`): one bisect per observation, and an observation
+  may carry a weight. `step()` adds one inter-token latency observation per decoding generation with
+  a single bisect, instead of one `Histogram.observe` (and one lock) per token.
+
+Per generation (keyed by the engine's request id): `generation_started` -> `first_token` (TTFT) ->
+`generation_finished` (end-to-end latency, tokens, finish reason). Inter-token latency is the time
+between the ends of consecutive engine steps, counted once for every generation that got a token in
+the step and had one before it. All times come from one clock (time.perf_counter()).
+
+A scrape reads counts the loop may be writing: each number is whole (the GIL), the histogram's buckets
+are copied in one step and made cumulative from that copy, so they are always consistent with their
+count; the sum may be one step ahead. Names follow vLLM's (`vllm:time_to_first_token_seconds` ->
+`sessionserve:time_to_first_token_seconds`). Every series has the labels {worker, model, device}:
+
+    sessionserve:num_sessions, session_capacity, free_slots        gauges   the session table
+    sessionserve:kv_cache_usage_perc                               gauge    slots in use / capacity (0..1)
+    sessionserve:session_bytes, session_state_bytes                gauges   one session's state; all slots in use
+    sessionserve:num_requests_running                              gauge    generations in flight
+    sessionserve:draining                                          gauge    1 while draining
+    sessionserve:gpu_memory_allocated_bytes, ..._reserved_bytes    gauges   torch's CUDA allocator (CUDA only)
+    sessionserve:engine_steps_total                                counter  engine steps that ran a batch
+    sessionserve:prompt_tokens_total, generation_tokens_total      counters tokens prefilled / delivered
+    sessionserve:requests_total{command}                           counter  requests from the broker
+    sessionserve:request_errors_total{code}                        counter  requests answered with an error
+    sessionserve:request_success_total{finished_reason}            counter  generations ended: stop, length, cancelled
+    sessionserve:time_to_first_token_seconds                       histogram admission -> first token
+    sessionserve:inter_token_latency_seconds                       histogram between two tokens of a generation
+    sessionserve:e2e_request_latency_seconds                       histogram admission -> end of a generation
+    sessionserve:request_generation_tokens                         histogram tokens per generation
+    sessionserve:engine_step_duration_seconds                      histogram one engine step
+    sessionserve:engine_step_batch_size                            histogram requests per step (decode + prefill)
+    sessionserve:iteration_tokens_total                            histogram tokens per step (prefill + generated)
+    process_*                                                               resident memory, CPU seconds, open fds
+
+Steps per second: rate(sessionserve:engine_steps_total[1m]).
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from broker.metrics import OTHER, PREFIX, bump, label
+from broker.metrics_http import Readiness
+
+log = structlog.get_logger()
+
+# vLLM's buckets (v1/metrics/loggers.py), with finer ones below 10 ms where our GPU steps live.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISH_REASONS = ("stop", "length", "cancelled")  # "error": counted in request_errors_total, not here
+MAX_OPEN = 1 << 16  # generations tracked at once; past this the oldest is forgotten (a missed finish)
+LABELS = ("worker", "model", "device")
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's build_1_2_5_buckets)."""
+    out: list[int] = []
+    for exponent in itertools.count():
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(out)
+            out.append(value)
+    raise AssertionError("unreachable")
+
+
+class Buckets:
+    """A histogram as bucket counts, observations weighted: `observe(v, w)` is w observations of v.
+
+    counts[i] holds the observations in (bounds[i-1], bounds[i]] (Prometheus's `le`), the last one
+    those above every bound (+Inf).
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        if not bounds or any(b >= c for b, c in itertools.pairwise(bounds)):
+            raise ValueError(f"bucket bounds must be increasing and not empty, got {bounds}")
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, weight: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += weight
+        self.sum += value * weight
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> tuple[list[tuple[str, float]], float]:
+        """([(le, observations <= le), ..., ("+Inf", count)], sum), from one copy of the counts."""
+        counts, total = list(self.counts), self.sum
+        running = list(itertools.accumulate(counts))
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        return list(zip(les, (float(n) for n in running), strict=True)), total
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """The worker's state at scrape time; built by the daemon from values it keeps for other threads."""
+
+    sessions: int
+    capacity: int
+    free_slots: int
+    running: int  # generations in flight
+    bytes_per_session: int = 0
+    draining: bool = False
+
+
+def torch_memory(device: str) -> Callable[[], dict[str, float]] | None:
+    """The CUDA caching allocator's counters for `device` (no driver call, so safe from another thread).
+    None on CPU. Session state lives outside this allocator (cuda_state maps it): see session_state_bytes."""
+    if not device.startswith("cuda"):
+        return None
+
+    def read() -> dict[str, float]:
+        import torch
+
+        return {
+            "gpu_memory_allocated_bytes": float(torch.cuda.memory_allocated(device)),
+            "gpu_memory_reserved_bytes": float(torch.cuda.memory_reserved(device)),
+        }
+
+    return read
+
+
+def worker_readiness(registered: bool, draining: bool) -> Readiness:
+    """A worker takes work once the broker welcomed it, until it drains."""
+    if draining:
+        return False, "draining"
+    if not registered:
+        return False, "not registered with the broker"
+    return True, "ready"
+
+
+class WorkerMetrics:
+    """Counters and histograms of one worker process, and its registry (serve it with a MetricsServer).
+
+    snapshot: read on the scrape thread; it must only read values the compute loop replaces whole.
+    memory: extra gauges (name without prefix -> value), e.g. torch_memory(device); None: none.
+    """
+
+    def __init__(self, snapshot: Callable[[], WorkerSnapshot], *, worker: str, model: str, device: str,
+                 max_context: int = 2048, memory: Callable[[], dict[str, float]] | None = None,
+                 process: bool = True) -> None:
+        self.labels = (worker, model, device)
+        self._snapshot = snapshot
+        self._memory = memory
+        # counters (compute thread only)
+        self.steps = 0
+        self.generation_tokens = 0
+        self.prompt_tokens = 0
+        self.requests: dict[str | Enum, int] = {}
+        self.errors: dict[object, int] = {}
+        self.finished: dict[str, int] = {}
+        # histograms
+        self.ttft = Buckets(TTFT_BUCKETS)
+        self.itl = Buckets(ITL_BUCKETS)
+        self.e2e = Buckets(E2E_BUCKETS)
+        self.step_time = Buckets(STEP_BUCKETS)
+        self.batch = Buckets(BATCH_BUCKETS)
+        self.iteration_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
+        self.request_tokens = Buckets(buckets_1_2_5(max(max_context, 1)))
+        # generations in flight: key -> start time; and those still waiting for their first token
+        self._started: dict[str, float] = {}
+        self._waiting_first: dict[str, float] = {}
+        self._first_tokens = 0  # first tokens since the last step(): not inter-token gaps
+        self._last_step_end: float | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(_WorkerCollector(self))
+        if process:  # process_resident_memory_bytes, process_cpu_seconds_total, open fds (Linux)
+            ProcessCollector(registry=self.registry)
+
+    # -- hooks for the compute loop (all O(1)) -------------------------------------------------------
+
+    def request(self, command: str | Enum) -> None:
+        """A request from the broker (a Command or its name), before it runs."""
+        bump(self.requests, command, OTHER)
+
+    def error(self, code: object) -> None:
+        """A request answered with an error (an ErrorCode or its value)."""
+        bump(self.errors, code if isinstance(code, (str, Enum)) else "invalid", OTHER)
+
+    def generation_started(self, key: str, t: float) -> None:
+        if len(self._started) >= MAX_OPEN:
+            oldest = next(iter(self._started))
+            del self._started[oldest]
+            self._waiting_first.pop(oldest, None)
+        self._started[key] = t
+        self._waiting_first[key] = t
+
+    def first_token(self, key: str, t: float) -> None:
+        """The generation's first token was sampled at t (call before the step() that produced it)."""
+        start = self._waiting_first.pop(key, None)
+        if start is not None:
+            self.ttft.observe(t - start)
+            self._first_tokens += 1
+
+    def step(self, end: float, duration_s: float, rows: int, prefill_tokens: int, new_tokens: int) -> None:
+        """One engine step ended at `end` after `duration_s`: `rows` requests in the batch, `prefill_tokens`
+        prompt tokens computed, `new_tokens` tokens delivered to generations (one per generation that moved).
+        Every delivered token that was not a first token is one inter-token gap of (end - previous end).
+        A step that ran no batch (rows 0: it only reported cancellations) is not counted."""
+        if not rows:
+            return
+        self.steps += 1
+        self.prompt_tokens += prefill_tokens
+        self.generation_tokens += new_tokens
+        self.step_time.observe(duration_s)
+        self.batch.observe(rows)
+        self.iteration_tokens.observe(prefill_tokens + new_tokens)
+        gaps = new_tokens - self._first_tokens
+        self._first_tokens = 0
+        last = self._last_step_end
+        if gaps > 0 and last is not None:
+            self.itl.observe(end - last, gaps)
+        self._last_step_end = end
+
+    def generation_finished(self, key: str, t: float, tokens: int, reason: str) -> None:
+        """The generation ended at t with `tokens` tokens: reason stop, length, cancelled, or error."""
+        start = self._started.pop(key, None)
+        waiting = self._waiting_first.pop(key, None)
+        if reason not in FINISH_REASONS:
+            return  # an engine failure: the error is counted by error()
+        bump(self.finished, reason, OTHER)
+        if start is None:
+            return
+        if waiting is not None and reason != "cancelled":
+            self.ttft.observe(t - start)  # ended at its first sampled token (EOS or a stop id)
+        self.e2e.observe(t - start)
+        self.request_tokens.observe(tokens)
+
+    # -- the scrape ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> WorkerSnapshot:
+        return self._snapshot()
+
+    def memory(self) -> dict[str, float]:
+        if self._memory is None:
+            return {}
+        try:
+            return self._memory()
+        except Exception as e:  # a memory probe must not fail the scrape
+            log.debug("metrics_memory_failed", error=str(e))
+            return {}
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        yield from self._gauges(m.snapshot(), m.memory())
+        yield self._counter("engine_steps", "Engine steps run.", m.steps)
+        yield self._counter("generation_tokens", "Tokens generated.", m.generation_tokens)
+        yield self._counter("prompt_tokens", "Prompt tokens computed (prefill).", m.prompt_tokens)
+        yield self._by("requests", "Requests from the broker, by command.", "command", m.requests)
+        yield self._by("request_errors", "Requests answered with an error, by error code.", "code", m.errors)
+        yield self._by("request_success", "Generations finished, by reason.", "finished_reason", m.finished)
+        yield self._histogram("time_to_first_token_seconds", "Time from a generation's admission to its first token.",
+                              m.ttft)
+        yield self._histogram("inter_token_latency_seconds", "Time between consecutive tokens of a generation.", m.itl)
+        yield self._histogram("e2e_request_latency_seconds", "Time from a generation's admission to its end.", m.e2e)
+        yield self._histogram("request_generation_tokens", "Tokens generated per finished generation.",
+                              m.request_tokens)
+        yield self._histogram("engine_step_duration_seconds", "Duration of one engine step.", m.step_time)
+        yield self._histogram("engine_step_batch_size", "Requests (decode rows and prefill chunks) in one engine step.",
+                              m.batch)
+        yield self._histogram("iteration_tokens_total", "Tokens per engine step (prefill and generated).",
+                              m.iteration_tokens)
+
+    def _gauges(self, s: WorkerSnapshot, memory: dict[str, float]) -> Iterator[Metric]:
+        used = s.capacity - s.free_slots
+        values: list[tuple[str, str, float]] = [
+            ("num_sessions", "Live sessions.", s.sessions),
+            ("session_capacity", "Session slots.", s.capacity),
+            ("free_slots", "Session slots free.", s.free_slots),
+            ("num_requests_running", "Generations in flight.", s.running),
+            ("kv_cache_usage_perc", "Fraction of session slots in use (1 = full).", used / s.capacity if s.capacity else 0.0),
+            ("draining", "1 while the worker drains.", 1 if s.draining else 0),
+        ]
+        if s.bytes_per_session:
+            values.append(("session_bytes", "Device memory of one session's state.", s.bytes_per_session))
+            values.append(("session_state_bytes", "Device memory mapped for session state (slots in use).",
+                           used * s.bytes_per_session))
+        values += [(name, name.replace("_", " ") + ".", value) for name, value in sorted(memory.items())]
+        for name, doc, value in values:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(self.m.labels, value)
+            yield family
+
+    def _counter(self, name: str, doc: str, value: int) -> Metric:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+        family.add_metric(self.m.labels, value)
+        return family
+
+    def _by(self, name: str, doc: str, label_name: str, counts: dict[Any, int]) -> Metric:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=[*LABELS, label_name])
+        totals: dict[str, int] = {}
+        for key, n in list(counts.items()):
+            text = label(key)
+            totals[text] = totals.get(text, 0) + n
+        for text, n in sorted(totals.items()):
+            family.add_metric([*self.m.labels, text], n)
+        return family
+
+    def _histogram(self, name: str, doc: str, buckets: Buckets) -> Metric:
+        family = HistogramMetricFamily(PREFIX + name, doc, labels=LABELS)
+        cumulative, total = buckets.cumulative()
+        family.add_metric(self.m.labels, cumulative, total)
+        return family
