@@ -27,6 +27,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from . import protocol as p
 from .keys import CLIENTS_DOMAIN, WORKERS_DOMAIN, BrokerKeys
+from .metrics_http import Pulse
 from .router import Failure, Peer, Router, Send, Settings
 
 log = structlog.get_logger()
@@ -67,6 +68,7 @@ class BrokerServer:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self.router = Router(config.settings(), time.monotonic())
+        self.pulse = Pulse()  # /healthz: the loop below beats it every turn
         self._context = zmq.Context()
         self._keys = BrokerKeys.load(config.keys) if config.keys is not None else None  # KeyFileError: bad keys
         self.auth: ThreadAuthenticator | None = None
@@ -107,6 +109,10 @@ class BrokerServer:
         # All options before bind: they apply to connections accepted from then on.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> EHOSTUNREACH, not a silent drop
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer that reconnects with its id takes it over
+        # ZMTP heartbeats close connections whose peer vanished (a pulled cable), so that a peer's stale
+        # connection cannot deliver queued messages after it has reconnected and registered on a new one.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self.config.heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.config.heartbeat_ms * self.config.liveness)
         sock.setsockopt(zmq.SNDHWM, self.config.hwm)
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)  # bigger: ZeroMQ drops the peer
@@ -135,6 +141,7 @@ class BrokerServer:
         for monitor, _ in self._monitors:
             poller.register(monitor, zmq.POLLIN)
         while not should_stop():
+            self.pulse.beat()
             now = time.monotonic()
             timeout_s = min(max(self.router.next_tick() - now, 0.0), MAX_POLL_S)
             ready = dict(poller.poll(round(timeout_s * 1000)))
