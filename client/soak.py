@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -106,6 +107,7 @@ class SoakConfig:
     max_sessions: int
     max_context: int
     json_path: Path | None
+    worker_metrics: str | None = None  # the worker's /metrics URL (its torch allocator is sampled too)
 
 
 # -- what is counted ------------------------------------------------------------------------------------
@@ -136,6 +138,31 @@ class Sample:
     t_s: float  # since the run phase began
     memory_mib: float | None
     live_sessions: int | None
+    # The worker's torch allocator (from its /metrics, when known): memory in tensors, and what it holds cached.
+    torch_allocated_mib: float | None = None
+    torch_reserved_mib: float | None = None
+    worker_sessions: int | None = None  # the sessions the worker itself holds (the broker's count is live_sessions)
+    mapped_mib: float | None = None  # the worker's session table: memory mapped for slots (in use and the spare)
+
+
+WORKER_GAUGES = ("gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes", "num_sessions", "session_state_bytes")
+
+
+def worker_gauges(metrics_url: str | None) -> dict[str, float]:
+    """The worker's allocator and session gauges, read from its Prometheus metrics ({} when unknown)."""
+    if metrics_url is None:
+        return {}
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in WORKER_GAUGES:
+            if line.startswith(f"sessionserve:{name}{{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values
 
 
 # -- memory probes ----------------------------------------------------------------------------------------
@@ -355,19 +382,25 @@ async def live_sessions(client: AsyncClient, tally: Tally) -> int | None:
     return None if workers is None else sum(w.sessions for w in workers)
 
 
-async def sample(client: AsyncClient, probe: MemoryProbe, tally: Tally, t0: float) -> Sample:
+async def sample(client: AsyncClient, probe: MemoryProbe, tally: Tally, t0: float, metrics_url: str | None = None) -> Sample:
     live = await live_sessions(client, tally)
     memory = await asyncio.to_thread(probe.read)
-    return Sample(round(time.monotonic() - t0, 3), memory, live)
+    gauges = await asyncio.to_thread(worker_gauges, metrics_url)
+    mib = 1 << 20
+    allocated, reserved = gauges.get("gpu_memory_allocated_bytes"), gauges.get("gpu_memory_reserved_bytes")
+    held = gauges.get("num_sessions")
+    return Sample(round(time.monotonic() - t0, 3), memory, live, None if allocated is None else allocated / mib,
+                  None if reserved is None else reserved / mib, None if held is None else int(held),
+                  None if "session_state_bytes" not in gauges else gauges["session_state_bytes"] / mib)
 
 
 async def sampler(client: AsyncClient, probe: MemoryProbe, tally: Tally, t0: float, every_s: float,
-                  samples: list[Sample], stop: asyncio.Event) -> None:
+                  samples: list[Sample], stop: asyncio.Event, metrics_url: str | None) -> None:
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=every_s)
         except asyncio.TimeoutError:
-            samples.append(await sample(client, probe, tally, t0))
+            samples.append(await sample(client, probe, tally, t0, metrics_url))
 
 
 # -- the run --------------------------------------------------------------------------------------------
@@ -395,14 +428,15 @@ async def soak(config: SoakConfig, probe: MemoryProbe) -> Outcome:
         if config.warmup_s > 0:
             await run_users(client, config, users, warmup, time.monotonic() + config.warmup_s)
         t0 = time.monotonic()
-        samples = [await sample(client, probe, run, t0)]
+        url = config.worker_metrics
+        samples = [await sample(client, probe, run, t0, url)]
         stop = asyncio.Event()
-        watcher = asyncio.create_task(sampler(client, probe, run, t0, config.sample_every_s, samples, stop))
+        watcher = asyncio.create_task(sampler(client, probe, run, t0, config.sample_every_s, samples, stop, url))
         await run_users(client, config, users, run, t0 + config.duration_s)
         run_s = time.monotonic() - t0
         stop.set()
         await watcher
-        samples.append(await sample(client, probe, run, t0))
+        samples.append(await sample(client, probe, run, t0, url))
     return Outcome(users, warmup, run, run_s, samples, probe.name)
 
 
@@ -429,6 +463,7 @@ class Spawned:
     clients: str
     worker_pid: int
     log_dir: Path
+    metrics_url: str
     exit_codes: dict[str, int | None] = field(default_factory=dict)
 
 
@@ -436,14 +471,15 @@ class Spawned:
 def spawned_stack(config: SoakConfig) -> Iterator[Spawned]:
     """A broker and one worker on free loopback ports; stopped with SIGTERM (worker first: it drains) on exit."""
     clients, workers = free_address(), free_address()
+    metrics_port = int(free_address().rsplit(":", 1)[1])
     log_dir = Path(tempfile.mkdtemp(prefix="sessionserve-soak-"))
     broker = spawn("broker.cli", ["--clients", clients, "--workers", workers], log_dir / "broker.log")
     worker = spawn("worker.cli", [
         "--broker", workers, "--device", config.device, "--max-sessions", str(config.max_sessions),
-        "--max-context", str(config.max_context), "--name", "soak-worker",
+        "--max-context", str(config.max_context), "--name", "soak-worker", "--metrics-port", str(metrics_port),
         *(["--model", config.model] if config.model else []),
     ], log_dir / "worker.log")
-    stack = Spawned(clients, worker.pid, log_dir)
+    stack = Spawned(clients, worker.pid, log_dir, f"http://127.0.0.1:{metrics_port}/metrics")
     try:
         wait_registered(clients, worker, log_dir)
         yield stack
@@ -545,9 +581,19 @@ def summary(r: dict[str, Any]) -> str:
         compared = ", ".join(f"{n} live: {a:.1f} -> {b:.1f}" for n, (a, b) in r["leak_check"]["by_live"].items())
         if compared:
             lines.append(f"  equal live sessions, first vs last third (MiB): {compared}")
+    for key, what in (("torch_allocated_mib", "torch allocator, in tensors"),
+                      ("torch_reserved_mib", "torch allocator, held"), ("mapped_mib", "session table, mapped")):
+        at_zero = [s[key] for s in r["samples"] if s[key] is not None and s["live_sessions"] == r["samples"][0]["live_sessions"]]
+        peak = max((s[key] for s in r["samples"] if s[key] is not None), default=None)
+        if at_zero and peak is not None:
+            lines.append(f"  worker {what}: {at_zero[0]:.1f} -> {at_zero[-1]:.1f} MiB at the start's "
+                         f"live count, peak {peak:.1f} MiB")
     lines.append(f"leak check: {r['leak_check']['note']}: {'ok' if r['leak_check']['ok'] else 'FAILED'}")
     start, end = r["samples"][0]["live_sessions"], r["samples"][-1]["live_sessions"]
     lines.append(f"live sessions: {start} at start, {end} at end: {'ok' if r['sessions_returned'] else 'FAILED'}")
+    held = r["samples"][-1]["worker_sessions"]
+    if held is not None:
+        lines.append(f"sessions the worker holds at the end: {held}")
     if r["daemons"] is not None:
         lines.append(f"spawned daemons: exit codes {r['daemons']['exit_codes']}, logs in {r['daemons']['log_dir']}")
     lines.append("PASSED" if r["passed"] else "FAILED")
@@ -599,6 +645,8 @@ def parser() -> argparse.ArgumentParser:
     watch.add_argument("--memory", choices=("auto", "gpu", "rss", "none"), default="auto",
                        help="what to sample: auto = nvidia-smi if it answers, else the worker's resident set if known")
     watch.add_argument("--worker-pid", type=int, default=None, help="a local worker's pid, for --memory rss without --spawn")
+    watch.add_argument("--worker-metrics", default=None, metavar="URL",
+                       help="the worker's /metrics URL, to sample its torch allocator too (--spawn sets it)")
     watch.add_argument("--sample-every", type=positive_float, default=2.0, help="seconds between samples (default %(default)s)")
     watch.add_argument("--max-growth-mib", type=float, default=64.0,
                        help="memory growth at equal live sessions that fails the run (default %(default)s)")
@@ -615,6 +663,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         max_growth_mib=args.max_growth_mib, memory=args.memory, worker_pid=args.worker_pid,
         broker_key=args.broker_key, key=args.key, spawn=args.spawn, device=args.device,
         max_sessions=args.max_sessions, max_context=args.max_context, json_path=args.json,
+        worker_metrics=args.worker_metrics,
     )
 
 
@@ -628,7 +677,7 @@ def execute(config: SoakConfig, run: Callable[[SoakConfig, MemoryProbe], Outcome
     else:
         print(f"starting a broker and a worker ({config.model or 'bundled model'} on {config.device})...", flush=True)
         with spawned_stack(config) as stack:
-            here = replace(config, clients=stack.clients)
+            here = replace(config, clients=stack.clients, worker_metrics=config.worker_metrics or stack.metrics_url)
             probe = choose_probe(config.memory, config.device, stack.worker_pid)
             outcome = run(here, probe)
         result = report(outcome, here, stack)

@@ -457,9 +457,11 @@ class Serve:
     def metrics_snapshot(self) -> WorkerSnapshot:
         """Read on the metrics thread: only values this loop replaces whole."""
         state = self.state
+        table = getattr(self.engine, "table", None)  # the real engine's session table (not the test fakes)
         return WorkerSnapshot(sessions=len(state.sessions), capacity=self.engine.capacity, free_slots=state.free_slots,
                               running=len(self._active), bytes_per_session=self.engine.bytes_per_session,
-                              draining=state.draining)
+                              draining=state.draining,
+                              mapped_bytes=None if table is None else table.backend.mapped_bytes())
 
     def ready_message(self) -> p.Ready:
         state = self.state

@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -359,7 +359,7 @@ class Engine:
 
     # -- generation: sync helpers -------------------------------------------------------------
 
-    def stream(self, session_id: str, **kwargs: object) -> Iterator[Chunk]:
+    def stream(self, session_id: str, **kwargs: object) -> Generator[Chunk, None, None]:
         """Generate, yielding a chunk per step. Closing the iterator early cancels the generation."""
         params = _params(kwargs)
         rid = self.start_generate(session_id, params)

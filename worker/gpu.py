@@ -132,6 +132,10 @@ class GraphExecutor:
     ) -> None:
         if model.decode_attention is None:
             raise ValueError("GraphExecutor needs the decode kernel: call attach_gpu_kernels(model) first")
+        # torch's cuDNN attention backend builds, and keeps, an execution plan holding device memory outside
+        # torch's allocator for every new (length, ...) shape. Prompt lengths rarely repeat, so a serving worker's
+        # memory grew without end (~3 MiB per 40 prompts, worker/memory_churn.py); without it, it stays flat.
+        torch.backends.cuda.enable_cudnn_sdp(False)
         self.model: Llama = model
         self.table: SessionTable = table
         self.eager: EagerExecutor = EagerExecutor(model, table)

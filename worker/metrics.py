@@ -132,6 +132,7 @@ class WorkerSnapshot:
     running: int  # generations in flight
     bytes_per_session: int = 0
     draining: bool = False
+    mapped_bytes: int | None = None  # what the session table has mapped (slots in use plus the spare), if known
 
 
 def torch_memory(device: str) -> Callable[[], dict[str, float]] | None:
@@ -310,7 +311,7 @@ class _WorkerCollector(Collector):
         if s.bytes_per_session:
             values.append(("session_bytes", "Device memory of one session's state.", s.bytes_per_session))
             values.append(("session_state_bytes", "Device memory mapped for session state (slots in use).",
-                           used * s.bytes_per_session))
+                           used * s.bytes_per_session if s.mapped_bytes is None else s.mapped_bytes))
         values += [(name, name.replace("_", " ") + ".", value) for name, value in sorted(memory.items())]
         for name, doc, value in values:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
