@@ -39,6 +39,17 @@ def text(max_chars: int = 256, pattern: str | None = None, optional: bool = Fals
     return check
 
 
+def clipped_text(max_chars: int) -> Check:
+    """A string cut to `max_chars` rather than refused: for human-readable messages that quote bad input."""
+
+    def check(name: str, value: Any) -> Any:
+        if not isinstance(value, str):
+            raise FieldError(f"{name} must be a string, got {type(value).__name__}")
+        return value[:max_chars]
+
+    return check
+
+
 def integer(lo: int, hi: int, optional: bool = False) -> Check:
     def check(name: str, value: Any) -> Any:
         if value is None and optional:
@@ -90,7 +101,7 @@ def int_list(max_items: int, lo: int = 0, hi: int = 2**31 - 1, optional: bool = 
             raise FieldError(f"{name} has more than {max_items} items")
         for v in value:
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise FieldError(f"{name} must hold integers in [{lo}, {hi}], got {v!r}")
+                raise FieldError(f"{name} must hold integers in [{lo}, {hi}], got {repr(v)[:80]}")
         return tuple(value)
 
     return check
@@ -109,8 +120,8 @@ def str_list(max_items: int, item: Check) -> Check:
 
 def one_of(values: frozenset[str]) -> Check:
     def check(name: str, value: Any) -> Any:
-        if value not in values:
-            raise FieldError(f"{name} must be one of {sorted(values)}, got {value!r}")
+        if not isinstance(value, str) or value not in values:
+            raise FieldError(f"{name} must be one of {sorted(values)}, got {repr(value)[:80]}")
         return value
 
     return check

@@ -49,6 +49,7 @@ from .fields import (
     blob,
     boolean,
     build,
+    clipped_text,
     field_names,
     int_list,
     integer,
@@ -548,7 +549,7 @@ class Error(Message):
     COMMAND: ClassVar[Command] = Command.ERROR
     request_id: Annotated[str | None, text(64, ID_PATTERN, optional=True)]
     code: Annotated[ErrorCode, error_code]
-    message: Annotated[str, text(4096)] = ""
+    message: Annotated[str, clipped_text(4096)] = ""  # cut, never refused: messages quote bad input
     route: Route = b""
 
 

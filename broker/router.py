@@ -233,7 +233,10 @@ class Router:
     def _create(self, route: bytes, request: p.CreateSession, now: float, user: str) -> None:
         key = (route, request.request_id)
         flight = self.inflight.get(key)
-        if flight is not None and flight.command is p.Command.CREATE and flight.worker in self.registry.workers:
+        if flight is not None and flight.command is not p.Command.CREATE:
+            self._reused_id(route, request.request_id, flight)
+            return
+        if flight is not None and flight.worker in self.registry.workers:
             # A resend: same worker, same session id; the worker answers it from its request cache.
             again = replace(request, session_id=flight.session_id, owner=user, route=route)
             self._to_worker(self.registry.workers[flight.worker], again, key)
@@ -272,6 +275,9 @@ class Router:
             return
         key = (route, request.request_id)
         flight = self.inflight.get(key)
+        if flight is not None and (flight.command is not request.COMMAND or flight.worker != worker.identity):
+            self._reused_id(route, request.request_id, flight)
+            return
         sent_at = now if flight is None else flight.sent_at  # a resend does not move the deadline
         if isinstance(request, p.Fork):
             if flight is not None and flight.command is p.Command.FORK:
@@ -315,6 +321,11 @@ class Router:
                 self._create(h.route, h.request, now, h.user)
             else:
                 self._route(h.route, h.request, now, h.user)
+
+    def _reused_id(self, route: bytes, request_id: str, flight: InFlight) -> None:
+        """A request id still in flight for another request: refused, so that the first keeps its accounting."""
+        self._error(route, request_id, p.ErrorCode.BAD_REQUEST,
+                    f"request id {request_id} is in flight for a {flight.command.name}: use a new id per request")
 
     def _status(self, request_id: str, now: float) -> p.StatusReport:
         workers = tuple(w.status(now) for w in self.registry.workers.values())
@@ -371,11 +382,11 @@ class Router:
         if beat.steps is not None and beat.steps != record.steps:
             record.steps = beat.steps
             record.progress_at = now
-        for sid in beat.expired:
-            if self.registry.worker_of(sid) is record:
-                self.registry.drop_session(sid, p.ErrorCode.SESSION_EXPIRED)
-        if beat.expired:
-            log.info("sessions_expired", worker=record.name, sessions=len(beat.expired))
+        expired = [sid for sid in beat.expired if self.registry.worker_of(sid) is record]
+        for sid in expired:
+            self.registry.drop_session(sid, p.ErrorCode.SESSION_EXPIRED)
+        if expired:
+            log.info("sessions_expired", worker=record.name, sessions=len(expired))
 
     def _answer(self, identity: bytes, envelope: p.Envelope, frames: list[bytes]) -> None:
         route = p.route_of(envelope.header)
@@ -413,8 +424,8 @@ class Router:
                 self.registry.add_session(identity, reply.session_id, owner)
             elif isinstance(reply, p.Forked):
                 self.registry.add_session(identity, reply.child_id, owner)
-            elif isinstance(reply, p.Closed):
-                self.registry.drop_session(reply.session_id)
+            elif isinstance(reply, p.Closed) and self.registry.worker_of(reply.session_id) is self.registry.workers.get(identity):
+                self.registry.drop_session(reply.session_id)  # only the worker holding a session closes it
         elif envelope.command is p.Command.ERROR and flight is not None:
             code = envelope.header.get("code")
             if code == p.ErrorCode.SESSION_EXPIRED.value:

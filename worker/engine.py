@@ -349,9 +349,9 @@ class Engine:
                 sampled.append(request)
         self.last_prefill_tokens = len(tokens) - self._decode_rows
         logits = self.executor.execute(tokens, positions, slots, sampled_rows)
-        for request, n in plan:
-            request.session.computed += n
         new_ids = sample(logits, [r.params for r in sampled], [r.random for r in sampled]) if sampled else []
+        for request, n in plan:  # only once the step succeeded: a failed one is run again, not skipped
+            request.session.computed += n
         for request, token in zip(sampled, new_ids, strict=True):
             chunks.append(self._accept(request, token))
         self.steps += 1

@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 
 
+MIN_TEMPERATURE = 1e-5  # sampling below this is greedy
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -71,13 +74,14 @@ class RowRandom:
 def sample(logits: torch.Tensor, params: list[SamplingParams], randoms: list[RowRandom]) -> list[int]:
     """One token per row of `logits` (R, vocab), float32, on any device."""
     out = logits.argmax(dim=-1)
-    sampled = [i for i, p in enumerate(params) if p.temperature > 0.0]
+    # Below MIN_TEMPERATURE the distribution is a point mass at float precision (and logits / t overflow): greedy.
+    sampled = [i for i, p in enumerate(params) if p.temperature >= MIN_TEMPERATURE]
     if sampled:
         rows = torch.tensor(sampled, device=logits.device)
         u = torch.tensor([randoms[i].uniform() for i in sampled], dtype=torch.float64, device=logits.device)
         temps = torch.tensor([params[i].temperature for i in sampled], dtype=torch.float32, device=logits.device)
         top_k = torch.tensor([params[i].top_k for i in sampled], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float32, device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float64, device=logits.device)
         out[rows] = _sample_rows(logits[rows] / temps[:, None], u, top_k, top_p)
     return [int(t) for t in out.tolist()]
 
@@ -100,7 +104,7 @@ def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top
     values = values.masked_fill(rank >= k, float("-inf"))
     probs = values.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p.double()[:, None], 0.0)  # the top token is always kept
+    probs = probs.masked_fill((mass_before >= top_p.double()[:, None]) & (rank > 0), 0.0)  # the top token always stays
     cdf = probs.cumsum(dim=-1)
     target = (u * cdf[:, -1])[:, None]
     pick = torch.searchsorted(cdf, target, right=True).clamp_(max=values.shape[-1] - 1)

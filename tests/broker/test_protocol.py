@@ -94,6 +94,8 @@ def frames(command: bytes, header: Any) -> list[bytes]:
         (b"REPLY", {"request_id": "r"}, "unknown reply kind None"),
         (b"REPLY", {"kind": "generated", "request_id": "r", "session_id": SID, "token_ids": [], "text": "",
                     "finish_reason": "bored", "length": 0}, "finish_reason must be one of"),
+        (b"REPLY", {"kind": "generated", "request_id": "r", "session_id": SID, "token_ids": [], "text": "",
+                    "finish_reason": ["stop"], "length": 0}, "finish_reason must be one of"),  # unhashable
         (b"CHAT", {"request_id": "r", "session_id": SID, "content": "x", "role": "User!"}, "role is malformed"),
         (b"CHUNKS", {}, "missing field chunks"),
         (b"CHUNKS", {"chunks": "abc"}, "chunks must be a list"),

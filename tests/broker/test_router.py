@@ -350,3 +350,34 @@ def test_sessions_a_worker_expired_answer_session_expired() -> None:
     _, _, error = one(router.client_message(C1, p.encode(p.Info(request_id="i1", session_id=sid)), 2.2))
     assert isinstance(error, p.Error) and error.code is p.ErrorCode.SESSION_EXPIRED
     assert router.registry.workers[W1].free == 3
+
+
+def test_only_the_worker_holding_a_session_can_report_it_closed() -> None:
+    sid = "f" * 32
+    router = running((W1, ready("w1", sessions=(sid,))), (W2, ready("w2")))
+    forged = p.Closed(request_id="x", session_id=sid, route=C2)
+    router.worker_message(W2, p.encode(forged), 2.1)
+    router.worker_message(b"stranger", p.encode(forged), 2.1)
+    assert router.registry.worker_of(sid) is router.registry.workers[W1]
+
+
+def test_a_request_id_in_flight_cannot_be_reused_for_another_request() -> None:
+    sid = "a" * 32
+    router = running((W1, ready("w1", capacity=4, sessions=(sid,))))
+    create(router, C1, "r1")
+    peer, _, refused = one(router.client_message(C1, p.encode(p.Info(request_id="r1", session_id=sid)), 2.1))
+    assert peer is Peer.CLIENT and isinstance(refused, p.Error) and refused.code is p.ErrorCode.BAD_REQUEST
+    assert refused.message == "request id r1 is in flight for a CREATE: use a new id per request"
+    assert router.inflight[(C1, "r1")].command is p.Command.CREATE and router.registry.workers[W1].pending == 1
+
+
+def test_error_messages_are_cut_to_the_limit_never_refused() -> None:
+    error = p.Error(request_id=None, code=p.ErrorCode.BAD_REQUEST, message="x" * 10_000)
+    assert len(error.message) == 4096
+    router = running((W1, ready("w1")))
+    long_reason = p.Disconnect(reason="z" * 4096)
+    router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id="a" * 32)), 2.0)
+    router.worker_message(W1, p.encode(ready("w1", sessions=("a" * 32,))), 2.0)
+    router.client_message(C1, p.encode(p.Generate(request_id="g2", session_id="a" * 32)), 2.0)
+    _, _, lost = one(router.worker_message(W1, p.encode(long_reason), 2.1))
+    assert isinstance(lost, p.Error) and lost.code is p.ErrorCode.SESSION_LOST and len(lost.message) == 4096

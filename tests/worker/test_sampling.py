@@ -92,3 +92,44 @@ def test_ties_sample_the_same_token_alone_and_batched() -> None:
         randoms = [RowRandom(100 + i) for i in range(3)] + [RowRandom(u_seed)] + [RowRandom(200 + i) for i in range(4)]
         batched = sample(torch.cat([others[:3], row, others[3:]]), params, randoms)
         assert batched[3] == alone[0]
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1e-300, 1.0), (5e-324, 1.0), (1.0, 5e-324), (60.0, 1e-45)])
+def test_extreme_but_valid_parameters_pick_the_top_token(temperature: float, top_p: float) -> None:
+    """Temperatures that vanish in float32 are greedy; a top_p below any token's mass keeps the top token."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0]])
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=1)]
+    assert sample(logits, params, [RowRandom.for_params(p) for p in params]) == [1]
+
+
+def test_a_failed_step_leaves_the_session_able_to_generate(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails (here: in sampling, after the forward) is run again, not skipped: the session neither
+    loses tokens nor is left with nothing to compute and a generation that never ends."""
+    import worker.engine
+
+    sid = engine.create_session()
+    engine.append(sid, text=PROMPT)
+    expected = engine.generate(sid, max_tokens=4, ignore_eos=True).token_ids
+    engine.close(sid)
+    sid = engine.create_session()
+    engine.append(sid, text=PROMPT)
+
+    def failing(*args: object) -> list[int]:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(worker.engine, "sample", failing)
+    engine.start_generate(sid, SamplingParams(max_tokens=4, ignore_eos=True), request_id="r1")
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    monkeypatch.undo()
+    engine.cancel("r1")
+    engine.step()  # the cancelled request's final chunk
+    assert not engine.has_work()
+    engine.start_generate(sid, SamplingParams(max_tokens=4, ignore_eos=True), request_id="r2")
+    tokens: list[int] = []
+    for _ in range(20):  # bounded: before the fix this generation never produced a token
+        tokens += [t for chunk in engine.step() for t in chunk.token_ids]
+        if not engine.has_work():
+            break
+    assert tokens == expected
+    engine.close(sid)
