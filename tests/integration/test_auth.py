@@ -73,7 +73,7 @@ def test_a_session_belongs_to_the_key_that_created_it(secured: Cluster, keys: Pa
                 "info": theirs.info, "append": lambda: theirs.append(token_ids=[1]),
                 "generate": lambda: theirs.generate(max_tokens=2), "fork": theirs.fork, "close": theirs.close,
             }
-            for name, attempt in attempts.items():
+            for attempt in attempts.values():
                 with pytest.raises(Unauthorized, match="belongs to another client"):
                     attempt()
             theirs.generate(max_tokens=2, stream=True).close()  # a cancel from bob is ignored, not an error
