@@ -21,7 +21,7 @@ count; the sum may be one step ahead. Names follow vLLM's (`vllm:time_to_first_t
 
     sessionserve:num_sessions, session_capacity, free_slots        gauges   the session table
     sessionserve:kv_cache_usage_perc                               gauge    slots in use / capacity (0..1)
-    sessionserve:session_bytes, session_state_bytes                gauges   one session's state; all slots in use
+    sessionserve:session_bytes, session_state_bytes                gauges   one session's state; memory mapped for slots
     sessionserve:num_requests_running                              gauge    generations in flight
     sessionserve:draining                                          gauge    1 while draining
     sessionserve:gpu_memory_allocated_bytes, ..._reserved_bytes    gauges   torch's CUDA allocator (CUDA only)
@@ -310,7 +310,7 @@ class _WorkerCollector(Collector):
         ]
         if s.bytes_per_session:
             values.append(("session_bytes", "Device memory of one session's state.", s.bytes_per_session))
-            values.append(("session_state_bytes", "Device memory mapped for session state (slots in use).",
+            values.append(("session_state_bytes", "Memory mapped for session state (slots in use, and the spare).",
                            used * s.bytes_per_session if s.mapped_bytes is None else s.mapped_bytes))
         values += [(name, name.replace("_", " ") + ".", value) for name, value in sorted(memory.items())]
         for name, doc, value in values:
