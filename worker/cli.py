@@ -22,7 +22,7 @@ from broker.keys import CurveClient, KeyFileError
 from broker.metrics_http import MetricsServer
 
 from .daemon import Serve, WorkerConfig
-from .metrics import worker_readiness
+from .metrics import WorkerMetrics, worker_readiness
 
 EXIT_STARTUP_FAILED = 3
 
@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_STARTUP_FAILED
     config = WorkerConfig(
         broker=args.broker, name=args.name, drain_timeout_s=args.drain_timeout, reconnect_max_ms=args.reconnect_max_ms,
-        curve=curve, session_idle_timeout_s=args.session_idle_timeout,
+        curve=curve, session_idle_timeout_s=args.session_idle_timeout, metrics=args.metrics_port is not None,
     )
     serve: Serve | None = None
     stop_requested = False
@@ -167,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         def ready() -> tuple[bool, str]:
             return worker_readiness(served.link.registered.is_set(), served.draining)
 
+        assert isinstance(serve.metrics, WorkerMetrics)  # config.metrics was set
         try:
             metrics_server = MetricsServer(serve.metrics.registry, args.metrics_host, args.metrics_port,
                                            alive=serve.pulse.alive, ready=ready).start()

@@ -37,7 +37,7 @@ from broker import protocol as p
 from broker.keys import CurveClient
 from broker.metrics_http import Pulse
 
-from .metrics import WorkerMetrics, WorkerSnapshot, torch_memory
+from .metrics import NoMetrics, WorkerMetrics, WorkerSnapshot, torch_memory
 
 log = structlog.get_logger()
 
@@ -88,6 +88,7 @@ class WorkerConfig:
     hwm: int = 100_000
     curve: CurveClient | None = None  # the broker's public key and this worker's pair
     session_idle_timeout_s: float = 0.0  # 0: sessions never expire
+    metrics: bool = False  # keep Prometheus metrics (for --metrics-port)
 
 
 @dataclass(frozen=True)
@@ -450,9 +451,11 @@ class Serve:
         self.state = WorkerState(engine.free_slots, tuple(engine.sessions()))
         self.link = Link(config, self.ready_message, lambda: self.state, lambda: self.steps)
         self.pulse = Pulse()  # /healthz: run() beats it every turn
-        self.metrics = WorkerMetrics(self.metrics_snapshot, worker=config.name, model=engine.model_name,
-                                     device=engine.device, max_context=engine.max_context,
-                                     memory=torch_memory(engine.device))
+        self.metrics: WorkerMetrics | NoMetrics = NoMetrics()
+        if config.metrics:
+            self.metrics = WorkerMetrics(self.metrics_snapshot, worker=config.name, model=engine.model_name,
+                                         device=engine.device, max_context=engine.max_context,
+                                         memory=torch_memory(engine.device))
 
     def metrics_snapshot(self) -> WorkerSnapshot:
         """Read on the metrics thread: only values this loop replaces whole."""

@@ -161,6 +161,28 @@ def worker_readiness(registered: bool, draining: bool) -> Readiness:
     return True, "ready"
 
 
+class NoMetrics:
+    """WorkerMetrics' hooks doing nothing: a worker without --metrics-port pays for none of them."""
+
+    def request(self, command: str | Enum) -> None:
+        pass
+
+    def error(self, code: object) -> None:
+        pass
+
+    def generation_started(self, key: str, t: float) -> None:
+        pass
+
+    def first_token(self, key: str, t: float) -> None:
+        pass
+
+    def step(self, end: float, duration_s: float, rows: int, prefill_tokens: int, new_tokens: int) -> None:
+        pass
+
+    def generation_finished(self, key: str, t: float, tokens: int, reason: str) -> None:
+        pass
+
+
 class WorkerMetrics:
     """Counters and histograms of one worker process, and its registry (serve it with a MetricsServer).
 

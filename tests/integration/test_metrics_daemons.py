@@ -1,0 +1,62 @@
+"""`--metrics-port` on the real daemons: /healthz, /readyz and /metrics that count what was done."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .cluster import Cluster, free_port
+
+PROMPT = [7, 8, 9, 10]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def samples(text: str) -> dict[str, float]:
+    """name{labels} -> value, labels sorted, for exact lookups."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("worker", "model", "device"))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def test_both_daemons_serve_health_readiness_and_exact_counts(cluster: Cluster) -> None:
+    bport, wport = free_port(), free_port()
+    cluster.start_broker(["--metrics-port", str(bport)])
+    cluster.start_worker("w1", extra=["--metrics-port", str(wport)])
+    cluster.wait_for_workers({"w1"})
+    broker, worker = f"http://127.0.0.1:{bport}", f"http://127.0.0.1:{wport}"
+    deadline = time.monotonic() + 10
+    while get(f"{worker}/readyz")[0] != 200:  # registered with the broker
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert get(f"{broker}/healthz") == (200, "ok\n") and get(f"{worker}/healthz") == (200, "ok\n")
+    assert get(f"{broker}/readyz")[0] == 200
+    assert get(f"{worker}/nope")[0] == 404
+    with cluster.client() as c, c.session() as s:
+        s.append(token_ids=PROMPT)
+        assert len(s.generate(max_tokens=5, ignore_eos=True).token_ids) == 5
+        assert len(list(s.generate(max_tokens=3, ignore_eos=True, stream=True))) >= 1
+    w = samples(get(f"{worker}/metrics")[1])
+    assert w["sessionserve:generation_tokens_total{}"] == 8
+    assert w["sessionserve:prompt_tokens_total{}"] == len(PROMPT)  # the answers were computed as they were made
+    assert w["sessionserve:request_success_total{finished_reason=length}"] == 2
+    assert w["sessionserve:time_to_first_token_seconds_count{}"] == 2
+    assert w["sessionserve:inter_token_latency_seconds_count{}"] == 8 - 2
+    assert w["sessionserve:num_sessions{}"] == 0 and w["sessionserve:session_capacity{}"] == 4
+    assert w["sessionserve:requests_total{command=generate}"] == 2
+    b = samples(get(f"{broker}/metrics")[1])
+    assert b["sessionserve:num_workers{}"] == 1
+    assert b["sessionserve:requests_total{command=generate}"] == 2
+    assert b["sessionserve:requests_total{command=create}"] == 1
