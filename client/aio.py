@@ -32,7 +32,7 @@ from . import calls
 from .calls import Answer, Call, addressed, build, decode_answer, new_request_id
 from .errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
-from .transport import HandshakeWatch, connect_client, curve_of, timed_out
+from .transport import connect_client, curve_of, timed_out
 
 log = structlog.get_logger()
 
@@ -95,14 +95,7 @@ class AsyncTransport:
         self.resend_after_s = resend_after_s
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket = self._context.socket(zmq.DEALER)
-        self._watch = HandshakeWatch(self._socket)
-        try:
-            connect_client(self._socket, address, curve)
-        except zmq.ZMQError as e:  # a malformed address: free the sockets, or the context's term() waits forever
-            self._watch.close()
-            self._socket.close(linger=0)
-            self._context.term()
-            raise ClientError(f"cannot connect to {address!r}: {e}") from e
+        self._watch = connect_client(self._context, self._socket, address, curve)
         self._mail: dict[str, Mailbox] = {}
         self._reader: asyncio.Task[None] | None = None
         self.closed = False

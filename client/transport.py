@@ -74,8 +74,23 @@ def timed_out(watch: HandshakeWatch, address: str, timeout_s: float, request_id:
     return Timeout(f"no answer within {timeout_s:g} s from {address}", request_id=request_id)
 
 
-def connect_client(sock: zmq.Socket[Any], address: str, curve: CurveClient | None = None) -> None:
-    """Set up a DEALER with a stable routing id (after a broker restart it reconnects as the same peer)."""
+def connect_client(context: zmq.Context[Any], sock: zmq.Socket[Any], address: str,
+                   curve: CurveClient | None = None) -> HandshakeWatch:
+    """Set up and connect a DEALER with a stable routing id (after a broker restart it reconnects as the same
+    peer); returns the watch on its handshakes. A malformed address is a ClientError, after the socket and
+    the context are freed (a context with an open socket would wait forever in term())."""
+    watch = HandshakeWatch(sock)
+    try:
+        _connect(sock, address, curve)
+    except zmq.ZMQError as e:
+        watch.close()
+        sock.close(linger=0)
+        context.term()
+        raise ClientError(f"cannot connect to {address!r}: {e}") from e
+    return watch
+
+
+def _connect(sock: zmq.Socket[Any], address: str, curve: CurveClient | None) -> None:
     sock.setsockopt(zmq.ROUTING_ID, b"c" + uuid.uuid4().bytes)  # ids starting with 0 are ZeroMQ's own
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10_000)
@@ -95,14 +110,7 @@ class Transport:
         self.resend_after_s = resend_after_s
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
-        self._watch = HandshakeWatch(self._socket)
-        try:
-            connect_client(self._socket, address, curve)
-        except zmq.ZMQError as e:  # a malformed address: free the sockets, or the context's term() waits forever
-            self._watch.close()
-            self._socket.close(linger=0)
-            self._context.term()
-            raise ClientError(f"cannot connect to {address!r}: {e}") from e
+        self._watch = connect_client(self._context, self._socket, address, curve)
         self._mail: dict[str, deque[Answer]] = {}
         self.closed = False
 

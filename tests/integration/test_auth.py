@@ -165,3 +165,16 @@ def test_loadtest_drives_a_secured_broker_with_its_keys(secured: Cluster, keys: 
     report = run(LoadConfig(broker=secured.clients, sessions=2, prompt_tokens=8, max_tokens=4, turns=2, ignore_eos=True,
                             broker_key=str(creds["broker_key"]), key=str(creds["key"])))
     assert (report.completed, report.failed, report.total_output_tokens) == (4, 0, 16)
+
+
+def test_an_async_client_without_keys_is_told_it_was_refused(secured: Cluster) -> None:
+    import asyncio
+
+    from client import AsyncClient
+
+    async def attempt() -> None:
+        async with AsyncClient(secured.clients, timeout=1.5) as stranger:
+            with pytest.raises(Unauthorized, match="refused this client's handshake"):
+                await stranger.session()
+
+    asyncio.run(attempt())
