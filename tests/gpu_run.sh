@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, for the GPU machine: versions, the gpu-marked tests, the benchmark,
-# and the no-bleed / cycle / in-flight tests under compute-sanitizer memcheck. API errors are not
+# device memory under session churn, and the no-bleed / cycle / in-flight tests under compute-sanitizer memcheck. API errors are not
 # reported there: cuda-bindings probes the driver for versioned entry points with cuGetProcAddress,
 # and each miss shows up as CUDA_ERROR_INVALID_VALUE (34 of them, nothing else, in the first run).
 #
@@ -66,6 +66,7 @@ fi
 stage bench 150 python -m cuda_state.bench --json "$OUT/bench.json"
 stage bench-unfused 120 env WORKER_FUSED_KERNELS=0 python -m cuda_state.bench --json "$OUT/bench-unfused.json"
 stage step-profile 120 python -m worker.step_profile --sessions 1 64 --steps 200
+stage memory-churn 120 python -m worker.memory_churn --rounds 12 --prompt-max 1900 --json "$OUT/memory_churn.json"
 
 stage sanitizer 400 env GPU_TESTS_UNDER_SANITIZER=1 \
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
