@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, for the GPU machine: versions, the gpu-marked tests, the benchmark,
-# device memory under session churn, and the no-bleed / cycle / in-flight tests under compute-sanitizer memcheck. API errors are not
+# device memory under session churn, and the no-bleed / cycle / in-flight tests under
+# compute-sanitizer memcheck. API errors are not
 # reported there: cuda-bindings probes the driver for versioned entry points with cuGetProcAddress,
 # and each miss shows up as CUDA_ERROR_INVALID_VALUE (34 of them, nothing else, in the first run).
 #
