@@ -354,12 +354,16 @@ class Router:
     # -- worker messages -------------------------------------------------------------------------
 
     def _register(self, identity: bytes, ready: p.Ready, now: float) -> None:
-        again = identity in self.registry.workers
+        before = self.registry.workers.get(identity)
+        again = before is not None
+        # A worker cut off for a while re-sends READY on its backoff; they all arrive when the link is back.
+        # Repeats that change nothing are logged at debug.
+        unchanged = before is not None and (before.sessions, before.draining) == (set(ready.sessions), ready.draining)
         self.registry.register(identity, ready, now)
         self.counters.worker_registered(again)
         self.liveness.seen(identity, now)
         self._asked_to_register.pop(identity, None)
-        log.info(
+        (log.debug if unchanged else log.info)(
             "worker_reregistered" if again else "worker_registered",
             worker=ready.name, model=ready.model, capacity=ready.capacity, sessions=len(ready.sessions),
             draining=ready.draining, device=ready.device,
