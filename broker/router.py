@@ -468,7 +468,9 @@ class Router:
             return
         self.counters.worker_lost(reason, len(record.sessions))
         failed = [key for key, flight in self.inflight.items() if flight.worker == identity]
-        log.warning("worker_lost", worker=record.name, reason=reason, sessions=len(record.sessions), failed=len(failed))
+        planned = reason == "disconnected: drained" and not record.sessions and not failed  # a clean shutdown
+        (log.info if planned else log.warning)(
+            "worker_lost", worker=record.name, reason=reason, sessions=len(record.sessions), failed=len(failed))
         orphans = self._orphans.setdefault(identity, [])
         for key in failed:
             flight = self.inflight.pop(key)
