@@ -26,6 +26,8 @@ WORKERS_DIR = "workers"
 CLIENTS_DIR = "clients"
 WORKERS_DOMAIN = "workers"
 CLIENTS_DOMAIN = "clients"
+# Socket-monitor events of a refused handshake: an unknown key, a wrong server key, or one side without CURVE.
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class KeyFileError(ValueError):
@@ -51,6 +53,16 @@ class CurveClient:
         public, secret = _load(key, need_secret=True)
         assert secret is not None
         return cls(server_public, public, secret)
+
+    @classmethod
+    def from_files(cls, broker_key: str | os.PathLike[str] | None, key: str | os.PathLike[str] | None) -> CurveClient | None:
+        """Both files or neither (None: no CURVE). ValueError for one alone, KeyFileError for a bad file."""
+        if broker_key is None and key is None:
+            return None
+        if broker_key is None or key is None:
+            raise ValueError("give both broker_key (the broker's public key file) and key (this peer's .key_secret), "
+                             "or neither")
+        return cls.load(broker_key, key)
 
     def apply(self, sock: zmq.Socket[Any]) -> None:
         """Before connect."""
@@ -89,6 +101,17 @@ class BrokerKeys:
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
+
+
+def drain_events(monitor: zmq.Socket[Any]) -> int:
+    """Read every event queued on a monitor socket, without blocking; returns how many there were."""
+    count = 0
+    while True:
+        try:
+            monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return count
+        count += 1
 
 
 def keygen(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:

@@ -26,7 +26,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from . import protocol as p
-from .keys import CLIENTS_DOMAIN, WORKERS_DOMAIN, BrokerKeys
+from .keys import CLIENTS_DOMAIN, HANDSHAKE_FAILED, WORKERS_DOMAIN, BrokerKeys, drain_events
 from .metrics_http import Pulse
 from .router import Failure, Peer, Router, Send, Settings
 
@@ -36,7 +36,6 @@ log = structlog.get_logger()
 RECV_BATCH = 256
 MAX_POLL_S = 0.25  # a stop request is noticed within this
 AUTH_FAILURE_LOG_S = 10.0  # refused handshakes are logged at most this often per socket (peers retry fast)
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 # Plain ints: pyzmq's send_multipart combines enum flags per frame, which costs ~10% of the broker's time.
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
@@ -104,7 +103,7 @@ class BrokerServer:
         sock: zmq.Socket[bytes] = self._context.socket(zmq.ROUTER)
         if self._keys is not None:
             self._keys.apply(sock, domain)
-            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+            monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
             self._monitors.append((monitor, domain))
         # All options before bind: they apply to connections accepted from then on.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> EHOSTUNREACH, not a silent drop
@@ -198,14 +197,8 @@ class BrokerServer:
     def _handshake_failures(self, ready: dict[Any, int]) -> None:
         """Count refused handshakes (wrong or unknown keys, no CURVE) and log them, rate-limited."""
         for monitor, domain in self._monitors:
-            if monitor not in ready:
-                continue
-            while True:
-                try:
-                    monitor.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._auth_failures[domain] += 1
+            if monitor in ready:
+                self._auth_failures[domain] += drain_events(monitor)
         now = time.monotonic()
         if any(self._auth_failures.values()) and now - self._auth_logged_at >= AUTH_FAILURE_LOG_S:
             log.warning("handshakes_refused", **{f"{d}_socket": n for d, n in self._auth_failures.items()})

@@ -32,7 +32,7 @@ from . import calls
 from .calls import Answer, Call, addressed, build, decode_answer, new_request_id
 from .errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
-from .transport import connect_client, curve_of, timed_out
+from .transport import connect_client, timed_out
 
 log = structlog.get_logger()
 
@@ -187,7 +187,7 @@ class AsyncClient:
         file and this client's key pair file (NAME.key_secret, from `broker keygen`)."""
         self.address = address
         self.timeout = timeout
-        self._transport = AsyncTransport(address, resend_after, curve_of(broker_key, key))
+        self._transport = AsyncTransport(address, resend_after, CurveClient.from_files(broker_key, key))
 
     async def session(self, model: str | None = None, *, timeout: float | None = None) -> AsyncSession:
         request = build(p.CreateSession, request_id=new_request_id(), model=model)

@@ -18,12 +18,13 @@ from types import TracebackType
 from typing import Literal, TypeVar, overload
 
 from broker import protocol as p
+from broker.keys import CurveClient
 
 from . import calls
 from .calls import build, new_request_id
 from .errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
-from .transport import Transport, curve_of
+from .transport import Transport
 
 M = TypeVar("M", bound=p.Message)
 
@@ -42,7 +43,7 @@ class Client:
         file and this client's key pair file (NAME.key_secret, from `broker keygen`)."""
         self.address = address
         self.timeout = timeout
-        self._transport = Transport(address, resend_after, curve_of(broker_key, key))
+        self._transport = Transport(address, resend_after, CurveClient.from_files(broker_key, key))
 
     def session(self, model: str | None = None, *, timeout: float | None = None) -> Session:
         """A new session on the least-loaded worker serving `model` (None: any model)."""

@@ -8,7 +8,6 @@ ZeroMQ socket it owns.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections import deque
@@ -18,7 +17,7 @@ import structlog
 import zmq
 
 from broker import protocol as p
-from broker.keys import CurveClient
+from broker.keys import HANDSHAKE_FAILED, CurveClient, drain_events
 
 from .calls import Answer, Call, addressed, decode_answer
 from .errors import ClientError, Timeout, Unauthorized
@@ -28,20 +27,10 @@ log = structlog.get_logger()
 RECV_BATCH = 1024
 
 
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 REFUSED = (
     "the broker refused this client's handshake: its key is not in the broker's clients/, --broker-key is not "
     "the broker's public key, or the broker requires keys and none were given"
 )
-
-
-def curve_of(broker_key: str | os.PathLike[str] | None, key: str | os.PathLike[str] | None) -> CurveClient | None:
-    """Keys from files (the broker's public key, this client's .key_secret): both or neither."""
-    if broker_key is None and key is None:
-        return None
-    if broker_key is None or key is None:
-        raise ValueError("give both broker_key (the broker's public key file) and key (this client's .key_secret)")
-    return CurveClient.load(broker_key, key)
 
 
 class HandshakeWatch:
@@ -49,19 +38,16 @@ class HandshakeWatch:
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         address = f"inproc://handshake-{uuid.uuid4().hex}"
-        sock.monitor(address, _HANDSHAKE_FAILED)
+        sock.monitor(address, HANDSHAKE_FAILED)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(sock.context.underlying)  # also for asyncio
         self._pair: zmq.Socket[bytes] = self._context.socket(zmq.PAIR)
         self._pair.connect(address)
         self._refused = False
 
     def refused(self) -> bool:
-        while True:
-            try:
-                self._pair.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return self._refused
+        if drain_events(self._pair):
             self._refused = True
+        return self._refused
 
     def close(self) -> None:
         self._pair.close(linger=0)

@@ -116,15 +116,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.Ready(name=args.name, model="-", capacity=0, free_slots=0, max_context=0)
     except p.ProtocolError as e:
         raise SystemExit(f"worker: --name: {e.message}") from None
-    if (args.broker_key is None) != (args.key is None):
-        raise SystemExit("worker: give both --broker-key and --key, or neither")
     logs.configure(args.log_level, role="worker", worker=args.name)
     log = structlog.get_logger()
     try:
-        curve = CurveClient.load(args.broker_key, args.key) if args.key is not None else None
+        curve = CurveClient.from_files(args.broker_key, args.key)
     except KeyFileError as e:
         log.error("worker_start_failed", error=str(e))
         return EXIT_STARTUP_FAILED
+    except ValueError as e:  # one of the two alone: a bad argument
+        raise SystemExit(f"worker: --broker-key, --key: {e}") from None
     config = WorkerConfig(
         broker=args.broker, name=args.name, drain_timeout_s=args.drain_timeout, reconnect_max_ms=args.reconnect_max_ms,
         curve=curve, session_idle_timeout_s=args.session_idle_timeout, metrics=args.metrics_port is not None,

@@ -34,7 +34,7 @@ import structlog
 import zmq
 
 from broker import protocol as p
-from broker.keys import CurveClient
+from broker.keys import HANDSHAKE_FAILED, CurveClient, drain_events
 from broker.metrics_http import Pulse
 
 from .metrics import NoMetrics, WorkerMetrics, WorkerSnapshot, torch_memory
@@ -46,7 +46,6 @@ MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives
 MAX_INBOX_BATCH = 1024  # requests admitted between two steps
 MAX_EXPIRED_REMEMBERED = 1 << 16  # expired session ids answered with session_expired (oldest forgotten first)
 HANDSHAKE_LOG_S = 10.0  # a refused handshake is logged at most this often (ZeroMQ retries every reconnect)
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class EngineAPI(Protocol):
@@ -255,17 +254,13 @@ class Link:
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.config.heartbeat_ms * self.config.liveness)
         if self.config.curve is not None:
             self.config.curve.apply(dealer)
-        self._monitor = dealer.get_monitor_socket(_HANDSHAKE_FAILED)  # a broker that wants keys refuses none too
+        self._monitor = dealer.get_monitor_socket(HANDSHAKE_FAILED)  # a broker that wants keys refuses none too
         dealer.connect(self.config.broker)
         return dealer
 
     def _handshake_failed(self) -> None:
         assert self._monitor is not None
-        while True:
-            try:
-                self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        drain_events(self._monitor)
         now = time.monotonic()
         if now - self._handshake_logged_at >= HANDSHAKE_LOG_S:
             self._handshake_logged_at = now
