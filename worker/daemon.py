@@ -99,6 +99,10 @@ class WorkerState:
     draining: bool = False
     owners: tuple[str, ...] = ()  # one per session
 
+    def heartbeat(self, steps: int, expired: tuple[str, ...] = ()) -> p.Heartbeat:
+        return p.Heartbeat(free_slots=self.free_slots, sessions=len(self.sessions), draining=self.draining,
+                           steps=steps, expired=expired)
+
 
 class SessionExpired(Exception):
     code = "session_expired"
@@ -313,10 +317,7 @@ class Link:
 
     def _timers(self, dealer: zmq.Socket[bytes], now: float) -> None:
         if now >= self._next_beat:
-            state = self._state()
-            beat = p.Heartbeat(free_slots=state.free_slots, sessions=len(state.sessions), draining=state.draining,
-                               steps=self._steps())
-            self._send(dealer, beat)
+            self._send(dealer, self._state().heartbeat(self._steps()))
             self._next_beat = now + self.heartbeat_s
         silent = now - self._last_heard > self.heartbeat_s * self.liveness
         if silent and now >= self._next_ready:
@@ -727,9 +728,7 @@ class Serve:
                 self._expired.popitem(last=False)
         self._refresh_state()
         log.info("sessions_expired", sessions=len(idle), idle_timeout_s=timeout)
-        state = self.state
-        self.link.send([p.Heartbeat(free_slots=state.free_slots, sessions=len(state.sessions), draining=state.draining,
-                                    steps=self.steps, expired=tuple(idle))])
+        self.link.send([self.state.heartbeat(self.steps, tuple(idle))])
 
     def _refresh_state(self) -> None:
         sessions = tuple(self.engine.sessions())
