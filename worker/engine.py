@@ -4,6 +4,14 @@ A step is `schedule -> execute -> update` (the vLLM v1 shape): the scheduler pic
 every generating session plus chunks of pending prompt tokens within a token budget, the executor
 runs them as one batch through the model, and the update samples, appends and reports.
 
+On a GPU the host runs one step ahead (vLLM's async scheduling): when every generating session only
+decodes, the next step is launched with the token ids the current one samples on the device, before
+the host has read them; then the host reads the current step's tokens and does its bookkeeping
+(detokenizing, stop checks, the daemon's messages) while the GPU computes the next. A session that
+turns out to have stopped wastes one row; its result is dropped. Everything else (a new request, a
+prompt chunk, a cancel) makes the engine read first and schedule afresh, so the numbers and the
+tokens are exactly those of one step at a time.
+
 Sessions keep their whole token history. `computed` counts the tokens whose K/V are in the state;
 the rest are pending and get prefilled when the session next generates. The last sampled token of
 a generation stays pending, so the next turn starts exactly where the last one ended.
@@ -30,7 +38,7 @@ from .errors import BadRequest, ContextOverflow, EngineError, SessionBusy, Sessi
 from .executor import EagerExecutor, Executor
 from .loader import load_model
 from .model import Llama
-from .sampling import RowRandom, SamplingParams, sample
+from .sampling import RowRandom, SamplingParams, sample_ids
 from .tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -90,6 +98,23 @@ class Session:
         return len(self.tokens) - self.computed
 
 
+@dataclass
+class Launched:
+    """A step queued on the device whose sampled tokens the host has not read yet."""
+
+    plan: list[tuple[Request, int, int]]  # (request, first position, tokens) of each run
+    sampled: list[Request]  # the requests whose next token this step samples, in row order
+    positions: list[int]  # the position of each sampled row (its token's K/V are written there)
+    ids: torch.Tensor  # the sampled ids on the device (len(sampled),)
+    host: torch.Tensor  # their copy in host memory: valid once `copied` has passed
+    copied: torch.cuda.Event | None  # None: `host` is already valid (no device)
+
+    def read(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return [int(t) for t in self.host.tolist()]
+
+
 class Engine:
     def __init__(
         self,
@@ -99,6 +124,7 @@ class Engine:
         executor: Executor,
         model_name: str,
         step_tokens: int,
+        overlap: bool | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -116,6 +142,9 @@ class Engine:
         self.last_rows = 0  # requests in the last step's batch (0: it ran none)
         self.last_prefill_tokens = 0  # prompt tokens the last step computed
         self._decode_rows = 0
+        # Launch the next decode step before reading the last (executors that take ids from the device).
+        self.overlap = bool(getattr(executor, "overlaps", False)) if overlap is None else overlap
+        self._inflight: Launched | None = None
 
     # -- construction -------------------------------------------------------------------------
 
@@ -325,37 +354,96 @@ class Engine:
             self._cancel(request)
 
     def has_work(self) -> bool:
-        return bool(self._active or self._finished)
+        return bool(self._active or self._finished or self._inflight)
 
     def step(self) -> list[Chunk]:
-        """One batched step over all active requests. Returns one chunk per request that moved."""
+        """One batched step over all active requests. Returns one chunk per request that moved.
+
+        With overlap, the step read here may have been launched by the previous call, and the next
+        one may be left running on the device when this returns (see the module's docstring)."""
         chunks, self._finished = self._finished, []
+        launched, self._inflight = self._inflight, None
+        try:
+            if launched is None:
+                launched = self._launch()
+                if launched is None:
+                    return chunks
+            if self.overlap:
+                self._inflight = self._launch_next(launched)
+            chunks += self._collect(launched)
+        except BaseException:
+            self._inflight = None  # nothing of a failed step is kept: its requests run it again
+            raise
+        return chunks
+
+    def _launch(self) -> Launched | None:
+        """Schedule from the sessions' state and queue the step (nothing may be in flight)."""
         plan = self._schedule()
         self.last_rows = len(plan)
         if not plan:
-            return chunks
+            self.last_prefill_tokens = 0
+            return None
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sampled_rows: list[int] = []
         sampled: list[Request] = []
+        runs: list[tuple[Request, int, int]] = []
         for request, n in plan:
             s = request.session
             tokens += s.tokens[s.computed : s.computed + n]
             positions += range(s.computed, s.computed + n)
             slots += [s.slot] * n
+            runs.append((request, s.computed, n))
             if n == s.pending:  # the whole prompt is in: this row's logits give the next token
                 sampled_rows.append(len(tokens) - 1)
                 sampled.append(request)
         self.last_prefill_tokens = len(tokens) - self._decode_rows
         logits = self.executor.execute(tokens, positions, slots, sampled_rows)
-        new_ids = sample(logits, [r.params for r in sampled], [r.random for r in sampled]) if sampled else []
-        for request, n in plan:  # only once the step succeeded: a failed one is run again, not skipped
-            request.session.computed += n
-        for request, token in zip(sampled, new_ids, strict=True):
-            chunks.append(self._accept(request, token))
+        return self._sampled(runs, sampled, [positions[r] for r in sampled_rows], logits)
+
+    def _launch_next(self, last: Launched) -> Launched | None:
+        """Queue the step after `last` before reading it, if that step is only `last`'s sessions decoding.
+
+        Requests that `last` ends by length are left out; one that `last` ends by a stop token or
+        string runs a wasted row, dropped when read. Anything else to schedule: None (read first)."""
+        live = [i for i, r in enumerate(last.sampled) if r.finish_reason is None]
+        if not live or len(live) != len(self._active):
+            return None  # other requests (new, or mid-prompt) need the scheduler
+        picks = [
+            i for i in live
+            if last.sampled[i].generated + 1 < last.sampled[i].params.max_tokens and last.positions[i] + 2 < self.max_context
+        ]
+        if not picks or len(picks) > getattr(self.executor, "max_decode_rows", 0):
+            return None
+        requests = [last.sampled[i] for i in picks]
+        positions = [last.positions[i] + 1 for i in picks]
+        slots = [r.session.slot for r in requests]
+        logits = self.executor.execute([], positions, slots, list(range(len(picks))), source=(last.ids, picks))
+        self.last_rows = len(picks)
+        self.last_prefill_tokens = 0
+        return self._sampled([(r, p, 1) for r, p in zip(requests, positions, strict=True)], requests, positions, logits)
+
+    def _sampled(self, runs: list[tuple[Request, int, int]], sampled: list[Request], positions: list[int],
+                 logits: torch.Tensor) -> Launched:
+        """Queue the sampling of a launched step and the copy of its ids to the host."""
         self.steps += 1
-        return chunks
+        ids = sample_ids(logits, [r.params for r in sampled], [r.random for r in sampled])
+        if ids.device.type != "cuda":
+            return Launched(runs, sampled, positions, ids, ids, None)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return Launched(runs, sampled, positions, ids, host, copied)
+
+    def _collect(self, launched: Launched) -> list[Chunk]:
+        """Read a launched step's tokens and apply them to the requests still running."""
+        new_ids = launched.read()
+        for request, position, n in launched.plan:  # only once the step succeeded: a failed one runs again
+            if request.finish_reason is None:  # ended meanwhile: its K/V past `computed` are simply rewritten
+                request.session.computed = position + n
+        return [self._accept(r, t) for r, t in zip(launched.sampled, new_ids, strict=True) if r.finish_reason is None]
 
     # -- generation: sync helpers -------------------------------------------------------------
 

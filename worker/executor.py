@@ -17,22 +17,56 @@ from .model import Llama
 
 
 class Executor(Protocol):
-    def execute(self, tokens: list[int], positions: list[int], slots: list[int], logits_at: list[int]) -> torch.Tensor:
-        """float32 logits (len(logits_at), vocab), on the model's device."""
+    @property
+    def overlaps(self) -> bool:
+        """execute() only queues device work: the engine may launch a step before reading the last."""
+        ...
+
+    @property
+    def max_decode_rows(self) -> int:
+        """The most rows one execute() with `source` takes."""
+        ...
+
+    def execute(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        logits_at: list[int],
+        source: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> torch.Tensor:
+        """float32 logits (len(logits_at), vocab), on the model's device.
+
+        `source` (ids, picks): every row is a decode row whose token is ids[picks[i]], a tensor on the
+        model's device (the previous step's samples, not read by the host); `tokens` is then ignored."""
         ...
 
 
 class EagerExecutor:
+    overlaps = False  # synchronous on the CPU: running ahead gains nothing there
+    max_decode_rows = 1 << 30
+
     def __init__(self, model: Llama, table: SessionTable) -> None:
         self.model = model
         self.table = table
         self.state = table.views()
 
-    def execute(self, tokens: list[int], positions: list[int], slots: list[int], logits_at: list[int]) -> torch.Tensor:
+    def execute(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        logits_at: list[int],
+        source: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> torch.Tensor:
         dev = self.model.device
         batch = self.model.plan(slots, positions, lengths_on_device=dev.type == "cuda")
+        if source is not None:
+            ids = source[0].index_select(0, torch.tensor(source[1], dtype=torch.long, device=dev))
+        else:
+            ids = torch.tensor(tokens, dtype=torch.long, device=dev)
         logits = self.model.forward(
-            torch.tensor(tokens, dtype=torch.long, device=dev),
+            ids,
             torch.tensor(positions, dtype=torch.long, device=dev),
             torch.tensor(slots, dtype=torch.long, device=dev),
             self.state,

@@ -1,25 +1,36 @@
-"""The GPU side of the engine: the Triton decode kernel, workspace sizing and CUDA-graph decode.
+"""The GPU side of the engine: the Triton attention kernel, workspace sizing and CUDA-graph steps.
 
-A decode step (every row one token of a different session) is captured once per batch-size bucket
-and replayed for any set of sessions: state lives at fixed addresses in the slab and the model
-indexes it by slot, so only the small static input tensor changes between replays. Padding rows of
-a bucket point at the table's spare slot (always mapped) at position 0 with length 1, so a padded
+Every GPU step replays a captured CUDA graph. State lives at fixed addresses in the slab and the model
+indexes it by slot, so only small static input tensors change between replays. Each row of a step is
+one token: its id, its position, its session's slot, and the length of that session's prefix it
+attends to (position + 1). Attention reads K/V in place from the slab (worker.triton_attention), after
+the step has written its own tokens' K/V, so a prompt chunk's rows attend causally within the chunk
+exactly as a decode row attends to its history: one kernel serves both.
+
+- Decode rows (one token of each generating session) replay a graph per batch-size bucket.
+- Prompt chunks of a step are packed into one graph of PREFILL_ROWS rows, returning logits only at
+  the chunk ends (at most PREFILL_LOGITS per replay; more chunks take more replays).
+Padding rows point at the table's spare slot (always mapped) at position 0 with length 1, so a padded
 row reads and writes only memory nobody else uses.
 
 Batch invariance: a row's numbers must not depend on what else is in the step (the same seed and
 inputs give the same tokens whatever else runs). Matrix kernels pick their reduction order by the
 shape, so every decode row runs in a bucket of at least MIN_BUCKET rows (one bucket, one kernel,
 for up to MIN_BUCKET sessions; on a model this size a 64-row step costs what a 1-row step does),
-and the prefill chunks of a step run packed in one forward padded to a fixed PREFILL_ROWS rows, with
-attention per chunk. A step that mixes decode rows and prefill chunks is split that way: decode rows
-from the graph, the chunks in one eager forward.
+and every prompt chunk in the fixed PREFILL_ROWS-row shape. A step that mixes decode rows and prompt
+chunks is split that way: decode rows from their bucket's graph, the chunks from the prefill graph.
+
+Decode rows can take their token ids from a device tensor (the previous step's sampled ids): the
+engine launches the next decode step before it has read the last one's tokens (worker.engine).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import structlog
@@ -27,7 +38,7 @@ import torch
 
 from cuda_state import SessionTable
 
-from .executor import EagerExecutor, Executor
+from .executor import Executor
 from .model import Batch, Llama, Run, runs_of
 
 log = structlog.get_logger(__name__)
@@ -35,7 +46,8 @@ log = structlog.get_logger(__name__)
 MIN_BUCKET = 64  # decode batches of up to this many rows share one shape: batch-invariant numbers
 BUCKETS = (MIN_BUCKET, 128, 256)  # decode batch sizes captured as graphs; larger batches are cut
 WARMUP_RUNS = 2  # eager runs on the capture stream before capturing (compiles Triton, inits cuBLAS)
-PREFILL_ROWS = 2048  # rows of every prefill forward (= the engine's GPU step budget for prompt tokens)
+PREFILL_ROWS = 2048  # rows of every prefill replay (= the engine's GPU step budget for prompt tokens)
+PREFILL_LOGITS = 64  # chunk ends one prefill replay returns logits for (fixed: the lm_head's shape)
 GRAPHS_ENV = "WORKER_CUDA_GRAPHS"  # "0" disables graphs whatever the caller asked for
 FUSED_ENV = "WORKER_FUSED_KERNELS"  # "0" keeps the plain torch layer loop on the GPU (A/B comparisons)
 # Fixed slack in the workspace: cuBLAS workspaces (one per stream, the capture stream included),
@@ -63,7 +75,7 @@ def workspace_bytes(llama: Llama) -> int:
     - the attention of a prefill chunk: the model's masked SDPA with GQA takes the math path, which
       materialises fp32 scores, probabilities and the mask, (H, chunk, max_context) each;
     - logits: fp32 and model dtype for the largest eager decode, and the graphs' static outputs
-      (one per bucket, kept alive in the shared pool);
+      (one per bucket and the prefill graph's, kept alive in the shared pool);
     - FIXED_WORKSPACE_BYTES for cuBLAS workspaces, kernel modules and fragmentation.
     """
     from .engine import GPU_STEP_TOKENS
@@ -76,7 +88,7 @@ def workspace_bytes(llama: Llama) -> int:
     per_token = item * (4 * c.dim + qkv + c.n_heads * c.head_dim + 3 * c.ffn_dim)
     activations = 2 * GPU_STEP_TOKENS * per_token
     attention = 3 * c.n_heads * chunk * context * 4
-    logits = 2 * BUCKETS[-1] * c.vocab_size * (4 + item) + sum(BUCKETS) * c.vocab_size * 4
+    logits = 2 * BUCKETS[-1] * c.vocab_size * (4 + item) + (sum(BUCKETS) + PREFILL_LOGITS) * c.vocab_size * 4
     return activations + attention + logits + FIXED_WORKSPACE_BYTES
 
 
@@ -115,12 +127,40 @@ def make_gpu_executor(llama: Llama, table: SessionTable, cuda_graphs: bool = Tru
     return GraphExecutor(llama, table, use_graphs=cuda_graphs)
 
 
-class GraphExecutor:
-    """Decode rows replayed from CUDA graphs, one per bucket; prefill chunks eager, one forward each.
+class StaticInputs:
+    """A (fields, rows) int64 block the graphs read, loaded from a pinned host twin without a host sync.
 
-    With use_graphs=False the same padded decode steps run eagerly (the same kernels and shapes,
-    so the same numbers): the switch changes launch overhead only.
+    Columns start as `padding`. load() writes the host twin and queues its copy; the twin is
+    rewritten only once the previous copy has read it (an event), so two steps in flight are safe.
     """
+
+    def __init__(self, rows: int, padding: np.ndarray, device: torch.device) -> None:
+        self.padding = padding  # (fields, 1): the value of every field in a padding column
+        self._host = torch.zeros((padding.shape[0], rows), dtype=torch.long).pin_memory()
+        self.host: np.ndarray = self._host.numpy()
+        self.host[:] = padding
+        self.device: torch.Tensor = self._host.to(device)  # static: graphs read it
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def begin(self) -> np.ndarray:
+        """The host twin, free to write: the last copy has read it."""
+        self._copied.synchronize()
+        return self.host
+
+    def load(self) -> None:
+        self.device.copy_(self._host, non_blocking=True)
+        self._copied.record()
+
+
+class GraphExecutor:
+    """Every step from CUDA graphs: decode rows by bucket, prompt chunks in the fixed-shape prefill graph.
+
+    With use_graphs=False the same padded steps run eagerly (the same kernels and shapes, so the same
+    numbers): the switch changes launch overhead only.
+    """
+
+    overlaps = True  # decode steps take their token ids from a device tensor: the engine may run ahead
 
     def __init__(
         self,
@@ -129,43 +169,63 @@ class GraphExecutor:
         buckets: list[int] | None = None,
         use_graphs: bool = True,
         prefill_rows: int = PREFILL_ROWS,
+        prefill_logits: int = PREFILL_LOGITS,
     ) -> None:
         if model.decode_attention is None:
             raise ValueError("GraphExecutor needs the decode kernel: call attach_gpu_kernels(model) first")
         # torch's cuDNN attention backend builds, and keeps, an execution plan holding device memory outside
         # torch's allocator for every new (length, ...) shape. Prompt lengths rarely repeat, so a serving worker's
         # memory grew without end (~3 MiB per 40 prompts, worker/memory_churn.py); without it, it stays flat.
+        # (Only eager forwards use torch's attention now; graphs use the slab kernel.)
         torch.backends.cuda.enable_cudnn_sdp(False)
         self.model: Llama = model
         self.table: SessionTable = table
-        self.eager: EagerExecutor = EagerExecutor(model, table)
         self.state: dict[str, torch.Tensor] = table.views()
         self.buckets: list[int] = sorted(buckets or buckets_for(table.capacity))
         self.replays: int = 0  # decode steps served by a graph (for tests and metrics)
-        rows = self.buckets[-1]
+        self.prefill_replays: int = 0  # prefill forwards served by the graph
         device = model.device
         # Rows: token ids, positions, slots, lengths. Padding columns: token 0 at position 0 of the spare.
         self._padding: np.ndarray = np.array([[0], [0], [table.spare_slot], [1]], dtype=np.int64)
-        self._host: torch.Tensor = torch.zeros((4, rows), dtype=torch.long).pin_memory()
-        self._host_np: np.ndarray = self._host.numpy()
-        self._host_np[:] = self._padding
-        self._inputs: torch.Tensor = self._host.to(device)  # (4, rows) int64, static: the graphs read it
-        self._copied: torch.cuda.Event = torch.cuda.Event()  # the last host->device input copy has read self._host
-        self._copied.record()
+        self._decode_in = StaticInputs(self.buckets[-1], self._padding, device)
+        # The prefill graph's rows, plus a fifth row whose first prefill_logits entries pick the chunk ends.
+        self.prefill_rows: int = prefill_rows
+        self.prefill_logits: int = min(prefill_logits, prefill_rows)
+        self._prefill_in = StaticInputs(prefill_rows, np.vstack([self._padding, [[0]]]), device)
         self._stream: torch.cuda.Stream = torch.cuda.Stream(device)
         self.use_graphs: bool = use_graphs
-        # Every prefill forward has this many rows (chunks packed, the rest padding): one shape.
-        self.prefill_rows: int = prefill_rows
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
         if use_graphs:
             start = time.perf_counter()
-            for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool blocks
-                self._graphs[b] = self._capture(b)
+            # Largest activations first: the later graphs reuse its pool blocks (only outputs stay).
+            self._prefill_graph = self._capture(self._prefill_step)
+            for b in reversed(self.buckets):
+                self._graphs[b] = self._capture(functools.partial(self._step, b))
             torch.cuda.synchronize(device)
-            log.info("cuda_graphs_captured", buckets=self.buckets, seconds=round(time.perf_counter() - start, 2))
+            log.info("cuda_graphs_captured", buckets=self.buckets, prefill_rows=prefill_rows,
+                     seconds=round(time.perf_counter() - start, 2))
 
-    def execute(self, tokens: list[int], positions: list[int], slots: list[int], logits_at: list[int]) -> torch.Tensor:
+    @property
+    def max_decode_rows(self) -> int:
+        """The most decode rows one replay serves."""
+        return self.buckets[-1]
+
+    def execute(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        logits_at: list[int],
+        source: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> torch.Tensor:
+        """Logits (len(logits_at), vocab) fp32. `source` (ids, picks): decode rows only, at most
+        max_decode_rows; row i's token is ids[picks[i]], read on the device (`tokens` is ignored)."""
+        if source is not None:
+            if len(positions) > self.buckets[-1] or logits_at != list(range(len(positions))):
+                raise ValueError("token ids from the device serve one decode replay with logits for every row")
+            return self._decode(source[1], positions, slots, source[0])
         decode, prefill = split_step(tokens, positions, slots)
         if not prefill and logits_at == list(range(len(tokens))) and len(tokens) <= self.buckets[-1]:
             return self._decode(tokens, positions, slots)  # the common case: one replay, no reordering
@@ -179,68 +239,76 @@ class GraphExecutor:
         missing = wanted.intersection(r for run in prefill for r in range(run.start, run.start + run.n - 1))
         if missing:
             raise ValueError(f"logits of prefill rows {sorted(missing)} other than a chunk's last are not kept")
-        for group in self._prefill_groups(prefill):
-            rows.update(self._prefill(group, tokens, positions, slots, wanted))
+        for group in self._prefill_groups(prefill, wanted):
+            rows.update(self._prefill(group, tokens, positions, wanted))
         return torch.stack([rows[r] for r in logits_at]) if logits_at else torch.empty(
             (0, self.model.config.vocab_size), dtype=torch.float32, device=self.model.device
         )
 
-    def _prefill_groups(self, runs: list[Run]) -> list[list[Run]]:
-        """Prefill runs packed in order into forwards of at most `prefill_rows` tokens."""
+    def _prefill_groups(self, runs: list[Run], wanted: set[int]) -> list[list[Run]]:
+        """Prefill runs packed in order into replays of at most `prefill_rows` rows and `prefill_logits` ends."""
+        if any(run.n > self.prefill_rows for run in runs):
+            raise ValueError(f"a prompt chunk is longer than the {self.prefill_rows} rows of a prefill step")
         groups: list[list[Run]] = []
-        size = self.prefill_rows + 1
+        size, ends = self.prefill_rows + 1, 0
         for run in runs:
-            if size + run.n > self.prefill_rows:
+            end = int(run.start + run.n - 1 in wanted)
+            if size + run.n > self.prefill_rows or ends + end > self.prefill_logits:
                 groups.append([])
-                size = 0
+                size, ends = 0, 0
             groups[-1].append(run)
             size += run.n
+            ends += end
         return groups
 
-    def _prefill(
-        self, runs: list[Run], tokens: list[int], positions: list[int], slots: list[int], wanted: set[int]
-    ) -> dict[int, torch.Tensor]:
-        """One forward over several sessions' prefill chunks, padded to `prefill_rows` rows.
+    def _prefill(self, runs: list[Run], tokens: list[int], positions: list[int], wanted: set[int]) -> dict[int, torch.Tensor]:
+        """One prefill replay over several sessions' chunks, padded to `prefill_rows` rows.
 
-        The fixed shape makes every matrix product the same kernel whatever the chunks are, and
-        attention runs per chunk, so a chunk's numbers do not depend on its neighbours. Padding
-        rows write K/V at position 0 of the spare slot and take part in no attention.
+        The fixed shape makes every matrix product the same kernel whatever the chunks are, and each
+        row attends to its own session's prefix only, so a chunk's numbers do not depend on its
+        neighbours. Padding rows write K/V at position 0 of the spare slot and read only that.
         """
-        rows = max(self.prefill_rows, sum(r.n for r in runs))
-        spare = self.table.spare_slot
-        t, p, s = [0] * rows, [0] * rows, [spare] * rows
-        packed: list[Run] = []
-        at: list[int] = []  # packed row of each wanted chunk end
-        keys: list[int] = []  # the caller's row for it
+        host = self._prefill_in.begin()
+        host[:, :] = self._prefill_in.padding
+        keys: list[int] = []  # the caller's row of each chunk end, in the order of the logits
         cursor = 0
         for run in runs:
             end = run.start + run.n
-            t[cursor : cursor + run.n] = tokens[run.start : end]
-            p[cursor : cursor + run.n] = positions[run.start : end]
-            s[cursor : cursor + run.n] = slots[run.start : end]
-            packed.append(Run(run.slot, cursor, run.n, run.pos))
+            host[0, cursor : cursor + run.n] = tokens[run.start : end]
+            host[1, cursor : cursor + run.n] = positions[run.start : end]
+            host[2, cursor : cursor + run.n] = run.slot
             if end - 1 in wanted:
-                at.append(cursor + run.n - 1)
+                host[4, len(keys)] = cursor + run.n - 1
                 keys.append(end - 1)
             cursor += run.n
-        dev = self.model.device
-        batch = Batch(packed, decode_only=False, padded=cursor < rows)
-        logits = self.model.forward(
-            torch.tensor(t, dtype=torch.long, device=dev),
-            torch.tensor(p, dtype=torch.long, device=dev),
-            torch.tensor(s, dtype=torch.long, device=dev),
-            self.state,
-            batch,
-            torch.tensor(at, dtype=torch.long, device=dev),
-        )
+        host[3, :cursor] = host[1, :cursor] + 1
+        self._prefill_in.load()
+        if self._prefill_graph is not None:
+            graph, logits = self._prefill_graph
+            graph.replay()
+            self.prefill_replays += 1
+        else:
+            logits = self._prefill_step()
         self.table.mark_used(sorted({r.slot for r in runs}))
         return {key: logits[i] for i, key in enumerate(keys)}
 
-    def _decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """One padded decode step over distinct sessions' single tokens: logits (n, vocab), a copy."""
-        n = len(tokens)
+    def _decode(
+        self, tokens: list[int], positions: list[int], slots: list[int], source: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One padded decode step over distinct sessions' single tokens: logits (n, vocab), a copy.
+        With `source`, `tokens` are indices into it (the ids are gathered on the device)."""
+        n = len(positions)
         bucket = pick_bucket(self.buckets, n)
-        self._load_inputs(tokens, positions, slots)
+        host = self._decode_in.begin()
+        host[0, :n] = tokens
+        host[1, :n] = positions
+        host[2, :n] = slots
+        host[3, :n] = host[1, :n] + 1
+        host[:, n:] = self._padding
+        self._decode_in.load()
+        if source is not None:
+            ids = self._decode_in.device[0, :n]
+            ids.copy_(source.index_select(0, ids))
         if self.use_graphs:
             graph, logits = self._graphs[bucket]
             graph.replay()
@@ -254,31 +322,28 @@ class GraphExecutor:
 
     def _step(self, b: int) -> torch.Tensor:
         """The decode forward over the first b static rows: logits (b, vocab) fp32."""
-        tokens, positions, slots, lengths = self._inputs[:, :b]
+        tokens, positions, slots, lengths = self._decode_in.device[:, :b]
         batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32))
         return self.model.forward(tokens, positions, slots, self.state, batch)
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _prefill_step(self) -> torch.Tensor:
+        """The prefill forward over all static prefill rows: logits (prefill_logits, vocab) fp32.
+
+        Every row is a query of its own session at its position (`decode_only` routes attention to
+        the slab kernel, which serves any row by slot and length); logits only at the chunk ends."""
+        tokens, positions, slots, lengths, ends = self._prefill_in.device
+        batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32))
+        return self.model.forward(tokens, positions, slots, self.state, batch, ends[: self.prefill_logits])
+
+    def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on the capture stream, then capture. Static inputs hold padding: only the spare is touched."""
         current = torch.cuda.current_stream(self.model.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             for _ in range(WARMUP_RUNS):
-                self._step(b)
+                step()
         current.wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            logits = self._step(b)
+            logits = step()
         return graph, logits
-
-    def _load_inputs(self, tokens: list[int], positions: list[int], slots: list[int]) -> None:
-        n = len(tokens)
-        self._copied.synchronize()  # the previous step's copy has finished reading the pinned buffer
-        host = self._host_np
-        host[0, :n] = tokens
-        host[1, :n] = positions
-        host[2, :n] = slots
-        host[3, :n] = host[1, :n] + 1
-        host[:, n:] = self._padding
-        self._inputs.copy_(self._host, non_blocking=True)
-        self._copied.record()

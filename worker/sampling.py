@@ -73,17 +73,34 @@ class RowRandom:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], randoms: list[RowRandom]) -> list[int]:
     """One token per row of `logits` (R, vocab), float32, on any device."""
+    return [int(t) for t in sample_ids(logits, params, randoms).tolist()]
+
+
+def sample_ids(logits: torch.Tensor, params: list[SamplingParams], randoms: list[RowRandom]) -> torch.Tensor:
+    """sample() without reading the result: int64 ids (R,) on the logits' device, queued, no host sync.
+
+    Each sampled row draws its uniform number now, so the draws follow the order of the calls."""
     out = logits.argmax(dim=-1)
     # Below MIN_TEMPERATURE the distribution is a point mass at float precision (and logits / t overflow): greedy.
     sampled = [i for i, p in enumerate(params) if p.temperature >= MIN_TEMPERATURE]
     if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
-        u = torch.tensor([randoms[i].uniform() for i in sampled], dtype=torch.float64, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in sampled], dtype=torch.float32, device=logits.device)
-        top_k = torch.tensor([params[i].top_k for i in sampled], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float64, device=logits.device)
+        dev = logits.device
+        rows = _upload(sampled, torch.long, dev)
+        u = _upload([randoms[i].uniform() for i in sampled], torch.float64, dev)
+        temps = _upload([params[i].temperature for i in sampled], torch.float32, dev)
+        top_k = _upload([params[i].top_k for i in sampled], torch.long, dev)
+        top_p = _upload([params[i].top_p for i in sampled], torch.float64, dev)
         out[rows] = _sample_rows(logits[rows] / temps[:, None], u, top_k, top_p)
-    return [int(t) for t in out.tolist()]
+    return out
+
+
+def _upload(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device`. On a GPU through pinned memory: the copy queues behind the
+    running step instead of waiting for it (a copy from pageable memory synchronises the host)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Where a decode step's time goes: GPU time of the step alone against the whole engine step.
 
-    python -m worker.step_profile [--model random:smollm2-135m] [--sessions 1 64] [--steps 200]
+    python -m worker.step_profile [--model random:smollm2-135m] [--sessions 1 64] [--steps 200] [--kernels]
 
 For each batch size: the graph replay timed with CUDA events (GPU time), the engine's step() timed
 on the host (everything: scheduling, input copy, replay, sampling, detokenizing, bookkeeping), and
-the top Python functions of the step by cumulative time (cProfile).
+the top Python functions of the step by cumulative time (cProfile). With --kernels, the GPU kernels
+of a decode step (the graph's kernels, run eagerly) and of a full prefill forward, by total time.
 """
 
 from __future__ import annotations
@@ -74,12 +75,81 @@ def profile(engine: Engine, n: int, steps: int, prompt: int) -> dict[str, float]
     return {"graph_gpu_ms": graph_ms, "engine_step_ms": step_ms, "tokens_per_s": n * 1000 / step_ms}
 
 
+def kernel_table(engine: Engine, n: int, steps: int = 20) -> None:
+    """The kernels of one decode step of `n` rows and of one prefill forward, from torch's profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from .gpu import GraphExecutor, pick_bucket
+
+    executor = engine.executor
+    if not isinstance(executor, GraphExecutor):
+        return
+    bucket = pick_bucket(executor.buckets, n)
+    sids = _sessions(engine, n, 128, steps)
+    for _ in range(3):
+        engine.step()
+    executor._step(bucket)  # warm
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            executor._step(bucket)
+        torch.cuda.synchronize()
+    print(f"--- kernels of one eager decode step, bucket {bucket} (mean of {steps}) ---")
+    _print_kernels(prof, steps)
+    for sid in sids:
+        engine.close(sid)
+    # A prefill forward: as many 128-token prompts as fit in one step.
+    prompts = engine.step_tokens // 128
+    sids = []
+    for i in range(prompts):
+        sid = engine.create_session()
+        engine.append(sid, token_ids=[(11 * i + 5 * j) % 40000 + 300 for j in range(128)])
+        sids.append(sid)
+    for rounds in range(2):
+        rids = [engine.start_generate(sid, SamplingParams(max_tokens=1, ignore_eos=True)) for sid in sids]
+        torch.cuda.synchronize()
+        if rounds == 0:  # warm-up
+            while engine.has_work():
+                engine.step()
+            for sid in sids:  # roll back: the same prompts are prefilled again
+                session = engine._sessions[sid]
+                del session.tokens[128:]
+                session.computed = 0
+            continue
+        t0 = time.perf_counter()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+        host_ms = (time.perf_counter() - t0) * 1000
+        del rids
+    print(f"--- kernels of one prefill step: {prompts} prompts x 128 tokens, {host_ms:.2f} ms on the host clock ---")
+    _print_kernels(prof, 1)
+    while engine.has_work():
+        engine.step()
+    for sid in sids:
+        engine.close(sid)
+
+
+def _print_kernels(prof: object, steps: int) -> None:
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]  # type: ignore[attr-defined]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) / steps
+    count = sum(e.count for e in events) / steps
+    print(f"{count:.0f} kernels, {total / 1000:.3f} ms of GPU time per step")
+    print(f"{'us/step':>9} {'share':>6} {'calls':>6} {'us/call':>8}  kernel")
+    for e in events[:22]:
+        per = e.device_time_total / steps
+        print(f"{per:9.1f} {per / total:6.1%} {e.count / steps:6.0f} {e.device_time_total / e.count:8.2f}  {e.key[:110]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:smollm2-135m")
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--kernels", action="store_true", help="also print the kernels of a decode step and a prefill")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     engine = Engine.load(args.model, device="cuda", max_sessions=max(args.sessions), max_context=1024)
@@ -88,6 +158,8 @@ def main() -> None:
     for n, r in rows.items():
         share = 1 - r["graph_gpu_ms"] / r["engine_step_ms"]
         print(f"{n:5d} {r['graph_gpu_ms']:13.3f} {r['engine_step_ms']:15.3f} {share:11.0%} {r['tokens_per_s']:10.0f}")
+    if args.kernels:
+        kernel_table(engine, max(args.sessions))
 
 
 if __name__ == "__main__":

@@ -114,10 +114,10 @@ def test_a_failed_step_leaves_the_session_able_to_generate(engine: Engine, monke
     sid = engine.create_session()
     engine.append(sid, text=PROMPT)
 
-    def failing(*args: object) -> list[int]:
+    def failing(*args: object) -> torch.Tensor:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(worker.engine, "sample", failing)
+    monkeypatch.setattr(worker.engine, "sample_ids", failing)
     engine.start_generate(sid, SamplingParams(max_tokens=4, ignore_eos=True), request_id="r1")
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()

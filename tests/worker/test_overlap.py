@@ -1,0 +1,188 @@
+"""The engine running one step ahead (launching the next decode step before reading the last) gives
+exactly what one step at a time gives: the same tokens, texts and finish reasons for every request,
+the same session states, through new arrivals, cancels, closes, forks, stops and length limits.
+
+On the CPU the executor is synchronous, so running ahead gains nothing there and is off by default;
+these tests force it on to check the bookkeeping (the GPU tests cover it on the real executor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from worker.engine import Engine
+from worker.sampling import SamplingParams
+
+
+@pytest.fixture
+def tiny(engine: Engine) -> Iterator[Engine]:
+    """The shared bundled-model engine (real text, so stop strings and ids really fire), overlap restored."""
+    yield engine
+    engine.overlap = False
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Water boils at",
+    "List of fruits: apple, banana,",
+    "My favourite book is",
+    "In 1969, the first",
+    "The weather today is",
+    "Photosynthesis is the process by which plants",
+]
+
+
+def prompt(engine: Engine, i: int) -> list[int]:
+    return engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)])
+
+
+@dataclass
+class Run:
+    """What one drive of the scenario produced."""
+
+    outputs: dict[str, tuple[list[int], str, str | None]] = field(default_factory=dict)  # name -> ids, text, reason
+    sessions: dict[str, list[int]] = field(default_factory=dict)
+    steps: int = 0
+    ahead: int = 0  # steps launched before the previous one was read
+
+
+def drive(engine: Engine, overlap: bool, stop_id: int, stop_text: str) -> Run:
+    """A fixed scenario whose events fire on the progress of requests, not on step counts."""
+    engine.overlap = overlap
+    run = Run()
+    engine.overlap = overlap
+    sid = {name: engine.create_session() for name in "ABCEF"}
+    for i, name in enumerate("ABCEF"):
+        engine.append(sid[name], token_ids=prompt(engine, i))
+    names: dict[str, str] = {}  # engine request id -> name
+
+    def start(name: str, session: str, **kw: object) -> None:
+        rid = engine.start_generate(session, SamplingParams(**kw))  # type: ignore[arg-type]
+        names[rid] = name
+        run.outputs[name] = ([], "", None)
+
+    start("A", sid["A"], max_tokens=14, ignore_eos=True)
+    start("B", sid["B"], max_tokens=20, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    start("C", sid["C"], max_tokens=20, ignore_eos=True)
+    start("E", sid["E"], max_tokens=20, stop_token_ids=(stop_id,), ignore_eos=True)
+    start("F", sid["F"], max_tokens=1, ignore_eos=True)
+    fired: set[str] = set()
+
+    def got(name: str) -> int:
+        return len(run.outputs[name][0]) if name in run.outputs else 0
+
+    events: list[tuple[str, Callable[[], bool], Callable[[], None]]] = [
+        ("D", lambda: got("A") >= 2, lambda: (engine.append(sid.setdefault("D", engine.create_session()),
+                                                            token_ids=prompt(engine, 5)),
+                                              start("D", sid["D"], max_tokens=12, stop=(stop_text,), ignore_eos=True))),
+        ("cancel B", lambda: got("B") >= 3, lambda: engine.cancel(next(r for r, n in names.items() if n == "B"))),
+        ("close C", lambda: got("C") >= 4, lambda: (engine.close(sid.pop("C")))),
+        ("fork F", lambda: run.outputs["F"][2] is not None,
+         lambda: start("G", sid.setdefault("G", engine.fork(sid["F"])), max_tokens=6, ignore_eos=True)),
+        ("again A", lambda: run.outputs["A"][2] is not None,
+         lambda: start("A2", sid["A"], max_tokens=5, temperature=0.7, seed=11, ignore_eos=True)),
+    ]
+    launched_before = engine.steps
+    while engine.has_work():
+        inflight_before = engine._inflight is not None
+        for chunk in engine.step():
+            name = names[chunk.request_id]
+            ids, text, _ = run.outputs[name]
+            run.outputs[name] = (ids + chunk.token_ids, text + chunk.text, chunk.finish_reason)
+        run.ahead += inflight_before
+        for key, when, do in events:
+            if key not in fired and when():
+                fired.add(key)
+                do()
+    assert fired == {key for key, _, _ in events}
+    run.steps = engine.steps - launched_before
+    run.sessions = {name: engine.session_tokens(s) for name, s in sid.items()}
+    # One more turn on every open session: it continues exactly where the last one ended.
+    for name, s in sid.items():
+        engine.append(s, token_ids=prompt(engine, 8))
+    follow = engine.generate_many([(s, {"max_tokens": 4, "ignore_eos": True}) for s in sid.values()])
+    for name, g in zip(sid, follow, strict=True):
+        run.outputs[f"{name}+"] = (g.token_ids, g.text, g.finish_reason)
+    for s in sid.values():
+        engine.close(s)
+    return run
+
+
+def test_running_ahead_changes_nothing_but_the_timing(tiny: Engine) -> None:
+    # The scenario's stop id (E) and stop string (D): from plain runs, so that both fire mid-way.
+    def probe(i: int) -> list[int]:
+        s = tiny.create_session()
+        tiny.append(s, token_ids=prompt(tiny, i))
+        ids = tiny.generate(s, max_tokens=20, ignore_eos=True).token_ids
+        tiny.close(s)
+        return ids
+
+    ids = probe(3)
+    stop_id = next(t for k, t in enumerate(ids) if k >= 4 and t not in ids[:k])
+    ids = probe(5)
+    texts = [tiny.tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    stop_text = next(texts[k][len(texts[k - 1]):] for k in range(4, len(ids))
+                     if texts[k][len(texts[k - 1]):].strip() and texts[k][len(texts[k - 1]):] not in texts[k - 1])
+
+    plain = drive(tiny, False, stop_id, stop_text)
+    ahead = drive(tiny, True, stop_id, stop_text)
+    assert ahead.outputs == plain.outputs
+    assert ahead.sessions == plain.sessions
+    assert plain.ahead == 0 and ahead.ahead > 10  # it did run ahead, most of the time
+    reasons = {name: out[2] for name, out in plain.outputs.items()}
+    assert reasons["A"] == "length" and reasons["B"] == "cancelled" and reasons["C"] == "cancelled"
+    assert reasons["E"] == "stop" and 4 <= len(plain.outputs["E"][0]) < 20 and reasons["F"] == "length"
+    assert reasons["D"] == "stop" and stop_text not in plain.outputs["D"][1] and 3 <= len(plain.outputs["D"][0]) < 12
+    assert reasons["G"] == "length" and reasons["A2"] == "length"
+    assert len(plain.outputs["B"][0]) == 3 and len(plain.outputs["C"][0]) == 4
+    assert ahead.steps >= plain.steps  # a step run for requests that had all stopped is the only extra work
+
+
+def test_a_step_that_fails_while_another_runs_ahead_is_run_again(tiny: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure while the next step is in flight drops both: no tokens lost, none doubled."""
+    import worker.engine
+
+    sids = [tiny.create_session() for _ in range(2)]
+    for i, s in enumerate(sids):
+        tiny.append(s, token_ids=prompt(tiny, i))
+    expected = [g.token_ids for g in tiny.generate_many([(s, {"max_tokens": 8, "ignore_eos": True}) for s in sids])]
+    for s in sids:
+        tiny.close(s)
+
+    tiny.overlap = True
+    sids = [tiny.create_session() for _ in range(2)]
+    for i, s in enumerate(sids):
+        tiny.append(s, token_ids=prompt(tiny, i))
+    rids = [tiny.start_generate(s, SamplingParams(max_tokens=8, ignore_eos=True)) for s in sids]
+    out: dict[str, list[int]] = {r: [] for r in rids}
+    for _ in range(3):
+        for chunk in tiny.step():
+            out[chunk.request_id] += chunk.token_ids
+    assert tiny._inflight is not None
+    real = worker.engine.sample_ids
+    calls = 0
+
+    def flaky(*args: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("injected")
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker.engine, "sample_ids", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        tiny.step()
+    assert tiny._inflight is None
+    while tiny.has_work():
+        for chunk in tiny.step():
+            out[chunk.request_id] += chunk.token_ids
+    assert [out[r] for r in rids] == expected
+    for s in sids:
+        tiny.close(s)
+    tiny.overlap = False
