@@ -2,7 +2,10 @@
 
 Slot i is [base + i * slot_bytes, base + (i + 1) * slot_bytes); the last slot is the spare, mapped
 and zeroed at construction and kept until close, so padding rows of a captured batch always read
-mapped memory. The range is wrapped once as a torch uint8 tensor; its views never move.
+mapped memory. Nothing of the spare is ever read back for a session (padding rows' results are
+dropped), so one page of physical memory backs it, mapped at every page of its range: it costs one
+granule (2 MiB) instead of a slot (~46 MiB for SmolLM2 at 2048 tokens). The range is wrapped once as
+a torch uint8 tensor; its views never move.
 
 Paired resources, released by `close` in reverse order of acquisition (llama2.c style):
   primary context   cuDevicePrimaryCtxRetain          / cuDevicePrimaryCtxRelease
@@ -198,7 +201,7 @@ class VmmBackend:
         self._max_pitch = int(_ok("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(pitch_attr, self._dev)))
         self.num_slots = self._fit(capacity, reserve_bytes) + 1
         self._reserve_range()
-        self.map(self.spare_slot)
+        self._map_spare()
         self.zero(self.spare_slot)
         self._views = slab_views(_wrap(self._base, self._reserved, self.device), self.spec, self.num_slots, self.slot_bytes)
 
@@ -221,7 +224,7 @@ class VmmBackend:
     def _fit(self, requested: int, reserve_bytes: int) -> int:
         """Session slots: the requested number, capped by free memory minus the reserve and the spare."""
         free, total = _ok("cuMemGetInfo", driver.cuMemGetInfo())
-        fits = (int(free) - reserve_bytes) // self.slot_bytes - 1
+        fits = (int(free) - reserve_bytes - self.granularity) // self.slot_bytes  # the spare: one granule
         capacity = min(requested, fits)
         log.info(
             "vmm_capacity", device=str(self.device), requested=requested, fits_in_memory=max(fits, 0),
@@ -231,7 +234,7 @@ class VmmBackend:
         if capacity < 1:
             raise CapacityExhausted(
                 f"no room for one session on {self.device}: {int(free)} bytes free, {reserve_bytes} reserved "
-                f"for the workspace, {self.slot_bytes} per slot plus one spare"
+                f"for the workspace, {self.slot_bytes} per slot plus {self.granularity} for the spare"
             )
         return capacity
 
@@ -259,7 +262,7 @@ class VmmBackend:
                 raise SlotError(f"slot {slot} is already mapped")
             self._refuse_during_capture("map")
             self._bind()
-            handle = self._create_handle()
+            handle = self._create_handle(self.slot_bytes)
             ptr = self._slot_ptr(slot)
             try:
                 self._checked_map("cuMemMap", driver.cuMemMap(ptr, self.slot_bytes, 0, handle, 0))
@@ -272,6 +275,25 @@ class VmmBackend:
                 _ok("cuMemRelease", driver.cuMemRelease(handle))
                 raise
             self._handles[slot] = handle
+
+    def _map_spare(self) -> None:
+        """One granule of physical memory, mapped at every granule of the spare slot's range."""
+        self._bind()
+        handle = self._create_handle(self.granularity)
+        base = self._slot_ptr(self.spare_slot)
+        mapped: list[int] = []
+        try:
+            for offset in range(0, self.slot_bytes, self.granularity):
+                self._checked_map("cuMemMap", driver.cuMemMap(base + offset, self.granularity, 0, handle, 0))
+                mapped.append(offset)
+                self._checked_map("cuMemSetAccess",
+                                  driver.cuMemSetAccess(base + offset, self.granularity, [self._access], 1))
+        except BaseException:
+            for offset in mapped:
+                _ok("cuMemUnmap", driver.cuMemUnmap(base + offset, self.granularity))
+            _ok("cuMemRelease", driver.cuMemRelease(handle))
+            raise
+        self._handles[self.spare_slot] = handle
 
     def unmap(self, slot: int) -> None:
         """Wait for the last queued work that used `slot`, then unmap and release its memory."""
@@ -290,7 +312,8 @@ class VmmBackend:
             self._refuse_during_capture("zero")
             self._bind()
             stream = self._stream()
-            _ok("cuMemsetD8Async", driver.cuMemsetD8Async(self._slot_ptr(slot), 0, self.slot_bytes, stream))
+            nbytes = self.granularity if slot == self.spare_slot else self.slot_bytes  # the spare: one page, everywhere
+            _ok("cuMemsetD8Async", driver.cuMemsetD8Async(self._slot_ptr(slot), 0, nbytes, stream))
             self._events.record([slot], stream)
 
     def copy_prefix(self, dst: int, src: int, used: int) -> None:
@@ -317,7 +340,13 @@ class VmmBackend:
             self._events.record(live, self._stream())
 
     def mapped_bytes(self) -> int:
-        return len(self._handles) * self.slot_bytes
+        sessions = len(self._handles) - (self.spare_slot in self._handles)
+        return sessions * self.slot_bytes + self.spare_bytes
+
+    @property
+    def spare_bytes(self) -> int:
+        """Physical memory behind the spare slot: one granule."""
+        return self.granularity if self.spare_slot in self._handles else 0
 
     def close(self) -> None:
         """Release everything in reverse order of acquisition. Safe on a half-built backend."""
@@ -371,10 +400,10 @@ class VmmBackend:
     def _slot_ptr(self, slot: int) -> int:
         return self._base + slot * self.slot_bytes
 
-    def _create_handle(self) -> Any:
-        result, handle = driver.cuMemCreate(self.slot_bytes, self._prop, 0)
+    def _create_handle(self, nbytes: int) -> Any:
+        result, handle = driver.cuMemCreate(nbytes, self._prop, 0)
         if result == _OUT_OF_MEMORY:
-            raise CapacityExhausted(f"{self.device} has no memory left for another session ({self.slot_bytes} bytes)")
+            raise CapacityExhausted(f"{self.device} has no memory left for another session ({nbytes} bytes)")
         _ok("cuMemCreate", (result,))
         return handle
 
@@ -384,7 +413,11 @@ class VmmBackend:
         _ok(call, out)
 
     def _release(self, slot: int) -> None:
-        _ok("cuMemUnmap", driver.cuMemUnmap(self._slot_ptr(slot), self.slot_bytes))
+        if slot == self.spare_slot:  # one mapping per granule (see _map_spare)
+            for offset in range(0, self.slot_bytes, self.granularity):
+                _ok("cuMemUnmap", driver.cuMemUnmap(self._slot_ptr(slot) + offset, self.granularity))
+        else:
+            _ok("cuMemUnmap", driver.cuMemUnmap(self._slot_ptr(slot), self.slot_bytes))
         handle = self._handles.pop(slot)
         _ok("cuMemRelease", driver.cuMemRelease(handle))
 

@@ -399,7 +399,7 @@ class Engine:
                 sampled_rows.append(len(tokens) - 1)
                 sampled.append(request)
         self.last_prefill_tokens = len(tokens) - self._decode_rows
-        logits = self.executor.execute(tokens, positions, slots, sampled_rows)
+        logits = self.executor.execute(tokens, positions, slots, sampled_rows, copy_logits=False)
         return self._sampled(runs, sampled, [positions[r] for r in sampled_rows], logits)
 
     def _launch_next(self, last: Launched) -> Launched | None:
@@ -419,7 +419,8 @@ class Engine:
         requests = [last.sampled[i] for i in picks]
         positions = [last.positions[i] + 1 for i in picks]
         slots = [r.session.slot for r in requests]
-        logits = self.executor.execute([], positions, slots, list(range(len(picks))), source=(last.ids, picks))
+        logits = self.executor.execute([], positions, slots, list(range(len(picks))), source=(last.ids, picks),
+                                       copy_logits=False)
         self.last_rows = len(picks)
         self.last_prefill_tokens = 0
         return self._sampled([(r, p, 1) for r, p in zip(requests, positions, strict=True)], requests, positions, logits)

@@ -34,11 +34,14 @@ class Executor(Protocol):
         slots: list[int],
         logits_at: list[int],
         source: tuple[torch.Tensor, list[int]] | None = None,
+        copy_logits: bool = True,
     ) -> torch.Tensor:
         """float32 logits (len(logits_at), vocab), on the model's device.
 
         `source` (ids, picks): every row is a decode row whose token is ids[picks[i]], a tensor on the
-        model's device (the previous step's samples, not read by the host); `tokens` is then ignored."""
+        model's device (the previous step's samples, not read by the host); `tokens` is then ignored.
+        copy_logits False: the result may be a view of a graph's output, valid only until the next
+        execute() (the engine samples it at once; work queued later on the stream sees it intact)."""
         ...
 
 
@@ -58,6 +61,7 @@ class EagerExecutor:
         slots: list[int],
         logits_at: list[int],
         source: tuple[torch.Tensor, list[int]] | None = None,
+        copy_logits: bool = True,
     ) -> torch.Tensor:
         dev = self.model.device
         batch = self.model.plan(slots, positions, lengths_on_device=dev.type == "cuda")

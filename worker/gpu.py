@@ -219,16 +219,17 @@ class GraphExecutor:
         slots: list[int],
         logits_at: list[int],
         source: tuple[torch.Tensor, list[int]] | None = None,
+        copy_logits: bool = True,
     ) -> torch.Tensor:
-        """Logits (len(logits_at), vocab) fp32. `source` (ids, picks): decode rows only, at most
-        max_decode_rows; row i's token is ids[picks[i]], read on the device (`tokens` is ignored)."""
+        """Logits (len(logits_at), vocab) fp32 (see Executor.execute). `source` (ids, picks): decode rows
+        only, at most max_decode_rows; row i's token is ids[picks[i]], read on the device."""
         if source is not None:
             if len(positions) > self.buckets[-1] or logits_at != list(range(len(positions))):
                 raise ValueError("token ids from the device serve one decode replay with logits for every row")
-            return self._decode(source[1], positions, slots, source[0])
+            return self._decode(source[1], positions, slots, source[0], copy_logits)
         decode, prefill = split_step(tokens, positions, slots)
         if not prefill and logits_at == list(range(len(tokens))) and len(tokens) <= self.buckets[-1]:
-            return self._decode(tokens, positions, slots)  # the common case: one replay, no reordering
+            return self._decode(tokens, positions, slots, None, copy_logits)  # the common case: one replay
         wanted = set(logits_at)
         rows: dict[int, torch.Tensor] = {}
         biggest = self.buckets[-1]
@@ -293,10 +294,11 @@ class GraphExecutor:
         return {key: logits[i] for i, key in enumerate(keys)}
 
     def _decode(
-        self, tokens: list[int], positions: list[int], slots: list[int], source: torch.Tensor | None = None
+        self, tokens: list[int], positions: list[int], slots: list[int], source: torch.Tensor | None = None,
+        copy_logits: bool = True,
     ) -> torch.Tensor:
-        """One padded decode step over distinct sessions' single tokens: logits (n, vocab), a copy.
-        With `source`, `tokens` are indices into it (the ids are gathered on the device)."""
+        """One padded decode step over distinct sessions' single tokens: logits (n, vocab), a copy unless
+        copy_logits is False. With `source`, `tokens` are indices into it (ids gathered on the device)."""
         n = len(positions)
         bucket = pick_bucket(self.buckets, n)
         host = self._decode_in.begin()
@@ -316,7 +318,7 @@ class GraphExecutor:
         else:
             logits = self._step(bucket)
         self.table.mark_used(sorted(set(slots)))
-        return logits[:n].clone()
+        return logits[:n].clone() if copy_logits else logits[:n]
 
     # -- steps ----------------------------------------------------------------------------------
 

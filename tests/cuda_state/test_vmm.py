@@ -323,16 +323,23 @@ def calls(drv: FakeDriver) -> list[str]:
     return [entry[0] for entry in drv.log]
 
 
-def test_fake_construction_maps_and_zeroes_only_the_spare(fake: FakeDriver) -> None:
+def spare_pages(b: vmm.VmmBackend) -> set[int]:
+    return {BASE + b.spare_slot * b.slot_bytes + off for off in range(0, b.slot_bytes, GRANULARITY)}
+
+
+def test_fake_construction_maps_one_page_at_every_page_of_the_spare_and_zeroes_it(fake: FakeDriver) -> None:
     spec = small_spec()
     b = open_fake(spec, capacity=4)
     assert b.granularity == GRANULARITY
     assert b.slot_bytes == spec.slot_bytes(GRANULARITY) and b.slot_bytes % GRANULARITY == 0
     assert b.num_slots == 5 and b.spare_slot == 4
-    assert b.mapped_bytes() == b.slot_bytes
-    assert fake.free == (64 << 20) - b.slot_bytes
-    spare = fake.memory[4 * b.slot_bytes : 5 * b.slot_bytes]
-    assert int(spare.max()) == 0  # zeroed
+    assert b.slot_bytes // GRANULARITY == 4  # so the spare is 4 mappings of one page
+    assert set(fake.mapped) == spare_pages(b) and len({h for _, h in fake.mapped.values()}) == 1
+    assert set(fake.access) == spare_pages(b)
+    assert b.mapped_bytes() == b.spare_bytes == GRANULARITY
+    assert fake.free == (64 << 20) - GRANULARITY
+    spare = fake.memory[4 * b.slot_bytes : 4 * b.slot_bytes + GRANULARITY]
+    assert int(spare.max()) == 0  # zeroed: the page behind the whole spare
     assert int(fake.memory[: 4 * b.slot_bytes].min()) == 0xAB  # session slots untouched
     assert b.views()["k"].shape == (5, 2, 3, 40, 8)
     b.close()
@@ -343,7 +350,7 @@ def test_fake_capacity_is_capped_by_free_memory_minus_reserve_and_spare(fake: Fa
     slot = spec.slot_bytes(GRANULARITY)
     fake.free = fake.total = 10 * slot + slot // 2 + (1 << 20)
     b = open_fake(spec, capacity=100, reserve=1 << 20)
-    assert b.num_slots - 1 == 9  # 10 whole slots fit; one is the spare
+    assert b.num_slots - 1 == 10  # 10 whole slots fit beside the spare's one page
     b.close()
     b = open_fake(spec, capacity=3, reserve=1 << 20)
     assert b.num_slots - 1 == 3
@@ -403,12 +410,22 @@ def test_fake_out_of_memory_is_capacity_exhausted_and_leaves_no_trace(fake: Fake
     fake.free -= slot  # someone else took the memory meanwhile
     with pytest.raises(CapacityExhausted, match="no memory left"):
         table.create()
-    assert b.mapped_bytes() == 2 * slot and table.live == 1 and table.free_slots == 1
+    assert b.mapped_bytes() == slot + GRANULARITY and table.live == 1 and table.free_slots == 1
     table.free(first)
     second = table.create()  # the freed memory serves the next create
     assert table.live == 1 and second in (0, 1)
     table.close()
     assert not fake.handles and not fake.mapped and fake.reserved is None
+
+
+@pytest.mark.parametrize("call", ["cuMemCreate", "cuMemMap", "cuMemSetAccess"])
+def test_fake_a_failed_spare_mapping_releases_everything(fake: FakeDriver, call: str) -> None:
+    fake.fail[call] = R.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CudaDriverError) as info:
+        open_fake(small_spec())
+    assert info.value.call == call
+    assert not fake.handles and not fake.mapped and fake.reserved is None and fake.ctx_refs == 0
+    assert fake.free == fake.total
 
 
 @pytest.mark.parametrize("call", ["cuMemCreate", "cuMemMap", "cuMemSetAccess"])
@@ -419,7 +436,7 @@ def test_fake_other_driver_errors_are_typed_and_release_what_was_taken(fake: Fak
     with pytest.raises(CudaDriverError) as info:
         b.map(0)
     assert info.value.call == call and info.value.result == "CUDA_ERROR_INVALID_VALUE"
-    assert fake.free == free and b.mapped_bytes() == b.slot_bytes and set(fake.mapped) == {BASE + 4 * b.slot_bytes}
+    assert fake.free == free and b.mapped_bytes() == GRANULARITY and set(fake.mapped) == spare_pages(b)
     b.map(0)  # nothing was left half-done
     b.close()
 
@@ -524,7 +541,7 @@ def test_fake_close_releases_everything_in_reverse_order(fake: FakeDriver) -> No
     order = [c for c in calls(fake) if c not in ("cuCtxSetCurrent",)]
     assert order[0] == "cuCtxSynchronize"
     unmaps = [i for i, c in enumerate(order) if c == "cuMemUnmap"]
-    assert len(unmaps) == 3  # slots 2, 0 and the spare
+    assert len(unmaps) == 2 + b.slot_bytes // GRANULARITY  # slots 2, 0 and each page of the spare
     assert order.index("cuMemAddressFree") > max(unmaps)
     assert order.index("cuEventDestroy") > order.index("cuMemAddressFree")
     assert order[-1] == "cuDevicePrimaryCtxRelease"
@@ -605,7 +622,13 @@ def test_gpu_slots_follow_the_allocation_granularity(gpu: torch.device) -> None:
         assert k.device == gpu and k.shape == (5, 4, 2, 1000, 64) and k.dtype == torch.bfloat16
         assert k[1].data_ptr() - k[0].data_ptr() == b.slot_bytes
         spare = b.views()["k"][b.spare_slot]
-        assert int(torch.count_nonzero(spare)) == 0  # zeroed at construction
+        assert int(torch.count_nonzero(spare)) == 0  # zeroed at construction: the one page behind all of it
+        assert b.spare_bytes == b.granularity < b.slot_bytes
+        spare[0, 0, 0, 0] = 1.0  # every granule of the spare is the same page: a write shows up at each
+        per_granule = b.granularity // spare.element_size()
+        flat = spare.reshape(-1)
+        assert all(float(flat[i]) == 1.0 for i in range(0, flat.numel(), per_granule))
+        assert int(torch.count_nonzero(flat)) == b.slot_bytes // b.granularity
     finally:
         b.close()
 
@@ -648,13 +671,13 @@ def test_gpu_memory_accounting_matches_slot_bytes(gpu: torch.device) -> None:
     b = vmm.VmmBackend(spec, 8, gpu)
     try:
         opened = device_free_bytes()
-        assert abs((baseline - opened) - b.slot_bytes) <= PAGE_TABLE_SLACK  # the spare only
+        assert abs((baseline - opened) - b.granularity) <= PAGE_TABLE_SLACK  # the spare only: one page
         for s in range(6):
             b.map(s)
             b.zero(s)
         used = opened - device_free_bytes()
         assert abs(used - 6 * b.slot_bytes) <= 0.01 * 6 * b.slot_bytes
-        assert b.mapped_bytes() == 7 * b.slot_bytes
+        assert b.mapped_bytes() == 6 * b.slot_bytes + b.granularity
         for s in range(6):
             b.unmap(s)
         assert abs(device_free_bytes() - opened) <= PAGE_TABLE_SLACK
@@ -690,10 +713,10 @@ def test_gpu_map_unmap_cycles_return_to_baseline(gpu: torch.device) -> None:
 def test_gpu_capacity_is_capped_by_free_memory(gpu: torch.device) -> None:
     spec = kv_spec(8192, layers=32)  # 64 MiB per session
     free = device_free_bytes()
-    reserve = free - 5 * spec.slot_bytes(2 << 20) - (1 << 20)
+    reserve = free - 5 * spec.slot_bytes(2 << 20) - (2 << 20) - (1 << 20)
     b = vmm.VmmBackend(spec, 1000, gpu, reserve_bytes=reserve)
     try:
-        assert b.num_slots - 1 == 4  # 5 slots fit after the reserve; one is the spare
+        assert b.num_slots - 1 == 5  # 5 slots fit after the reserve, beside the spare's one page
     finally:
         b.close()
     with pytest.raises(CapacityExhausted):

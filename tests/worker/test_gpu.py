@@ -684,7 +684,7 @@ def test_weights_once_and_memory_per_session(loaded: Loaded, gpu_engine: object)
     assert isinstance(gpu_engine, Engine)
     model, table = gpu_engine.model, gpu_engine.table
     load_cost = loaded.free_before - loaded.free_after
-    fixed = model.weight_bytes() + table.slot_bytes  # weights once, plus the spare slot
+    fixed = model.weight_bytes() + table.backend.granularity  # weights once, plus the spare slot's one page
     assert fixed <= load_cost <= fixed + workspace_bytes(model), (load_cost, fixed)
 
     base = device_free_bytes()
