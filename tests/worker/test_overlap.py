@@ -104,7 +104,7 @@ def drive(engine: Engine, overlap: bool, stop_id: int, stop_text: str) -> Run:
     run.steps = engine.steps - launched_before
     run.sessions = {name: engine.session_tokens(s) for name, s in sid.items()}
     # One more turn on every open session: it continues exactly where the last one ended.
-    for name, s in sid.items():
+    for s in sid.values():
         engine.append(s, token_ids=prompt(engine, 8))
     follow = engine.generate_many([(s, {"max_tokens": 4, "ignore_eos": True}) for s in sid.values()])
     for name, g in zip(sid, follow, strict=True):
