@@ -622,13 +622,28 @@ def test_gpu_slots_follow_the_allocation_granularity(gpu: torch.device) -> None:
         assert k.device == gpu and k.shape == (5, 4, 2, 1000, 64) and k.dtype == torch.bfloat16
         assert k[1].data_ptr() - k[0].data_ptr() == b.slot_bytes
         spare = b.views()["k"][b.spare_slot]
-        assert int(torch.count_nonzero(spare)) == 0  # zeroed at construction: the one page behind all of it
-        assert b.spare_bytes == b.granularity < b.slot_bytes
-        spare[0, 0, 0, 0] = 1.0  # every granule of the spare is the same page: a write shows up at each
-        per_granule = b.granularity // spare.element_size()
-        flat = spare.reshape(-1)
-        assert all(float(flat[i]) == 1.0 for i in range(0, flat.numel(), per_granule))
-        assert int(torch.count_nonzero(flat)) == b.slot_bytes // b.granularity
+        assert int(torch.count_nonzero(spare)) == 0  # zeroed at construction
+    finally:
+        b.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_the_spare_is_one_page_mapped_at_each_of_its_pages(gpu: torch.device) -> None:
+    spec = kv_spec(8192, layers=8)  # K alone is 16 MiB per session: 8 granules of 2 MiB
+    baseline = device_free_bytes()
+    b = vmm.VmmBackend(spec, 2, gpu)
+    try:
+        assert abs((baseline - device_free_bytes()) - b.granularity) <= PAGE_TABLE_SLACK
+        assert b.spare_bytes == b.granularity and b.mapped_bytes() == b.granularity
+        k = b.views()["k"][b.spare_slot].reshape(-1)
+        assert int(torch.count_nonzero(k)) == 0  # zeroed: every page reads the zeroed one
+        k[0] = 1.0  # one write shows up at the same offset of every granule
+        per_granule = b.granularity // k.element_size()
+        assert k.numel() % per_granule == 0
+        assert int(torch.count_nonzero(k)) == k.numel() // per_granule
+        assert bool((k[::per_granule] == 1.0).all())
+        torch.cuda.synchronize()
     finally:
         b.close()
 
@@ -743,13 +758,13 @@ def test_gpu_out_of_memory_is_capacity_exhausted(gpu: torch.device) -> None:
             for s in (1, 2, 3):
                 b.map(s)
                 mapped.append(s)
-        assert b.mapped_bytes() == (len(mapped) + 1) * b.slot_bytes  # the refused map left nothing
+        assert b.mapped_bytes() == len(mapped) * b.slot_bytes + b.granularity  # the refused map left nothing
         hog.clear()
         torch.cuda.empty_cache()
         for s in (1, 2, 3):  # memory is back: every slot maps
             if s not in mapped:
                 b.map(s)
-        assert b.mapped_bytes() == 5 * b.slot_bytes
+        assert b.mapped_bytes() == 4 * b.slot_bytes + b.granularity
     finally:
         hog.clear()
         torch.cuda.empty_cache()
