@@ -8,9 +8,9 @@ On a GPU the host runs one step ahead (vLLM's async scheduling): when every gene
 decodes, the next step is launched with the token ids the current one samples on the device, before
 the host has read them; then the host reads the current step's tokens and does its bookkeeping
 (detokenizing, stop checks, the daemon's messages) while the GPU computes the next. A session that
-turns out to have stopped wastes one row; its result is dropped. Everything else (a new request, a
-prompt chunk, a cancel) makes the engine read first and schedule afresh, so the numbers and the
-tokens are exactly those of one step at a time.
+turns out to have stopped (or is cancelled meanwhile) wastes one row; its result is dropped. Anything
+else to schedule (a new request, a prompt chunk) makes the engine read first and schedule afresh, so
+the numbers and the tokens are exactly those of one step at a time.
 
 Sessions keep their whole token history. `computed` counts the tokens whose K/V are in the state;
 the rest are pending and get prefilled when the session next generates. The last sampled token of
