@@ -201,7 +201,7 @@ class VmmBackend:
         self._max_pitch = int(_ok("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(pitch_attr, self._dev)))
         self.num_slots = self._fit(capacity, reserve_bytes) + 1
         self._reserve_range()
-        self._map_spare()
+        self.map(self.spare_slot)
         self.zero(self.spare_slot)
         self._views = slab_views(_wrap(self._base, self._reserved, self.device), self.spec, self.num_slots, self.slot_bytes)
 
@@ -255,45 +255,29 @@ class VmmBackend:
         return self._views
 
     def map(self, slot: int) -> None:
-        """Back `slot` with its own physical allocation. CapacityExhausted when the device is full."""
+        """Back `slot` with its own physical allocation (the spare: one granule, mapped at each of its
+        granules). CapacityExhausted when the device is full."""
         with self._lock:
             self._check_slot(slot)
             if slot in self._handles:
                 raise SlotError(f"slot {slot} is already mapped")
             self._refuse_during_capture("map")
             self._bind()
-            handle = self._create_handle(self.slot_bytes)
+            size = self._backing_bytes(slot)
+            handle = self._create_handle(size)
             ptr = self._slot_ptr(slot)
+            mapped: list[int] = []
             try:
-                self._checked_map("cuMemMap", driver.cuMemMap(ptr, self.slot_bytes, 0, handle, 0))
-                try:
-                    self._checked_map("cuMemSetAccess", driver.cuMemSetAccess(ptr, self.slot_bytes, [self._access], 1))
-                except BaseException:
-                    _ok("cuMemUnmap", driver.cuMemUnmap(ptr, self.slot_bytes))
-                    raise
+                for offset in range(0, self.slot_bytes, size):
+                    self._checked_map("cuMemMap", driver.cuMemMap(ptr + offset, size, 0, handle, 0))
+                    mapped.append(offset)
+                    self._checked_map("cuMemSetAccess", driver.cuMemSetAccess(ptr + offset, size, [self._access], 1))
             except BaseException:
+                for offset in mapped:
+                    _ok("cuMemUnmap", driver.cuMemUnmap(ptr + offset, size))
                 _ok("cuMemRelease", driver.cuMemRelease(handle))
                 raise
             self._handles[slot] = handle
-
-    def _map_spare(self) -> None:
-        """One granule of physical memory, mapped at every granule of the spare slot's range."""
-        self._bind()
-        handle = self._create_handle(self.granularity)
-        base = self._slot_ptr(self.spare_slot)
-        mapped: list[int] = []
-        try:
-            for offset in range(0, self.slot_bytes, self.granularity):
-                self._checked_map("cuMemMap", driver.cuMemMap(base + offset, self.granularity, 0, handle, 0))
-                mapped.append(offset)
-                self._checked_map("cuMemSetAccess",
-                                  driver.cuMemSetAccess(base + offset, self.granularity, [self._access], 1))
-        except BaseException:
-            for offset in mapped:
-                _ok("cuMemUnmap", driver.cuMemUnmap(base + offset, self.granularity))
-            _ok("cuMemRelease", driver.cuMemRelease(handle))
-            raise
-        self._handles[self.spare_slot] = handle
 
     def unmap(self, slot: int) -> None:
         """Wait for the last queued work that used `slot`, then unmap and release its memory."""
@@ -312,8 +296,8 @@ class VmmBackend:
             self._refuse_during_capture("zero")
             self._bind()
             stream = self._stream()
-            nbytes = self.granularity if slot == self.spare_slot else self.slot_bytes  # the spare: one page, everywhere
-            _ok("cuMemsetD8Async", driver.cuMemsetD8Async(self._slot_ptr(slot), 0, nbytes, stream))
+            # The whole backing: for the spare, its one granule is what every part of its range reads.
+            _ok("cuMemsetD8Async", driver.cuMemsetD8Async(self._slot_ptr(slot), 0, self._backing_bytes(slot), stream))
             self._events.record([slot], stream)
 
     def copy_prefix(self, dst: int, src: int, used: int) -> None:
@@ -340,13 +324,12 @@ class VmmBackend:
             self._events.record(live, self._stream())
 
     def mapped_bytes(self) -> int:
-        sessions = len(self._handles) - (self.spare_slot in self._handles)
-        return sessions * self.slot_bytes + self.spare_bytes
+        return sum(self._backing_bytes(slot) for slot in self._handles)
 
     @property
     def spare_bytes(self) -> int:
         """Physical memory behind the spare slot: one granule."""
-        return self.granularity if self.spare_slot in self._handles else 0
+        return self._backing_bytes(self.spare_slot) if self.spare_slot in self._handles else 0
 
     def close(self) -> None:
         """Release everything in reverse order of acquisition. Safe on a half-built backend."""
@@ -400,6 +383,10 @@ class VmmBackend:
     def _slot_ptr(self, slot: int) -> int:
         return self._base + slot * self.slot_bytes
 
+    def _backing_bytes(self, slot: int) -> int:
+        """Physical memory behind a mapped slot, and the size of each of its mappings."""
+        return self.granularity if slot == self.spare_slot else self.slot_bytes
+
     def _create_handle(self, nbytes: int) -> Any:
         result, handle = driver.cuMemCreate(nbytes, self._prop, 0)
         if result == _OUT_OF_MEMORY:
@@ -413,11 +400,9 @@ class VmmBackend:
         _ok(call, out)
 
     def _release(self, slot: int) -> None:
-        if slot == self.spare_slot:  # one mapping per granule (see _map_spare)
-            for offset in range(0, self.slot_bytes, self.granularity):
-                _ok("cuMemUnmap", driver.cuMemUnmap(self._slot_ptr(slot) + offset, self.granularity))
-        else:
-            _ok("cuMemUnmap", driver.cuMemUnmap(self._slot_ptr(slot), self.slot_bytes))
+        size = self._backing_bytes(slot)
+        for offset in range(0, self.slot_bytes, size):
+            _ok("cuMemUnmap", driver.cuMemUnmap(self._slot_ptr(slot) + offset, size))
         handle = self._handles.pop(slot)
         _ok("cuMemRelease", driver.cuMemRelease(handle))
 

@@ -143,7 +143,7 @@ class Engine:
         self.last_prefill_tokens = 0  # prompt tokens the last step computed
         self._decode_rows = 0
         # Launch the next decode step before reading the last (executors that take ids from the device).
-        self.overlap = bool(getattr(executor, "overlaps", False)) if overlap is None else overlap
+        self.overlap = executor.overlaps if overlap is None else overlap
         self._inflight: Launched | None = None
 
     # -- construction -------------------------------------------------------------------------
@@ -414,7 +414,7 @@ class Engine:
             i for i in live
             if last.sampled[i].generated + 1 < last.sampled[i].params.max_tokens and last.positions[i] + 2 < self.max_context
         ]
-        if not picks or len(picks) > getattr(self.executor, "max_decode_rows", 0):
+        if not picks or len(picks) > self.executor.max_decode_rows:
             return None
         requests = [last.sampled[i] for i in picks]
         positions = [last.positions[i] + 1 for i in picks]
