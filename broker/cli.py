@@ -17,7 +17,7 @@ from types import FrameType
 
 import structlog
 
-from . import keys, logs, status_cmd
+from . import heap, keys, logs, status_cmd
 from .metrics import BrokerMetrics
 from .metrics_http import MetricsServer
 from .router import MAX_SESSIONS_FLAG
@@ -153,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.reload_keys()
         return stop
 
+    heap.settle()
     try:
         server.serve(should_stop)
     finally:

@@ -103,11 +103,9 @@ class StackDriver:
         session: AsyncSession = turn.session
         p = turn.params
         try:
-            length = await session.append(text=turn.prompt.text, token_ids=turn.prompt.token_ids)
-            self.raw.op("append", time.perf_counter() - sample.start)
-            sample.prompt_tokens = length - turn.length
             stream = await session.generate(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
-                                            ignore_eos=p.ignore_eos, stream=True)
+                                            ignore_eos=p.ignore_eos, stream=True, prompt=turn.prompt.text,
+                                            prompt_ids=turn.prompt.token_ids)
             async for chunk in stream:
                 if chunk.token_ids:
                     n = len(chunk.token_ids)
@@ -122,7 +120,10 @@ class StackDriver:
         sample.end = time.perf_counter()
         self.tally.done += 1
         result = stream.result
-        return TurnDone(result.session_length if result is not None else length + sample.output_tokens, sample.prompt_tokens)
+        if result is None:  # a stream always ends with its final answer; keep going without it
+            return TurnDone(turn.length + sample.output_tokens, 0)
+        sample.prompt_tokens = result.appended
+        return TurnDone(result.session_length, result.appended)
 
     async def _op(self, action: Create | Fork | Close) -> Opened | None:
         kind = type(action).__name__.lower()
@@ -245,9 +246,10 @@ def _check_alive(procs: Sequence[BaseProcess], runs: dict[int, RawRun]) -> None:
 def _child(index: int, part: Part, messages: Queue[tuple[str, int, Any]], go: Event, start: Synchronized[float],
            log_level: str) -> None:
     """A client process: its own structlog set-up, then its part of the run on the parent's signal."""
-    from broker import logs
+    from broker import heap, logs
 
     logs.configure(log_level, role="loadtest", process=index)
+    heap.settle()  # imports done: no full collection walks them again during the run
     try:
         messages.put(("ready", index, None))
         if not go.wait(timeout=START_TIMEOUT_S):

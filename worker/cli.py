@@ -16,7 +16,7 @@ from types import FrameType
 
 import structlog
 
-from broker import logs
+from broker import heap, logs
 from broker import protocol as p
 from broker.keys import CurveClient, KeyFileError
 from broker.metrics_http import MetricsServer
@@ -174,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as e:
             log.error("worker_start_failed", error=str(e))
             return EXIT_STARTUP_FAILED
+    heap.settle(heap.SWITCH_INTERVAL_S)  # the model is loaded and its graphs captured: freeze that heap
     log.info("worker_serving", broker=args.broker, model=engine.model_name, capacity=engine.capacity)
     try:
         return serve.run()
