@@ -302,7 +302,14 @@ class Generate(Message):
     session_id: SessionId
     params: Annotated[Sampling, nested(Sampling)] = Sampling()
     stream: Annotated[bool, boolean] = False  # CHUNK messages before the final REPLY
+    # A prompt appended first, as by APPEND, in the same request (one round trip for a turn): both or neither.
+    prompt_ids: Annotated[tuple[int, ...] | None, int_list(MAX_TOKENS, optional=True)] = None
+    prompt: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
     route: Route = b""
+
+    def _check(self) -> None:
+        if self.prompt_ids is not None and self.prompt is not None:
+            raise _bad("generate takes at most one of prompt_ids or prompt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,6 +404,7 @@ class Generated(Message):
     text: Text
     finish_reason: Annotated[str, one_of(FINISH_REASONS)]
     length: Count
+    appended: Count = 0  # prompt tokens the GENERATE appended before generating
     route: Route = b""
 
 

@@ -272,23 +272,27 @@ class AsyncSession:
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ...,
                        stream: Literal[False] = ..., *, stop_token_ids: Sequence[int] = ...,
-                       ignore_eos: bool = ..., timeout: float | None = ...) -> Generation: ...
+                       ignore_eos: bool = ..., prompt: str | None = ...,
+                       prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ..., *,
                        stream: Literal[True], stop_token_ids: Sequence[int] = ...,
-                       ignore_eos: bool = ..., timeout: float | None = ...) -> AsyncStream: ...
+                       ignore_eos: bool = ..., prompt: str | None = ...,
+                       prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> AsyncStream: ...
 
     async def generate(
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
-        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, timeout: float | None = None,
+        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
+        prompt_ids: Sequence[int] | None = None, timeout: float | None = None,
     ) -> Generation | AsyncStream:
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        return await self._generate(params, stream, timeout)
+        return await self._generate(params, stream, timeout, prompt, prompt_ids)
 
-    async def _generate(self, params: p.Sampling, stream: bool, timeout: float | None) -> Generation | AsyncStream:
-        request = build(p.Generate, request_id=new_request_id(), session_id=self.id, params=params, stream=stream)
+    async def _generate(self, params: p.Sampling, stream: bool, timeout: float | None, prompt: str | None = None,
+                        prompt_ids: Sequence[int] | None = None) -> Generation | AsyncStream:
+        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids)
         if not stream:
             return calls.generation(await self.client._call(request, p.Generated, timeout))
         transport = self.client._transport

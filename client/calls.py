@@ -46,6 +46,12 @@ def build(make: Callable[..., T], **fields: Any) -> T:
         raise BadRequest(e.message) from e
 
 
+def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: str | None,
+                     prompt_ids: Sequence[int] | None) -> p.Generate:
+    return build(p.Generate, request_id=new_request_id(), session_id=session_id, params=params, stream=stream,
+                 prompt=prompt, prompt_ids=None if prompt_ids is None else tuple(prompt_ids))
+
+
 def sampling(
     max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
     stop: str | Sequence[str] | None, stop_token_ids: Sequence[int], ignore_eos: bool,
@@ -127,7 +133,7 @@ def expect(message: Answer, kind: type[M]) -> M:
 
 
 def generation(g: p.Generated) -> Generation:
-    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length)
+    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended)
 
 
 def session_info(i: p.SessionInfo) -> SessionInfo:

@@ -1,8 +1,8 @@
 """The in-process driver: the same users, run against `worker.engine.Engine` directly (no broker, no sockets).
 
-One loop: advance every user that is ready (create, append, fork and close are synchronous engine
-calls; a turn's generation is queued with `start_generate`), then run one batched `step()` for all of
-them and stamp its chunks with the time `step()` returned. So the numbers are the engine's own, and
+One loop: advance every user that is ready (create, fork and close are synchronous engine calls; a
+turn, prompt and generation, is queued with one `start_generate`), then run one batched `step()` for
+all of them and stamp its chunks with the time `step()` returned. So the numbers are the engine's own, and
 a full-stack run of the same workload over them is the stack's overhead.
 """
 
@@ -107,13 +107,11 @@ class EngineDriver:
         session: str = turn.session
         try:
             before = self.engine.session_length(session)
-            t = time.perf_counter()
-            length = self.engine.append(session, token_ids=turn.prompt.token_ids, text=turn.prompt.text)
-            self.raw.op("append", time.perf_counter() - t)
-            sample.prompt_tokens = length - before
             p = turn.params
             params = self._params(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed, ignore_eos=p.ignore_eos)
-            request_id = self.engine.start_generate(session, params)
+            request_id = self.engine.start_generate(session, params, prompt_ids=turn.prompt.token_ids,
+                                                    prompt=turn.prompt.text)
+            sample.prompt_tokens = self.engine.session_length(session) - before
         except self._errors as e:
             sample.end = time.perf_counter()
             sample.error = _code(e)

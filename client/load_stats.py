@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 PERCENTILES = (50, 90, 99)
 TIMELINE_BINS = 40  # throughput-over-time resolution when the run is short
 TIMELINE_MAX_BIN_S = 1.0
-SESSION_OPS = ("create", "append", "fork", "close")
+SESSION_OPS = ("create", "fork", "close")
 
 
 # -- raw samples --------------------------------------------------------------------------------
@@ -32,11 +32,11 @@ SESSION_OPS = ("create", "append", "fork", "close")
 
 @dataclass
 class RequestSample:
-    """One generate request (one turn: append the prompt, then generate streamed)."""
+    """One generate request (one turn: the prompt appended, then tokens generated, streamed)."""
 
     start: float  # the turn began (prompt sent)
     forked: bool = False  # ran on a fork child
-    prompt_tokens: int = 0  # tokens the append added to the session
+    prompt_tokens: int = 0  # tokens the turn's prompt added to the session
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
     end: float = 0.0  # the final chunk (or the error) arrived
@@ -173,7 +173,7 @@ class Report:
     tpot: Summary
     itl: Summary
     e2el: Summary
-    ops: dict[str, Summary]  # session create / append / fork / close
+    ops: dict[str, Summary]  # session create / fork / close
     op_errors: dict[str, dict[str, int]]
     counts: dict[str, int]
     timeline: list[tuple[float, float]]

@@ -11,6 +11,7 @@ class Generation:
     text: str
     finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
     session_length: int  # tokens in the session afterwards
+    appended: int = 0  # prompt tokens the call appended before generating (generate(prompt=...))
 
 
 @dataclass(frozen=True)

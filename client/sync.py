@@ -130,25 +130,31 @@ class Session:
     @overload
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., stream: Literal[False] = ..., *,
-                 stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ...,
-                 timeout: float | None = ...) -> Generation: ...
+                 stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
+                 prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., *, stream: Literal[True],
-                 stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ...,
-                 timeout: float | None = ...) -> Stream: ...
+                 stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
+                 prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> Stream: ...
 
     def generate(
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
-        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, timeout: float | None = None,
+        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
+        prompt_ids: Sequence[int] | None = None, timeout: float | None = None,
     ) -> Generation | Stream:
-        """Continue the session. The generated tokens become part of it, so the next turn follows on."""
-        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        return self._generate(params, stream, timeout)
+        """Continue the session. The generated tokens become part of it, so the next turn follows on.
 
-    def _generate(self, params: p.Sampling, stream: bool, timeout: float | None) -> Generation | Stream:
-        request = build(p.Generate, request_id=new_request_id(), session_id=self.id, params=params, stream=stream)
+        `prompt` (text) or `prompt_ids` is appended first in the same request, as `append` would: a turn
+        in one round trip. If either part is refused, neither happens.
+        """
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
+        return self._generate(params, stream, timeout, prompt, prompt_ids)
+
+    def _generate(self, params: p.Sampling, stream: bool, timeout: float | None, prompt: str | None = None,
+                  prompt_ids: Sequence[int] | None = None) -> Generation | Stream:
+        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids)
         if not stream:
             return calls.generation(self.client._call(request, p.Generated, timeout))
         transport = self.client._transport

@@ -69,7 +69,8 @@ class EngineAPI(Protocol):
     def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
     def sessions(self) -> list[str]: ...
     def session_length(self, session_id: str) -> int: ...
-    def start_generate(self, session_id: str, params: Any, request_id: str | None = None) -> str: ...
+    def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
+                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None) -> str: ...
     def cancel(self, request_id: str) -> None: ...
     def has_work(self) -> bool: ...
     def step(self) -> Sequence[Any]: ...
@@ -423,6 +424,7 @@ class Active:
     session_id: str
     route: bytes
     stream: bool
+    appended: int = 0  # prompt tokens the request appended first
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
 
@@ -581,8 +583,12 @@ class Serve:
             return p.Appended(request_id=request.request_id, session_id=request.session_id, length=length)
         if isinstance(request, p.Generate):
             self._refuse_if_draining("new generations")
-            engine_id = e.start_generate(request.session_id, self._sampling(request.params))
-            self._active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream)
+            before = e.session_length(request.session_id)
+            engine_id = e.start_generate(request.session_id, self._sampling(request.params),
+                                         prompt_ids=request.prompt_ids, prompt=request.prompt)
+            appended = e.session_length(request.session_id) - before
+            self._active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream,
+                                             appended)
             self._by_session[request.session_id] = engine_id
             self.metrics.generation_started(engine_id, time.perf_counter())
             return None  # answered when the generation finishes
@@ -676,7 +682,7 @@ class Serve:
             length = 0
         answer = p.Generated(request_id=active.request_id, session_id=active.session_id,
                              token_ids=tuple(active.token_ids), text="".join(active.text),
-                             finish_reason=finish_reason, length=length, route=active.route)
+                             finish_reason=finish_reason, length=length, appended=active.appended, route=active.route)
         key = (active.session_id, active.request_id)
         self._done[key] = answer
         if len(self._done) > self.config.request_cache:

@@ -258,6 +258,14 @@ class Engine:
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int:
         """Add prompt tokens (or text) to the session; returns its length in tokens."""
         session = self._session(session_id)
+        ids = self._prompt(session, token_ids, text)
+        if session.request is not None:
+            raise SessionBusy(f"session {session_id} is generating: append after the generation ends")
+        session.tokens.extend(ids)
+        return len(session.tokens)
+
+    def _prompt(self, session: Session, token_ids: Sequence[int] | None, text: str | None) -> list[int]:
+        """The ids that appending `token_ids` or `text` would add, checked (nothing is changed)."""
         if (token_ids is None) == (text is None):
             raise BadRequest("append takes exactly one of token_ids or text")
         if text is not None:
@@ -271,15 +279,12 @@ class Engine:
             ids = self._check_ids(token_ids)
         if not ids:
             raise BadRequest("append needs at least one token (empty text or token_ids)")
-        if session.request is not None:
-            raise SessionBusy(f"session {session_id} is generating: append after the generation ends")
         if len(session.tokens) + len(ids) > self.max_context:
             raise ContextOverflow(
-                f"session {session_id} holds {len(session.tokens)} tokens; {len(ids)} more exceed "
+                f"session {session.id} holds {len(session.tokens)} tokens; {len(ids)} more exceed "
                 f"max_context {self.max_context}"
             )
-        session.tokens.extend(ids)
-        return len(session.tokens)
+        return ids
 
     def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         try:
@@ -325,8 +330,13 @@ class Engine:
 
     # -- generation: the step-driven core ---------------------------------------------------------
 
-    def start_generate(self, session_id: str, params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a generation; it runs in the following steps. Validates everything now."""
+    def start_generate(self, session_id: str, params: SamplingParams, request_id: str | None = None, *,
+                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None) -> str:
+        """Queue a generation; it runs in the following steps. Validates everything now.
+
+        With `prompt_ids` or `prompt` (text), that prompt is appended first, as by `append`: one call for a
+        turn. Either both happen or, when anything is refused, neither.
+        """
         session = self._session(session_id)
         params.validate(self.tokenizer.vocab_size)
         if params.max_tokens > self.max_context:
@@ -334,15 +344,18 @@ class Engine:
                              "(worker --max-context)")
         if session.request is not None:
             raise SessionBusy(f"session {session_id} already has a generation in flight")
-        if not session.tokens:
+        ids = [] if prompt_ids is None and prompt is None else self._prompt(session, prompt_ids, prompt)
+        length = len(session.tokens) + len(ids)
+        if not length:
             raise BadRequest(f"session {session_id} is empty: append a prompt before generating")
-        if len(session.tokens) >= self.max_context:
+        if length >= self.max_context:
             raise ContextOverflow(f"session {session_id} is full ({self.max_context} tokens): no room to generate")
         rid = request_id or secrets.token_hex(8)
         if rid in self._active:
             raise BadRequest(f"request id {rid} is already in flight")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids)
         request = Request(rid, session, params, RowRandom.for_params(params), Detokenizer(self.tokenizer, params.stop), stop_ids)
+        session.tokens.extend(ids)
         session.request = request
         self._active[rid] = request
         return rid

@@ -40,6 +40,25 @@ def test_a_conversation_continues_across_turns(one_worker: Cluster) -> None:
         assert s.info().length == first.session_length + 4
 
 
+def test_a_turn_in_one_request_equals_append_then_generate(one_worker: Cluster) -> None:
+    with one_worker.client() as c, c.session() as a, c.session() as b:
+        a.append(token_ids=PROMPT)
+        two_calls = a.generate(max_tokens=8, ignore_eos=True)
+        one_call = b.generate(max_tokens=8, ignore_eos=True, prompt_ids=PROMPT)
+        assert one_call.token_ids == two_calls.token_ids and len(one_call.token_ids) == 8
+        assert (one_call.appended, one_call.session_length) == (len(PROMPT), len(PROMPT) + 8)
+        assert two_calls.appended == 0
+        stream = b.generate(max_tokens=3, ignore_eos=True, stream=True, prompt="hi")  # text: bytes, 2 tokens
+        assert sum(len(ch.token_ids) for ch in stream) == 3
+        assert stream.result is not None and stream.result.appended == 2
+        assert stream.result.session_length == len(PROMPT) + 8 + 2 + 3
+        with pytest.raises(BadRequest, match="out of range"):  # refused whole: nothing appended
+            b.generate(max_tokens=2, prompt_ids=[1, 10**6])
+        with pytest.raises(BadRequest, match="at most one"):  # refused by the client before sending
+            b.generate(max_tokens=2, prompt_ids=[1], prompt="x")
+        assert b.info().length == len(PROMPT) + 8 + 2 + 3
+
+
 def test_fork_continues_exactly_like_its_parent(one_worker: Cluster) -> None:
     with one_worker.client() as c, c.session() as parent:
         parent.append(token_ids=PROMPT)
@@ -149,9 +168,9 @@ def test_async_client(one_worker: Cluster) -> None:
         async with AsyncClient(one_worker.clients, timeout=20) as c:
             async with await c.session() as a, await c.session() as b:
                 await a.append(token_ids=PROMPT)
-                await b.append(token_ids=PROMPT)
                 whole, stream = await asyncio.gather(
-                    a.generate(max_tokens=12, ignore_eos=True), b.generate(max_tokens=12, ignore_eos=True, stream=True)
+                    a.generate(max_tokens=12, ignore_eos=True),
+                    b.generate(max_tokens=12, ignore_eos=True, stream=True, prompt_ids=PROMPT),
                 )
                 streamed = [t async for ch in stream for t in ch.token_ids]
                 child = await a.fork()

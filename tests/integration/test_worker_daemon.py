@@ -78,10 +78,12 @@ class FakeEngine:
     def session_length(self, session_id: str) -> int:
         return self.lengths[self._known(session_id)]
 
-    def start_generate(self, session_id: str, params: Any, request_id: str | None = None) -> str:
+    def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
+                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None) -> str:
         self._known(session_id)
         if any(s == session_id for s, _ in self.active.values()):
             raise SessionBusy("busy")
+        self.lengths[session_id] += len(prompt_ids or ())
         engine_id = f"e{len(self.active)}-{time.monotonic_ns()}"
         self.active[engine_id] = (session_id, params.max_tokens)
         return engine_id

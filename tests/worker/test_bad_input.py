@@ -44,6 +44,15 @@ CASES: list[tuple[str, type[EngineError], str, Callable[[Engine, str], object]]]
     ("unknown session fork", SessionNotFound, "no session", lambda e, s: e.fork("nope")),
     ("unknown session close", SessionNotFound, "no session", lambda e, s: e.close("nope")),
     ("duplicate session id", BadRequest, "already exists", lambda e, s: e.create_session(s)),
+    # A turn in one call (prompt + generate) is refused whole: nothing appended.
+    ("turn prompt overflow", ContextOverflow, "exceed max_context",
+     lambda e, s: e.start_generate(s, SamplingParams(max_tokens=2), prompt_ids=[7] * 2045)),
+    ("turn prompt fills the context", ContextOverflow, "full",
+     lambda e, s: e.start_generate(s, SamplingParams(max_tokens=2), prompt_ids=[7] * (2048 - 4))),
+    ("turn bad prompt id", BadRequest, "out of range", lambda e, s: e.start_generate(s, SamplingParams(), prompt_ids=[49152])),
+    ("turn empty prompt", BadRequest, "at least one token", lambda e, s: e.start_generate(s, SamplingParams(), prompt="")),
+    ("turn both prompts", BadRequest, "exactly one", lambda e, s: e.start_generate(s, SamplingParams(), prompt_ids=[1], prompt="x")),
+    ("turn bad params", BadRequest, "temperature", lambda e, s: e.start_generate(s, SamplingParams(temperature=-1), prompt="x")),
 ]
 
 
@@ -88,6 +97,25 @@ def test_busy_session_refuses_append_fork_and_second_generate(engine: Engine, si
             assert chunk.request_id == rid
             ids += chunk.token_ids
     assert ids == EXPECTED
+
+
+def test_a_turn_in_one_call_is_the_same_as_append_then_generate(engine: Engine) -> None:
+    a, b = engine.create_session(), engine.create_session()
+    engine.append(a, text=PROMPT)
+    rid = engine.start_generate(b, SamplingParams(max_tokens=6), prompt=PROMPT)
+    assert engine.session_length(b) == engine.session_length(a) == 4
+    ids: list[int] = []
+    while engine.has_work():
+        ids += [t for chunk in engine.step() if chunk.request_id == rid for t in chunk.token_ids]
+    assert ids == EXPECTED
+    assert engine.session_tokens(b) == engine.session_tokens(a) + EXPECTED
+    turn = engine.start_generate(b, SamplingParams(max_tokens=2), prompt_ids=[1])  # the next turn
+    with pytest.raises(SessionBusy):  # a busy session refuses a turn, and keeps its tokens
+        engine.start_generate(b, SamplingParams(max_tokens=2), prompt_ids=[2])
+    assert engine.session_length(b) == 4 + 6 + 1
+    engine.cancel(turn)
+    while engine.has_work():
+        engine.step()
 
 
 def test_generation_stops_at_the_context_limit(engine: Engine) -> None:
