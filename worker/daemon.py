@@ -439,6 +439,7 @@ class Serve:
         self._active: dict[str, Active] = {}  # engine request id -> generation
         self._by_session: dict[str, str] = {}  # session id -> engine request id
         self._done: OrderedDict[tuple[str, str], p.Message] = OrderedDict()  # (session, request id) -> answer
+        self._answers: list[p.Message] = []  # answers to the requests being admitted, sent after the batch
         self._step_failures = 0
         self._step_end = 0.0  # perf_counter() at the end of the last engine step
         self.steps = 0  # engine steps run: the progress the broker watches for
@@ -512,8 +513,12 @@ class Serve:
     # -- requests --
 
     def _admit(self, requests: list[p.Message]) -> None:
+        """Handle a batch of requests; their answers leave together (one wake-up of the I/O thread, which
+        otherwise takes the GIL from this loop once per answer)."""
         for request in requests:
             self._handle(request)
+        answers, self._answers = self._answers, []
+        self.link.send(answers)
 
     def _handle(self, request: p.Message) -> None:
         self.metrics.request(request.COMMAND)
@@ -551,7 +556,7 @@ class Serve:
         """A request id seen before: answer from the cache, or follow the running generation. No re-run."""
         done = self._done.get(key)
         if done is not None:
-            self.link.send([done.routed(route)])
+            self._answers.append(done.routed(route))
             return True
         engine_id = self._by_session.get(key[0])
         active = self._active.get(engine_id) if engine_id else None
@@ -624,7 +629,7 @@ class Serve:
         self._done[key] = answer
         if len(self._done) > self.config.request_cache:
             self._done.popitem(last=False)
-        self.link.send([answer])
+        self._answers.append(answer)
 
     # -- steps --
 

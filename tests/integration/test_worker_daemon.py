@@ -300,12 +300,12 @@ def test_a_step_sends_one_chunks_message_per_client_route(
     sids = [f"{i}" * 32 for i in range(4)]
     routes = [b"client-1", b"client-2", b"client-1", b"client-2"]
     for i, (sid, route) in enumerate(zip(sids, routes, strict=True)):
-        serve._handle(p.CreateSession(request_id=f"c{i}", session_id=sid, route=route))
-        serve._handle(p.Append(request_id=f"a{i}", session_id=sid, token_ids=(1,), route=route))
+        serve._admit([p.CreateSession(request_id=f"c{i}", session_id=sid, route=route)])
+        serve._admit([p.Append(request_id=f"a{i}", session_id=sid, token_ids=(1,), route=route)])
     streamed = [p.Generate(request_id=f"g{i}", session_id=sid, params=p.Sampling(max_tokens=3), stream=i != 3,
                            route=route) for i, (sid, route) in enumerate(zip(sids, routes, strict=True))]
     for request in streamed:
-        serve._handle(request)
+        serve._admit([request])
     sent.clear()
 
     assert serve._step()
@@ -325,16 +325,27 @@ def test_a_step_sends_one_chunks_message_per_client_route(
     assert not serve._active
 
 
+def test_the_answers_to_one_batch_of_requests_leave_in_one_send(
+    stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
+) -> None:
+    serve, engine, sent = stepped
+    serve._admit([p.CreateSession(request_id="c1", session_id=SID, route=b"c"),
+                  p.Append(request_id="a1", session_id=SID, token_ids=(1, 2), route=b"c"),
+                  p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"),
+                  p.Info(request_id="i1", session_id=SID, route=b"c")])
+    assert [[type(m).__name__ for m in batch] for batch in sent] == [["Created", "Appended", "SessionInfo"]]
+
+
 def test_a_resent_generate_moves_the_rest_of_its_stream_to_the_new_route(
     stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
 ) -> None:
     serve, engine, sent = stepped
-    serve._handle(p.CreateSession(request_id="c1", session_id=SID, route=b"old"))
-    serve._handle(p.Append(request_id="a1", session_id=SID, token_ids=(1,), route=b"old"))
+    serve._admit([p.CreateSession(request_id="c1", session_id=SID, route=b"old")])
+    serve._admit([p.Append(request_id="a1", session_id=SID, token_ids=(1,), route=b"old")])
     generate = p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=3), stream=True, route=b"old")
-    serve._handle(generate)
+    serve._admit([generate])
     serve._step()
-    serve._handle(generate.routed(b"new"))  # the client reconnected (or the broker restarted) and resent it
+    serve._admit([generate.routed(b"new")])  # the client reconnected (or the broker restarted) and resent it
     serve._step()
     serve._step()
     batches = [m for messages in sent for m in messages if isinstance(m, p.Chunks)]
