@@ -7,8 +7,10 @@ start-up is over, moves everything alive then into the permanent generation that
 (`gc.freeze`); what is allocated later is collected as usual.
 
 The worker runs two threads (compute and socket I/O). The compute thread gives the GIL up at every CUDA
-call; to take it back from a thread running Python it waits for the switch interval, 5 ms by default,
-several decode steps. `SWITCH_INTERVAL_S` bounds that wait.
+call; to take it back from a thread running Python it may wait a whole switch interval, 5 ms by default
+(several decode steps). `SWITCH_INTERVAL_S` bounds that wait. Measured at 64 sessions on the GPU machine
+(median of 5 full-stack runs each): 45.8k tokens/s at 0.2 ms, 44.5k at 1 ms, 45.2k at 5 ms, within the
+run-to-run spread; it is kept for the bound, not for a measured gain.
 """
 
 from __future__ import annotations
