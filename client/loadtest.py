@@ -5,11 +5,11 @@
     loadtest --in-process --model random:smollm2-135m --device cuda --sessions 64 ...
 
 Each turn of a session appends a prompt of P tokens (seeded random token ids, or text from a seeded
-word list) and generates M tokens streamed, in one request (`generate(prompt=...)`), for T turns; every K-th turn it may fork, run one turn on the
-child and close it. A session whose next turn would overflow the context is closed and a new one
-opened. The run lasts a number of generate requests or a duration, then closes every session and
-reports vLLM `bench serve` figures: throughput, TTFT, ITL, TPOT, end-to-end latency, session
-create/fork/close latency, failures by error code.
+word list) and generates M tokens streamed, in one request (`generate(prompt=...)`), for T turns;
+every K-th turn it may fork, run one turn on the child and close it. A session whose next turn would
+overflow the context is closed and a new one opened. The run lasts a number of generate requests or
+a duration, then closes every session and reports vLLM `bench serve` figures: throughput, TTFT, ITL,
+TPOT, end-to-end latency, session create/fork/close latency, failures by error code.
 
 The Python API (used by benchmark scripts):
 
