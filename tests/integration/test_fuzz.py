@@ -8,19 +8,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from ..fuzzing import Case, ClientSocket, FuzzStack, WorkerLink, WorkerSocket
+from ..fuzzing import ClientSocket, FuzzStack, WorkerLink, WorkerSocket, drive
 
 pytestmark = pytest.mark.slow  # about 15 s for the module (400 cases per target)
 
 CASES = 400  # per target
 BATCH = 50  # cases between checkpoints
 SEED = 20_261_121  # CI runs the same cases every time; fuzz_stack.py draws new ones
-FUZZ = settings(
-    max_examples=CASES, deadline=None, database=None, phases=[Phase.generate],  # no shrinking: the daemons are live
-    suppress_health_check=list(HealthCheck),
-)
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +29,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzStack]:
 
 
 def test_the_broker_client_socket_answers_every_broken_request_with_its_error(stack: FuzzStack) -> None:
-    with ClientSocket(stack, BATCH) as target:
-
-        @seed(SEED)
-        @FUZZ
-        @given(target.strategy())
-        def fire(case: Case) -> None:
-            target.fire(case)
-
-        fire()
-        target.finish()  # and the broker's session accounting is back to the good session alone
-    report = target.report
+    # Fired, checked and finished: the broker's session accounting is back to the good session alone.
+    report = drive(ClientSocket(stack, BATCH), CASES, SEED)
     assert (report.cases, report.checkpoints) == (CASES, CASES // BATCH)
     assert report.good_rounds >= CASES // BATCH
     assert {"bad_request", "version_mismatch", "session_not_found"} <= set(report.errors_by_code())
@@ -52,17 +38,8 @@ def test_the_broker_client_socket_answers_every_broken_request_with_its_error(st
 
 
 def test_the_broker_worker_socket_survives_fake_workers(stack: FuzzStack) -> None:
-    with WorkerSocket(stack, BATCH) as target:
-
-        @seed(SEED)
-        @FUZZ
-        @given(target.strategy())
-        def fire(case: Case) -> None:
-            target.fire(case)
-
-        fire()
-        target.finish()  # and once the fakes are silent the broker lists the real worker alone
-    report = target.report
+    # Fired, checked and finished: once the fakes are silent the broker lists the real worker alone.
+    report = drive(WorkerSocket(stack, BATCH), CASES, SEED)
     assert (report.cases, report.checkpoints) == (CASES, CASES // BATCH)
     assert report.good_rounds >= CASES // BATCH
     assert report.answers["WELCOME"] > 0 and report.answers["forwarded"] > 0
@@ -74,17 +51,8 @@ def test_the_broker_worker_socket_survives_fake_workers(stack: FuzzStack) -> Non
 
 
 def test_a_worker_survives_a_broker_that_sends_garbage(stack: FuzzStack) -> None:
-    with WorkerLink(stack, BATCH) as target:
-
-        @seed(SEED)
-        @FUZZ
-        @given(target.strategy())
-        def fire(case: Case) -> None:
-            target.fire(case)
-
-        fire()
-        target.finish()  # and the good session on it is as it was
-    report = target.report
+    # Fired, checked and finished: the good session on it is as it was.
+    report = drive(WorkerLink(stack, BATCH), CASES, SEED)
     assert (report.cases, report.checkpoints, report.good_rounds) == (CASES, CASES // BATCH, CASES // BATCH)
     assert {"bad_request", "session_not_found"} <= set(report.errors_by_code())
     assert report.answers["HEARTBEAT"] > 0 and report.answers["REPLY:generated"] > 0
