@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from client import Client
+from client import Client, Session
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_MS = 100
@@ -23,6 +23,16 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def one_session_on_each(client: Client, prompt: list[int]) -> tuple[Session, Session]:
+    """Two sessions, each holding `prompt`, which the broker spreads over two workers: (on w1, on w2)."""
+    a, b = client.session(), client.session()
+    on_w1, on_w2 = (a, b) if a.worker == "w1" else (b, a)
+    assert (on_w1.worker, on_w2.worker) == ("w1", "w2")
+    on_w1.append(token_ids=prompt)
+    on_w2.append(token_ids=prompt)
+    return on_w1, on_w2
 
 
 class Daemon:
@@ -114,6 +124,13 @@ class Cluster:
         )
         self.workers[name] = daemon
         return daemon
+
+    def start_two_workers(self, **worker: Any) -> tuple[Daemon, Daemon]:
+        """A broker and workers w1 and w2 (same `start_worker` options), both registered."""
+        self.start_broker()
+        pair = (self.start_worker("w1", **worker), self.start_worker("w2", **worker))
+        self.wait_for_workers({"w1", "w2"})
+        return pair
 
     def client(self, timeout: float = 20.0, **keys: Any) -> Client:
         """`keys`: broker_key=..., key=... for a broker started with --keys."""

@@ -8,23 +8,16 @@ import pytest
 
 from client import SessionLost, WorkerDraining
 
-from .cluster import Cluster
+from .cluster import Cluster, one_session_on_each
 
 PROMPT = [7, 8, 9, 10]
 LONG = dict(max_tokens=3000, ignore_eos=True)  # long enough to be running when something is killed
 
 
 def test_killed_worker_fails_its_stream_with_session_lost_and_the_other_worker_carries_on(cluster: Cluster) -> None:
-    cluster.start_broker()
-    cluster.start_worker("w1", max_sessions=2, max_context=4096)
-    cluster.start_worker("w2", max_sessions=2, max_context=4096)
-    cluster.wait_for_workers({"w1", "w2"})
+    cluster.start_two_workers(max_sessions=2, max_context=4096)
     with cluster.client() as c:
-        a, b = c.session(), c.session()
-        doomed, survivor = (a, b) if a.worker == "w1" else (b, a)
-        assert (doomed.worker, survivor.worker) == ("w1", "w2")
-        doomed.append(token_ids=PROMPT)
-        survivor.append(token_ids=PROMPT)
+        doomed, survivor = one_session_on_each(c, PROMPT)
         stream = doomed.generate(**LONG, stream=True)  # type: ignore[call-overload]
         assert next(stream).finish_reason is None
 

@@ -22,7 +22,7 @@ import pytest
 
 from client import AsyncClient, AsyncSession, CapacityExhausted, Client, ClientError, Generation, SessionInfo, SessionLost
 
-from .cluster import ROOT, Cluster
+from .cluster import ROOT, Cluster, one_session_on_each
 
 PROMPT = [7, 8, 9, 10]
 SCHEDULING_SLACK_S = 0.3  # a loaded 2-core machine: the broker's poll, the test's own wake-up
@@ -88,16 +88,9 @@ def test_a_stopped_worker_is_declared_dead_by_heartbeats_and_comes_back_with_its
     cancelled as w1 registers again (the broker kept a CANCEL for it), so it does not run on for nobody: the
     session holds the prompt and the tokens made before the stop, short of the 3000 asked for.
     """
-    cluster.start_broker()
-    w1 = cluster.start_worker("w1", max_sessions=2, max_context=4096)
-    cluster.start_worker("w2", max_sessions=2, max_context=4096)
-    cluster.wait_for_workers({"w1", "w2"})
+    w1, _ = cluster.start_two_workers(max_sessions=2, max_context=4096)
     with cluster.client() as c:
-        a, b = c.session(), c.session()
-        frozen, survivor = (a, b) if a.worker == "w1" else (b, a)
-        assert (frozen.worker, survivor.worker) == ("w1", "w2")
-        frozen.append(token_ids=PROMPT)
-        survivor.append(token_ids=PROMPT)
+        frozen, survivor = one_session_on_each(c, PROMPT)
         stream = frozen.generate(max_tokens=3000, ignore_eos=True, stream=True)
         assert next(stream).finish_reason is None
 
@@ -151,10 +144,7 @@ def test_every_session_on_two_workers_survives_a_kill_9_of_the_broker(
     """Six sessions with distinct histories on two workers; a fork of each, made before the kill, says what its
     next greedy generation must be. After kill -9 and a restart on the same addresses, every session generates
     exactly that (counted), and the broker's tables hold the same three sessions per worker."""
-    cluster.start_broker()
-    cluster.start_worker("w1", max_sessions=4)
-    cluster.start_worker("w2", max_sessions=4)
-    cluster.wait_for_workers({"w1", "w2"})
+    cluster.start_two_workers(max_sessions=4)
     with cluster.client() as c:
         sessions = [c.session() for _ in range(6)]
         assert Counter(s.worker for s in sessions) == {"w1": 3, "w2": 3}

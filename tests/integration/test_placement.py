@@ -13,10 +13,7 @@ from .cluster import Cluster
 
 
 def test_sessions_spread_over_both_workers_and_stay_on_theirs(cluster: Cluster) -> None:
-    cluster.start_broker()
-    cluster.start_worker("w1", max_sessions=3)
-    cluster.start_worker("w2", max_sessions=3)
-    cluster.wait_for_workers({"w1", "w2"})
+    cluster.start_two_workers(max_sessions=3)
     with cluster.client() as c:
         sessions = [c.session() for _ in range(6)]
         assert Counter(s.worker for s in sessions) == {"w1": 3, "w2": 3}
