@@ -18,36 +18,13 @@ from types import FrameType
 import structlog
 
 from . import heap, keys, logs, status_cmd
+from .arguments import env_int, non_negative_int, positive_int
 from .metrics import BrokerMetrics
 from .metrics_http import MetricsServer
 from .router import MAX_SESSIONS_FLAG
 from .server import BrokerConfig, BrokerServer
 
 EXIT_STARTUP_FAILED = 3
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"broker: {name}={value!r} is not an integer") from None
-
-
-def positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def non_negative(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,29 +36,29 @@ def parser() -> argparse.ArgumentParser:
                        help="address clients connect to [env BROKER_CLIENTS] (default %(default)s)")
     start.add_argument("--workers", default=os.environ.get("BROKER_WORKERS", defaults.workers),
                        help="address workers connect to [env BROKER_WORKERS] (default %(default)s)")
-    start.add_argument("--heartbeat-ms", type=positive, default=_env_int("BROKER_HEARTBEAT_MS", defaults.heartbeat_ms),
+    start.add_argument("--heartbeat-ms", type=positive_int, default=env_int("broker", "BROKER_HEARTBEAT_MS", defaults.heartbeat_ms),
                        help="heartbeat interval sent to workers [env BROKER_HEARTBEAT_MS] (default %(default)s)")
-    start.add_argument("--liveness", type=positive, default=_env_int("BROKER_LIVENESS", defaults.liveness),
+    start.add_argument("--liveness", type=positive_int, default=env_int("broker", "BROKER_LIVENESS", defaults.liveness),
                        help="missed heartbeats before a worker is dead [env BROKER_LIVENESS] (default %(default)s)")
-    start.add_argument("--recovery-ms", type=positive, default=_env_int("BROKER_RECOVERY_MS", None),
+    start.add_argument("--recovery-ms", type=positive_int, default=env_int("broker", "BROKER_RECOVERY_MS", None),
                        help="after a start, how long requests for unknown sessions wait for workers to "
                             "re-register [env BROKER_RECOVERY_MS] (default: liveness + 2 heartbeats)")
-    start.add_argument("--hwm", type=positive, default=_env_int("BROKER_HWM", defaults.hwm),
+    start.add_argument("--hwm", type=positive_int, default=env_int("broker", "BROKER_HWM", defaults.hwm),
                        help="messages queued per peer [env BROKER_HWM] (default %(default)s)")
     start.add_argument("--keys", type=Path, default=os.environ.get("BROKER_KEYS") or None,
                        help="turn CURVE authentication on: DIR/broker.key_secret, DIR/workers/*.key and "
                             "DIR/clients/*.key (see `broker keygen`) [env BROKER_KEYS] (default: off)")
-    start.add_argument(MAX_SESSIONS_FLAG, type=non_negative,
-                       default=_env_int("BROKER_MAX_SESSIONS_PER_CLIENT", defaults.max_sessions_per_client),
+    start.add_argument(MAX_SESSIONS_FLAG, type=non_negative_int,
+                       default=env_int("broker", "BROKER_MAX_SESSIONS_PER_CLIENT", defaults.max_sessions_per_client),
                        help="live sessions one client may hold, 0 for no cap [env BROKER_MAX_SESSIONS_PER_CLIENT] "
                             "(default %(default)s)")
-    start.add_argument("--request-timeout-ms", type=non_negative,
-                       default=_env_int("BROKER_REQUEST_TIMEOUT_MS", defaults.request_timeout_ms),
+    start.add_argument("--request-timeout-ms", type=non_negative_int,
+                       default=env_int("broker", "BROKER_REQUEST_TIMEOUT_MS", defaults.request_timeout_ms),
                        help="fail a request with `timeout` when its worker makes no progress for this long, 0 for "
                             "never [env BROKER_REQUEST_TIMEOUT_MS] (default %(default)s)")
     start.add_argument("--log-level", choices=logs.LEVELS, default=os.environ.get("BROKER_LOG_LEVEL", "info"),
                        help="[env BROKER_LOG_LEVEL] (default %(default)s)")
-    start.add_argument("--metrics-port", type=non_negative, default=_env_int("BROKER_METRICS_PORT", None),
+    start.add_argument("--metrics-port", type=non_negative_int, default=env_int("broker", "BROKER_METRICS_PORT", None),
                        help="serve /metrics, /healthz and /readyz on this port [env BROKER_METRICS_PORT] (default: off)")
     start.add_argument("--metrics-host", default=os.environ.get("BROKER_METRICS_HOST") or "127.0.0.1",
                        help="interface of the metrics port [env BROKER_METRICS_HOST] (default %(default)s)")

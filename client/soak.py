@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from broker import logs
+from broker.arguments import positive_float, positive_int
 
 from .aio import AsyncClient, AsyncSession
 from .demo import free_address, spawn
@@ -620,20 +621,6 @@ def summary(r: dict[str, Any]) -> str:
 
 
 # -- the command line -----------------------------------------------------------------------------------
-
-
-def positive_float(value: str) -> float:
-    x = float(value)
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return x
-
-
-def positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def parser() -> argparse.ArgumentParser:

@@ -23,21 +23,15 @@ sys.path.insert(0, str(ROOT))  # run as a script: the packages import from the r
 
 import structlog  # noqa: E402
 
+from broker.arguments import positive_int  # noqa: E402
 from tests.fuzzing import TARGETS, FuzzFailure, Report, run_all  # noqa: E402
-
-
-def positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def parser() -> argparse.ArgumentParser:
     parse = argparse.ArgumentParser(prog="fuzz_stack", description=__doc__.split("\n\n")[0])
-    parse.add_argument("--cases", type=positive, default=10_000, help="cases per target (default %(default)s)")
+    parse.add_argument("--cases", type=positive_int, default=10_000, help="cases per target (default %(default)s)")
     parse.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: a random one, printed)")
-    parse.add_argument("--batch", type=positive, default=100, help="cases between checkpoints (default %(default)s)")
+    parse.add_argument("--batch", type=positive_int, default=100, help="cases between checkpoints (default %(default)s)")
     parse.add_argument("--targets", nargs="+", choices=list(TARGETS), default=list(TARGETS), help="default: all")
     parse.add_argument("--logs", type=Path, default=None, help="where the daemons' logs go (default: a new temp dir)")
     return parse

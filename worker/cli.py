@@ -18,6 +18,7 @@ import structlog
 
 from broker import heap, logs
 from broker import protocol as p
+from broker.arguments import env, env_int, non_negative_float, port, positive_int
 from broker.keys import CurveClient, KeyFileError
 from broker.metrics_http import MetricsServer
 
@@ -25,42 +26,6 @@ from .daemon import Serve, WorkerConfig
 from .metrics import WorkerMetrics, worker_readiness
 
 EXIT_STARTUP_FAILED = 3
-
-
-def _env(name: str, default: str | None) -> str | None:
-    value = os.environ.get(name)
-    return default if value is None or value == "" else value
-
-
-def _env_int(name: str, default: int) -> int:
-    value = _env(name, None)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"worker: {name}={value!r} is not an integer") from None
-
-
-def port(value: str) -> int:
-    n = int(value)
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {n}")
-    return n
-
-
-def positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-def non_negative_float(value: str) -> float:
-    x = float(value)
-    if not x >= 0 or x == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
-    return x
 
 
 def device(value: str) -> str:
@@ -74,38 +39,38 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="worker", description="Serve one model's sessions for a broker.")
     sub = top.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="run a worker in the foreground")
-    start.add_argument("--broker", default=_env("WORKER_BROKER", defaults.broker),
+    start.add_argument("--broker", default=env("WORKER_BROKER", defaults.broker),
                        help="the broker's worker address [env WORKER_BROKER] (default %(default)s)")
-    start.add_argument("--model", default=_env("WORKER_MODEL", None),
+    start.add_argument("--model", default=env("WORKER_MODEL", None),
                        help="a .gguf file, a Hugging Face folder, or random:PRESET[:SEED] (e.g. random:tiny) "
                             "[env WORKER_MODEL] (default: the bundled SmolLM2-135M-Instruct)")
-    start.add_argument("--device", type=device, default=_env("WORKER_DEVICE", "auto"),
+    start.add_argument("--device", type=device, default=env("WORKER_DEVICE", "auto"),
                        help="auto, cpu, cuda or cuda:N [env WORKER_DEVICE] (default %(default)s)")
-    start.add_argument("--max-sessions", type=positive, default=_env_int("WORKER_MAX_SESSIONS", 8),
+    start.add_argument("--max-sessions", type=positive_int, default=env_int("worker", "WORKER_MAX_SESSIONS", 8),
                        help="session slots (fewer if memory is short) [env WORKER_MAX_SESSIONS] (default %(default)s)")
-    start.add_argument("--max-context", type=positive, default=_env_int("WORKER_MAX_CONTEXT", 2048),
+    start.add_argument("--max-context", type=positive_int, default=env_int("worker", "WORKER_MAX_CONTEXT", 2048),
                        help="tokens per session [env WORKER_MAX_CONTEXT] (default %(default)s)")
-    start.add_argument("--name", default=_env("WORKER_NAME", f"{socket.gethostname()}-{os.getpid()}"),
+    start.add_argument("--name", default=env("WORKER_NAME", f"{socket.gethostname()}-{os.getpid()}"),
                        help="shown in logs and status [env WORKER_NAME] (default HOST-PID)")
-    start.add_argument("--drain-timeout", type=float, default=float(_env("WORKER_DRAIN_TIMEOUT", "60") or 60),
+    start.add_argument("--drain-timeout", type=float, default=float(env("WORKER_DRAIN_TIMEOUT", "60") or 60),
                        help="seconds in-flight generations get to finish after SIGTERM [env WORKER_DRAIN_TIMEOUT]")
-    start.add_argument("--reconnect-max-ms", type=positive,
-                       default=_env_int("WORKER_RECONNECT_MAX_MS", defaults.reconnect_max_ms),
+    start.add_argument("--reconnect-max-ms", type=positive_int,
+                       default=env_int("worker", "WORKER_RECONNECT_MAX_MS", defaults.reconnect_max_ms),
                        help="ceiling of the reconnect backoff [env WORKER_RECONNECT_MAX_MS] (default %(default)s)")
-    start.add_argument("--broker-key", default=_env("WORKER_BROKER_KEY", None),
+    start.add_argument("--broker-key", default=env("WORKER_BROKER_KEY", None),
                        help="the broker's public key file (broker.key), when it authenticates [env WORKER_BROKER_KEY]")
-    start.add_argument("--key", default=_env("WORKER_KEY", None),
+    start.add_argument("--key", default=env("WORKER_KEY", None),
                        help="this worker's key pair file (NAME.key_secret from `broker keygen`) [env WORKER_KEY]")
     start.add_argument("--session-idle-timeout", type=non_negative_float,
-                       default=float(_env("WORKER_SESSION_IDLE_TIMEOUT", "0") or 0),
+                       default=float(env("WORKER_SESSION_IDLE_TIMEOUT", "0") or 0),
                        help="close sessions idle (no request, no generation) longer than this many seconds; 0 for "
                             "never [env WORKER_SESSION_IDLE_TIMEOUT] (default %(default)s)")
-    metrics_port = _env("WORKER_METRICS_PORT", None)
+    metrics_port = env("WORKER_METRICS_PORT", None)
     start.add_argument("--metrics-port", type=port, default=None if metrics_port is None else port(metrics_port),
                        help="serve /metrics, /healthz and /readyz on this port [env WORKER_METRICS_PORT] (default: off)")
-    start.add_argument("--metrics-host", default=_env("WORKER_METRICS_HOST", "127.0.0.1"),
+    start.add_argument("--metrics-host", default=env("WORKER_METRICS_HOST", "127.0.0.1"),
                        help="interface of the metrics port [env WORKER_METRICS_HOST] (default %(default)s)")
-    start.add_argument("--log-level", choices=logs.LEVELS, default=_env("WORKER_LOG_LEVEL", "info"),
+    start.add_argument("--log-level", choices=logs.LEVELS, default=env("WORKER_LOG_LEVEL", "info"),
                        help="[env WORKER_LOG_LEVEL] (default %(default)s)")
     return top
 
