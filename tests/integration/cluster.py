@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from client import Client, Session
+import pytest
+
+from client import Client, Session, SessionLost, Stream
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_MS = 100
@@ -33,6 +35,14 @@ def one_session_on_each(client: Client, prompt: list[int]) -> tuple[Session, Ses
     on_w1.append(token_ids=prompt)
     on_w2.append(token_ids=prompt)
     return on_w1, on_w2
+
+
+def seconds_until_lost(stream: Stream, since: float) -> float:
+    """Read `stream` to its end, which must be SessionLost: the seconds from `since` (monotonic) until then."""
+    with pytest.raises(SessionLost):
+        for _ in stream:
+            pass
+    return time.monotonic() - since
 
 
 class Daemon:
@@ -124,6 +134,11 @@ class Cluster:
         )
         self.workers[name] = daemon
         return daemon
+
+    @property
+    def loss_limit_s(self) -> float:
+        """How soon the broker must declare a silent worker lost: (liveness + 1) heartbeats."""
+        return (self.liveness + 1) * self.heartbeat_ms / 1000
 
     def start_two_workers(self, **worker: Any) -> tuple[Daemon, Daemon]:
         """A broker and workers w1 and w2 (same `start_worker` options), both registered."""
