@@ -20,6 +20,8 @@ class FieldError(ValueError):
 
 
 Check = Callable[[str, Any], Any]
+_INTS = frozenset({int})  # exact type: bool (an int subclass) and int subclasses take the slow path
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})  # msgpack takes these as they are
 
 
 def text(max_chars: int = 256, pattern: str | None = None, optional: bool = False) -> Check:
@@ -99,6 +101,9 @@ def int_list(max_items: int, lo: int = 0, hi: int = 2**31 - 1, optional: bool = 
             raise FieldError(f"{name} must be a list of integers, got {type(value).__name__}")
         if len(value) > max_items:
             raise FieldError(f"{name} has more than {max_items} items")
+        # Prompts and outputs are hundreds of ids: check types and range at C speed; loop only to name the bad one.
+        if not value or (_INTS.issuperset(map(type, value)) and lo <= min(value) and max(value) <= hi):
+            return tuple(value)
         for v in value:
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise FieldError(f"{name} must hold integers in [{lo}, {hi}], got {repr(v)[:80]}")
@@ -197,6 +202,8 @@ def plain(value: Any) -> Any:
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, tuple):
+        if _SCALARS.issuperset(map(type, value)):
+            return list(value)  # token ids, session ids: no per-item call
         return [plain(v) for v in value]
     if hasattr(value, "__dataclass_fields__"):
         return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
