@@ -6,7 +6,9 @@
 - `Link` owns the socket: it registers (READY with capacity, model and every live session), sends
   heartbeats on time whatever the engine is doing, notices a restarted or silent broker and registers
   again, and merges the queued CHUNKS of a client when the socket falls behind. ZeroMQ reconnects the
-  TCP connection with exponential backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX).
+  TCP connection with exponential backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX). Requests and answers
+  cross it as bytes: the compute loop decodes what it takes and encodes what it sends, so the I/O
+  thread holds the GIL only for moments and never makes the loop wait for its share of codec work.
 - `Serve` owns the engine (not thread-safe): it admits requests between batched steps, runs
   `engine.step()` while there is work, and turns a step's chunks into one CHUNKS message per client
   route (streamed requests that moved) plus a final REPLY for each request that finished. Every request
@@ -46,6 +48,9 @@ MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives
 MAX_INBOX_BATCH = 1024  # requests admitted between two steps
 MAX_EXPIRED_REMEMBERED = 1 << 16  # expired session ids answered with session_expired (oldest forgotten first)
 HANDSHAKE_LOG_S = 10.0  # a refused handshake is logged at most this often (ZeroMQ retries every reconnect)
+REQUEST_COMMANDS = frozenset(t.COMMAND.value for t in p.REQUEST_TYPES)  # passed to the compute loop undecoded
+
+Frames = list[bytes]
 
 
 class EngineAPI(Protocol):
@@ -137,8 +142,8 @@ class Link:
         self._state = state
         self._steps = steps
         self._context = zmq.Context()
-        self._inbox: queue.SimpleQueue[p.Message] = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue[p.Message] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Frames] = queue.SimpleQueue()  # requests, as received
+        self._outbox: queue.SimpleQueue[tuple[p.Message, Frames]] = queue.SimpleQueue()  # answers, encoded
         wake = f"inproc://wake-{secrets.token_hex(8)}"
         self._wake_rx: zmq.Socket[bytes] = self._context.socket(zmq.PAIR)
         self._wake_rx.bind(wake)
@@ -170,14 +175,18 @@ class Link:
         return self._thread.is_alive()
 
     def send(self, messages: Sequence[p.Message]) -> None:
+        """Encode (here, on the caller's thread) and queue for the socket."""
         if not messages:
             return
         for m in messages:
-            self._outbox.put(m)
+            self._outbox.put((m, p.encode(m)))
         self._wake()
 
     def receive(self, timeout_s: float) -> list[p.Message]:
-        """Requests from the broker: waits up to timeout_s for the first, then takes what is there."""
+        """Requests from the broker: waits up to timeout_s for the first, then takes what is there.
+
+        Decoded here, on the caller's thread; a malformed one is answered with its error when it names a
+        route and a request id, and logged either way."""
         try:
             first = self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
         except queue.Empty:
@@ -188,7 +197,17 @@ class Link:
                 batch.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
-        return batch
+        requests: list[p.Message] = []
+        errors: list[p.Message] = []
+        for frames in batch:
+            try:
+                requests.append(p.decode(frames))
+            except p.ProtocolError as e:
+                log.warning("broker_message_invalid", code=e.code.value, error=e.message, request=e.request_id)
+                if e.route and e.request_id:
+                    errors.append(p.error_for(e))
+        self.send(errors)
+        return requests
 
     def stop(self, farewell: str | None = None, refuse: p.ErrorCode = p.ErrorCode.WORKER_DRAINING) -> None:
         """Flush what is queued, answer requests nobody will serve with `refuse`, say DISCONNECT(farewell)
@@ -283,6 +302,9 @@ class Link:
             self._on_message(dealer, frames)
 
     def _on_message(self, dealer: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        if len(frames) >= 3 and frames[0] == p.VERSION and frames[1] in REQUEST_COMMANDS:
+            self._inbox.put(frames)  # decoded (and checked) by the compute loop
+            return
         try:
             message = p.decode(frames)
         except p.ProtocolError as e:
@@ -299,8 +321,6 @@ class Link:
         elif isinstance(message, p.Reconnect):
             log.info("broker_asks_register", broker_id=message.broker_id)
             self._send(dealer, self._ready())
-        elif isinstance(message, p.REQUEST_TYPES):
-            self._inbox.put(message)
         else:
             log.warning("broker_message_unexpected", command=message.COMMAND.name)
 
@@ -334,17 +354,19 @@ class Link:
 
     def _refuse_unserved(self, dealer: zmq.Socket[bytes]) -> None:
         """Requests that arrived too late to be served get an answer rather than silence."""
-        unserved: list[p.Message] = []
+        received: list[Frames] = []
         while True:
             try:
-                unserved.append(self._inbox.get_nowait())
+                received.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
         while True:
             try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK)
+                received.append(dealer.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
+        unserved: list[p.Message] = []
+        for frames in received:
             try:
                 unserved.append(p.decode(frames))
             except p.ProtocolError:
@@ -364,18 +386,19 @@ class Link:
                 return
 
     def _flush(self, dealer: zmq.Socket[bytes]) -> None:
-        pending: list[p.Message] = []
+        pending: list[tuple[p.Message, Frames]] = []
         while True:
             try:
                 pending.append(self._outbox.get_nowait())
             except queue.Empty:
                 break
-        for message in coalesce(pending):
-            self._send(dealer, message)
+        encoded = {id(m): frames for m, frames in pending}  # a merged CHUNKS is a new message: encoded anew
+        for message in coalesce([m for m, _ in pending]):
+            self._send(dealer, message, encoded.get(id(message)))
 
-    def _send(self, dealer: zmq.Socket[bytes], message: p.Message) -> None:
+    def _send(self, dealer: zmq.Socket[bytes], message: p.Message, frames: Frames | None = None) -> None:
         try:
-            dealer.send_multipart(p.encode(message), zmq.NOBLOCK)
+            dealer.send_multipart(p.encode(message) if frames is None else frames, zmq.NOBLOCK)
         except zmq.Again:
             # Queue full (broker away for long): drop. Final answers stay cached for the client's resend.
             log.warning("send_dropped", command=message.COMMAND.name, request=getattr(message, "request_id", None))

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import pytest
 import zmq
 
@@ -354,6 +355,51 @@ def test_a_resent_generate_moves_the_rest_of_its_stream_to_the_new_route(
     ]
     final = sent[-1][-1]
     assert isinstance(final, p.Generated) and final.route == b"new" and final.token_ids == (2, 3, 4)
+
+
+def test_requests_cross_the_link_as_bytes_and_the_compute_loop_decodes_and_answers_bad_ones(
+    stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
+) -> None:
+    serve, _, sent = stepped
+    link = serve.link
+    good = p.Info(request_id="i1", session_id=SID, route=b"c")
+    bad = [p.VERSION, b"CLOSE", msgpack.packb({"request_id": "x1", "session_id": "nope", "route": b"c"})]
+    nameless = [p.VERSION, b"CLOSE", b"\xc1"]  # not msgpack: no request id to answer
+    for frames in (p.encode(good), bad, nameless):
+        link._inbox.put(frames)
+    assert link.receive(0.0) == [good]
+    [errors] = sent
+    assert [(type(m).__name__, m.request_id, m.code, m.route) for m in errors] == [  # type: ignore[attr-defined]
+        ("Error", "x1", p.ErrorCode.BAD_REQUEST, b"c")
+    ]
+    assert link.receive(0.0) == []
+
+
+def test_answers_are_encoded_by_the_sender_and_the_flush_keeps_their_frames() -> None:
+    serve = Serve(FakeEngine(), WorkerConfig(broker="tcp://127.0.0.1:1", name="fw"), lambda s: s)
+    link = serve.link
+    chunks = [p.Chunks(chunks=(p.StreamChunk(f"r{i}", (i,), "x"),), route=b"c1") for i in range(2)]
+    final = p.Closed(request_id="x1", session_id=SID, route=b"c2")
+    link.send([chunks[0], final, chunks[1]])
+    queued = [link._outbox.get_nowait() for _ in range(3)]
+    assert [frames for _, frames in queued] == [p.encode(m) for m in (chunks[0], final, chunks[1])]
+    for item in queued:
+        link._outbox.put(item)
+
+    class Dealer:
+        def __init__(self) -> None:
+            self.sent: list[list[bytes]] = []
+
+        def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+            self.sent.append(frames)
+
+    dealer = Dealer()
+    link._flush(dealer)  # type: ignore[arg-type]
+    merged = p.Chunks(chunks=(p.StreamChunk("r0", (0,), "x"), p.StreamChunk("r1", (1,), "x")), route=b"c1")
+    assert [p.decode(frames) for frames in dealer.sent] == [merged, final]  # c1's two batches are one message
+    link._wake_tx.close(linger=0)
+    link._wake_rx.close(linger=0)
+    link._context.term()
 
 
 def test_error_codes_of_exceptions() -> None:
