@@ -14,11 +14,16 @@ Padding rows point at the table's spare slot (always mapped) at position 0 with 
 row reads and writes only memory nobody else uses.
 
 Batch invariance: a row's numbers must not depend on what else is in the step (the same seed and
-inputs give the same tokens whatever else runs). Matrix kernels pick their reduction order by the
-shape, so every decode row runs in a bucket of at least MIN_BUCKET rows (one bucket, one kernel,
-for up to MIN_BUCKET sessions; on a model this size a 64-row step costs what a 1-row step does),
-and every prompt chunk in the fixed PREFILL_ROWS-row shape. A step that mixes decode rows and prompt
-chunks is split that way: decode rows from their bucket's graph, the chunks from the prefill graph.
+inputs give the same tokens whatever else runs). Every kernel of a decode step works row by row
+except the matrix products, whose library picks a kernel by the shape, and the attention, whose
+split count (programs per row's keys) is pinned to the largest bucket's for every bucket. Whether
+the products' rows come out the same in every bucket is measured, not assumed: at start-up each
+smaller bucket replays real rows (random K/V in real slots) beside the largest one, and a bucket
+whose logits differ in any bit is dropped, its batches served by the next larger bucket (on the
+H100 with cuBLAS every bucket passes: one session runs a 1-row step instead of a 64-row one).
+Every prompt chunk runs in the fixed PREFILL_ROWS-row shape. A step that mixes decode rows and
+prompt chunks is split that way: decode rows from their bucket's graph, the chunks from the prefill
+graph.
 
 Decode rows can take their token ids from a device tensor (the previous step's sampled ids): the
 engine launches the next decode step before it has read the last one's tokens (worker.engine).
@@ -36,15 +41,18 @@ import numpy as np
 import structlog
 import torch
 
-from cuda_state import SessionTable
+from cuda_state import SessionTable, StateError
 
 from .executor import Executor
 from .model import Batch, Llama, Run, runs_of
 
 log = structlog.get_logger(__name__)
 
-MIN_BUCKET = 64  # decode batches of up to this many rows share one shape: batch-invariant numbers
-BUCKETS = (MIN_BUCKET, 128, 256)  # decode batch sizes captured as graphs; larger batches are cut
+# Decode batch sizes captured as graphs; larger batches are cut. Each graph keeps its logits (rows x vocab, fp32):
+# steps of 4x in rows keep that memory small while padding costs little (below ~64 rows a step's time hardly
+# depends on its rows on a model this size; a single session gets its own 1-row step).
+BUCKETS = (1, 4, 16, 64, 128, 256)
+INVARIANCE_CHECK_POSITIONS = 48  # positions of random K/V the start-up check's rows attend to
 WARMUP_RUNS = 2  # eager runs on the capture stream before capturing (compiles Triton, inits cuBLAS)
 PREFILL_ROWS = 2048  # rows of every prefill replay (= the engine's GPU step budget for prompt tokens)
 PREFILL_LOGITS = 64  # chunk ends one prefill replay returns logits for (fixed: the lm_head's shape)
@@ -197,6 +205,12 @@ class GraphExecutor:
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        self.attention_splits: int | None = None  # the largest bucket's, for every bucket (None: off the GPU)
+        if device.type == "cuda":
+            from .triton_attention import num_splits, sm_count
+
+            c = model.config
+            self.attention_splits = num_splits(self.buckets[-1], c.n_kv_heads, model.max_context, sm_count(device))
         if use_graphs:
             start = time.perf_counter()
             # Largest activations first: the later graphs reuse its pool blocks (only outputs stay).
@@ -206,6 +220,8 @@ class GraphExecutor:
             torch.cuda.synchronize(device)
             log.info("cuda_graphs_captured", buckets=self.buckets, prefill_rows=prefill_rows,
                      seconds=round(time.perf_counter() - start, 2))
+        if device.type == "cuda":
+            self._keep_row_invariant_buckets()
 
     @property
     def max_decode_rows(self) -> int:
@@ -295,12 +311,13 @@ class GraphExecutor:
 
     def _decode(
         self, tokens: list[int], positions: list[int], slots: list[int], source: torch.Tensor | None = None,
-        copy_logits: bool = True,
+        copy_logits: bool = True, bucket: int | None = None,
     ) -> torch.Tensor:
         """One padded decode step over distinct sessions' single tokens: logits (n, vocab), a copy unless
-        copy_logits is False. With `source`, `tokens` are indices into it (ids gathered on the device)."""
+        copy_logits is False. With `source`, `tokens` are indices into it (ids gathered on the device).
+        `bucket`: the batch size to run (default: the smallest that holds the rows)."""
         n = len(positions)
-        bucket = pick_bucket(self.buckets, n)
+        bucket = pick_bucket(self.buckets, n) if bucket is None else bucket
         host = self._decode_in.begin()
         host[0, :n] = tokens
         host[1, :n] = positions
@@ -320,12 +337,62 @@ class GraphExecutor:
         self.table.mark_used(sorted(set(slots)))
         return logits[:n].clone() if copy_logits else logits[:n]
 
+    def _keep_row_invariant_buckets(self) -> None:
+        """Drop every bucket whose rows differ in any bit from the same rows run in the largest bucket.
+
+        Real rows: as many temporary slots as the bucket has rows, random K/V in their first positions,
+        random tokens at random positions there, so the products, the attention and the head all see
+        ordinary numbers. A library that picks another reduction order for another row count shows up
+        in the logits; the bucket's batches then run in the next larger one (slower, never different).
+        """
+        if len(self.buckets) == 1:
+            return
+        start = time.perf_counter()
+        top = self.buckets[-1]
+        rows = self.buckets[-2]
+        gen = torch.Generator(device=self.model.device).manual_seed(0)
+        slots: list[int] = []
+        dropped: list[int] = []
+        try:
+            for _ in range(rows):
+                slots.append(self.table.create())
+            span = min(INVARIANCE_CHECK_POSITIONS, self.model.max_context - 1)
+            for buf in self.table.spec.buffers:
+                view = self.state[buf.name]
+                for slot in slots:
+                    part = view[slot] if buf.seq_axis is None else view[slot].narrow(buf.seq_axis, 0, span)
+                    part.copy_(torch.randn(part.shape, generator=gen, device=part.device, dtype=torch.float32))
+            vocab = self.model.config.vocab_size
+            for b in self.buckets[:-1]:
+                tokens = torch.randint(0, vocab, (b,), generator=gen, device=self.model.device).tolist()
+                positions = torch.randint(1, span, (b,), generator=gen, device=self.model.device).tolist()
+                wide = self._decode(tokens, positions, slots[:b], bucket=top)
+                own = self._decode(tokens, positions, slots[:b], bucket=b)
+                if not torch.equal(wide, own):
+                    dropped.append(b)
+        except StateError as e:  # no room for the check's slots: keep only the largest bucket
+            log.warning("decode_buckets_unchecked", error=str(e), kept=[top])
+            dropped = self.buckets[:-1]
+        finally:
+            for slot in slots:
+                self.table.free(slot)
+        for b in dropped:
+            self.buckets.remove(b)
+            self._graphs.pop(b, None)
+        self.replays = 0
+        torch.cuda.empty_cache()  # the check's temporaries: nothing of it stays on the device
+        if dropped:
+            log.warning("decode_buckets_not_row_invariant", dropped=dropped, kept=self.buckets,
+                        detail="their matrix products sum in another order than the largest bucket's")
+        log.info("decode_buckets_checked", buckets=self.buckets, seconds=round(time.perf_counter() - start, 3))
+
     # -- steps ----------------------------------------------------------------------------------
 
     def _step(self, b: int) -> torch.Tensor:
         """The decode forward over the first b static rows: logits (b, vocab) fp32."""
         tokens, positions, slots, lengths = self._decode_in.device[:, :b]
-        batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32))
+        batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32),
+                      attention_splits=self.attention_splits)
         return self.model.forward(tokens, positions, slots, self.state, batch)
 
     def _prefill_step(self) -> torch.Tensor:

@@ -41,6 +41,9 @@ class Batch:
     # write K/V only where the caller pointed them (the spare slot).
     padded: bool = False
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # run index -> causal mask, built once per forward
+    # Decode attention: programs per row's keys (None: chosen from the shapes). The GPU executor pins one
+    # count for every batch size, so a row's attention sums in the same order in any bucket.
+    attention_splits: int | None = None
 
 
 def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
@@ -231,7 +234,8 @@ class Llama:
         batch: Batch,
     ) -> torch.Tensor:
         if batch.decode_only and self.decode_attention is not None and batch.lengths is not None:
-            out: torch.Tensor = self.decode_attention(q, k_cache, v_cache, slots, batch.lengths)
+            out: torch.Tensor = self.decode_attention(q, k_cache, v_cache, slots, batch.lengths,
+                                                      splits=batch.attention_splits)
             return out
         outs = [self._run_attention(q, k_cache, v_cache, batch, i) for i in range(len(batch.runs))]
         if not batch.padded:

@@ -191,6 +191,11 @@ def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int:
     """How many programs share one row's keys: enough to fill about two waves of the GPU.
 

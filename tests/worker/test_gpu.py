@@ -51,10 +51,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
 
 def test_buckets_stop_at_the_table_capacity() -> None:
     assert buckets_for(1) == [1]
-    assert buckets_for(8) == [8]
-    assert buckets_for(64) == [64]
-    assert buckets_for(100) == [64, 100]
-    assert buckets_for(256) == list(BUCKETS) == [64, 128, 256]
+    assert buckets_for(6) == [1, 4, 6]
+    assert buckets_for(8) == [1, 4, 8]
+    assert buckets_for(64) == [1, 4, 16, 64]
+    assert buckets_for(100) == [1, 4, 16, 64, 100]
+    assert buckets_for(256) == list(BUCKETS) == [1, 4, 16, 64, 128, 256]
     assert buckets_for(1000) == list(BUCKETS)
 
 
@@ -92,7 +93,7 @@ def test_workspace_covers_prefill_attention_and_graph_outputs() -> None:
 
 
 def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                           lengths: torch.Tensor) -> torch.Tensor:
+                           lengths: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """What the Triton kernel computes, in plain torch (a stand-in on the CPU)."""
     group = q.shape[1] // k_cache.shape[1]
     k = k_cache[slots].repeat_interleave(group, 1)  # (B, H, ctx, hd)
@@ -148,7 +149,7 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     monkeypatch.setattr(graph_table, "mark_used", lambda slots: marked.append(list(slots)))
     graphs = GraphExecutor(model, graph_table)
     eager = EagerExecutor(model, eager_table)
-    assert graphs.buckets == [6]
+    assert graphs.buckets == [1, 4, 6]
 
     gen = torch.Generator().manual_seed(3)
     slots = [graph_table.create() for _ in range(6)]
@@ -493,7 +494,39 @@ def test_gpu_engine_runs_bf16_on_the_vmm_slab_with_graphs(gpu_engine: object) ->
     assert gpu_engine.model.dtype == torch.bfloat16 and gpu_engine.model.decode_attention is not None
     assert isinstance(gpu_engine.table.backend, VmmBackend)
     assert isinstance(gpu_engine.executor, GraphExecutor)
-    assert gpu_engine.executor.buckets == [8] and gpu_engine.capacity == 8
+    assert gpu_engine.executor.buckets == [1, 4, 8] and gpu_engine.capacity == 8  # every bucket row-invariant
+    assert gpu_engine.executor.attention_splits == 4  # 8 rows x 3 KV heads leave the SMs idle: keys split, in every bucket
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_bucket_whose_rows_differ_from_the_largest_is_dropped_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up check compares each bucket's logits with the largest bucket's for the same rows: a bucket
+    whose numbers differ in any bit (here: skewed on purpose) is not used; its batches run in the next one."""
+    from worker.engine import Engine
+    from worker.gpu import GraphExecutor
+
+    step = GraphExecutor._step
+
+    def skewed(self: GraphExecutor, b: int) -> torch.Tensor:
+        logits = step(self, b)
+        return logits * (1 + 2**-7) if b == 1 else logits  # one bf16 ulp: what another summation order can do
+
+    monkeypatch.setattr(GraphExecutor, "_step", skewed)
+    engine = Engine.load("random:smollm2-135m", device="cuda", max_sessions=8, max_context=256)
+    try:
+        assert isinstance(engine.executor, GraphExecutor)
+        assert engine.executor.buckets == [4, 8] and engine.executor.replays == 0
+        assert engine.table.live == 0 and engine.free_slots == 8  # the check's slots are given back
+        sids = [engine.create_session() for _ in range(2)]
+        for sid in sids:
+            engine.append(sid, token_ids=[300, 301, 302])
+        generations = engine.generate_many([(sid, {"max_tokens": 3, "ignore_eos": True}) for sid in sids])
+        assert [len(g.token_ids) for g in generations] == [3, 3]  # two rows ran in the 4-row bucket
+        [solo] = engine.generate_many([(sids[0], {"max_tokens": 2, "ignore_eos": True})])
+        assert len(solo.token_ids) == 2  # one row too: the 1-row bucket is gone
+    finally:
+        engine.table.close()
 
 
 @pytest.mark.gpu
