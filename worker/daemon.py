@@ -203,9 +203,7 @@ class Link:
             try:
                 requests.append(p.decode(frames))
             except p.ProtocolError as e:
-                log.warning("broker_message_invalid", code=e.code.value, error=e.message, request=e.request_id)
-                if e.route and e.request_id:
-                    errors.append(p.error_for(e))
+                errors += _refusal(e)
         self.send(errors)
         return requests
 
@@ -308,9 +306,8 @@ class Link:
         try:
             message = p.decode(frames)
         except p.ProtocolError as e:
-            log.warning("broker_message_invalid", code=e.code.value, error=e.message, request=e.request_id)
-            if e.route and e.request_id:
-                self._send(dealer, p.error_for(e))
+            for error in _refusal(e):
+                self._send(dealer, error)
             return
         if isinstance(message, p.Welcome):
             self._welcomed(message)
@@ -402,6 +399,12 @@ class Link:
         except zmq.Again:
             # Queue full (broker away for long): drop. Final answers stay cached for the client's resend.
             log.warning("send_dropped", command=message.COMMAND.name, request=getattr(message, "request_id", None))
+
+
+def _refusal(e: p.ProtocolError) -> list[p.Message]:
+    """Log a malformed message from the broker; its error answer when it names a route and a request id."""
+    log.warning("broker_message_invalid", code=e.code.value, error=e.message, request=e.request_id)
+    return [p.error_for(e)] if e.route and e.request_id else []
 
 
 def coalesce(messages: Sequence[p.Message]) -> list[p.Message]:
