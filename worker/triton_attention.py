@@ -249,8 +249,7 @@ def decode_attention(
     k_anchor, v_anchor = k_cache[anchor], v_cache[anchor]
     group = heads // kv_heads
     if splits is None:
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        splits = num_splits(rows, kv_heads, max_context, _sm_count(index))
+        splits = num_splits(rows, kv_heads, max_context, sm_count(q.device))
     shape = dict(
         HEAD_DIM=head_dim,
         GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
