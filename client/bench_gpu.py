@@ -62,12 +62,12 @@ def hf_state_dict(weights: dict[str, torch.Tensor], n_layers: int) -> dict[str, 
 def median_run(measure: Callable[[], Report], repeats: int, show: bool = False) -> dict[str, Any]:
     """The report (as a dict) of the median of `repeats` runs by output tokens/s, with every run's value;
     `show` prints the median run's table."""
-    reports = sorted((measure() for _ in range(max(1, repeats))), key=lambda r: r.to_dict()["output_tokens_per_s"])
-    middle = reports[len(reports) // 2]
+    runs = [(report.to_dict(), report) for report in (measure() for _ in range(max(1, repeats)))]
+    runs.sort(key=lambda pair: pair[0]["output_tokens_per_s"])
+    median, report = runs[len(runs) // 2]
     if show:
-        print(middle.table())
-    median = middle.to_dict()
-    median["runs_output_tokens_per_s"] = [r.to_dict()["output_tokens_per_s"] for r in reports]
+        print(report.table())
+    median["runs_output_tokens_per_s"] = [d["output_tokens_per_s"] for d, _ in runs]
     return median
 
 
