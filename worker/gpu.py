@@ -8,8 +8,9 @@ the step has written its own tokens' K/V, so a prompt chunk's rows attend causal
 exactly as a decode row attends to its history: one kernel serves both.
 
 - Decode rows (one token of each generating session) replay a graph per batch-size bucket.
-- Prompt chunks of a step are packed into one graph of PREFILL_ROWS rows, returning logits only at
-  the chunk ends (at most PREFILL_LOGITS per replay; more chunks take more replays).
+- Prompt chunks of a step are packed into one prefill graph, the smallest of PREFILL_BUCKETS rows
+  that holds them, returning logits only at the chunk ends (at most PREFILL_LOGITS per replay; more
+  chunks take more replays). A lone 128-token prompt runs 128 rows, not the step budget's 2048.
 Padding rows point at the table's spare slot (always mapped) at position 0 with length 1, so a padded
 row reads and writes only memory nobody else uses.
 
@@ -21,9 +22,10 @@ the products' rows come out the same in every bucket is measured, not assumed: a
 smaller bucket replays real rows (random K/V in real slots) beside the largest one, and a bucket
 whose logits differ in any bit is dropped, its batches served by the next larger bucket (on the
 H100 with cuBLAS every bucket passes: one session runs a 1-row step instead of a 64-row one).
-Every prompt chunk runs in the fixed PREFILL_ROWS-row shape. A step that mixes decode rows and
-prompt chunks is split that way: decode rows from their bucket's graph, the chunks from the prefill
-graph.
+Prefill buckets are checked the same way against the largest prefill bucket (prompt chunks at
+random offsets of the same temporary slots), and their attention split count is pinned likewise.
+A step that mixes decode rows and prompt chunks is split that way: decode rows from their bucket's
+graph, the chunks from a prefill graph.
 
 Decode rows can take their token ids from a device tensor (the previous step's sampled ids): the
 engine launches the next decode step before it has read the last one's tokens (worker.engine).
@@ -54,8 +56,12 @@ log = structlog.get_logger(__name__)
 BUCKETS = (1, 4, 16, 64, 128, 256)
 INVARIANCE_CHECK_POSITIONS = 48  # positions of random K/V the start-up check's rows attend to
 WARMUP_RUNS = 2  # eager runs on the capture stream before capturing (compiles Triton, inits cuBLAS)
-PREFILL_ROWS = 2048  # rows of every prefill replay (= the engine's GPU step budget for prompt tokens)
+PREFILL_ROWS = 2048  # rows of the largest prefill replay (= the engine's GPU step budget for prompt tokens)
+# Prefill graphs' rows below PREFILL_ROWS. They share the largest one's activation blocks and its logits output,
+# so each costs only its capture: a few sessions' prompts pad to at most twice their tokens.
+PREFILL_BUCKETS = (128, 256, 512, 1024)
 PREFILL_LOGITS = 64  # chunk ends one prefill replay returns logits for (fixed: the lm_head's shape)
+INVARIANCE_CHECK_CHUNKS = 4  # prompt chunks (one per temporary slot) the start-up check puts in each prefill bucket
 GRAPHS_ENV = "WORKER_CUDA_GRAPHS"  # "0" disables graphs whatever the caller asked for
 FUSED_ENV = "WORKER_FUSED_KERNELS"  # "0" keeps the plain torch layer loop on the GPU (A/B comparisons)
 # Fixed slack in the workspace: cuBLAS workspaces (one per stream, the capture stream included),
@@ -107,8 +113,13 @@ def buckets_for(capacity: int) -> list[int]:
     return [b for b in BUCKETS if b < capacity] + [capacity]
 
 
+def prefill_buckets_for(rows: int) -> list[int]:
+    """PREFILL_BUCKETS below `rows` (the largest prefill replay), then `rows`."""
+    return [b for b in PREFILL_BUCKETS if b < rows] + [rows]
+
+
 def pick_bucket(buckets: list[int], rows: int) -> int:
-    """The smallest bucket (sorted ascending) that holds `rows` decode rows (1 <= rows <= buckets[-1])."""
+    """The smallest bucket (sorted ascending) that holds `rows` rows (1 <= rows <= buckets[-1])."""
     return buckets[bisect.bisect_left(buckets, rows)]
 
 
@@ -196,29 +207,36 @@ class GraphExecutor:
         # Rows: token ids, positions, slots, lengths. Padding columns: token 0 at position 0 of the spare.
         self._padding: np.ndarray = np.array([[0], [0], [table.spare_slot], [1]], dtype=np.int64)
         self._decode_in = StaticInputs(self.buckets[-1], self._padding, device)
-        # The prefill graph's rows, plus a fifth row whose first prefill_logits entries pick the chunk ends.
+        # The prefill graphs' rows, plus a fifth row whose first prefill_logits entries pick the chunk ends.
         self.prefill_rows: int = prefill_rows
-        self.prefill_logits: int = min(prefill_logits, prefill_rows)
+        self.prefill_buckets: list[int] = prefill_buckets_for(prefill_rows)
+        self.prefill_logits: int = min(prefill_logits, self.prefill_buckets[0])
         self._prefill_in = StaticInputs(prefill_rows, np.vstack([self._padding, [[0]]]), device)
+        self._prefill_out: torch.Tensor | None = None  # the largest prefill graph's logits: every prefill graph's output
         self._stream: torch.cuda.Stream = torch.cuda.Stream(device)
         self.use_graphs: bool = use_graphs
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._prefill_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.attention_splits: int | None = None  # the largest bucket's, for every bucket (None: off the GPU)
+        self.prefill_splits: int | None = None  # the largest prefill bucket's, for every prefill bucket
         if device.type == "cuda":
             from .triton_attention import num_splits, sm_count
 
-            c = model.config
-            self.attention_splits = num_splits(self.buckets[-1], c.n_kv_heads, model.max_context, sm_count(device))
+            c, sms = model.config, sm_count(device)
+            self.attention_splits = num_splits(self.buckets[-1], c.n_kv_heads, model.max_context, sms)
+            self.prefill_splits = num_splits(prefill_rows, c.n_kv_heads, model.max_context, sms)
         if use_graphs:
             start = time.perf_counter()
             # Largest activations first: the later graphs reuse its pool blocks (only outputs stay).
-            self._prefill_graph = self._capture(self._prefill_step)
+            for b in reversed(self.prefill_buckets):
+                self._prefill_graphs[b], logits = self._capture(functools.partial(self._prefill_step, b))
+                if self._prefill_out is None:
+                    self._prefill_out = logits  # the smaller prefill graphs copy their logits into it
             for b in reversed(self.buckets):
                 self._graphs[b] = self._capture(functools.partial(self._step, b))
             torch.cuda.synchronize(device)
-            log.info("cuda_graphs_captured", buckets=self.buckets, prefill_rows=prefill_rows,
+            log.info("cuda_graphs_captured", buckets=self.buckets, prefill_buckets=self.prefill_buckets,
                      seconds=round(time.perf_counter() - start, 2))
         if device.type == "cuda":
             self._keep_row_invariant_buckets()
@@ -256,8 +274,12 @@ class GraphExecutor:
         missing = wanted.intersection(r for run in prefill for r in range(run.start, run.start + run.n - 1))
         if missing:
             raise ValueError(f"logits of prefill rows {sorted(missing)} other than a chunk's last are not kept")
-        for group in self._prefill_groups(prefill, wanted):
-            rows.update(self._prefill(group, tokens, positions, wanted))
+        groups = self._prefill_groups(prefill, wanted)
+        for i, group in enumerate(groups):
+            keys, logits = self._prefill(group, tokens, positions, wanted)
+            if i + 1 < len(groups):
+                logits = logits.clone()  # the next prefill replay rewrites the graphs' output
+            rows.update(zip(keys, logits, strict=True))
         return torch.stack([rows[r] for r in logits_at]) if logits_at else torch.empty(
             (0, self.model.config.vocab_size), dtype=torch.float32, device=self.model.device
         )
@@ -278,15 +300,21 @@ class GraphExecutor:
             ends += end
         return groups
 
-    def _prefill(self, runs: list[Run], tokens: list[int], positions: list[int], wanted: set[int]) -> dict[int, torch.Tensor]:
-        """One prefill replay over several sessions' chunks, padded to `prefill_rows` rows.
+    def _prefill(
+        self, runs: list[Run], tokens: list[int], positions: list[int], wanted: set[int], bucket: int | None = None,
+    ) -> tuple[list[int], torch.Tensor]:
+        """One prefill replay over several sessions' chunks, padded to the smallest prefill bucket that holds
+        them (or `bucket`): (the caller's row of each chunk end in `wanted`, their logits, a view of the
+        graphs' output that the next prefill replay rewrites).
 
-        The fixed shape makes every matrix product the same kernel whatever the chunks are, and each
-        row attends to its own session's prefix only, so a chunk's numbers do not depend on its
-        neighbours. Padding rows write K/V at position 0 of the spare slot and read only that.
+        Every prefill bucket's rows are row-invariant with the largest's (checked at start-up), and each row
+        attends to its own session's prefix only, so a chunk's numbers do not depend on its neighbours or
+        on the bucket. Padding rows write K/V at position 0 of the spare slot and read only that.
         """
+        size = sum(run.n for run in runs)
+        bucket = pick_bucket(self.prefill_buckets, size) if bucket is None else bucket
         host = self._prefill_in.begin()
-        host[:, :] = self._prefill_in.padding
+        host[:, :bucket] = self._prefill_in.padding
         keys: list[int] = []  # the caller's row of each chunk end, in the order of the logits
         cursor = 0
         for run in runs:
@@ -300,14 +328,15 @@ class GraphExecutor:
             cursor += run.n
         host[3, :cursor] = host[1, :cursor] + 1
         self._prefill_in.load()
-        if self._prefill_graph is not None:
-            graph, logits = self._prefill_graph
-            graph.replay()
+        if self.use_graphs:
+            self._prefill_graphs[bucket].replay()
+            assert self._prefill_out is not None
+            logits = self._prefill_out
             self.prefill_replays += 1
         else:
-            logits = self._prefill_step()
+            logits = self._prefill_step(bucket)
         self.table.mark_used(sorted({r.slot for r in runs}))
-        return {key: logits[i] for i, key in enumerate(keys)}
+        return keys, logits[: len(keys)]
 
     def _decode(
         self, tokens: list[int], positions: list[int], slots: list[int], source: torch.Tensor | None = None,
@@ -338,23 +367,25 @@ class GraphExecutor:
         return logits[:n].clone() if copy_logits else logits[:n]
 
     def _keep_row_invariant_buckets(self) -> None:
-        """Drop every bucket whose rows differ in any bit from the same rows run in the largest bucket.
+        """Drop every bucket whose rows differ in any bit from the same rows run in the largest bucket,
+        decode and prefill buckets alike.
 
-        Real rows: as many temporary slots as the bucket has rows, random K/V in their first positions,
-        random tokens at random positions there, so the products, the attention and the head all see
-        ordinary numbers. A library that picks another reduction order for another row count shows up
-        in the logits; the bucket's batches then run in the next larger one (slower, never different).
+        Real rows: temporary slots with random K/V in their first positions; decode rows are random
+        tokens at random positions there, prefill chunks random tokens from random offsets there. So the
+        products, the attention and the head all see ordinary numbers. A library that picks another
+        reduction order for another row count shows up in the logits; the bucket's batches then run in
+        the next larger one (slower, never different).
         """
-        if len(self.buckets) == 1:
+        if len(self.buckets) == 1 and len(self.prefill_buckets) == 1:
             return
         start = time.perf_counter()
-        top = self.buckets[-1]
-        rows = self.buckets[-2]
         gen = torch.Generator(device=self.model.device).manual_seed(0)
         slots: list[int] = []
         dropped: list[int] = []
+        dropped_prefill: list[int] = []
         try:
-            for _ in range(rows):
+            wanted = max(self.buckets[-2] if len(self.buckets) > 1 else 0, INVARIANCE_CHECK_CHUNKS)
+            for _ in range(min(wanted, self.table.capacity)):
                 slots.append(self.table.create())
             span = min(INVARIANCE_CHECK_POSITIONS, self.model.max_context - 1)
             for buf in self.table.spec.buffers:
@@ -362,29 +393,56 @@ class GraphExecutor:
                 for slot in slots:
                     part = view[slot] if buf.seq_axis is None else view[slot].narrow(buf.seq_axis, 0, span)
                     part.copy_(torch.randn(part.shape, generator=gen, device=part.device, dtype=torch.float32))
-            vocab = self.model.config.vocab_size
-            for b in self.buckets[:-1]:
-                tokens = torch.randint(0, vocab, (b,), generator=gen, device=self.model.device).tolist()
-                positions = torch.randint(1, span, (b,), generator=gen, device=self.model.device).tolist()
-                wide = self._decode(tokens, positions, slots[:b], bucket=top)
-                own = self._decode(tokens, positions, slots[:b], bucket=b)
-                if not torch.equal(wide, own):
-                    dropped.append(b)
-        except StateError as e:  # no room for the check's slots: keep only the largest bucket
-            log.warning("decode_buckets_unchecked", error=str(e), kept=[top])
-            dropped = self.buckets[:-1]
+            dropped = [b for b in self.buckets[:-1] if not self._decode_invariant(b, slots, span, gen)]
+            dropped_prefill = [b for b in self.prefill_buckets[:-1] if not self._prefill_invariant(b, slots, span, gen)]
+        except StateError as e:  # no room for the check's slots: keep only the largest buckets
+            log.warning("buckets_unchecked", error=str(e), kept=[self.buckets[-1]], prefill_kept=[self.prefill_rows])
+            dropped, dropped_prefill = self.buckets[:-1], self.prefill_buckets[:-1]
         finally:
             for slot in slots:
                 self.table.free(slot)
         for b in dropped:
             self.buckets.remove(b)
             self._graphs.pop(b, None)
-        self.replays = 0
+        for b in dropped_prefill:
+            self.prefill_buckets.remove(b)
+            self._prefill_graphs.pop(b, None)
+        self.replays = self.prefill_replays = 0
         torch.cuda.empty_cache()  # the check's temporaries: nothing of it stays on the device
-        if dropped:
-            log.warning("decode_buckets_not_row_invariant", dropped=dropped, kept=self.buckets,
+        if dropped or dropped_prefill:
+            log.warning("buckets_not_row_invariant", dropped=dropped, kept=self.buckets,
+                        prefill_dropped=dropped_prefill, prefill_kept=self.prefill_buckets,
                         detail="their matrix products sum in another order than the largest bucket's")
-        log.info("decode_buckets_checked", buckets=self.buckets, seconds=round(time.perf_counter() - start, 3))
+        log.info("buckets_checked", buckets=self.buckets, prefill_buckets=self.prefill_buckets,
+                 seconds=round(time.perf_counter() - start, 3))
+
+    def _decode_invariant(self, b: int, slots: list[int], span: int, gen: torch.Generator) -> bool:
+        """b decode rows (b <= len(slots)) give the same logits in bucket b as in the largest bucket."""
+        vocab, device = self.model.config.vocab_size, self.model.device
+        tokens = torch.randint(0, vocab, (b,), generator=gen, device=device).tolist()
+        positions = torch.randint(1, span, (b,), generator=gen, device=device).tolist()
+        wide = self._decode(tokens, positions, slots[:b], bucket=self.buckets[-1])
+        own = self._decode(tokens, positions, slots[:b], bucket=b)
+        return torch.equal(wide, own)
+
+    def _prefill_invariant(self, b: int, slots: list[int], span: int, gen: torch.Generator) -> bool:
+        """Prompt chunks filling most of b rows, one per slot from a random offset, give the same logits at
+        their ends in prefill bucket b as in the largest one."""
+        vocab, device = self.model.config.vocab_size, self.model.device
+        slots = slots[:INVARIANCE_CHECK_CHUNKS]
+        offsets = torch.randint(0, span, (len(slots),), generator=gen, device=device).tolist()
+        lengths = [max(2, min(b // len(slots), self.model.max_context - o)) for o in offsets]
+        runs: list[Run] = []
+        positions: list[int] = []
+        for slot, offset, n in zip(slots, offsets, lengths, strict=True):
+            runs.append(Run(slot=slot, start=len(positions), n=n, pos=offset))
+            positions += range(offset, offset + n)
+        tokens = torch.randint(0, vocab, (len(positions),), generator=gen, device=device).tolist()
+        ends = {run.start + run.n - 1 for run in runs}
+        _, wide = self._prefill(runs, tokens, positions, ends, bucket=self.prefill_rows)
+        wide = wide.clone()
+        _, own = self._prefill(runs, tokens, positions, ends, bucket=b)
+        return torch.equal(wide, own)
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -395,14 +453,19 @@ class GraphExecutor:
                       attention_splits=self.attention_splits)
         return self.model.forward(tokens, positions, slots, self.state, batch)
 
-    def _prefill_step(self) -> torch.Tensor:
-        """The prefill forward over all static prefill rows: logits (prefill_logits, vocab) fp32.
+    def _prefill_step(self, b: int) -> torch.Tensor:
+        """The prefill forward over the first b static prefill rows: logits (prefill_logits, vocab) fp32,
+        written into the largest prefill graph's output once that exists (graphs).
 
         Every row is a query of its own session at its position (`decode_only` routes attention to
         the slab kernel, which serves any row by slot and length); logits only at the chunk ends."""
-        tokens, positions, slots, lengths, ends = self._prefill_in.device
-        batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32))
-        return self.model.forward(tokens, positions, slots, self.state, batch, ends[: self.prefill_logits])
+        tokens, positions, slots, lengths, ends = self._prefill_in.device[:, :b]
+        batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32), attention_splits=self.prefill_splits)
+        logits = self.model.forward(tokens, positions, slots, self.state, batch, ends[: self.prefill_logits])
+        if self._prefill_out is None:
+            return logits
+        with torch.inference_mode():  # the output, like the forward's tensors, is an inference tensor
+            return self._prefill_out.copy_(logits)
 
     def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on the capture stream, then capture. Static inputs hold padding: only the spare is touched."""

@@ -121,11 +121,14 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
         def synchronize(self) -> None:
             pass
 
+    replayed: list[tuple[str, int]] = []  # (step, rows) of each replay
+
     def capture(self: GraphExecutor, step: Callable[[], torch.Tensor]) -> tuple[object, torch.Tensor]:
         logits = step()
 
         class Replay:
             def replay(self_) -> None:
+                replayed.append((step.func.__name__, *step.args))  # type: ignore[attr-defined]
                 with torch.inference_mode():  # the step's output is an inference tensor
                     logits.copy_(step())
 
@@ -150,6 +153,7 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     graphs = GraphExecutor(model, graph_table)
     eager = EagerExecutor(model, eager_table)
     assert graphs.buckets == [1, 4, 6]
+    assert graphs.prefill_buckets == [128, 256, 512, 1024, 2048]
 
     gen = torch.Generator().manual_seed(3)
     slots = [graph_table.create() for _ in range(6)]
@@ -163,6 +167,12 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     prefilled = [executor.execute(tokens, positions, rows, last) for executor in (graphs, eager)]
     torch.testing.assert_close(prefilled[0], prefilled[1], atol=1e-4, rtol=1e-4)  # slab attention = per-run SDPA
     assert graphs.replays == 0 and graphs.prefill_replays == 1
+    assert replayed == [("_prefill_step", 128)]  # 34 prompt tokens: the smallest prefill graph
+    # Two chunk ends per replay: three replays of the one output, each replay's logits kept before the next.
+    few = GraphExecutor(model, graph_table, prefill_logits=2)
+    replayed.clear()
+    torch.testing.assert_close(few.execute(tokens, positions, rows, last), prefilled[1], atol=1e-4, rtol=1e-4)
+    assert replayed == [("_prefill_step", 128)] * 3
     pos = list(lengths)
     history: list[tuple[torch.Tensor, torch.Tensor]] = []
     for chosen in ([3, 0, 5], [1], [0, 1, 2, 3, 4, 5], [5, 4], [2, 0, 1], [2, 0, 1, 4]):
@@ -179,6 +189,7 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
         for i in chosen:
             pos[i] += 1
     assert graphs.replays == 12
+    assert replayed[-1] == ("_step", 4)  # [2, 0, 1, 4]: a 4-row bucket
     for got, expected in history:  # returned logits are copies: later replays did not overwrite them
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     spare = graph_table.views()["k"][graph_table.spare_slot]
@@ -496,28 +507,52 @@ def test_gpu_engine_runs_bf16_on_the_vmm_slab_with_graphs(gpu_engine: object) ->
     assert isinstance(gpu_engine.executor, GraphExecutor)
     assert gpu_engine.executor.buckets == [1, 4, 8] and gpu_engine.capacity == 8  # every bucket row-invariant
     assert gpu_engine.executor.attention_splits == 4  # 8 rows x 3 KV heads leave the SMs idle: keys split, in every bucket
+    assert gpu_engine.executor.prefill_buckets == [128, 256, 512, 1024, 2048]  # every prefill bucket row-invariant
+    assert gpu_engine.executor.prefill_splits == 1  # 2048 rows x 3 KV heads fill the SMs
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_a_bucket_whose_rows_differ_from_the_largest_is_dropped_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """The start-up check compares each bucket's logits with the largest bucket's for the same rows: a bucket
-    whose numbers differ in any bit (here: skewed on purpose) is not used; its batches run in the next one."""
+    whose numbers differ in any bit (here: skewed on purpose) is not used; its batches run in the next one.
+    The same for prefill buckets."""
     from worker.engine import Engine
     from worker.gpu import GraphExecutor
 
-    step = GraphExecutor._step
+    step, prefill_step = GraphExecutor._step, GraphExecutor._prefill_step
 
     def skewed(self: GraphExecutor, b: int) -> torch.Tensor:
         logits = step(self, b)
         return logits * (1 + 2**-7) if b == 1 else logits  # one bf16 ulp: what another summation order can do
 
+    def skewed_prefill(self: GraphExecutor, b: int) -> torch.Tensor:
+        logits = prefill_step(self, b)  # the shared output: skewed in place
+        if b == 256:
+            with torch.inference_mode():
+                logits.mul_(1 + 2**-7)
+        return logits
+
     monkeypatch.setattr(GraphExecutor, "_step", skewed)
+    monkeypatch.setattr(GraphExecutor, "_prefill_step", skewed_prefill)
     engine = Engine.load("random:smollm2-135m", device="cuda", max_sessions=8, max_context=256)
     try:
-        assert isinstance(engine.executor, GraphExecutor)
-        assert engine.executor.buckets == [4, 8] and engine.executor.replays == 0
+        executor = engine.executor
+        assert isinstance(executor, GraphExecutor)
+        assert executor.buckets == [4, 8] and executor.replays == 0
+        assert executor.prefill_buckets == [128, 512, 1024, 2048] and executor.prefill_replays == 0
         assert engine.table.live == 0 and engine.free_slots == 8  # the check's slots are given back
+        prefills: list[int] = []  # the rows of each prefill replay
+
+        class Spy:
+            def __init__(self, rows: int, graph: torch.cuda.CUDAGraph) -> None:
+                self.rows, self.graph = rows, graph
+
+            def replay(self) -> None:
+                prefills.append(self.rows)
+                self.graph.replay()
+
+        executor._prefill_graphs = {b: Spy(b, g) for b, g in executor._prefill_graphs.items()}  # type: ignore[misc]
         sids = [engine.create_session() for _ in range(2)]
         for sid in sids:
             engine.append(sid, token_ids=[300, 301, 302])
@@ -525,6 +560,40 @@ def test_a_bucket_whose_rows_differ_from_the_largest_is_dropped_at_start(monkeyp
         assert [len(g.token_ids) for g in generations] == [3, 3]  # two rows ran in the 4-row bucket
         [solo] = engine.generate_many([(sids[0], {"max_tokens": 2, "ignore_eos": True})])
         assert len(solo.token_ids) == 2  # one row too: the 1-row bucket is gone
+        engine.append(sids[1], token_ids=list(range(1000, 1200)))  # 200 prompt tokens: 512 rows, 256 is gone
+        assert len(engine.generate(sids[1], max_tokens=2, ignore_eos=True).token_ids) == 2
+        assert prefills == [128, 128, 512]  # each 3-token prompt alone (generate_many starts one at a time)
+    finally:
+        engine.table.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_more_prompt_chunks_than_one_prefill_replay_returns() -> None:
+    """72 sessions' prompts join in one step: 72 chunk ends, more than the 64 one prefill replay returns, so the
+    step takes two replays of the one shared output. Every session's tokens are its tokens alone."""
+    from worker.engine import Engine
+    from worker.sampling import SamplingParams
+
+    engine = Engine.load(MODEL, device="cuda", max_sessions=72, max_context=64)
+    try:
+        rng = random.Random(7)
+        prompts = [[rng.randrange(300, 49000) for _ in range(rng.randrange(3, 10))] for _ in range(72)]
+        solo = []
+        for prompt in prompts:
+            sid = open_with(engine, prompt)
+            solo.append(engine.generate(sid, **greedy(3)).token_ids)
+            engine.close(sid)
+        sids = [open_with(engine, prompt) for prompt in prompts]
+        before = engine.executor.prefill_replays  # type: ignore[attr-defined]
+        order = {engine.start_generate(sid, SamplingParams(max_tokens=3, ignore_eos=True)): i
+                 for i, sid in enumerate(sids)}
+        batched: list[list[int]] = [[] for _ in sids]
+        while engine.has_work():
+            for chunk in engine.step():
+                batched[order[chunk.request_id]] += chunk.token_ids
+        assert engine.executor.prefill_replays - before == 2  # type: ignore[attr-defined]
+        assert batched == solo
     finally:
         engine.table.close()
 
