@@ -1,6 +1,7 @@
 """Micro-benchmark of the GPU session table and decode: `python -m cuda_state.bench [--json PATH]`.
 
-Prints session create, fork (of a 2,000-token session) and close latency in ms (median and p99),
+Prints session create, fork (of a 2,000-token session) and close latency in ms (median and p99), through
+the driver (a slot mapped per create, unmapped per close) and with closed slots kept mapped for reuse,
 and decode tokens/s at batch 1 and 64 for the SmolLM2-135M architecture with seeded random weights
 in bf16, eager against CUDA graphs, both through the engine (scheduling and sampling included).
 Latencies stop the clock after a device synchronize, so they include the GPU work the call
@@ -48,22 +49,34 @@ def random_tokens(engine: Any, n: int, rng: random.Random) -> list[int]:
 
 
 def session_latencies(engine: Any, samples: int, rng: random.Random) -> dict[str, dict[str, float]]:
-    create: list[float] = []
-    fork: list[float] = []
-    close: list[float] = []
-    for _ in range(samples):
-        sid, seconds = timed(engine.create_session)
-        create.append(seconds)
-        close.append(timed(engine.close, sid)[1])
+    """Create, fork and close through the driver (every create maps a new slot, every close unmaps it), then
+    the same with closed slots kept mapped and reused (the engine's default: see cuda_state.table)."""
+    out: dict[str, dict[str, float]] = {}
+    keep = engine.table.keep_mapped
     parent = engine.create_session()
     engine.append(parent, token_ids=random_tokens(engine, FORK_TOKENS, rng))
     engine.generate(parent, max_tokens=1, ignore_eos=True)  # the 2,000 prompt tokens' K/V are computed
-    for _ in range(samples):
-        child, seconds = timed(engine.fork, parent)
-        fork.append(seconds)
-        close.append(timed(engine.close, child)[1])
-    engine.close(parent)
-    return {"create": summarize(create), f"fork_{FORK_TOKENS}": summarize(fork), "close": summarize(close)}
+    try:
+        for suffix, kept in (("", 0), ("_reused", keep)):
+            engine.table.keep_mapped = kept
+            engine.release_idle_slots(0.0)
+            create: list[float] = []
+            fork: list[float] = []
+            close: list[float] = []
+            for _ in range(samples):
+                sid, seconds = timed(engine.create_session)
+                create.append(seconds)
+                close.append(timed(engine.close, sid)[1])
+            for _ in range(samples):
+                child, seconds = timed(engine.fork, parent)
+                fork.append(seconds)
+                close.append(timed(engine.close, child)[1])
+            out |= {f"create{suffix}": summarize(create), f"fork_{FORK_TOKENS}{suffix}": summarize(fork),
+                    f"close{'_kept' if kept else ''}": summarize(close)}
+    finally:
+        engine.table.keep_mapped = keep
+        engine.close(parent)
+    return out
 
 
 def decode_rate(engine: Any, batch: int, tokens: int, rng: random.Random) -> float:

@@ -91,3 +91,50 @@ def test_table_clone_refuses_dead_source() -> None:
     src = table.create()
     dst = table.clone(src, 3)
     assert dst != src and table.live == 2
+
+
+def test_kept_slots_are_reused_zeroed_and_released_by_trim(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cuda_state.table as table_module
+
+    clock = [100.0]
+    monkeypatch.setattr(table_module.time, "monotonic", lambda: clock[0])
+    backend = HostBackend(SPEC, capacity=3)
+    table = SessionTable(backend, keep_mapped=2)
+    k = table.views()["k"]
+    slot_bytes = backend.slot_bytes
+    a = table.create()
+    k[a].fill_(7.0)
+    table.free(a)
+    assert (table.live, table.kept, table.free_slots) == (0, 1, 3)
+    assert backend.mapped_bytes() == 2 * slot_bytes  # the spare and the kept slot
+    b = table.create()
+    assert b == a and table.kept == 0  # reused, not mapped anew
+    assert torch.count_nonzero(k[b]) == 0  # and zeroed: nothing of the last session survives
+    # A clone into a reused slot: the prefix is the parent's, the rest zero (not the last session's).
+    c = table.create()
+    k[c].fill_(5.0)
+    table.free(c)
+    k[b].fill_(3.0)
+    d = table.clone(b, used=4)
+    assert d == c
+    assert (k[d][:, :, :4] == 3.0).all() and torch.count_nonzero(k[d][:, :, 4:]) == 0
+    # At most keep_mapped kept: the third free unmaps.
+    e = table.create()
+    clock[0] = 101.0
+    table.free(b)
+    clock[0] = 102.0
+    table.free(d)
+    table.free(e)
+    assert (table.live, table.kept, table.free_slots) == (0, 2, 3)
+    assert backend.mapped_bytes() == 3 * slot_bytes
+    clock[0] = 103.5
+    assert table.trim(older_than_s=2.0) == 1  # freed at 101: released; at 102: kept
+    assert (table.kept, backend.mapped_bytes()) == (1, 2 * slot_bytes)
+    assert table.trim(older_than_s=2.0) == 0
+    assert table.trim() == 1
+    assert (table.kept, table.free_slots, backend.mapped_bytes()) == (0, 3, slot_bytes)
+    assert {table.create() for _ in range(3)} == {0, 1, 2}
+    with pytest.raises(CapacityExhausted):
+        table.create()
+    table.close()
+    assert backend.mapped_bytes() == 0

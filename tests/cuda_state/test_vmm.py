@@ -569,6 +569,34 @@ def test_fake_table_cycles_return_every_byte(fake: FakeDriver) -> None:
     assert fake.free == fake.total
 
 
+
+def test_fake_kept_slots_take_no_driver_allocation_and_trim_waits_then_releases(fake: FakeDriver) -> None:
+    table = SessionTable(open_fake(small_spec(), capacity=4), keep_mapped=4)
+    baseline = fake.free
+    parent = table.create()
+    first = [table.create(), table.create()]
+    for slot in first:
+        table.free(slot)
+    fake.log.clear()
+    for i in range(100):
+        a = table.create()
+        b = table.clone(parent, used=i % 41)
+        table.free(a)
+        table.free(b)
+    made = calls(fake)
+    assert "cuMemCreate" not in made and "cuMemMap" not in made and "cuMemUnmap" not in made
+    assert made.count("cuMemsetD8Async") == 200  # every reused slot zeroed: create, and clone before its copy
+    assert table.kept == 2 and len(fake.handles) == 4  # the spare, the parent, two kept
+    table.free(parent)
+    fake.log.clear()
+    assert table.trim() == 3
+    made = calls(fake)
+    assert made.count("cuMemRelease") == 3
+    assert made.index("cuEventSynchronize") < made.index("cuMemUnmap")  # the last use is waited for first
+    assert fake.free == baseline and len(fake.handles) == 1  # the spare only
+    table.close()
+    assert fake.free == fake.total
+
 # -- the real driver (-m gpu) ----------------------------------------------------------------------
 
 
