@@ -44,6 +44,7 @@ from .metrics import NoMetrics, WorkerMetrics, WorkerSnapshot, torch_memory
 log = structlog.get_logger()
 
 IDLE_WAIT_S = 0.05  # how long the compute loop waits for a request when the engine is idle
+SLOT_KEEP_S = 2.0  # a closed session's slot stays mapped this long for a new session, then is released
 MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives up and leaves
 MAX_INBOX_BATCH = 1024  # requests admitted between two steps
 MAX_EXPIRED_REMEMBERED = 1 << 16  # expired session ids answered with session_expired (oldest forgotten first)
@@ -77,6 +78,7 @@ class EngineAPI(Protocol):
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
                        prompt_ids: Sequence[int] | None = None, prompt: str | None = None) -> str: ...
     def cancel(self, request_id: str) -> None: ...
+    def release_idle_slots(self, older_than_s: float) -> int: ...
     def has_work(self) -> bool: ...
     def step(self) -> Sequence[Any]: ...
 
@@ -473,6 +475,7 @@ class Serve:
         self._last_used: dict[str, float] = {}  # session id -> when a request or generation last touched it
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._next_expiry_check = float("inf") if config.session_idle_timeout_s <= 0 else 0.0
+        self._next_slot_release = 0.0
         self.state = WorkerState(engine.free_slots, tuple(engine.sessions()))
         self.link = Link(config, self.ready_message, lambda: self.state, lambda: self.steps)
         self.pulse = Pulse()  # /healthz: run() beats it every turn
@@ -525,6 +528,8 @@ class Serve:
                     self._cancel_all()
                 if now >= self._next_expiry_check:
                     self._expire_idle(now)
+                if now >= self._next_slot_release:
+                    self._release_slots(now)
                 if self.engine.has_work() and not self._step():
                     self.link.stop("engine failed", refuse=p.ErrorCode.SESSION_LOST)
                     return 1
@@ -766,6 +771,13 @@ class Serve:
         self._refresh_state()
         log.info("sessions_expired", sessions=len(idle), idle_timeout_s=timeout)
         self.link.send([self.state.heartbeat(self.steps, tuple(idle))])
+
+    def _release_slots(self, now: float) -> None:
+        """Unmap the slots closed sessions left mapped that no new session took within SLOT_KEEP_S."""
+        self._next_slot_release = now + SLOT_KEEP_S / 2
+        released = self.engine.release_idle_slots(SLOT_KEEP_S)
+        if released:
+            log.debug("slots_released", slots=released)
 
     def _refresh_state(self) -> None:
         sessions = tuple(self.engine.sessions())

@@ -175,7 +175,10 @@ class Engine:
             from .gpu import attach_gpu_kernels, make_gpu_executor, workspace_bytes
 
             attach_gpu_kernels(llama)
-            table = SessionTable(open_backend(choice, llama.state_spec(), max_sessions, workspace_bytes(llama)))
+            # Closed sessions' slots stay mapped for the next ones (no driver allocation per session); the
+            # worker releases those unused for a while (release_idle_slots).
+            backend = open_backend(choice, llama.state_spec(), max_sessions, workspace_bytes(llama))
+            table = SessionTable(backend, keep_mapped=backend.num_slots - 1)
             executor = make_gpu_executor(llama, table, cuda_graphs=cuda_graphs)
         else:
             table = SessionTable(open_backend(choice, llama.state_spec(), max_sessions))
@@ -234,6 +237,11 @@ class Engine:
         self._sessions[sid] = Session(sid, slot)
         log.debug("session_created", session=sid, slot=slot)
         return sid
+
+    def release_idle_slots(self, older_than_s: float) -> int:
+        """Unmap the slots of sessions closed at least `older_than_s` ago and not reused since (see
+        cuda_state.table). Returns how many were released."""
+        return self.table.trim(older_than_s)
 
     def fork(self, session_id: str, child_id: str | None = None) -> str:
         """A new session that continues exactly as `session_id` would (its computed state is copied)."""

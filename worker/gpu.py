@@ -401,6 +401,7 @@ class GraphExecutor:
         finally:
             for slot in slots:
                 self.table.free(slot)
+            self.table.trim()  # the check's slots are not kept mapped for sessions
         for b in dropped:
             self.buckets.remove(b)
             self._graphs.pop(b, None)

@@ -47,6 +47,7 @@ class FakeEngine:
         self.active: dict[str, tuple[str, int]] = {}  # engine id -> (session, tokens left)
         self.step_delay = 0.0
         self.appends = 0
+        self.releases: list[tuple[float, float]] = []  # (when, older_than_s) of each release_idle_slots call
 
     @property
     def free_slots(self) -> int:
@@ -91,6 +92,10 @@ class FakeEngine:
 
     def cancel(self, request_id: str) -> None:
         self.active.pop(request_id, None)
+
+    def release_idle_slots(self, older_than_s: float) -> int:
+        self.releases.append((time.monotonic(), older_than_s))
+        return 0  # no slots kept mapped here
 
     def has_work(self) -> bool:
         return bool(self.active)
@@ -181,6 +186,21 @@ def test_heartbeats_keep_coming_while_the_compute_loop_is_in_a_long_step(
     assert beats[-1].sessions == 1 and beats[-1].free_slots == 1
     done = broker.recv_until(p.Generated)
     assert isinstance(done, p.Generated) and done.token_ids == (3,) and done.route == b"client"
+
+
+def test_the_loop_releases_slots_kept_mapped_longer_than_slot_keep_s(
+    served: tuple[Serve, FakeEngine, Broker],
+) -> None:
+    """Closed sessions' slots stay mapped for new ones (cuda_state.table); the compute loop asks the engine to
+    release those unused for SLOT_KEEP_S, every SLOT_KEEP_S / 2, busy or idle."""
+    from worker.daemon import SLOT_KEEP_S
+
+    serve, engine, broker = served
+    time.sleep(SLOT_KEEP_S * 1.25)
+    calls = list(engine.releases)
+    assert len(calls) in (3, 4) and all(older == SLOT_KEEP_S for _, older in calls)
+    gaps = [b - a for (a, _), (b, _) in zip(calls, calls[1:], strict=False)]
+    assert all(SLOT_KEEP_S / 2 <= gap < SLOT_KEEP_S / 2 + 0.2 for gap in gaps), gaps
 
 
 def test_a_resent_request_is_answered_from_the_cache(served: tuple[Serve, FakeEngine, Broker]) -> None:

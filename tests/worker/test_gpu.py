@@ -347,16 +347,18 @@ def loaded() -> Iterator[Loaded]:
 
 @pytest.fixture
 def gpu_engine(loaded: Loaded) -> Iterator[object]:
-    """The module's GPU engine, with no sessions before and after each test."""
+    """The module's GPU engine, with no sessions (and no slots kept mapped) before and after each test."""
     from worker.engine import Engine
 
     engine = loaded.engine
     assert isinstance(engine, Engine)
     for sid in engine.sessions():
         engine.close(sid)
+    engine.release_idle_slots(0.0)
     yield engine
     for sid in engine.sessions():
         engine.close(sid)
+    engine.release_idle_slots(0.0)
 
 
 def open_with(engine: object, prompt: list[int]) -> str:
@@ -541,7 +543,7 @@ def test_a_bucket_whose_rows_differ_from_the_largest_is_dropped_at_start(monkeyp
         assert isinstance(executor, GraphExecutor)
         assert executor.buckets == [4, 8] and executor.replays == 0
         assert executor.prefill_buckets == [128, 512, 1024, 2048] and executor.prefill_replays == 0
-        assert engine.table.live == 0 and engine.free_slots == 8  # the check's slots are given back
+        assert engine.table.live == 0 and engine.free_slots == 8 and engine.table.kept == 0  # the check's slots: released
         prefills: list[int] = []  # the rows of each prefill replay
 
         class Spy:
@@ -799,6 +801,9 @@ def test_weights_once_and_memory_per_session(loaded: Loaded, gpu_engine: object)
         gpu_engine.create_session()
     for sid in sids:
         gpu_engine.close(sid)
+    assert gpu_engine.table.kept == table.capacity  # closed sessions' slots stay mapped for the next ones
+    assert abs(base - used - device_free_bytes()) <= PAGE_TABLE_SLACK
+    assert gpu_engine.release_idle_slots(0.0) == table.capacity
     assert abs(device_free_bytes() - base) <= PAGE_TABLE_SLACK
 
 
@@ -855,6 +860,8 @@ def test_device_memory_stays_flat_under_traffic_with_prompts_of_every_length(gpu
 @pytest.mark.gpu
 @needs_cuda
 def test_closing_a_session_inflight_waits_for_the_step(gpu_engine: object, references: list[Reference]) -> None:
+    """A closed session's slot stays mapped: a new session that takes it while a step still uses it is zeroed
+    behind that step (stream order), and releasing the slot's memory waits for the step."""
     from worker.engine import Engine
 
     assert isinstance(gpu_engine, Engine)
@@ -865,11 +872,21 @@ def test_closing_a_session_inflight_waits_for_the_step(gpu_engine: object, refer
     torch.cuda.synchronize()
     torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time ahead of the step
     logits = gpu_engine.executor.execute(*step)  # queued: reads and writes slot a after the sleep
+    gpu_engine.close(a)  # kept mapped: nothing to wait for
+    c = gpu_engine.create_session()
+    assert gpu_engine._sessions[c].slot == sa.slot  # slot a again, its zeroing queued behind the step
+    torch.cuda.synchronize()
+    state = gpu_engine.table.views()
+    assert all(torch.count_nonzero(state[name][sa.slot]) == 0 for name in ("k", "v"))  # the step's K/V: zeroed
+    assert logits[1].argmax().item() == references[1].tokens[1]
+
+    torch.cuda._sleep(400_000_000)
+    gpu_engine.executor.execute([1], [0], [sa.slot], [0])  # queued: writes slot a after the sleep
+    gpu_engine.close(c)
     start = time.perf_counter()
-    gpu_engine.close(a)  # must not give slot a's memory back under the running step
+    assert gpu_engine.release_idle_slots(0.0) == 1  # must not give slot a's memory back under the running step
     waited = time.perf_counter() - start
     if not UNDER_SANITIZER:  # the sanitizer runs every launch to completion: nothing is left to wait for
-        assert waited > 0.02, f"close returned after {waited:.4f} s, before the queued step could have run"
-    assert logits[1].argmax().item() == references[1].tokens[1]
+        assert waited > 0.02, f"the release returned after {waited:.4f} s, before the queued step could have run"
     assert gpu_engine.generate(b, **greedy(TOKENS - 1)).token_ids == references[1].tokens[1:]
     torch.cuda.synchronize()
