@@ -13,12 +13,13 @@ so every system makes exactly the same number of tokens). Prints output tokens/s
 issue's targets against the measured values. For session counts below the largest, the stack is also
 run with a worker sized for that count (`--max-sessions N`): a smaller table has a smaller decode graph.
 Every measurement is repeated --repeats times (default 3) and the median run is reported, with all of
-the runs' values beside it: one run of a 64-session load lasts ~1.5 s, and single runs spread by ~7%.
+the runs' values beside it: single runs of the 64-session load spread by several percent.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import signal
 import subprocess
@@ -109,7 +110,7 @@ def bench_hf(batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats
 
 
 def workload(sessions: int, prompt_tokens: int, new_tokens: int, seed: int, **kw: Any) -> LoadConfig:
-    rounds = 4 if sessions > 1 else 8  # each session makes `rounds` generations of new_tokens
+    rounds = 8  # each session makes `rounds` generations of new_tokens (64 sessions: ~3 s a run)
     return LoadConfig(
         sessions=sessions, prompt_tokens=prompt_tokens, max_tokens=new_tokens, turns=1, requests=sessions * rounds,
         ignore_eos=True, temperature=0.0, seed=seed, progress=False, max_context=1024,
@@ -121,10 +122,21 @@ def memory_check(sessions: int, max_context: int = 2048) -> dict[str, float]:
     """Device memory used by an engine with `sessions` live sessions against weights + sessions x bytes.
 
     At the default 2048-token context a session is 45 MiB, its slot 46 MiB (2 MiB granularity).
+    Counted: everything the engine allocates (weights, slab, graphs and their pool, workspaces). Not
+    counted: the kernels' code, which the CUDA context loads on first use in any process (cuBLAS, torch
+    and Triton modules: about 240 MiB on the H100): a first engine of the same shape runs a generation
+    and is freed before the baseline is read, so the result does not depend on what ran before.
     """
     from worker.engine import Engine
 
-    torch.cuda.init()
+    warm = Engine.load(MODEL, device="cuda", max_sessions=sessions, max_context=max_context)
+    sid = warm.create_session()
+    warm.append(sid, token_ids=list(range(1000, 1300)))
+    warm.generate(sid, max_tokens=4, ignore_eos=True)
+    warm.table.close()
+    del warm
+    gc.collect()  # the graphs and their pool go now, not during the measurement
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free0, _ = torch.cuda.mem_get_info()
     engine = Engine.load(MODEL, device="cuda", max_sessions=sessions, max_context=max_context)
