@@ -111,10 +111,9 @@ class SessionTable:
         return released
 
     def close(self) -> None:
-        for slot in sorted(self._live):
-            self._live.discard(slot)
-            self.backend.unmap(slot)
-        self._kept.clear()  # the backend releases every mapping it holds
+        """Release every slot, live or kept: the backend waits for all queued work, then unmaps everything."""
+        self._live.clear()
+        self._kept.clear()
         self.backend.close()
 
     def _take(self) -> tuple[int, bool]:

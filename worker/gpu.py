@@ -304,8 +304,8 @@ class GraphExecutor:
         self, runs: list[Run], tokens: list[int], positions: list[int], wanted: set[int], bucket: int | None = None,
     ) -> tuple[list[int], torch.Tensor]:
         """One prefill replay over several sessions' chunks, padded to the smallest prefill bucket that holds
-        them (or `bucket`): (the caller's row of each chunk end in `wanted`, their logits, a view of the
-        graphs' output that the next prefill replay rewrites).
+        them (or `bucket`). Returns the caller's row of each chunk end in `wanted` and those rows' logits: a
+        view of the graphs' output, which the next prefill replay rewrites.
 
         Every prefill bucket's rows are row-invariant with the largest's (checked at start-up), and each row
         attends to its own session's prefix only, so a chunk's numbers do not depend on its neighbours or
