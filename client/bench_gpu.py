@@ -7,7 +7,8 @@ All three run a SmolLM2-135M-shaped Llama with the same seeded random bf16 weigh
   (a) stack:     a broker and one worker as processes on loopback, driven by `loadtest`
   (b) engine:    the same workload through `worker.engine.Engine` in-process (no broker), with the
                  worker's configuration (capacity max(--sessions), so the same decode graph)
-  (c) hf:        `LlamaForCausalLM.generate` with a static cache, greedy, one batch of all sessions
+  (c) hf:        `LlamaForCausalLM.generate` with a static cache, greedy, one batch of all sessions, in a child
+                 process with torch's defaults (the engine's process sets a small cuBLAS workspace)
 Each session appends a prompt of --prompt-tokens random ids and generates --new-tokens (EOS ignored,
 so every system makes exactly the same number of tokens). Prints output tokens/s, the ratios, and the
 issue's targets against the measured values. For session counts below the largest, the stack is also
@@ -21,8 +22,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,6 +47,9 @@ TARGET_VS_HF = 4.0  # full stack over transformers' static-cache generate, 64 se
 TARGET_STACK_1 = 1_000.0  # output tokens/s, full stack, one session
 TARGET_STACK_VS_ENGINE = 0.90  # full stack over the engine in-process, 64 sessions
 TARGET_MEMORY_SLACK = 0.05  # GPU memory with 64 sessions <= weights + 64 x bytes per session + 5%
+# The engine sets a small cuBLAS workspace for its process (worker.gpu.limit_cublas_workspace); transformers
+# runs in a child process with the environment this one started with, so it gets torch's defaults.
+_STARTING_ENV = dict(os.environ)
 
 
 def hf_state_dict(weights: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
@@ -107,6 +113,18 @@ def bench_hf(batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats
     del model
     torch.cuda.empty_cache()
     return sorted(rates)
+
+
+def bench_hf_apart(batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int) -> list[float]:
+    """bench_hf in a child process started with this process's starting environment."""
+    args = ["--hf-batch", str(batch), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
+            "--seed", str(seed), "--repeats", str(repeats)]
+    done = subprocess.run([sys.executable, "-m", "client.bench_gpu", *args], env=_STARTING_ENV, capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the transformers run failed ({done.returncode}): {done.stderr[-2000:]}")
+    rates: list[float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return rates
 
 
 def workload(sessions: int, prompt_tokens: int, new_tokens: int, seed: int, **kw: Any) -> LoadConfig:
@@ -187,8 +205,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hf-batch", type=int, default=None, help=argparse.SUPPRESS)  # the transformers child
     args = ap.parse_args()
     logs.configure("warning")
+    if args.hf_batch is not None:
+        rates = bench_hf(args.hf_batch, args.prompt_tokens, args.new_tokens, args.seed, args.repeats)
+        sys.stdout.write(json.dumps(rates) + "\n")
+        return
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "model": MODEL, "runs": {}}
 
     from worker.engine import Engine
@@ -211,7 +234,7 @@ def main() -> None:
     del engine
     torch.cuda.empty_cache()
     for n in args.sessions:
-        rates = bench_hf(n, args.prompt_tokens, args.new_tokens, args.seed, reps)
+        rates = bench_hf_apart(n, args.prompt_tokens, args.new_tokens, args.seed, reps)
         results["runs"][n]["hf_tokens_per_s"] = rates[len(rates) // 2]
         results["runs"][n]["hf_runs_tokens_per_s"] = rates
     for n in sorted(set(args.sessions) - {capacity}):

@@ -11,6 +11,18 @@ same roundings (see worker.triton_fused), around the same cuBLAS GEMMs and the s
 
 Set as `Llama.fused_layers` by worker.gpu.attach_gpu_kernels; used for graph-captured decode steps
 and eager prefill chunks alike. Every kernel works row by row, so batch invariance is kept.
+
+Batches marked `row_products` (the GPU executor's decode steps) go further, with the norms' weights
+folded into the products (worker.model.Layer): worker.triton_matmul's kernels do each product with
+what surrounds it, 6 launches per layer (7 when attention splits the keys):
+
+    qkv = wqkv(rms_norm(h))                  the norm: a row scale from the squares the last product left
+    q = rope_and_store(qkv)
+    h = h + wo(attention(q))                 and the partial sums of squares of the new h
+    act = silu(gate(rms_norm(h))) * up(...)  the norm as above, silu and the gated product
+    h = h + w_down(act)                      and its squares, for the next layer's qkv
+
+`fused_head` does the final norm in one kernel instead of torch's seven.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .triton_fused import add_rms_norm, rms_norm, rope_and_store, silu_mul
+from .triton_matmul import row_matmul, row_squares, squares_tiles
 
 if TYPE_CHECKING:
     from .model import Batch, Layer, Llama
@@ -36,6 +49,8 @@ def fused_layers(
     batch: Batch,
 ) -> torch.Tensor:
     """The residual stream after the last layer (T, dim), before the final norm; K/V written to `state`."""
+    if batch.row_products:
+        return _row_layers(model, h, cos, sin, positions, slots, state, batch)
     eps = model.config.norm_eps
     layers = model.layers
     h = h.contiguous()  # a no-op on the GPU; the CPU's transposed embedding (interpreter tests) gives strided rows
@@ -69,3 +84,44 @@ def _attention(
     q = rope_and_store(layer.wqkv(x), cos, sin, k_cache, v_cache, slots, positions, c.n_heads, c.n_kv_heads, c.head_dim)
     attn = model.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
     return layer.wo(attn.reshape(-1, c.n_heads * c.head_dim))
+
+
+def _row_layers(
+    model: Llama,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    batch: Batch,
+) -> torch.Tensor:
+    """fused_layers for a row_products batch: the residual stream (T, dim), updated in place.
+
+    The norms' weights are in the products (model.norms_folded), and a norm is a per-row scale that the
+    next product applies from partial sums of squares the previous one left (worker.triton_matmul)."""
+    if not model.norms_folded:
+        raise ValueError("row products need the norms folded into the products (Llama(fold_norms=True))")
+    c = model.config
+    eps = c.norm_eps
+    rows = h.shape[0]
+    h = h.contiguous()  # the embedding rows: a gathered copy, ours to update
+    attn_width = c.n_heads * c.head_dim
+    after_attention = h.new_empty((squares_tiles(c.dim, attn_width), rows), dtype=torch.float32)
+    after_mlp = h.new_empty((squares_tiles(c.dim, c.ffn_dim), rows), dtype=torch.float32)
+    row_squares(h, after_mlp)  # the first layer's input: the embeddings
+    for li, layer in enumerate(model.layers):
+        k_cache, v_cache = state["k"][:, li], state["v"][:, li]
+        qkv = row_matmul(h, layer.wqkv.weight, norm_squares=after_mlp, eps=eps)
+        q = rope_and_store(qkv, cos, sin, k_cache, v_cache, slots, positions, c.n_heads, c.n_kv_heads, c.head_dim)
+        attn = model.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
+        row_matmul(attn.reshape(-1, attn_width), layer.wo.weight, residual=h, out=h, squares_out=after_attention)
+        act = row_matmul(h, layer.w_gate_up.weight, norm_squares=after_attention, eps=eps, silu=True)
+        row_matmul(act, layer.w_down.weight, residual=h, out=h, squares_out=after_mlp)
+    return h
+
+
+def fused_head(model: Llama, h: torch.Tensor) -> torch.Tensor:
+    """Llama.forward's last step, logits (T, vocab) fp32, with the norm in one kernel (cuBLAS's product:
+    at 64 rows the head's 56 MB weight wants wide tiles that a row-invariant kernel does not have)."""
+    return model.lm_head(rms_norm(h.contiguous(), model.norm, model.config.norm_eps)).float()

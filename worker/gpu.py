@@ -14,14 +14,19 @@ exactly as a decode row attends to its history: one kernel serves both.
 Padding rows point at the table's spare slot (always mapped) at position 0 with length 1, so a padded
 row reads and writes only memory nobody else uses.
 
+Decode steps run their products in worker.triton_matmul's kernels (row_products; the norms' weights
+folded into the products, worker.model.Layer): 6 launches per layer with the norms, the activation and
+the residual adds fused in, against 9 with cuBLAS. Prefill steps keep cuBLAS: at hundreds of rows its
+wide tiles win. WORKER_ROW_PRODUCTS=0 gives decode steps cuBLAS too (for A/B runs).
+
 Batch invariance: a row's numbers must not depend on what else is in the step (the same seed and
-inputs give the same tokens whatever else runs). Every kernel of a decode step works row by row
-except the matrix products, whose library picks a kernel by the shape, and the attention, whose
-split count (programs per row's keys) is pinned to the largest bucket's for every bucket. Whether
-the products' rows come out the same in every bucket is measured, not assumed: at start-up each
+inputs give the same tokens whatever else runs). Every kernel of a decode step works row by row:
+the row products' tiles depend on the weight's shape only, and the attention's split count
+(programs per row's keys) is pinned for every bucket. (cuBLAS, for prefill, picks a kernel by the
+shape.) Whether rows come out the same in every bucket is measured, not assumed: at start-up each
 smaller bucket replays real rows (random K/V in real slots) beside the largest one, and a bucket
 whose logits differ in any bit is dropped, its batches served by the next larger bucket (on the
-H100 with cuBLAS every bucket passes: one session runs a 1-row step instead of a 64-row one).
+H100 every bucket passes: one session runs a 1-row step instead of a 64-row one).
 Prefill buckets are checked the same way against the largest prefill bucket (prompt chunks at
 random offsets of the same temporary slots), and their attention split count is pinned likewise.
 A step that mixes decode rows and prompt chunks is split that way: decode rows from their bucket's
@@ -64,20 +69,39 @@ PREFILL_LOGITS = 64  # chunk ends one prefill replay returns logits for (fixed: 
 INVARIANCE_CHECK_CHUNKS = 4  # prompt chunks (one per temporary slot) the start-up check puts in each prefill bucket
 GRAPHS_ENV = "WORKER_CUDA_GRAPHS"  # "0" disables graphs whatever the caller asked for
 FUSED_ENV = "WORKER_FUSED_KERNELS"  # "0" keeps the plain torch layer loop on the GPU (A/B comparisons)
+ROW_PRODUCTS_ENV = "WORKER_ROW_PRODUCTS"  # "0": decode steps use cuBLAS and the separate fused kernels (A/B)
+ATTENTION_SPLITS_ENV = "WORKER_ATTENTION_SPLITS"  # pins the decode attention's split count (A/B comparisons)
+# Decode attention's split count, pinned for all buckets, is at most this. One session's 3 (row, kv head) programs
+# each walking all its keys cost the most; a 64-row step's 192 programs already fill the GPU and pay for the
+# merge. H100, SmolLM2-135M, 384 keys: 1-row / 64-row step 0.809 / 0.908 ms with 1 split, 0.795 / 0.919 with 2,
+# 0.786 / 0.943 with 4.
+PINNED_SPLITS_MAX = 2
 # Fixed slack in the workspace: cuBLAS workspaces (one per stream, the capture stream included),
 # lazily loaded kernel modules of torch and Triton, and caching-allocator fragmentation.
 FIXED_WORKSPACE_BYTES = 768 << 20
+# cuBLAS workspace per (handle, stream), as CUBLAS_WORKSPACE_CONFIG spells it: 8 buffers of 16 KiB. Torch's default
+# on Hopper is 32 MiB for every stream that runs a product, held for the life of the process (the capture stream's
+# stays referenced by the graphs). Measured on the H100: the same decode-graph times and the same row-invariant
+# buckets at 128 KiB as at 32 MiB, and 32 MiB less device memory with 64 sessions (ratio 1.057 -> 1.046).
+CUBLAS_WORKSPACE_CONFIG = ":16:8"
+
+
+def limit_cublas_workspace() -> str:
+    """Set CUBLAS_WORKSPACE_CONFIG to CUBLAS_WORKSPACE_CONFIG unless the environment sets it; returns the value
+    it now holds. Torch reads it once, at the process's first cuBLAS product: this has to come before any."""
+    return os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
 
 
 def attach_gpu_kernels(llama: Llama) -> None:
     """Route the model's decode-only batches through the Triton kernel (reads K/V from the slab), and
-    its layer stack through the fused kernels (worker.fused_forward) unless FUSED_ENV is "0"."""
-    from .fused_forward import fused_layers
+    its layer stack and head through the fused kernels (worker.fused_forward) unless FUSED_ENV is "0"."""
+    from .fused_forward import fused_head, fused_layers
     from .triton_attention import decode_attention
 
     llama.decode_attention = decode_attention
     if os.environ.get(FUSED_ENV, "1") != "0":
         llama.fused_layers = fused_layers
+        llama.fused_head = fused_head
 
 
 def workspace_bytes(llama: Llama) -> int:
@@ -215,16 +239,24 @@ class GraphExecutor:
         self._prefill_out: torch.Tensor | None = None  # the largest prefill graph's logits: every prefill graph's output
         self._stream: torch.cuda.Stream = torch.cuda.Stream(device)
         self.use_graphs: bool = use_graphs
+        # Decode steps' products in worker.triton_matmul's fused kernels (with the fused layer stack on).
+        self.row_products: bool = model.fused_layers is not None and os.environ.get(ROW_PRODUCTS_ENV, "1") != "0"
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.attention_splits: int | None = None  # the largest bucket's, for every bucket (None: off the GPU)
+        self.attention_splits: int | None = None  # the smallest bucket's, for every bucket (None: off the GPU)
         self.prefill_splits: int | None = None  # the largest prefill bucket's, for every prefill bucket
         if device.type == "cuda":
             from .triton_attention import num_splits, sm_count
 
             c, sms = model.config, sm_count(device)
-            self.attention_splits = num_splits(self.buckets[-1], c.n_kv_heads, model.max_context, sms)
+            # Pinned for every bucket (a row's attention must sum in the same order in any bucket): what the smallest
+            # bucket wants, at most PINNED_SPLITS_MAX (see there).
+            self.attention_splits = min(num_splits(self.buckets[0], c.n_kv_heads, model.max_context, sms),
+                                        PINNED_SPLITS_MAX)
+            pinned = os.environ.get(ATTENTION_SPLITS_ENV)
+            if pinned:
+                self.attention_splits = int(pinned)
             self.prefill_splits = num_splits(prefill_rows, c.n_kv_heads, model.max_context, sms)
         if use_graphs:
             start = time.perf_counter()
@@ -451,7 +483,7 @@ class GraphExecutor:
         """The decode forward over the first b static rows: logits (b, vocab) fp32."""
         tokens, positions, slots, lengths = self._decode_in.device[:, :b]
         batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32),
-                      attention_splits=self.attention_splits)
+                      attention_splits=self.attention_splits, row_products=self.row_products)
         return self.model.forward(tokens, positions, slots, self.state, batch)
 
     def _prefill_step(self, b: int) -> torch.Tensor:

@@ -44,6 +44,9 @@ class Batch:
     # Decode attention: programs per row's keys (None: chosen from the shapes). The GPU executor pins one
     # count for every batch size, so a row's attention sums in the same order in any bucket.
     attention_splits: int | None = None
+    # The products (and the norms, activation and residual adds beside them) in worker.triton_matmul's
+    # row-invariant kernels instead of cuBLAS: the GPU executor's decode steps, through fused_layers.
+    row_products: bool = False
 
 
 def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
@@ -85,17 +88,29 @@ class Linear:
 
 
 class Layer:
-    """One transformer block's weights, fused for fewer launches: qkv and gate|up."""
+    """One transformer block's weights, fused for fewer launches: qkv and gate|up.
 
-    def __init__(self, w: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype) -> None:
+    With fold_norms, each RMSNorm's weight is multiplied into the columns of the product after it
+    (in fp32, before the cast) and the norm keeps a weight of ones: w @ (g * n) = (w * g) @ n. The
+    norm is then a per-row scale, which a product can apply after summing (worker.triton_matmul).
+    """
+
+    def __init__(self, w: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype,
+                 fold_norms: bool = False) -> None:
         def get(name: str) -> torch.Tensor:
             return w[f"layers.{i}.{name}"]
 
-        self.input_norm = get("input_norm").to(device=device, dtype=dtype)  # (dim,)
-        self.wqkv = Linear(torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]), device, dtype)  # ((H+2KV)*hd, dim)
+        input_norm, post_norm = get("input_norm").float(), get("post_norm").float()
+        qkv = torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]).float()
+        gate_up = torch.cat([get("gate_proj"), get("up_proj")]).float()
+        if fold_norms:
+            qkv, gate_up = qkv * input_norm, gate_up * post_norm
+            input_norm, post_norm = torch.ones_like(input_norm), torch.ones_like(post_norm)
+        self.input_norm = input_norm.to(device=device, dtype=dtype)  # (dim,)
+        self.wqkv = Linear(qkv, device, dtype)  # ((H+2KV)*hd, dim)
         self.wo = Linear(get("o_proj"), device, dtype)  # (dim, H * hd)
-        self.post_norm = get("post_norm").to(device=device, dtype=dtype)  # (dim,)
-        self.w_gate_up = Linear(torch.cat([get("gate_proj"), get("up_proj")]), device, dtype)  # (2 * ffn, dim)
+        self.post_norm = post_norm.to(device=device, dtype=dtype)  # (dim,)
+        self.w_gate_up = Linear(gate_up, device, dtype)  # (2 * ffn, dim)
         self.w_down = Linear(get("down_proj"), device, dtype)  # (dim, ffn)
 
     def linears(self) -> list[Linear]:
@@ -132,8 +147,10 @@ class Llama:
         device: torch.device,
         dtype: torch.dtype,
         max_context: int,
+        fold_norms: bool = False,  # the layers' norm weights multiplied into the products (see Layer)
     ) -> None:
         self.config = config
+        self.norms_folded = fold_norms
         self.device = device
         self.dtype = dtype
         self.max_context = max_context
@@ -142,12 +159,14 @@ class Llama:
         # With tied weights the head is the embedding, stored once.
         self.embed = self.lm_head if config.tie_embeddings else Linear(weights["embed"], device, dtype)
         self.norm = weights["norm"].to(device=device, dtype=dtype)
-        self.layers = [Layer(weights, i, device, dtype) for i in range(config.n_layers)]
+        self.layers = [Layer(weights, i, device, dtype, fold_norms) for i in range(config.n_layers)]
         self.cos, self.sin = rope_tables(config, max_context, device)
         # Set by the GPU engine: a kernel reading K/V by slot and length (worker.triton_attention).
         self.decode_attention: Callable[..., torch.Tensor] | None = None
-        # Set by the GPU engine: the whole layer stack in fused kernels (worker.fused_forward.fused_layers).
+        # Set by the GPU engine: the whole layer stack in fused kernels (worker.fused_forward.fused_layers),
+        # and the final norm + head + float cast in one (worker.fused_forward.fused_head) for row_products batches.
         self.fused_layers: Callable[..., torch.Tensor] | None = None
+        self.fused_head: Callable[..., torch.Tensor] | None = None
 
     def state_spec(self) -> StateSpec:
         """Per session: K and V for every layer, (layers, kv_heads, max_context, head_dim)."""
@@ -185,6 +204,8 @@ class Llama:
             h = self._layers(h, cos, sin, positions, slots, state, batch)
         if logits_at is not None:
             h = h[logits_at]
+        if batch.row_products and self.fused_layers is not None and self.fused_head is not None:
+            return self.fused_head(self, h)
         return self.lm_head(rms_norm(h, self.norm, c.norm_eps)).float()
 
     def _layers(

@@ -453,7 +453,7 @@ def test_gpu_fused_logits_and_greedy_tokens_match_the_torch_layers(fused_engine:
     pytest.fail(f"only {checked} of {CANDIDATES} random prompts had greedy margins >= {SAFE_MARGIN}")
 
 
-def kernels_in_decode_step(engine: object, fused: bool) -> int:
+def kernels_in_decode_step(engine: object, fused: bool, row_products: bool = False) -> int:
     """CUDA kernels launched by one eager 8-row decode step (the bucket's shape), counted by the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -466,7 +466,8 @@ def kernels_in_decode_step(engine: object, fused: bool) -> int:
     rows = 8
     zeros = torch.zeros(rows, dtype=torch.long, device="cuda")
     slots = torch.full((rows,), spare, dtype=torch.long, device="cuda")  # padding rows: the spare only
-    batch = Batch(runs=[], decode_only=True, lengths=torch.ones(rows, dtype=torch.int32, device="cuda"))
+    batch = Batch(runs=[], decode_only=True, lengths=torch.ones(rows, dtype=torch.int32, device="cuda"),
+                  attention_splits=engine.executor.attention_splits, row_products=row_products)  # type: ignore[attr-defined]
     model.fused_layers = fused_layers if fused else None
     try:
         model.forward(zeros, zeros, slots, engine.table.views(), batch)  # compiled and warm
@@ -496,3 +497,24 @@ def test_gpu_fused_decode_step_launches_about_ten_kernels_per_layer(fused_engine
     counts = f"{plain} kernels with the torch loop, {fused} fused, {layers} layers"
     assert fused <= 16 * layers, counts
     assert plain - fused >= 25 * layers, counts
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the profiler's own notices (CUPTI, kineto) are not failures
+def test_gpu_row_products_decode_step_launches_seven_kernels_per_layer(fused_engine: object) -> None:
+    """qkv (normed), rope_and_store, attention and its merge (2 splits), o (+ residual, squares), gate|up
+    (normed, silu), down (+ residual, squares); per step the embedding, RoPE rows, the first squares and the head."""
+    from worker.engine import Engine
+
+    assert isinstance(fused_engine, Engine)
+    layers = fused_engine.model.config.n_layers
+    assert fused_engine.executor.attention_splits == 2  # type: ignore[attr-defined]
+    assert fused_engine.executor.row_products  # type: ignore[attr-defined]
+    rows = kernels_in_decode_step(fused_engine, True, row_products=True)
+    if rows == 0:
+        pytest.skip("the profiler recorded no CUDA kernels here")
+    cublas = kernels_in_decode_step(fused_engine, True)
+    counts = f"{rows} kernels with row products, {cublas} without, {layers} layers"
+    assert 7 * layers <= rows <= 7 * layers + 10, counts
+    assert cublas - rows >= 3 * layers, counts

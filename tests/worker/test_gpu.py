@@ -508,7 +508,9 @@ def test_gpu_engine_runs_bf16_on_the_vmm_slab_with_graphs(gpu_engine: object) ->
     assert isinstance(gpu_engine.table.backend, VmmBackend)
     assert isinstance(gpu_engine.executor, GraphExecutor)
     assert gpu_engine.executor.buckets == [1, 4, 8] and gpu_engine.capacity == 8  # every bucket row-invariant
-    assert gpu_engine.executor.attention_splits == 4  # 8 rows x 3 KV heads leave the SMs idle: keys split, in every bucket
+    # A 1-row step's 3 (row, KV head) programs leave the SMs idle: keys split, at most PINNED_SPLITS_MAX, in every bucket
+    assert gpu_engine.executor.attention_splits == 2
+    assert gpu_engine.executor.row_products and gpu_engine.model.norms_folded  # decode products: worker.triton_matmul
     assert gpu_engine.executor.prefill_buckets == [128, 256, 512, 1024, 2048]  # every prefill bucket row-invariant
     assert gpu_engine.executor.prefill_splits == 1  # 2048 rows x 3 KV heads fill the SMs
 
@@ -769,14 +771,17 @@ def test_graph_replay_matches_eager(gpu_engine: object, references: list[Referen
         gpu_engine.executor = graphs
     assert outputs["graph"] == outputs["eager"] == [ref.tokens for ref in references]
 
-    # The same decode step (8 rows, one full bucket) through both: logits agree to bf16 rounding.
+    # The same decode step (8 rows, one full bucket) through both: logits agree to bf16 rounding. The graph's
+    # products are worker.triton_matmul's, the norm a row scale after them; the eager step's are cuBLAS's with the
+    # norm before: two bf16 roundings of the same sums, apart as much as bf16 is from fp32 (the CPU test's 4e-2).
     sids = [open_with(gpu_engine, ref.prompt) for ref in references]
     gpu_engine.generate_many([(s, greedy(1)) for s in sids])  # prompts in; one pending token each
     sessions = [gpu_engine._sessions[s] for s in sids]
     step = ([s.tokens[s.computed] for s in sessions], [s.computed for s in sessions], [s.slot for s in sessions])
     from_graph = graphs.execute(*step, list(range(8)))
     from_eager = eager.execute(*step, list(range(8)))
-    assert relative_error(from_graph, from_eager) < 1e-2
+    err = relative_error(from_graph, from_eager)
+    assert err < 4e-2, f"relative error {err:.4f}"
     assert from_graph.argmax(-1).tolist() == from_eager.argmax(-1).tolist()
 
 

@@ -1,0 +1,233 @@
+"""Row-invariant matrix products for decode steps, with the epilogue after them fused in (Triton).
+
+A decode step of a small model is a chain of tiny launches: at one row each of cuBLAS's products
+takes 3-5 us on the H100, and the SiLU and residual kernels beside them ~2 us each, while the bytes
+they move would take well under 1 us. `row_matmul` does a product and what follows it in one launch:
+
+    out = epilogue(x @ w.T)
+    SILU:     w = [gate | up]: silu(x @ gate.T) * (x @ up.T)     (the MLP's activation)
+    RESIDUAL: residual + x @ w.T                                 (the residual add after o and down)
+
+so a decode layer is 8 launches (qkv, rope_and_store, attention, o+add, norm, gate|up+silu,
+down+add, norm) instead of 9, and the products themselves are faster at these sizes (measured by
+worker.bench_matmul). The norms stay separate kernels: fused in front of the product, the norm puts
+elementwise work between the load of x and the tensor cores, and Triton then stops prefetching x
+(measured: qkv with its norm fused 5.0-5.3 us against 4.2 for the norm kernel plus cuBLAS).
+
+Numbers: the product is accumulated in fp32 over K in BLOCK_K chunks, in order, and rounded to the
+model dtype as the library's GEMM returns it; silu, the gated product and the residual sum are then
+rounded where worker.model's torch code rounds them (as worker.triton_fused does). cuBLAS may sum in
+another order, so a product can differ from torch's in the last bit.
+
+Batch invariance: a program computes BLOCK_M rows x BLOCK_N columns; a row's numbers depend only on
+that row (tl.dot's rows are independent) and on the tile configuration, which depends on the
+weight's shape only, never on the row count, so a row comes out the same in every bucket.
+
+Capture safety: no host syncs and no allocations besides the outputs (which callers may pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .triton_fused import STRICT, _interpreted
+
+BLOCK_M = 16  # rows per program unless tiles_for says otherwise (tl.dot's smallest tile)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
+    """The tile configuration of an (n, k) product: a function of the shape only (see the module docstring).
+
+    Narrow column blocks: at a few rows the product is a stream of the weight, and more programs
+    keep more of it in flight; a long k takes wider steps. Chosen with `python -m worker.bench_matmul
+    --rows 1 64 --sweep` on the H100 for SmolLM2-135M's shapes: the least time summed over 1 and 64
+    rows, with the weights streaming from device memory as in a step (qkv 7.02 us, o 6.22,
+    gate|up 12.86, down 9.82, against 6.43, 9.82, 14.86 and 14.08 for cuBLAS with the kernels after it).
+    """
+    if k >= 1024:
+        return Tiles(block_m=16, block_n=16, block_k=256, warps=2, stages=3)
+    if silu:
+        return Tiles(block_m=16, block_n=32, block_k=128, warps=4, stages=3)
+    return Tiles(block_m=64, block_n=16, block_k=128, warps=4, stages=3)
+
+
+@triton.jit
+def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    X, W, Out, Res, SqIn, SqOut,
+    M, N, K,
+    stride_xm, stride_wn, stride_om, stride_rm, stride_sq_in, stride_sq_out,
+    inv_k, eps,
+    NORMED: tl.constexpr,
+    SQ_TILES: tl.constexpr,
+    SQUARES_OUT: tl.constexpr,
+    SILU: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    LIBDEVICE_EXP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)). Out[m, n] for the program's rows and columns.
+
+    W is (N, K), or (2N, K) with SILU (gate rows, then up rows). Res and Out may be the same tensor.
+    NORMED: X's rows are scaled by rsqrt(sum_t SqIn[t, m] * inv_k + eps) after the product (SqIn: the
+    partial sums of squares of X's rows, SQ_TILES of them). SQUARES_OUT: SqOut[tile, m] = the sum of
+    squares of this program's BLOCK_N columns of Out's row m (what a NORMED product of Out reads).
+    """
+    dtype = X.dtype.element_ty
+    rm = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < M
+    col_ok = rn < N
+    x_rows = X + rm[:, None] * stride_xm
+    w_rows = W + rn[:, None].to(tl.int64) * stride_wn
+    if NORMED:  # the rows' rms from the partial sums the producer of X left
+        # Added tile after tile, unrolled: a tl.sum over a loaded block would sum in an order that follows the
+        # block's register layout, which the compiler picks from what it knows of the strides (here the row
+        # count), and rows would come out differently in different buckets.
+        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for t in tl.static_range(SQ_TILES):
+            squares += tl.load(SqIn + t * stride_sq_in + rm, mask=row_ok, other=0.0)
+        rstd = tl.math.rsqrt(squares * inv_k + eps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + rk
+        k_ok = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if SILU:
+            wu = tl.load(w_rows + N * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
+    if NORMED:  # rms_norm(x) @ w.T = rstd * (x @ w.T) per row; the norm's weight is folded into w
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
+    y = acc.to(dtype)  # the product in the model dtype, as the library's GEMM returns it
+    if SILU:
+        gate = y.to(tl.float32)
+        if LIBDEVICE_EXP:
+            e = libdevice.exp(-gate)  # expf, as torch's CUDA silu
+        else:
+            e = tl.exp(-gate)
+        act = tl.math.div_rn(gate, 1.0 + e).to(dtype)
+        y = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if RESIDUAL:
+        r = tl.load(Res + rm[:, None] * stride_rm + rn[None, :], mask=out_mask, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)  # rounded once, as h + y
+    if SQUARES_OUT:
+        yf = y.to(tl.float32)  # columns past N are 0
+        tl.store(SqOut + tl.program_id(0) * stride_sq_out + rm, tl.sum(yf * yf, 1), mask=row_ok)
+    tl.store(Out + rm[:, None] * stride_om + rn[None, :], y.to(Out.dtype.element_ty), mask=out_mask)
+
+
+def row_matmul(
+    x: torch.Tensor,  # (M, K), contiguous last dimension
+    weight: torch.Tensor,  # (N, K) contiguous; (2N, K) = [gate | up] with silu
+    *,
+    silu: bool = False,
+    residual: torch.Tensor | None = None,  # (M, N) in x's dtype: added last; may be `out`
+    out: torch.Tensor | None = None,  # (M, N), x's dtype or float32
+    norm_squares: torch.Tensor | None = None,  # (T, M) fp32: x's rows' partial sums of squares; x is normed
+    eps: float = 0.0,  # the norm's epsilon, with norm_squares
+    squares_out: torch.Tensor | None = None,  # (squares_tiles(N, K), M) fp32: out's, for the next product
+    tiles: Tiles | None = None,  # default tiles_for(N, K); benchmarks try others
+) -> torch.Tensor:
+    """epilogue(prologue(x) @ weight.T) in one launch (see the module docstring).
+
+    With norm_squares the product is rms_norm(x) @ weight.T, the norm's weight folded into `weight`
+    (worker.model.Layer): each row is scaled after the product by rsqrt(mean square + eps), from
+    the partial sums a producer left with squares_out (or row_squares)."""
+    rows, k = x.shape
+    width = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"weight must be (N, {k}) contiguous, got {tuple(weight.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError("x must have a contiguous last dimension")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight ({weight.dtype}) and x ({x.dtype}) must share a dtype")
+    if silu and width % 2:
+        raise ValueError(f"a [gate | up] weight has an even number of rows, got {width}")
+    n = width // 2 if silu else width
+    if out is None:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if out.shape != (rows, n) or out.stride(-1) != 1 or out.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out must be ({rows}, {n}) in {x.dtype} or float32 with a contiguous last dimension")
+    if residual is not None and (residual.shape != (rows, n) or residual.stride(-1) != 1 or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be ({rows}, {n}) in {x.dtype} with a contiguous last dimension")
+    tiles = tiles or tiles_for(n, k, silu)
+    if norm_squares is not None and (norm_squares.dim() != 2 or norm_squares.shape[1] != rows
+                                     or norm_squares.dtype != torch.float32 or norm_squares.stride(1) != 1):
+        raise ValueError(f"norm_squares must be (T, {rows}) float32 with contiguous rows")
+    n_tiles = triton.cdiv(n, tiles.block_n)
+    if squares_out is not None and (squares_out.shape != (n_tiles, rows) or squares_out.dtype != torch.float32
+                                    or squares_out.stride(1) != 1):
+        raise ValueError(f"squares_out must be ({n_tiles}, {rows}) float32 with contiguous rows")
+    if rows == 0:
+        return out
+    res = residual if residual is not None else out  # unused pointers when the flags are off
+    sq_in = norm_squares if norm_squares is not None else out
+    sq_out = squares_out if squares_out is not None else out
+    sq_tiles = norm_squares.shape[0] if norm_squares is not None else 1
+    _row_matmul_kernel[(triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m))](
+        x, weight, out, res, sq_in, sq_out,
+        rows, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), res.stride(0), sq_in.stride(0), sq_out.stride(0),
+        1.0 / k, eps,
+        NORMED=norm_squares is not None, SQ_TILES=sq_tiles,
+        SQUARES_OUT=squares_out is not None, SILU=silu, RESIDUAL=residual is not None,
+        LIBDEVICE_EXP=not _interpreted(), DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.warps, num_stages=tiles.stages, **STRICT,
+    )
+    return out
+
+
+def squares_tiles(n: int, k: int, silu: bool = False) -> int:
+    """Rows of the squares_out buffer of an (n, k) product: its column tiles."""
+    return triton.cdiv(n, tiles_for(n, k, silu).block_n)
+
+
+@triton.jit
+def _row_squares_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    X, SqOut, M, N, stride_xm, stride_sq,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): SqOut[tile, m] = sum of X[m, tile's columns]^2."""
+    rm = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < M
+    xf = tl.load(X + rm[:, None] * stride_xm + rn[None, :], mask=row_ok[:, None] & (rn < N)[None, :], other=0.0)
+    xf = xf.to(tl.float32)
+    tl.store(SqOut + tl.program_id(0) * stride_sq + rm, tl.sum(xf * xf, 1), mask=row_ok)
+
+
+def row_squares(x: torch.Tensor, out: torch.Tensor, block_n: int = 16) -> torch.Tensor:
+    """The partial sums of squares of x's rows (T, M) fp32 over column tiles of block_n: what squares_out
+    leaves, for a first product with norm_squares (the embedding rows have no producer)."""
+    rows, n = x.shape
+    tiles = triton.cdiv(n, block_n)
+    if x.stride(-1) != 1 or out.shape != (tiles, rows) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"x must have a contiguous last dimension and out be ({tiles}, {rows}) float32")
+    if rows:
+        _row_squares_kernel[(tiles, triton.cdiv(rows, BLOCK_M))](
+            x, out, rows, n, x.stride(0), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=2)
+    return out
