@@ -11,7 +11,7 @@ Paired resources, released by `close` in reverse order of acquisition (llama2.c 
   primary context   cuDevicePrimaryCtxRetain          / cuDevicePrimaryCtxRelease
   address range     cuMemAddressReserve               / cuMemAddressFree
   slot memory       cuMemCreate + cuMemMap + SetAccess / (wait last use) cuMemUnmap + cuMemRelease
-  events            cuEventCreate                     / cuEventDestroy
+  events            cuEventCreate (a ring)            / cuEventDestroy
 
 Copies and memsets run on the caller's current torch stream (the engine's), so they are ordered
 with the steps that read the slots. `mark_used` records an event there; `unmap` waits for the
@@ -95,67 +95,56 @@ def _wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(_DeviceRange(ptr, nbytes), device=device)
 
 
-class _EventPool:
-    """Events marking each slot's last queued use. An event returns to the pool once no slot's last
-    use is it any more, so the pool never exceeds the number of slots plus one."""
+class _EventRing:
+    """Events marking each slot's last queued use: one event per mark, shared by every slot it marks, from
+    a ring of `size` events reused in turn. A slot remembers the sequence number of its last mark.
 
-    def __init__(self) -> None:
-        self._free: list[Any] = []
-        self._all: list[Any] = []
-        self._refs: dict[int, int] = {}  # int(event) -> slots whose last use it marks
-        self._last: dict[int, Any] = {}  # slot -> event recorded after its last queued use
+    A mark costs one cuEventRecord and one dict store per slot (a 64-row step marks 64 slots). Waiting
+    for a slot syncs its mark's event while the ring still holds that mark; a mark `size` or more marks
+    old has had its event recorded again since, maybe on another stream, so the wait falls back to a
+    context synchronize (the old use is done by then in all likelihood; this only waits for what runs
+    now). The ring never holds more than `size` events.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._events: list[Any] = []  # created on first use, up to `size`
+        self._seq = 0  # marks made so far
+        self._last: dict[int, int] = {}  # slot -> sequence number of its last mark
 
     def record(self, slots: list[int], stream: int) -> None:
-        event = self._free.pop() if self._free else self._create()
-        _ok("cuEventRecord", driver.cuEventRecord(event, stream))
-        self._refs[int(event)] = 0
+        seq = self._seq
+        index = seq % self._size
+        if index == len(self._events):
+            flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+            self._events.append(_ok("cuEventCreate", driver.cuEventCreate(flags)))
+        _ok("cuEventRecord", driver.cuEventRecord(self._events[index], stream))
+        self._seq = seq + 1
+        last = self._last
         for slot in slots:
-            self._refs[int(event)] += 1
-            old = self._last.get(slot)
-            self._last[slot] = event
-            if old is not None:
-                self._drop(old)
-        if self._refs[int(event)] == 0:
-            self._drop(event, already_zero=True)
+            last[slot] = seq
 
     def wait(self, slot: int) -> None:
         """Block until the slot's last queued use has finished; forget it."""
-        event = self._last.pop(slot, None)
-        if event is None:
+        seq = self._last.pop(slot, None)
+        if seq is None:
             return
-        try:
-            _ok("cuEventSynchronize", driver.cuEventSynchronize(event))
-        finally:
-            self._drop(event)
+        if self._seq - seq <= self._size:  # its event has not been recorded again since
+            _ok("cuEventSynchronize", driver.cuEventSynchronize(self._events[seq % self._size]))
+        else:
+            _ok("cuCtxSynchronize", driver.cuCtxSynchronize())
 
     def destroy(self) -> None:
         first: BaseException | None = None
-        for event in reversed(self._all):
+        for event in reversed(self._events):
             try:
                 _ok("cuEventDestroy", driver.cuEventDestroy(event))
             except CudaDriverError as e:
                 first = first or e
-        self._free.clear()
-        self._all.clear()
-        self._refs.clear()
+        self._events.clear()
         self._last.clear()
         if first is not None:
             raise first
-
-    def _create(self) -> Any:
-        flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        event = _ok("cuEventCreate", driver.cuEventCreate(flags))
-        self._all.append(event)
-        return event
-
-    def _drop(self, event: Any, already_zero: bool = False) -> None:
-        key = int(event)
-        left = 0 if already_zero else self._refs[key] - 1
-        if left:
-            self._refs[key] = left
-        else:
-            del self._refs[key]
-            self._free.append(event)
 
 
 class VmmBackend:
@@ -175,7 +164,7 @@ class VmmBackend:
         self._base = 0
         self._reserved = 0
         self._handles: dict[int, Any] = {}  # slot -> CUmemGenericAllocationHandle
-        self._events = _EventPool()
+        self._events = _EventRing(1)  # sized in _open, once the slots are counted
         self._views: dict[str, torch.Tensor] = {}
         try:
             self._open(index, capacity, reserve_bytes)
@@ -200,6 +189,7 @@ class VmmBackend:
         pitch_attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH
         self._max_pitch = int(_ok("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(pitch_attr, self._dev)))
         self.num_slots = self._fit(capacity, reserve_bytes) + 1
+        self._events = _EventRing(self.num_slots + 1)
         self._reserve_range()
         self.map(self.spare_slot)
         self.zero(self.spare_slot)
