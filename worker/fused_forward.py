@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .triton_fused import add_rms_norm, rms_norm, rope_and_store, silu_mul
-from .triton_matmul import row_matmul, row_squares, squares_tiles
+from .triton_matmul import row_matmul, row_squares, squares_tiles, tiles_for
 
 if TYPE_CHECKING:
     from .model import Batch, Layer, Llama
@@ -109,7 +109,7 @@ def _row_layers(
     attn_width = c.n_heads * c.head_dim
     after_attention = h.new_empty((squares_tiles(c.dim, attn_width), rows), dtype=torch.float32)
     after_mlp = h.new_empty((squares_tiles(c.dim, c.ffn_dim), rows), dtype=torch.float32)
-    row_squares(h, after_mlp)  # the first layer's input: the embeddings
+    row_squares(h, after_mlp, block_n=tiles_for(c.dim, c.ffn_dim).block_n)  # the first layer's input: the embeddings
     for li, layer in enumerate(model.layers):
         k_cache, v_cache = state["k"][:, li], state["v"][:, li]
         qkv = row_matmul(h, layer.wqkv.weight, norm_squares=after_mlp, eps=eps)
