@@ -50,6 +50,8 @@ TARGET_MEMORY_SLACK = 0.05  # GPU memory with 64 sessions <= weights + 64 x byte
 # The engine sets a small cuBLAS workspace for its process (worker.gpu.limit_cublas_workspace); transformers
 # runs in a child process with the environment this one started with, so it gets torch's defaults.
 _STARTING_ENV = dict(os.environ)
+HF_RESULT = "hf-rates: "  # the child's result line
+HF_TIMEOUT_S = 1800
 
 
 def hf_state_dict(weights: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
@@ -120,10 +122,11 @@ def bench_hf_apart(batch: int, prompt_tokens: int, new_tokens: int, seed: int, r
     args = ["--hf-batch", str(batch), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
             "--seed", str(seed), "--repeats", str(repeats)]
     done = subprocess.run([sys.executable, "-m", "client.bench_gpu", *args], env=_STARTING_ENV, capture_output=True,
-                          text=True, check=False)
-    if done.returncode != 0:
+                          text=True, check=False, timeout=HF_TIMEOUT_S)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(HF_RESULT)]
+    if done.returncode != 0 or not lines:
         raise RuntimeError(f"the transformers run failed ({done.returncode}): {done.stderr[-2000:]}")
-    rates: list[float] = json.loads(done.stdout.strip().splitlines()[-1])
+    rates: list[float] = json.loads(lines[-1][len(HF_RESULT):])
     return rates
 
 
@@ -210,7 +213,7 @@ def main() -> None:
     logs.configure("warning")
     if args.hf_batch is not None:
         rates = bench_hf(args.hf_batch, args.prompt_tokens, args.new_tokens, args.seed, args.repeats)
-        sys.stdout.write(json.dumps(rates) + "\n")
+        sys.stdout.write(HF_RESULT + json.dumps(rates) + "\n")
         return
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "model": MODEL, "runs": {}}
 

@@ -100,10 +100,11 @@ class _EventRing:
     a ring of `size` events reused in turn. A slot remembers the sequence number of its last mark.
 
     A mark costs one cuEventRecord and one dict store per slot (a 64-row step marks 64 slots). Waiting
-    for a slot syncs its mark's event while the ring still holds that mark; a mark `size` or more marks
-    old has had its event recorded again since, maybe on another stream, so the wait falls back to a
-    context synchronize (the old use is done by then in all likelihood; this only waits for what runs
-    now). The ring never holds more than `size` events.
+    for a slot syncs its mark's event while the ring still holds that mark. An older mark's event has
+    been recorded again since: while every mark so far went to one stream, the oldest mark the ring
+    holds comes after it on that stream, and the wait syncs that (long done, typically: a slot released
+    after seconds idle does not wait for the step in flight); once marks have gone to more than one
+    stream, the wait falls back to a context synchronize. The ring never holds more than `size` events.
     """
 
     def __init__(self, size: int) -> None:
@@ -111,6 +112,8 @@ class _EventRing:
         self._events: list[Any] = []  # created on first use, up to `size`
         self._seq = 0  # marks made so far
         self._last: dict[int, int] = {}  # slot -> sequence number of its last mark
+        self._stream: int | None = None  # the one stream every mark went to; None before the first
+        self._streams = 0  # how many streams marks have gone to (1, or 2 meaning "more than one")
 
     def record(self, slots: list[int], stream: int) -> None:
         seq = self._seq
@@ -119,6 +122,9 @@ class _EventRing:
             flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
             self._events.append(_ok("cuEventCreate", driver.cuEventCreate(flags)))
         _ok("cuEventRecord", driver.cuEventRecord(self._events[index], stream))
+        if stream != self._stream:
+            self._streams = min(self._streams + 1, 2)
+            self._stream = stream
         self._seq = seq + 1
         last = self._last
         for slot in slots:
@@ -131,6 +137,8 @@ class _EventRing:
             return
         if self._seq - seq <= self._size:  # its event has not been recorded again since
             _ok("cuEventSynchronize", driver.cuEventSynchronize(self._events[seq % self._size]))
+        elif self._streams == 1:  # the oldest mark held, later on the same stream
+            _ok("cuEventSynchronize", driver.cuEventSynchronize(self._events[self._seq % self._size]))
         else:
             _ok("cuCtxSynchronize", driver.cuCtxSynchronize())
 

@@ -98,19 +98,20 @@ def bench_rows(rows: int, c: ModelConfig, weights: dict[str, torch.Tensor], norm
 
     squares = torch.rand((triton.cdiv(c.dim, 16), rows), device=h.device)  # a producer's partial sums of squares
 
-    def squares_out(n: int, t: Tiles | None) -> torch.Tensor:
-        block_n = (t or tiles_for(n, c.dim)).block_n
+    def squares_out(n: int, k: int, t: Tiles | None) -> torch.Tensor:
+        block_n = (t or tiles_for(n, k)).block_n
         return torch.empty((triton.cdiv(n, block_n), rows), device=h.device)
 
     cases: dict[str, tuple[Callable[[int], object], Callable[[Tiles | None, int], object]]] = {
         "qkv": (lambda i: F.linear(h, w("qkv", i)),
                 lambda t, i: row_matmul(h, w("qkv", i), norm_squares=squares, eps=eps, tiles=t)),
         "o": (lambda i: add_rms_norm(F.linear(attn, w("o", i)), h, norm_w, eps),
-              lambda t, i: row_matmul(attn, w("o", i), residual=h, out=h, squares_out=squares_out(c.dim, t), tiles=t)),
+              lambda t, i: row_matmul(attn, w("o", i), residual=h, out=h, squares_out=squares_out(c.dim, c.n_heads * c.head_dim, t),
+                                       tiles=t)),
         "gate_up": (lambda i: silu_mul(F.linear(h, w("gate_up", i))),
                     lambda t, i: row_matmul(h, w("gate_up", i), norm_squares=squares, eps=eps, silu=True, tiles=t)),
         "down": (lambda i: add_rms_norm(F.linear(act, w("down", i)), h, norm_w, eps),
-                 lambda t, i: row_matmul(act, w("down", i), residual=h, out=h, squares_out=squares_out(c.dim, t),
+                 lambda t, i: row_matmul(act, w("down", i), residual=h, out=h, squares_out=squares_out(c.dim, c.ffn_dim, t),
                                          tiles=t)),
     }
     for name, (before, fused) in cases.items():

@@ -165,16 +165,18 @@ class Engine:
             raise ValueError(f"max_context must be >= 2, got {max_context}")
         choice = select_backend(device)
         log.info("device_selected", backend=choice.kind, device=str(choice.device), reason=choice.reason)
+        fold_norms = False
         if choice.device.type == "cuda":
-            from .gpu import limit_cublas_workspace
+            from .gpu import limit_cublas_workspace, row_products_wanted
 
-            log.info("cublas_workspace", config=limit_cublas_workspace())
+            log.info("cublas_workspace", config=limit_cublas_workspace(), applies="unless cuBLAS ran earlier in the process")
+            fold_norms = row_products_wanted()
         loaded = load_model(model)
         on_gpu = choice.device.type == "cuda"
         context = min(max_context, loaded.config.context_length)
         # On the GPU the norms' weights ride in the products (Layer): decode steps scale rows after the product.
         llama = Llama(loaded.config, loaded.weights, choice.device, torch.bfloat16 if on_gpu else torch.float32, context,
-                      fold_norms=on_gpu)
+                      fold_norms=fold_norms)
         del loaded.weights
         executor: Executor
         if on_gpu:

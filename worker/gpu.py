@@ -88,8 +88,15 @@ CUBLAS_WORKSPACE_CONFIG = ":16:8"
 
 def limit_cublas_workspace() -> str:
     """Set CUBLAS_WORKSPACE_CONFIG to CUBLAS_WORKSPACE_CONFIG unless the environment sets it; returns the value
-    it now holds. Torch reads it once, at the process's first cuBLAS product: this has to come before any."""
+    it now holds. Torch reads it once, at the process's first cuBLAS product: where one ran before (a caller's
+    own products), the setting does not apply. The worker process calls this (Engine.load) before any."""
     return os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+
+
+def row_products_wanted() -> bool:
+    """Decode steps in worker.triton_matmul's kernels unless ROW_PRODUCTS_ENV or FUSED_ENV is "0". The engine folds
+    the norms' weights into the products only then, so "0" gives back cuBLAS's numbers as well as its speed."""
+    return os.environ.get(ROW_PRODUCTS_ENV, "1") != "0" and os.environ.get(FUSED_ENV, "1") != "0"
 
 
 def attach_gpu_kernels(llama: Llama) -> None:
@@ -128,6 +135,19 @@ def workspace_bytes(llama: Llama) -> int:
     attention = 3 * c.n_heads * chunk * context * 4
     logits = 2 * BUCKETS[-1] * c.vocab_size * (4 + item) + (sum(BUCKETS) + PREFILL_LOGITS) * c.vocab_size * 4
     return activations + attention + logits + FIXED_WORKSPACE_BYTES
+
+
+def _pinned_splits(value: str) -> int:
+    """ATTENTION_SPLITS_ENV's value: an integer from 1 to the kernel's MAX_SPLITS."""
+    from .triton_attention import MAX_SPLITS
+
+    try:
+        splits = int(value)
+    except ValueError:
+        splits = 0
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"{ATTENTION_SPLITS_ENV} must be an integer from 1 to {MAX_SPLITS}, got {value!r}")
+    return splits
 
 
 def buckets_for(capacity: int) -> list[int]:
@@ -240,7 +260,8 @@ class GraphExecutor:
         self._stream: torch.cuda.Stream = torch.cuda.Stream(device)
         self.use_graphs: bool = use_graphs
         # Decode steps' products in worker.triton_matmul's fused kernels (with the fused layer stack on).
-        self.row_products: bool = model.fused_layers is not None and os.environ.get(ROW_PRODUCTS_ENV, "1") != "0"
+        # They need the norms' weights in the products (Llama(fold_norms=True), as Engine.load builds it).
+        self.row_products: bool = model.fused_layers is not None and model.norms_folded and row_products_wanted()
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -256,7 +277,8 @@ class GraphExecutor:
                                         PINNED_SPLITS_MAX)
             pinned = os.environ.get(ATTENTION_SPLITS_ENV)
             if pinned:
-                self.attention_splits = int(pinned)
+                self.attention_splits = _pinned_splits(pinned)
+                log.info("attention_splits_pinned", env=ATTENTION_SPLITS_ENV, splits=self.attention_splits)
             self.prefill_splits = num_splits(prefill_rows, c.n_kv_heads, model.max_context, sms)
         if use_graphs:
             start = time.perf_counter()

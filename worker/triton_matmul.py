@@ -1,27 +1,34 @@
-"""Row-invariant matrix products for decode steps, with the epilogue after them fused in (Triton).
+"""Row-invariant matrix products for decode steps, with the norm and the epilogue fused in (Triton).
 
 A decode step of a small model is a chain of tiny launches: at one row each of cuBLAS's products
-takes 3-5 us on the H100, and the SiLU and residual kernels beside them ~2 us each, while the bytes
-they move would take well under 1 us. `row_matmul` does a product and what follows it in one launch:
+takes 3-5 us on the H100, and the norm, SiLU and residual kernels beside them ~2 us each, while the
+bytes they move would take well under 1 us. `row_matmul` does a product and its neighbours in one launch:
 
-    out = epilogue(x @ w.T)
-    SILU:     w = [gate | up]: silu(x @ gate.T) * (x @ up.T)     (the MLP's activation)
-    RESIDUAL: residual + x @ w.T                                 (the residual add after o and down)
+    out = epilogue(scale(x @ w.T))
+    norm_squares: rows scaled by rsqrt(mean square + eps) after the product: rms_norm(x) @ w.T, with
+                  the norm's weight folded into w (worker.model.Layer), from partial sums of squares
+                  of x that the product which wrote x left (squares_out), or row_squares
+    SILU:         w = [gate | up]: silu(x @ gate.T) * (x @ up.T)     (the MLP's activation)
+    RESIDUAL:     residual + x @ w.T                                 (the residual add after o and down)
+    squares_out:  the partial sums of squares of out's rows, per column tile, for the next product
 
-so a decode layer is 8 launches (qkv, rope_and_store, attention, o+add, norm, gate|up+silu,
-down+add, norm) instead of 9, and the products themselves are faster at these sizes (measured by
-worker.bench_matmul). The norms stay separate kernels: fused in front of the product, the norm puts
-elementwise work between the load of x and the tensor cores, and Triton then stops prefetching x
-(measured: qkv with its norm fused 5.0-5.3 us against 4.2 for the norm kernel plus cuBLAS).
+so a decode layer is 6 launches (qkv+norm, rope_and_store, attention, o+add+squares,
+gate|up+norm+silu, down+add+squares; 7 when attention splits the keys) instead of 9. The norm is
+applied after the product because elementwise work on x before tl.dot stops Triton from
+prefetching x (measured: qkv with the norm applied to x in the loop 5.0-5.3 us, against 4.2 for the
+norm kernel plus cuBLAS, and ~3.1 for this kernel).
 
-Numbers: the product is accumulated in fp32 over K in BLOCK_K chunks, in order, and rounded to the
-model dtype as the library's GEMM returns it; silu, the gated product and the residual sum are then
-rounded where worker.model's torch code rounds them (as worker.triton_fused does). cuBLAS may sum in
-another order, so a product can differ from torch's in the last bit.
+Numbers: the product is accumulated in fp32 over K in BLOCK_K chunks, in order; a normed product is
+scaled in fp32; then the result is rounded to the model dtype as the library's GEMM returns it, and
+silu, the gated product and the residual sum are rounded where worker.model's torch code rounds them
+(as worker.triton_fused does). The torch code rounds the normed x to the dtype before the product and
+keeps the norm's weight apart, so the two differ by bf16 rounding (tests: within the tolerances of
+bf16 against fp32).
 
 Batch invariance: a program computes BLOCK_M rows x BLOCK_N columns; a row's numbers depend only on
-that row (tl.dot's rows are independent) and on the tile configuration, which depends on the
-weight's shape only, never on the row count, so a row comes out the same in every bucket.
+that row (tl.dot's rows are independent; the squares are added tile after tile, unrolled) and on the
+tile configuration, which depends on the weight's shape only, never on the row count, so a row
+comes out the same in every bucket.
 
 Capture safety: no host syncs and no allocations besides the outputs (which callers may pass).
 """
@@ -172,6 +179,8 @@ def row_matmul(
         raise ValueError(f"out must be ({rows}, {n}) in {x.dtype} or float32 with a contiguous last dimension")
     if residual is not None and (residual.shape != (rows, n) or residual.stride(-1) != 1 or residual.dtype != x.dtype):
         raise ValueError(f"residual must be ({rows}, {n}) in {x.dtype} with a contiguous last dimension")
+    if rows and out.data_ptr() == x.data_ptr():
+        raise ValueError("out must not be x: other column tiles still read the rows this one writes")
     tiles = tiles or tiles_for(n, k, silu)
     if norm_squares is not None and (norm_squares.dim() != 2 or norm_squares.shape[1] != rows
                                      or norm_squares.dtype != torch.float32 or norm_squares.stride(1) != 1):

@@ -501,21 +501,33 @@ def test_fake_event_pool_stays_small(fake: FakeDriver) -> None:
     assert not fake.events
 
 
-def test_fake_a_mark_older_than_the_event_ring_is_waited_for_with_a_context_synchronize(fake: FakeDriver) -> None:
+def test_fake_a_mark_older_than_the_event_ring_waits_on_the_oldest_mark_or_the_context(
+        fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each mark records one event of a ring of num_slots + 1, shared by the slots it marks. A slot whose last
-    mark has since been overwritten (its event recorded again, maybe on another stream) is not waited for on
-    that event: the backend synchronizes the context instead."""
+    mark the ring has overwritten waits on the oldest mark the ring holds while every mark went to one stream
+    (later on that stream, long done), and on the whole context once marks have gone to two streams."""
     b = open_fake(small_spec(), capacity=4)
     for s in range(3):
         b.map(s)
     b.mark_used([0, 1])
     fake.log.clear()
     b.mark_used([2])
-    first = [e for e in fake.log if e[0] == "record"][-1][1]
+    latest = [e for e in fake.log if e[0] == "record"][-1][1]
     b.unmap(2)  # its mark is the latest: its own event
-    assert ("sync", first) in fake.log and "cuCtxSynchronize" not in calls(fake)
+    assert ("sync", latest) in fake.log and "cuCtxSynchronize" not in calls(fake)
+    fake.log.clear()
     for _ in range(b.num_slots + 1):
         b.mark_used([1])  # slot 0's mark falls out of the ring
+    records = [e[1] for e in fake.log if e[0] == "record"]
+    fake.log.clear()
+    b.unmap(0)
+    assert [e for e in fake.log if e[0] == "sync"] == [("sync", records[0])]  # the oldest mark the ring holds
+    assert "cuCtxSynchronize" not in calls(fake)
+    b.map(0)
+    b.mark_used([0])
+    monkeypatch.setattr(vmm, "_current_stream", lambda device: 8)  # a second stream
+    for _ in range(b.num_slots + 1):
+        b.mark_used([1])
     fake.log.clear()
     b.unmap(0)
     assert "cuCtxSynchronize" in calls(fake) and not [e for e in fake.log if e[0] == "sync"]

@@ -178,6 +178,25 @@ def test_row_matmul_refuses_shapes_it_cannot_serve() -> None:
         row_matmul(x, w, norm_squares=torch.zeros(4, 2))
     with pytest.raises(ValueError, match="squares_out must be"):
         row_matmul(x, w, squares_out=torch.zeros(9, 3))
+    square = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="out must not be x"):
+        row_matmul(square, torch.zeros(3, 3), out=square)
+
+
+def test_row_products_and_the_norm_fold_follow_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WORKER_ROW_PRODUCTS=0 (or WORKER_FUSED_KERNELS=0) turns both off: cuBLAS's speed and its numbers."""
+    pytest.importorskip("triton")
+    from worker.gpu import ATTENTION_SPLITS_ENV, _pinned_splits, row_products_wanted
+
+    assert row_products_wanted()
+    for env in ("WORKER_ROW_PRODUCTS", "WORKER_FUSED_KERNELS"):
+        with monkeypatch.context() as m:
+            m.setenv(env, "0")
+            assert not row_products_wanted()
+    assert _pinned_splits("3") == 3
+    for bad in ("0", "-1", "two", "1000"):
+        with pytest.raises(ValueError, match=ATTENTION_SPLITS_ENV):
+            _pinned_splits(bad)
 
 
 # -- GPU -------------------------------------------------------------------------------------------
