@@ -112,8 +112,8 @@ class _EventRing:
         self._events: list[Any] = []  # created on first use, up to `size`
         self._seq = 0  # marks made so far
         self._last: dict[int, int] = {}  # slot -> sequence number of its last mark
-        self._stream: int | None = None  # the one stream every mark went to; None before the first
-        self._streams = 0  # how many streams marks have gone to (1, or 2 meaning "more than one")
+        self._stream: int | None = None  # the stream of the first mark
+        self._mixed = False  # a mark has gone to another stream than the first
 
     def record(self, slots: list[int], stream: int) -> None:
         seq = self._seq
@@ -122,9 +122,10 @@ class _EventRing:
             flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
             self._events.append(_ok("cuEventCreate", driver.cuEventCreate(flags)))
         _ok("cuEventRecord", driver.cuEventRecord(self._events[index], stream))
-        if stream != self._stream:
-            self._streams = min(self._streams + 1, 2)
+        if self._stream is None:
             self._stream = stream
+        elif stream != self._stream:
+            self._mixed = True
         self._seq = seq + 1
         last = self._last
         for slot in slots:
@@ -137,7 +138,7 @@ class _EventRing:
             return
         if self._seq - seq <= self._size:  # its event has not been recorded again since
             _ok("cuEventSynchronize", driver.cuEventSynchronize(self._events[seq % self._size]))
-        elif self._streams == 1:  # the oldest mark held, later on the same stream
+        elif not self._mixed:  # the oldest mark held, later on the same stream
             _ok("cuEventSynchronize", driver.cuEventSynchronize(self._events[self._seq % self._size]))
         else:
             _ok("cuCtxSynchronize", driver.cuCtxSynchronize())

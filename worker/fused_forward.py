@@ -35,7 +35,7 @@ from .triton_fused import add_rms_norm, rms_norm, rope_and_store, silu_mul
 from .triton_matmul import row_matmul, row_squares, squares_tiles, tiles_for
 
 if TYPE_CHECKING:
-    from .model import Batch, Layer, Llama
+    from .model import Batch, Llama
 
 
 def fused_layers(
@@ -57,7 +57,7 @@ def fused_layers(
     x = rms_norm(h, layers[0].input_norm, eps)
     for li, layer in enumerate(layers):
         k_cache, v_cache = state["k"][:, li], state["v"][:, li]  # (num_slots, kv_heads, max_context, hd)
-        attn = _attention(model, layer, x, cos, sin, positions, slots, k_cache, v_cache, batch)
+        attn = layer.wo(_attend(model, layer.wqkv(x), cos, sin, positions, slots, k_cache, v_cache, batch))  # (T, dim)
         x, h = add_rms_norm(attn, h, layer.post_norm, eps)
         mlp = layer.w_down(silu_mul(layer.w_gate_up(x)))  # (T, dim)
         if li + 1 < len(layers):
@@ -67,23 +67,22 @@ def fused_layers(
     return h
 
 
-def _attention(
+def _attend(
     model: Llama,
-    layer: Layer,
-    x: torch.Tensor,  # (T, dim): the normed input
+    qkv: torch.Tensor,  # (T, (H + 2 KV) * hd): the qkv product
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,
-    k_cache: torch.Tensor,  # (num_slots, kv_heads, max_context, hd): this layer's slab view
+    k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: Batch,
 ) -> torch.Tensor:
-    """The attention block's output projection (T, dim); this layer's K/V of the batch stored first."""
+    """RoPE, this layer's K/V of the batch stored, then attention: (T, H * hd), the o product's input."""
     c = model.config
-    q = rope_and_store(layer.wqkv(x), cos, sin, k_cache, v_cache, slots, positions, c.n_heads, c.n_kv_heads, c.head_dim)
+    q = rope_and_store(qkv, cos, sin, k_cache, v_cache, slots, positions, c.n_heads, c.n_kv_heads, c.head_dim)
     attn = model.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
-    return layer.wo(attn.reshape(-1, c.n_heads * c.head_dim))
+    return attn.reshape(-1, c.n_heads * c.head_dim)
 
 
 def _row_layers(
@@ -106,16 +105,14 @@ def _row_layers(
     eps = c.norm_eps
     rows = h.shape[0]
     h = h.contiguous()  # the embedding rows: a gathered copy, ours to update
-    attn_width = c.n_heads * c.head_dim
-    after_attention = h.new_empty((squares_tiles(c.dim, attn_width), rows), dtype=torch.float32)
+    after_attention = h.new_empty((squares_tiles(c.dim, c.n_heads * c.head_dim), rows), dtype=torch.float32)
     after_mlp = h.new_empty((squares_tiles(c.dim, c.ffn_dim), rows), dtype=torch.float32)
     row_squares(h, after_mlp, block_n=tiles_for(c.dim, c.ffn_dim).block_n)  # the first layer's input: the embeddings
     for li, layer in enumerate(model.layers):
         k_cache, v_cache = state["k"][:, li], state["v"][:, li]
         qkv = row_matmul(h, layer.wqkv.weight, norm_squares=after_mlp, eps=eps)
-        q = rope_and_store(qkv, cos, sin, k_cache, v_cache, slots, positions, c.n_heads, c.n_kv_heads, c.head_dim)
-        attn = model.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
-        row_matmul(attn.reshape(-1, attn_width), layer.wo.weight, residual=h, out=h, squares_out=after_attention)
+        attn = _attend(model, qkv, cos, sin, positions, slots, k_cache, v_cache, batch)
+        row_matmul(attn, layer.wo.weight, residual=h, out=h, squares_out=after_attention)
         act = row_matmul(h, layer.w_gate_up.weight, norm_squares=after_attention, eps=eps, silu=True)
         row_matmul(act, layer.w_down.weight, residual=h, out=h, squares_out=after_mlp)
     return h

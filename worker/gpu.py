@@ -16,8 +16,9 @@ row reads and writes only memory nobody else uses.
 
 Decode steps run their products in worker.triton_matmul's kernels (row_products; the norms' weights
 folded into the products, worker.model.Layer): 6 launches per layer with the norms, the activation and
-the residual adds fused in, against 9 with cuBLAS. Prefill steps keep cuBLAS: at hundreds of rows its
-wide tiles win. WORKER_ROW_PRODUCTS=0 gives decode steps cuBLAS too (for A/B runs).
+the residual adds fused in, against 9 with cuBLAS (one more each when the attention splits the keys).
+Prefill steps keep cuBLAS: at hundreds of rows its wide tiles win. WORKER_ROW_PRODUCTS=0 gives decode
+steps cuBLAS too (for A/B runs).
 
 Batch invariance: a row's numbers must not depend on what else is in the step (the same seed and
 inputs give the same tokens whatever else runs). Every kernel of a decode step works row by row:
@@ -69,7 +70,7 @@ PREFILL_LOGITS = 64  # chunk ends one prefill replay returns logits for (fixed: 
 INVARIANCE_CHECK_CHUNKS = 4  # prompt chunks (one per temporary slot) the start-up check puts in each prefill bucket
 GRAPHS_ENV = "WORKER_CUDA_GRAPHS"  # "0" disables graphs whatever the caller asked for
 FUSED_ENV = "WORKER_FUSED_KERNELS"  # "0" keeps the plain torch layer loop on the GPU (A/B comparisons)
-ROW_PRODUCTS_ENV = "WORKER_ROW_PRODUCTS"  # "0": decode steps use cuBLAS and the separate fused kernels (A/B)
+ROW_PRODUCTS_ENV = "WORKER_ROW_PRODUCTS"  # "0": cuBLAS and the separate fused kernels, norms unfolded (A/B)
 ATTENTION_SPLITS_ENV = "WORKER_ATTENTION_SPLITS"  # pins the decode attention's split count (A/B comparisons)
 # Decode attention's split count, pinned for all buckets, is at most this. One session's 3 (row, kv head) programs
 # each walking all its keys cost the most; a 64-row step's 192 programs already fill the GPU and pay for the
@@ -93,10 +94,15 @@ def limit_cublas_workspace() -> str:
     return os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
 
 
+def fused_kernels_wanted() -> bool:
+    """The fused layer stack (worker.fused_forward) unless FUSED_ENV is "0"."""
+    return os.environ.get(FUSED_ENV, "1") != "0"
+
+
 def row_products_wanted() -> bool:
     """Decode steps in worker.triton_matmul's kernels unless ROW_PRODUCTS_ENV or FUSED_ENV is "0". The engine folds
     the norms' weights into the products only then, so "0" gives back cuBLAS's numbers as well as its speed."""
-    return os.environ.get(ROW_PRODUCTS_ENV, "1") != "0" and os.environ.get(FUSED_ENV, "1") != "0"
+    return os.environ.get(ROW_PRODUCTS_ENV, "1") != "0" and fused_kernels_wanted()
 
 
 def attach_gpu_kernels(llama: Llama) -> None:
@@ -106,7 +112,7 @@ def attach_gpu_kernels(llama: Llama) -> None:
     from .triton_attention import decode_attention
 
     llama.decode_attention = decode_attention
-    if os.environ.get(FUSED_ENV, "1") != "0":
+    if fused_kernels_wanted():
         llama.fused_layers = fused_layers
         llama.fused_head = fused_head
 

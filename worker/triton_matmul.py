@@ -195,7 +195,7 @@ def row_matmul(
     sq_in = norm_squares if norm_squares is not None else out
     sq_out = squares_out if squares_out is not None else out
     sq_tiles = norm_squares.shape[0] if norm_squares is not None else 1
-    _row_matmul_kernel[(triton.cdiv(n, tiles.block_n), triton.cdiv(rows, tiles.block_m))](
+    _row_matmul_kernel[(n_tiles, triton.cdiv(rows, tiles.block_m))](
         x, weight, out, res, sq_in, sq_out,
         rows, n, k,
         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), sq_in.stride(0), sq_out.stride(0),
