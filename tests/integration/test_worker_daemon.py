@@ -1,7 +1,8 @@
 """The worker daemon in-process, with a scripted engine and a ROUTER standing in for the broker.
 
 Shows what is hard to see from outside: heartbeats keep coming while the compute loop is stuck in a
-long step, a resent request is answered from the cache, chunks coalesce, errors map to wire codes.
+long step, a resent request is answered from the cache, the compute loop's answers go straight to the
+socket, errors map to wire codes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import zmq
 
 from broker import protocol as p
 from cuda_state import CapacityExhausted
-from worker.daemon import Serve, WorkerConfig, coalesce, error_code
+from worker.daemon import Link, Serve, WorkerConfig, WorkerState, error_code
 from worker.errors import SessionBusy, SessionNotFound
 
 SID = "a" * 32
@@ -273,31 +274,6 @@ def test_streams_of_two_clients_come_as_batches_per_client_in_order(served: tupl
     assert batches <= 2 * 39
 
 
-def test_coalesce_merges_queued_batches_of_a_route_and_keeps_each_client_s_order() -> None:
-    def batch(route: bytes, *parts: tuple[str, tuple[int, ...]]) -> p.Chunks:
-        return p.Chunks(chunks=tuple(p.StreamChunk(rid, ids, "".join(map(str, ids))) for rid, ids in parts), route=route)
-
-    final = p.Generated(request_id="r1", session_id=SID, token_ids=(1, 2, 3), text="123", finish_reason="length",
-                        length=3, route=b"c1")
-    merged = coalesce([
-        batch(b"c1", ("r1", (1,)), ("r2", (7,))),
-        batch(b"c2", ("r3", (5,))),
-        batch(b"c1", ("r2", (8,)), ("r1", (2,)), ("r4", (9,))),
-        batch(b"c2", ("r3", (6,))),
-        final,  # closes c1's batch: what c1 gets after it stays after it
-        batch(b"c1", ("r2", (10,))),
-        batch(b"c2", ("r3", (7,))),
-    ])
-    assert merged == [
-        batch(b"c1", ("r1", (1, 2)), ("r2", (7, 8)), ("r4", (9,))),
-        batch(b"c2", ("r3", (5, 6, 7))),
-        final,
-        batch(b"c1", ("r2", (10,))),
-    ]
-    alone = [batch(b"c1", ("r1", (1,))), final]
-    assert coalesce(alone) == alone
-
-
 @pytest.fixture
 def stepped() -> Iterator[tuple[Serve, FakeEngine, list[list[p.Message]]]]:
     """A Serve driven by hand (its link thread never starts): what each call would send, one list per send."""
@@ -308,9 +284,7 @@ def stepped() -> Iterator[tuple[Serve, FakeEngine, list[list[p.Message]]]]:
     try:
         yield serve, engine, sent
     finally:
-        serve.link._wake_tx.close(linger=0)
-        serve.link._wake_rx.close(linger=0)
-        serve.link._context.term()
+        serve.link.stop()  # never started: closes its sockets
 
 
 def test_a_step_sends_one_chunks_message_per_client_route(
@@ -346,7 +320,7 @@ def test_a_step_sends_one_chunks_message_per_client_route(
     assert not serve._active
 
 
-def test_the_answers_to_one_batch_of_requests_leave_in_one_send(
+def test_each_answer_of_a_batch_of_requests_leaves_as_soon_as_it_is_made(
     stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
 ) -> None:
     serve, engine, sent = stepped
@@ -354,7 +328,7 @@ def test_the_answers_to_one_batch_of_requests_leave_in_one_send(
                   p.Append(request_id="a1", session_id=SID, token_ids=(1, 2), route=b"c"),
                   p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"),
                   p.Info(request_id="i1", session_id=SID, route=b"c")])
-    assert [[type(m).__name__ for m in batch] for batch in sent] == [["Created", "Appended", "SessionInfo"]]
+    assert [[type(m).__name__ for m in batch] for batch in sent] == [["Created"], ["Appended"], ["SessionInfo"]]
 
 
 def test_a_resent_generate_moves_the_rest_of_its_stream_to_the_new_route(
@@ -395,31 +369,33 @@ def test_requests_cross_the_link_as_bytes_and_the_compute_loop_decodes_and_answe
     assert link.receive(0.0) == []
 
 
-def test_answers_are_encoded_by_the_sender_and_the_flush_keeps_their_frames() -> None:
-    serve = Serve(FakeEngine(), WorkerConfig(broker="tcp://127.0.0.1:1", name="fw"), lambda s: s)
-    link = serve.link
-    chunks = [p.Chunks(chunks=(p.StreamChunk(f"r{i}", (i,), "x"),), route=b"c1") for i in range(2)]
-    final = p.Closed(request_id="x1", session_id=SID, route=b"c2")
-    link.send([chunks[0], final, chunks[1]])
-    queued = [link._outbox.get_nowait() for _ in range(3)]
-    assert [frames for _, frames in queued] == [p.encode(m) for m in (chunks[0], final, chunks[1])]
-    for item in queued:
-        link._outbox.put(item)
-
-    class Dealer:
-        def __init__(self) -> None:
-            self.sent: list[list[bytes]] = []
-
-        def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
-            self.sent.append(frames)
-
-    dealer = Dealer()
-    link._flush(dealer)  # type: ignore[arg-type]
-    merged = p.Chunks(chunks=(p.StreamChunk("r0", (0,), "x"), p.StreamChunk("r1", (1,), "x")), route=b"c1")
-    assert [p.decode(frames) for frames in dealer.sent] == [merged, final]  # c1's two batches are one message
-    link._wake_tx.close(linger=0)
-    link._wake_rx.close(linger=0)
-    link._context.term()
+def test_the_compute_thread_sends_on_the_socket_itself_and_reads_requests_between_steps() -> None:
+    """Link.send writes the caller's encoded frames to the DEALER in order (no queue, no other thread in between);
+    Link.receive(0) takes a request straight from the socket, and the link thread keeps registering meanwhile."""
+    broker = Broker()
+    link = Link(WorkerConfig(broker=broker.address, name="fw", heartbeat_ms=1000),
+                ready=lambda: p.Ready(name="fw", model="fake", capacity=1, free_slots=1, max_context=8),
+                state=lambda: WorkerState(1, ()))
+    link.start()
+    try:
+        assert isinstance(broker.recv(), p.Ready)
+        chunks = [p.Chunks(chunks=(p.StreamChunk(f"r{i}", (i,), "x"),), route=b"c1") for i in range(2)]
+        final = p.Closed(request_id="x1", session_id=SID, route=b"c2")
+        link.send([chunks[0], final, chunks[1]])
+        raw = [broker.sock.recv_multipart()[1:] for _ in range(3)]
+        assert raw == [p.encode(m) for m in (chunks[0], final, chunks[1])]
+        request = p.Info(request_id="i1", session_id=SID, route=b"c")
+        broker.send(request)
+        deadline = time.monotonic() + 5
+        got: list[p.Message] = []
+        while not got and time.monotonic() < deadline:
+            got = link.receive(0.0)
+        assert got == [request]
+    finally:
+        link.stop()
+        broker.sock.close()
+        broker.context.term()
+    link.send([final])  # after stop: dropped, not raised
 
 
 def test_error_codes_of_exceptions() -> None:
