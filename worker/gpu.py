@@ -18,7 +18,8 @@ Decode steps run their products in worker.triton_matmul's kernels (row_products;
 folded into the products, worker.model.Layer): 6 launches per layer with the norms, the activation and
 the residual adds fused in, against 9 with cuBLAS (one more each when the attention splits the keys).
 Prefill steps keep cuBLAS: at hundreds of rows its wide tiles win. WORKER_ROW_PRODUCTS=0 gives decode
-steps cuBLAS too (for A/B runs).
+steps cuBLAS too (for A/B runs). On Hopper and later the Triton kernels launch with programmatic dependent
+launch (worker.pdl), which hides most of the gap between a graph's consecutive kernels.
 
 Batch invariance: a row's numbers must not depend on what else is in the step (the same seed and
 inputs give the same tokens whatever else runs). Every kernel of a decode step works row by row:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, wait_then_release
+
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner-loop block
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16: the query-head group is padded up to this
@@ -93,11 +95,13 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     GROUP_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (rows, kv_heads): the whole key range of one row in one program.
 
     K and V point at slot `anchor` (see decode_attention); row r reads slot slots[r].
     """
+    wait_then_release(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     slot = tl.load(Slots + row).to(tl.int64) - anchor  # relative to the slot K and V point at
@@ -130,11 +134,13 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     GROUP_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (rows, kv_heads, SPLITS): split `s` covers its share of [0, length), in whole blocks.
 
     Partials are contiguous: PartAcc (rows, HEADS, SPLITS, HEAD_DIM), PartMax/PartSum (rows, HEADS, SPLITS).
     """
+    wait_then_release(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -167,8 +173,10 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (rows, heads): out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s."""
+    wait_then_release(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -257,6 +265,7 @@ def decode_attention(
         BLOCK=BLOCK_N,
     )
     qk_scale = LOG2E / math.sqrt(head_dim)
+    pdl = launch_options(q)
     if splits <= 1:
         _decode_kernel[(rows, kv_heads)](
             q, k_anchor, v_anchor, out, slots, lengths, anchor,
@@ -264,7 +273,7 @@ def decode_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1),
-            qk_scale, GROUP=group, num_warps=NUM_WARPS, **shape,
+            qk_scale, GROUP=group, num_warps=NUM_WARPS, **shape, **pdl,
         )
         return out
     part_acc = torch.empty((rows, heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -275,12 +284,12 @@ def decode_attention(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        qk_scale, HEADS=heads, GROUP=group, SPLITS=splits, num_warps=NUM_WARPS, **shape,
+        qk_scale, HEADS=heads, GROUP=group, SPLITS=splits, num_warps=NUM_WARPS, **shape, **pdl,
     )
     _merge_splits_kernel[(rows, heads)](
         part_acc, part_max, part_sum, out,
         out.stride(0), out.stride(1),
         HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-        BLOCK_D=shape["BLOCK_D"], num_warps=NUM_WARPS,
+        BLOCK_D=shape["BLOCK_D"], num_warps=NUM_WARPS, **pdl,
     )
     return out

@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .pdl import launch_options, wait_then_release
+
 NORM_WARPS = 4
 ROPE_WARPS = 2
 SILU_BLOCK = 1024  # elements of one row per silu_mul program
@@ -63,8 +65,10 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signat
     dim, inv_dim, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (rows,): Out[row] = rms_norm(X[row] (+ Residual[row])); the sum also goes to ResidualOut."""
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -106,6 +110,7 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         dim, 1.0 / dim, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(dim), num_warps=NORM_WARPS, **STRICT,
+        **launch_options(x),
     )
 
 
@@ -168,12 +173,14 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     KV_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T,): token t's q heads -> Q[t]; its k (rotated) and v -> the caches at slot, position.
 
     QKV[t] is [q heads | k heads | v heads], HEAD_DIM each. K and V point at slot `anchor`, always
     mapped (see rope_and_store); token t writes slot Slots[t], offset from there.
     """
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t * stride_slot).to(tl.int64) - anchor
     pos = tl.load(Positions + t * stride_pos).to(tl.int64)
@@ -262,7 +269,7 @@ def rope_and_store(
         HEADS=n_heads, KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         HEADS_PAD=triton.next_power_of_2(n_heads), KV_PAD=triton.next_power_of_2(n_kv_heads),
         HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=ROPE_WARPS, **STRICT,
+        num_warps=ROPE_WARPS, **STRICT, **launch_options(qkv),
     )
     return out
 

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .pdl import launch_options, wait_then_release
 from .triton_fused import STRICT, _interpreted
 
 BLOCK_M = 16  # rows per program unless tiles_for says otherwise (tl.dot's smallest tile)
@@ -88,6 +89,7 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)). Out[m, n] for the program's rows and columns.
 
@@ -96,6 +98,7 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     partial sums of squares of X's rows, SQ_TILES of them). SQUARES_OUT: SqOut[tile, m] = the sum of
     squares of this program's BLOCK_N columns of Out's row m (what a NORMED product of Out reads).
     """
+    wait_then_release(PDL)
     dtype = X.dtype.element_ty
     rm = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,7 +207,7 @@ def row_matmul(
         SQUARES_OUT=squares_out is not None, SILU=silu, RESIDUAL=residual is not None,
         LIBDEVICE_EXP=not _interpreted(), DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.warps, num_stages=tiles.stages, **STRICT,
+        num_warps=tiles.warps, num_stages=tiles.stages, **STRICT, **launch_options(x),
     )
     return out
 
@@ -219,8 +222,10 @@ def _row_squares_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sig
     X, SqOut, M, N, stride_xm, stride_sq,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): SqOut[tile, m] = sum of X[m, tile's columns]^2."""
+    wait_then_release(PDL)
     rm = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rm < M
@@ -238,5 +243,6 @@ def row_squares(x: torch.Tensor, out: torch.Tensor, block_n: int = 16) -> torch.
         raise ValueError(f"x must have a contiguous last dimension and out be ({tiles}, {rows}) float32")
     if rows:
         _row_squares_kernel[(tiles, triton.cdiv(rows, BLOCK_M))](
-            x, out, rows, n, x.stride(0), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=2)
+            x, out, rows, n, x.stride(0), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=2,
+            **launch_options(x))
     return out
