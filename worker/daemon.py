@@ -205,8 +205,7 @@ class Link:
                 return
             for m, frames in encoded:
                 self._send(dealer, m, frames)
-            if self._receive_all(dealer):
-                self._wake()  # more than a batch is waiting: the link thread reads on
+            self._take_incoming(dealer)
 
     def receive(self, timeout_s: float) -> list[p.Message]:
         """Requests from the broker: waits up to timeout_s for the first, then takes what is there.
@@ -215,8 +214,8 @@ class Link:
         route and a request id, and logged either way."""
         if timeout_s <= 0 and self._lock.acquire(blocking=False):  # busy: read the socket now, not at the next wake
             try:
-                if self._dealer is not None and self._receive_all(self._dealer):
-                    self._wake()
+                if self._dealer is not None:
+                    self._take_incoming(self._dealer)
             finally:
                 self._lock.release()
         try:
@@ -250,9 +249,14 @@ class Link:
             self._thread.join(timeout=10)
         self._wake_tx.close(linger=0)
         if not self._thread.is_alive():  # term() would wait for the thread's sockets
-            if self._dealer is None:  # never started
+            if self._thread.ident is None:  # never started: the link thread did not close its socket
                 self._wake_rx.close(linger=0)
             self._context.term()
+
+    def _take_incoming(self, dealer: zmq.Socket[bytes]) -> None:
+        """On the compute thread, under the lock: read what the socket holds; past a batch, the link thread reads on."""
+        if self._receive_all(dealer):
+            self._wake()
 
     def _wake(self) -> None:
         try:
@@ -293,7 +297,6 @@ class Link:
                 self._refuse_unserved(dealer)
                 if self._farewell is not None:
                     self._send(dealer, p.Disconnect(reason=self._farewell))
-                self._dealer = None
         except Exception:
             log.exception("link_failed")
         finally:
