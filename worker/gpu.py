@@ -332,7 +332,7 @@ class GraphExecutor:
             part = decode[i : i + biggest]
             logits = self._decode([tokens[r] for r in part], [positions[r] for r in part], [slots[r] for r in part])
             rows.update((r, logits[j]) for j, r in enumerate(part) if r in wanted)
-        missing = wanted.intersection(r for run in prefill for r in range(run.start, run.start + run.n - 1))
+        missing = wanted.difference(decode, (run.start + run.n - 1 for run in prefill))
         if missing:
             raise ValueError(f"logits of prefill rows {sorted(missing)} other than a chunk's last are not kept")
         groups = self._prefill_groups(prefill, wanted)
@@ -378,10 +378,11 @@ class GraphExecutor:
         host[:, :bucket] = self._prefill_in.padding
         keys: list[int] = []  # the caller's row of each chunk end, in the order of the logits
         cursor = 0
+        ids, at = np.array(tokens, dtype=np.int64), np.array(positions, dtype=np.int64)  # once: slices copy from them
         for run in runs:
             end = run.start + run.n
-            host[0, cursor : cursor + run.n] = tokens[run.start : end]
-            host[1, cursor : cursor + run.n] = positions[run.start : end]
+            host[0, cursor : cursor + run.n] = ids[run.start : end]
+            host[1, cursor : cursor + run.n] = at[run.start : end]
             host[2, cursor : cursor + run.n] = run.slot
             if end - 1 in wanted:
                 host[4, len(keys)] = cursor + run.n - 1

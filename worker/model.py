@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -20,9 +22,11 @@ from cuda_state import BufferSpec, StateSpec
 from .config import ModelConfig
 
 
-@dataclass(frozen=True)
-class Run:
-    """One session's tokens in a batch: batch rows [start, start+n) at positions [pos, pos+n)."""
+class Run(NamedTuple):
+    """One session's tokens in a batch: batch rows [start, start+n) at positions [pos, pos+n).
+
+    A named tuple: a decode step builds one per row, and a tuple is built several times faster than a
+    frozen dataclass."""
 
     slot: int
     start: int
@@ -50,15 +54,19 @@ class Batch:
 
 
 def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
-    """Split a flat batch into per-session runs (a run breaks where the slot changes)."""
-    runs: list[Run] = []
-    for i, (slot, pos) in enumerate(zip(slots, positions, strict=True)):
-        if runs and runs[-1].slot == slot and runs[-1].pos + runs[-1].n == pos:
-            last = runs[-1]
-            runs[-1] = Run(slot, last.start, last.n + 1, last.pos)
-        else:
-            runs.append(Run(slot, i, 1, pos))
-    return runs
+    """Split a flat batch into per-session runs (a run breaks where the slot changes or a position skips).
+
+    Vectorised: a prefill step holds thousands of tokens, and a Python pass over them cost ~2 ms a step."""
+    if len(slots) != len(positions):
+        raise ValueError(f"{len(slots)} slots for {len(positions)} positions")
+    if not slots:
+        return []
+    s = np.array(slots, dtype=np.int64)
+    p = np.array(positions, dtype=np.int64)
+    breaks = (np.flatnonzero((s[1:] != s[:-1]) | (p[1:] != p[:-1] + 1)) + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, len(slots)]
+    return [Run(slots[a], a, b - a, positions[a]) for a, b in zip(starts, ends, strict=True)]
 
 
 class Linear:
