@@ -619,7 +619,9 @@ class Serve:
             self._owners[sid] = request.owner
             self._last_used[sid] = time.monotonic()
             self._state_stale = True
-            log.info("session_created", session=sid, request=request.request_id)
+            # Per-session lines are debug: at info, rendering one cost ~20 us of the compute loop's time, which a burst
+            # of creates and closes spends while the GPU waits (the metrics count sessions; --log-level debug shows them).
+            log.debug("session_created", session=sid, request=request.request_id)
             return p.Created(request_id=request.request_id, session_id=sid, model=e.model_name, worker=name,
                              max_context=e.max_context)
         if isinstance(request, p.Append):
@@ -648,7 +650,7 @@ class Serve:
             self._owners[child] = self._owners.get(request.session_id, "")
             self._last_used[child] = time.monotonic()
             self._state_stale = True
-            log.info("session_forked", session=child, parent=request.session_id, request=request.request_id)
+            log.debug("session_forked", session=child, parent=request.session_id, request=request.request_id)
             return p.Forked(request_id=request.request_id, session_id=request.session_id, child_id=child,
                             length=e.session_length(child), worker=name)
         if isinstance(request, p.Close):
@@ -656,7 +658,7 @@ class Serve:
             self._owners.pop(request.session_id, None)
             self._last_used.pop(request.session_id, None)
             self._state_stale = True
-            log.info("session_closed", session=request.session_id, request=request.request_id)
+            log.debug("session_closed", session=request.session_id, request=request.request_id)
             return p.Closed(request_id=request.request_id, session_id=request.session_id)
         if isinstance(request, p.Info):
             return p.SessionInfo(request_id=request.request_id, session_id=request.session_id,
@@ -712,8 +714,8 @@ class Serve:
                 if batch is None:
                     batch = batches[active.route] = []
                 batch.append(p.StreamChunk(active.request_id, tuple(ids), chunk.text))
-        # Valid by construction (see Chunks.unchecked): no per-token checks here; the client checks them all.
-        out: list[p.Message] = [p.Chunks.unchecked(tuple(batch), route) for route, batch in batches.items()]
+        # Valid by construction (see Message.unchecked): no per-token checks here; the client checks them all.
+        out: list[p.Message] = [p.Chunks.unchecked(chunks=tuple(batch), route=route) for route, batch in batches.items()]
         out += finals
         self.link.send(out)
         e = self.engine
@@ -728,9 +730,10 @@ class Serve:
             length = self.engine.session_length(active.session_id)
         except Exception:  # closed while generating
             length = 0
-        answer = p.Generated(request_id=active.request_id, session_id=active.session_id,
-                             token_ids=tuple(active.token_ids), text="".join(active.text),
-                             finish_reason=finish_reason, length=length, appended=active.appended, route=active.route)
+        answer = p.Generated.unchecked(request_id=active.request_id, session_id=active.session_id,
+                                       token_ids=tuple(active.token_ids), text="".join(active.text),
+                                       finish_reason=finish_reason, length=length, appended=active.appended,
+                                       route=active.route)
         key = (active.session_id, active.request_id)
         self._done[key] = answer
         if len(self._done) > self.config.request_cache:

@@ -182,11 +182,27 @@ def test_chunks_ignores_unknown_fields_and_a_broken_one_keeps_no_request_id() ->
 
 def test_unchecked_chunks_are_the_same_message_as_checked_ones() -> None:
     chunks = (p.StreamChunk("r1", (1, 2), "ab"), p.StreamChunk("r2", (3,), "c"))
-    fast = p.Chunks.unchecked(chunks, b"c1")
+    fast = p.Chunks.unchecked(chunks=chunks, route=b"c1")
     assert fast == p.Chunks(chunks=chunks, route=b"c1")
     assert p.decode(p.encode(fast)) == fast
     with pytest.raises(p.ProtocolError, match="token_ids must hold"):
         p.Chunks(chunks=(p.StreamChunk("r1", (-1,), ""),))  # built from Python the normal way: checked
+
+
+def test_unchecked_answers_equal_checked_ones_and_take_defaults() -> None:
+    fields = dict(request_id="r1", session_id="a" * 32, token_ids=(1, 2, 3), text="abc", finish_reason="length",
+                  length=7)
+    fast = p.Generated.unchecked(**fields)
+    assert fast == p.Generated(**fields)
+    assert (fast.appended, fast.route) == (0, b"")
+    assert p.decode(p.encode(fast.routed(b"c1"))) == p.Generated(**fields, route=b"c1")
+    with pytest.raises(TypeError, match="no fields"):
+        p.Generated.unchecked(**fields, colour="red")
+    with pytest.raises(TypeError, match="every field without a default"):
+        p.Generated.unchecked(request_id="r1")
+    bad = p.Generated.unchecked(**{**fields, "token_ids": (-1,)})  # not checked here...
+    with pytest.raises(p.ProtocolError, match="token_ids"):
+        p.decode(p.encode(bad))  # ...but by whoever decodes it
 
 
 def test_messages_built_in_python_are_checked_too() -> None:

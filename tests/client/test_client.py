@@ -239,7 +239,7 @@ def batched_script(fake: list[FakeBroker]) -> Callable[[p.Message, Reply], None]
             return p.StreamChunk(g.request_id, ids, "".join(chr(97 + i) for i in ids))
 
         reply(p.Chunks(chunks=(part(a, (1,)), part(b, (10,)))))
-        reply(p.Chunks.unchecked((part(a, (5,)), p.StreamChunk(b.request_id, (-1,), "?")), b""))  # one bad chunk
+        reply(p.Chunks.unchecked(chunks=(part(a, (5,)), p.StreamChunk(b.request_id, (-1,), "?"))))  # one bad chunk
         reply(p.Chunks(chunks=(part(b, (11,)), part(a, (2,)), p.StreamChunk("nobody-asked", (9,), "j"))))
         reply(generated(a, (1, 2, 3)))
         reply(generated(b, (10, 11, 12)))
