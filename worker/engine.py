@@ -395,6 +395,7 @@ class Engine:
         that launches a step afresh returns without reading it (only chunks made outside a step)."""
         chunks, self._finished = self._finished, []
         launched, self._inflight = self._inflight, None
+        self.last_rows = self.last_prefill_tokens = 0  # what this call launches (a call may only read)
         try:
             if launched is None:
                 launched = self._launch()

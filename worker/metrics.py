@@ -247,18 +247,20 @@ class WorkerMetrics:
             self._first_tokens += 1
 
     def step(self, end: float, duration_s: float, rows: int, prefill_tokens: int, new_tokens: int) -> None:
-        """One engine step ended at `end` after `duration_s`: `rows` requests in the batch, `prefill_tokens`
-        prompt tokens computed, `new_tokens` tokens delivered to generations (one per generation that moved).
-        Every delivered token that was not a first token is one inter-token gap of (end - previous end).
-        A step that ran no batch (rows 0: it only reported cancellations) is not counted."""
-        if not rows:
+        """One engine step call ended at `end` after `duration_s`: it launched a batch of `rows` requests
+        computing `prefill_tokens` prompt tokens (rows 0: it launched none), and delivered `new_tokens` tokens to
+        generations (one per generation that moved; on a GPU, from the batch launched by the call before).
+        Steps, prompt tokens and batch sizes count launched batches. Every delivered token that was not a
+        first token is one inter-token gap of (end - the last call that delivered tokens)."""
+        if rows:
+            self.steps += 1
+            self.prompt_tokens += prefill_tokens
+            self.step_time.observe(duration_s)
+            self.batch.observe(rows)
+            self.iteration_tokens.observe(prefill_tokens + new_tokens)
+        if not new_tokens:
             return
-        self.steps += 1
-        self.prompt_tokens += prefill_tokens
         self.generation_tokens += new_tokens
-        self.step_time.observe(duration_s)
-        self.batch.observe(rows)
-        self.iteration_tokens.observe(prefill_tokens + new_tokens)
         gaps = new_tokens - self._first_tokens
         self._first_tokens = 0
         last = self._last_step_end

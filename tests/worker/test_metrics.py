@@ -135,6 +135,18 @@ def test_a_step_that_ran_no_batch_is_not_counted_and_keeps_the_gap_measured_from
     assert (m.itl.count, m.itl.sum) == (1, TICK)
 
 
+def test_a_call_that_only_launches_and_one_that_only_reads_count_one_step_and_gaps_between_deliveries() -> None:
+    # On a GPU a step launched afresh is read by the next call: the first call launches (rows, no tokens),
+    # the second reads (tokens, no launch).
+    m = new_metrics()
+    m.step(T0, 0.01, rows=2, prefill_tokens=0, new_tokens=2)
+    m.step(T0 + TICK / 4, 0.001, rows=2, prefill_tokens=16, new_tokens=0)  # launches a prefill beside the decode rows
+    m.step(T0 + TICK, 0.003, rows=0, prefill_tokens=0, new_tokens=2)  # reads it
+    assert (m.steps, m.prompt_tokens, m.generation_tokens) == (2, 16, 4)
+    assert (m.itl.count, m.itl.sum) == (2, 2 * TICK)  # from the last delivery, not from the launch
+    assert m.batch.count == 2
+
+
 def test_a_generation_that_ends_at_its_first_token_has_a_ttft_and_one_that_is_cancelled_first_has_none() -> None:
     m = new_metrics()
     m.generation_started("eos", T0)
