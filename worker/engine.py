@@ -4,15 +4,15 @@ A step is `schedule -> execute -> update` (the vLLM v1 shape): the scheduler pic
 every generating session plus chunks of pending prompt tokens within a token budget, the executor
 runs them as one batch through the model, and the update samples, appends and reports.
 
-On a GPU the host runs one step ahead (vLLM's async scheduling): when every generating session only
-decodes, the next step is launched with the token ids the current one samples on the device, before
-the host has read them; then the host reads the current step's tokens and does its bookkeeping
-(detokenizing, stop checks, the daemon's messages) while the GPU computes the next. A session that
-turns out to have stopped (or is cancelled meanwhile) wastes one row; its result is dropped. Anything
-else to schedule (a new request, a prompt chunk) makes the engine read first and schedule afresh, so
-the numbers and the tokens are exactly those of one step at a time. A step launched afresh that way
-is read in the next call, not in the one that launched it, so the caller can take requests while the
-device runs it.
+On a GPU the host runs one step ahead (vLLM's async scheduling): the next step is launched before the
+host has read the current one, its generating sessions decoding the token ids the current step samples
+on the device, beside whatever else the scheduler picks (new requests' prompt chunks, further chunks of
+a long prompt); then the host reads the current step's tokens and does its bookkeeping (detokenizing,
+stop checks, the daemon's messages) while the GPU computes the next. A session that turns out to have
+stopped (or is cancelled meanwhile) wastes one row; its result is dropped. Rows do not depend on what
+else is in their step (worker.gpu), so the tokens are exactly those of one step at a time. With nothing
+in flight (the first request after idling) a step is launched afresh and read in the next call, not in
+the one that launched it, so the caller can take requests while the device runs it.
 
 Sessions keep their whole token history. `computed` counts the tokens whose K/V are in the state;
 the rest are pending and get prefilled when the session next generates. The last sampled token of
@@ -53,9 +53,13 @@ CPU_STEP_TOKENS = 256
 GPU_STEP_TOKENS = 2048
 PREFILL_CHUNK = {"cpu": 256, "cuda": 512}
 MAX_APPEND_TOKENS = 1 << 20
+# Pinned host buffers (and their events) the sampled ids of a step are copied into, used in turn: at most two
+# launched steps are unread at a time (the one in flight and the one being launched), so a buffer is free again
+# long before its turn comes back.
+ID_COPIES = 4
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """What one step produced for one request. finish_reason: None, "stop", "length" or "cancelled"."""
 
@@ -104,7 +108,7 @@ class Session:
 class Launched:
     """A step queued on the device whose sampled tokens the host has not read yet."""
 
-    plan: list[tuple[Request, int, int]]  # (request, first position, tokens) of each run
+    partial: list[tuple[Request, int, int]]  # (request, first position, tokens) of the prompt chunks that sample nothing
     sampled: list[Request]  # the requests whose next token this step samples, in row order
     positions: list[int]  # the position of each sampled row (its token's K/V are written there)
     ids: torch.Tensor  # the sampled ids on the device (len(sampled),)
@@ -114,7 +118,79 @@ class Launched:
     def read(self) -> list[int]:
         if self.copied is not None:
             self.copied.synchronize()
-        return [int(t) for t in self.host.tolist()]
+        ids: list[int] = self.host.tolist()
+        return ids
+
+
+class StepPlan:
+    """One step's rows as the executor takes them, built in one pass: flat token, position and slot lists, and the
+    rows whose logits give a request's next token.
+
+    Rows added with `decode_ahead` (decode rows whose token the last step samples on the device, not yet in
+    the session) come first in the batch, then those of `add`, in the order added."""
+
+    def __init__(self, samples: torch.Tensor | None = None) -> None:
+        self.samples = samples  # the last step's sampled ids, on the device
+        self._ahead: list[Request] = []
+        self._ahead_positions: list[int] = []
+        self._ahead_slots: list[int] = []
+        self._picks: list[int] = []  # row i of the batch takes samples[picks[i]]
+        self.partial: list[tuple[Request, int, int]] = []  # prompt chunks that sample nothing
+        self._tokens: list[int] = []
+        self._positions: list[int] = []
+        self._slots: list[int] = []
+        self._logits_at: list[int] = []  # rows of `add`'s part of the batch
+        self._sampled: list[Request] = []
+        self._sampled_positions: list[int] = []
+        self._runs = 0
+        self.decode_rows = 0
+        self.prefill_tokens = 0
+
+    def __len__(self) -> int:
+        """Requests in the step."""
+        return len(self._ahead) + self._runs
+
+    def decode_ahead(self, request: Request, position: int, pick: int) -> None:
+        self._ahead.append(request)
+        self._ahead_positions.append(position)
+        self._ahead_slots.append(request.session.slot)
+        self._picks.append(pick)
+        self.decode_rows += 1
+
+    def add(self, request: Request, start: int, n: int) -> None:
+        """`n` of the session's tokens from position `start`; the request samples if they end its tokens."""
+        s = request.session
+        self._runs += 1
+        if n == 1:
+            self._tokens.append(s.tokens[start])
+            self._positions.append(start)
+            self._slots.append(s.slot)
+            self.decode_rows += 1
+        else:
+            self._tokens += s.tokens[start : start + n]
+            self._positions += range(start, start + n)
+            self._slots += [s.slot] * n
+            self.prefill_tokens += n
+        if start + n == len(s.tokens):  # the whole prompt is in: its last row gives the next token
+            self._logits_at.append(len(self._tokens) - 1)
+            self._sampled.append(request)
+            self._sampled_positions.append(start + n - 1)
+        else:
+            self.partial.append((request, start, n))
+
+    def rows(self) -> tuple[list[int], list[int], list[int], list[int], tuple[torch.Tensor, list[int]] | None]:
+        """(tokens, positions, slots, logits_at, source) for Executor.execute."""
+        k = len(self._picks)
+        if not k:
+            return self._tokens, self._positions, self._slots, self._logits_at, None
+        assert self.samples is not None
+        logits_at = list(range(k)) + [k + r for r in self._logits_at]
+        return ([0] * k + self._tokens, self._ahead_positions + self._positions, self._ahead_slots + self._slots,
+                logits_at, (self.samples, self._picks))
+
+    def sampled(self) -> tuple[list[Request], list[int]]:
+        """The requests whose next token the step samples, in the order of their logits, and those rows' positions."""
+        return self._ahead + self._sampled, self._ahead_positions + self._sampled_positions
 
 
 class Engine:
@@ -143,10 +219,10 @@ class Engine:
         self.steps = 0
         self.last_rows = 0  # requests in the last step's batch (0: it ran none)
         self.last_prefill_tokens = 0  # prompt tokens the last step computed
-        self._decode_rows = 0
         # Launch the next decode step before reading the last (executors that take ids from the device).
         self.overlap = executor.overlaps if overlap is None else overlap
         self._inflight: Launched | None = None
+        self._id_copies: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None  # host copies of sampled ids, a ring
 
     # -- construction -------------------------------------------------------------------------
 
@@ -417,73 +493,87 @@ class Engine:
 
     def _launch(self) -> Launched | None:
         """Schedule from the sessions' state and queue the step (nothing may be in flight)."""
-        plan = self._schedule()
-        self.last_rows = len(plan)
-        if not plan:
-            self.last_prefill_tokens = 0
-            return None
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sampled_rows: list[int] = []
-        sampled: list[Request] = []
-        runs: list[tuple[Request, int, int]] = []
-        for request, n in plan:
-            s = request.session
-            tokens += s.tokens[s.computed : s.computed + n]
-            positions += range(s.computed, s.computed + n)
-            slots += [s.slot] * n
-            runs.append((request, s.computed, n))
-            if n == s.pending:  # the whole prompt is in: this row's logits give the next token
-                sampled_rows.append(len(tokens) - 1)
-                sampled.append(request)
-        self.last_prefill_tokens = len(tokens) - self._decode_rows
-        logits = self.executor.execute(tokens, positions, slots, sampled_rows, copy_logits=False)
-        return self._sampled(runs, sampled, [positions[r] for r in sampled_rows], logits)
+        plan = StepPlan()
+        for request, n in self._schedule():
+            plan.add(request, request.session.computed, n)
+        return self._queue(plan)
 
     def _launch_next(self, last: Launched) -> Launched | None:
-        """Queue the step after `last` before reading it, if that step is only `last`'s sessions decoding.
+        """Queue the step after `last` before reading it: what the scheduler would pick once `last` is read.
 
-        Requests that `last` ends by length are left out; one that `last` ends by a stop token or
-        string runs a wasted row, dropped when read. Anything else to schedule: None (read first)."""
-        live = [i for i, r in enumerate(last.sampled) if r.finish_reason is None]
-        if not live or len(live) != len(self._active):
-            return None  # other requests (new, or mid-prompt) need the scheduler
-        picks = [
-            i for i in live
-            if last.sampled[i].generated + 1 < last.sampled[i].params.max_tokens and last.positions[i] + 2 < self.max_context
-        ]
-        if not picks or len(picks) > self.executor.max_decode_rows:
+        `last`'s generating sessions decode the ids it samples, read on the device; everything else (new
+        requests, further prompt chunks, a session whose next token the host knows) comes along as in a step
+        scheduled afresh, so a new arrival does not make the host read first and leave the device idle.
+        Requests that `last` ends by length are left out; one that it ends by a stop token or string runs a
+        wasted row, dropped when read. None when nothing is left to run or the decode rows exceed one replay."""
+        sampled = {id(r): i for i, r in enumerate(last.sampled)}
+        computed = {id(r): p + n for r, p, n in last.partial}  # the K/V `last` leaves, for its prompt chunks
+        plan = StepPlan(last.ids)
+        budget = self.step_tokens
+        limit = self.max_context - 1
+        for request in self._active.values():
+            i = sampled.get(id(request))
+            if i is not None:
+                position = last.positions[i] + 1
+                if request.generated + 1 < request.params.max_tokens and position < limit:
+                    plan.decode_ahead(request, position, i)
+                continue
+            start = computed.get(id(request), request.session.computed)
+            pending = len(request.session.tokens) - start
+            if pending == 1:
+                plan.add(request, start, 1)
+            elif budget > 0:  # as _schedule: whole chunks in arrival order while they fit
+                n = min(pending, self.prefill_chunk)
+                if n > budget:
+                    budget = 0
+                    continue
+                plan.add(request, start, n)
+                budget -= n
+        if plan.decode_rows > self.executor.max_decode_rows:
             return None
-        requests = [last.sampled[i] for i in picks]
-        positions = [last.positions[i] + 1 for i in picks]
-        slots = [r.session.slot for r in requests]
-        logits = self.executor.execute([], positions, slots, list(range(len(picks))), source=(last.ids, picks),
-                                       copy_logits=False)
-        self.last_rows = len(picks)
-        self.last_prefill_tokens = 0
-        return self._sampled([(r, p, 1) for r, p in zip(requests, positions, strict=True)], requests, positions, logits)
+        return self._queue(plan)
 
-    def _sampled(self, runs: list[tuple[Request, int, int]], sampled: list[Request], positions: list[int],
-                 logits: torch.Tensor) -> Launched:
+    def _queue(self, plan: StepPlan) -> Launched | None:
+        """Queue one planned step on the executor and its sampling."""
+        self.last_rows = len(plan)
+        self.last_prefill_tokens = plan.prefill_tokens
+        if not self.last_rows:
+            return None
+        tokens, positions, slots, logits_at, source = plan.rows()
+        logits = self.executor.execute(tokens, positions, slots, logits_at, source=source, copy_logits=False)
+        return self._sampled(plan, logits)
+
+    def _sampled(self, plan: StepPlan, logits: torch.Tensor) -> Launched:
         """Queue the sampling of a launched step and the copy of its ids to the host."""
-        self.steps += 1
+        sampled, positions = plan.sampled()
         ids = sample_ids(logits, [r.params for r in sampled], [r.random for r in sampled])
         if ids.device.type != "cuda":
-            return Launched(runs, sampled, positions, ids, ids, None)
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self.steps += 1
+            return Launched(plan.partial, sampled, positions, ids, ids, None)
+        if self._id_copies is None:  # pinned memory and events made once, not per step
+            self._id_copies = [(torch.empty(self.table.capacity, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+                               for _ in range(ID_COPIES)]
+        buffer, copied = self._id_copies[self.steps % ID_COPIES]
+        self.steps += 1
+        host = buffer[: len(sampled)]
         host.copy_(ids, non_blocking=True)
-        copied = torch.cuda.Event()
         copied.record()
-        return Launched(runs, sampled, positions, ids, host, copied)
+        return Launched(plan.partial, sampled, positions, ids, host, copied)
 
     def _collect(self, launched: Launched) -> list[Chunk]:
-        """Read a launched step's tokens and apply them to the requests still running."""
+        """Read a launched step's tokens and apply them to the requests still running (only once the step has
+        succeeded: a failed one runs again). A request that ended meanwhile keeps its `computed`: the K/V the
+        step wrote past it are simply rewritten."""
         new_ids = launched.read()
-        for request, position, n in launched.plan:  # only once the step succeeded: a failed one runs again
-            if request.finish_reason is None:  # ended meanwhile: its K/V past `computed` are simply rewritten
+        for request, position, n in launched.partial:
+            if request.finish_reason is None:
                 request.session.computed = position + n
-        return [self._accept(r, t) for r, t in zip(launched.sampled, new_ids, strict=True) if r.finish_reason is None]
+        chunks = []
+        for request, position, token in zip(launched.sampled, launched.positions, new_ids, strict=True):
+            if request.finish_reason is None:
+                request.session.computed = position + 1
+                chunks.append(self._accept(request, token))
+        return chunks
 
     # -- generation: sync helpers -------------------------------------------------------------
 
@@ -540,7 +630,6 @@ class Engine:
     def _schedule(self) -> list[tuple[Request, int]]:
         """(request, tokens this step): every decode row, then whole prefill chunks in arrival order."""
         plan = [(r, 1) for r in self._active.values() if r.session.pending == 1]
-        self._decode_rows = len(plan)
         budget = self.step_tokens
         for request in self._active.values():
             pending = request.session.pending

@@ -24,7 +24,7 @@ class Executor(Protocol):
 
     @property
     def max_decode_rows(self) -> int:
-        """The most rows one execute() with `source` takes."""
+        """The most decode rows one execute() with `source` takes."""
         ...
 
     def execute(
@@ -38,8 +38,9 @@ class Executor(Protocol):
     ) -> torch.Tensor:
         """float32 logits (len(logits_at), vocab), on the model's device.
 
-        `source` (ids, picks): every row is a decode row whose token is ids[picks[i]], a tensor on the
-        model's device (the previous step's samples, not read by the host); `tokens` is then ignored.
+        `source` (ids, picks): the first len(picks) rows are decode rows of distinct sessions whose token is
+        ids[picks[i]], a tensor on the model's device (the previous step's samples, not read by the host);
+        `tokens` holds placeholders there. The rows after them are as usual.
         copy_logits False: the result may be a view of a graph's output, valid only until the next
         execute() (the engine samples it at once; work queued later on the stream sees it intact)."""
         ...
@@ -65,10 +66,10 @@ class EagerExecutor:
     ) -> torch.Tensor:
         dev = self.model.device
         batch = self.model.plan(slots, positions, lengths_on_device=dev.type == "cuda")
-        if source is not None:
-            ids = source[0].index_select(0, torch.tensor(source[1], dtype=torch.long, device=dev))
-        else:
-            ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        if source is not None and source[1]:
+            picks = torch.tensor(source[1], dtype=torch.long, device=dev)
+            ids[: len(source[1])] = source[0].index_select(0, picks)
         logits = self.model.forward(
             ids,
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -34,8 +34,8 @@ random offsets of the same temporary slots), and their attention split count is 
 A step that mixes decode rows and prompt chunks is split that way: decode rows from their bucket's
 graph, the chunks from a prefill graph.
 
-Decode rows can take their token ids from a device tensor (the previous step's sampled ids): the
-engine launches the next decode step before it has read the last one's tokens (worker.engine).
+A step's first decode rows can take their token ids from a device tensor (the previous step's sampled
+ids): the engine launches the next step before it has read the last one's tokens (worker.engine).
 """
 
 from __future__ import annotations
@@ -316,21 +316,23 @@ class GraphExecutor:
         source: tuple[torch.Tensor, list[int]] | None = None,
         copy_logits: bool = True,
     ) -> torch.Tensor:
-        """Logits (len(logits_at), vocab) fp32 (see Executor.execute). `source` (ids, picks): decode rows
-        only, at most max_decode_rows; row i's token is ids[picks[i]], read on the device."""
-        if source is not None:
-            if len(positions) > self.buckets[-1] or logits_at != list(range(len(positions))):
-                raise ValueError("token ids from the device serve one decode replay with logits for every row")
-            return self._decode(source[1], positions, slots, source[0], copy_logits)
+        """Logits (len(logits_at), vocab) fp32 (see Executor.execute). `source` (ids, picks): the first
+        len(picks) rows take their token from ids[picks[i]], read on the device; with it, a step's decode rows
+        fit one replay (at most max_decode_rows)."""
+        n = len(positions)
+        if n <= self.buckets[-1] and len(set(slots)) == n and logits_at == list(range(n)):
+            # The common case: every row a different session's one token (prompt chunks share a slot), one replay.
+            return self._decode(tokens, positions, slots, source, copy_logits)
         decode, prefill = split_step(tokens, positions, slots)
-        if not prefill and logits_at == list(range(len(tokens))) and len(tokens) <= self.buckets[-1]:
-            return self._decode(tokens, positions, slots, None, copy_logits)  # the common case: one replay
+        if source is not None and (len(decode) > self.buckets[-1] or decode[: len(source[1])] != list(range(len(source[1])))):
+            raise ValueError("token ids from the device serve the first rows of a step's one decode replay")
         wanted = set(logits_at)
         rows: dict[int, torch.Tensor] = {}
         biggest = self.buckets[-1]
         for i in range(0, len(decode), biggest):
             part = decode[i : i + biggest]
-            logits = self._decode([tokens[r] for r in part], [positions[r] for r in part], [slots[r] for r in part])
+            logits = self._decode([tokens[r] for r in part], [positions[r] for r in part], [slots[r] for r in part],
+                                  source)
             rows.update((r, logits[j]) for j, r in enumerate(part) if r in wanted)
         missing = wanted.difference(decode, (run.start + run.n - 1 for run in prefill))
         if missing:
@@ -401,12 +403,12 @@ class GraphExecutor:
         return keys, logits[: len(keys)]
 
     def _decode(
-        self, tokens: list[int], positions: list[int], slots: list[int], source: torch.Tensor | None = None,
+        self, tokens: list[int], positions: list[int], slots: list[int], source: tuple[torch.Tensor, list[int]] | None = None,
         copy_logits: bool = True, bucket: int | None = None,
     ) -> torch.Tensor:
         """One padded decode step over distinct sessions' single tokens: logits (n, vocab), a copy unless
-        copy_logits is False. With `source`, `tokens` are indices into it (ids gathered on the device).
-        `bucket`: the batch size to run (default: the smallest that holds the rows)."""
+        copy_logits is False. With `source` (ids, picks), row i < len(picks) takes ids[picks[i]], gathered on the
+        device. `bucket`: the batch size to run (default: the smallest that holds the rows)."""
         n = len(positions)
         bucket = pick_bucket(self.buckets, n) if bucket is None else bucket
         host = self._decode_in.begin()
@@ -415,10 +417,14 @@ class GraphExecutor:
         host[2, :n] = slots
         host[3, :n] = host[1, :n] + 1
         host[:, n:] = self._padding
+        samples, picks = source if source is not None else (None, [])
+        k = len(picks)
+        if k:
+            host[0, :k] = picks  # the picks travel in the ids' place and are swapped for the ids on the device
         self._decode_in.load()
-        if source is not None:
-            ids = self._decode_in.device[0, :n]
-            ids.copy_(source.index_select(0, ids))
+        if samples is not None and k:
+            ids = self._decode_in.device[0, :k]
+            ids.copy_(samples.index_select(0, ids))
         if self.use_graphs:
             graph, logits = self._graphs[bucket]
             graph.replay()

@@ -192,6 +192,28 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     assert replayed[-1] == ("_step", 4)  # [2, 0, 1, 4]: a 4-row bucket
     for got, expected in history:  # returned logits are copies: later replays did not overwrite them
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    # A step launched ahead: its first rows read their ids from a device tensor (the last step's samples),
+    # then a decode row with a host token; once alone, once beside a 3-token prompt chunk.
+    samples = torch.tensor([7, 300, 11, 42])
+    for chunk in (0, 3):
+        step_tokens = [0, 0, 123] + torch.randint(0, 512, (chunk,), generator=gen).tolist()
+        step_positions = [pos[0], pos[3], pos[1]] + [pos[4] + j for j in range(chunk)]
+        step_slots = [slots[0], slots[3], slots[1]] + [slots[4]] * chunk
+        want = [0, 1, 2] + ([5] if chunk else [])
+        args = (step_tokens, step_positions, step_slots, want)
+        got, expected = graphs.execute(*args, source=(samples, [2, 0])), eager.execute(*args, source=(samples, [2, 0]))
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert replayed[-1 - bool(chunk)] == ("_step", 4)
+        for i in (0, 3, 1):
+            pos[i] += 1
+        pos[4] += chunk
+    # The host ids of the rows it reads from the device are placeholders: they change nothing.
+    args = ([1, 2, 3], [pos[0], pos[3], pos[1]], [slots[0], slots[3], slots[1]], [0, 1, 2])
+    torch.testing.assert_close(graphs.execute(*args, source=(samples, [2, 0, 1])),
+                               eager.execute([11, 7, 300], *args[1:]), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="first rows"):  # a device row after a host one: refused, not misread
+        graphs.execute([0, 0, 0, 0], [pos[4], pos[4] + 1, pos[0], pos[2]], [slots[4], slots[4], slots[0], slots[2]],
+                       [1, 2, 3], source=(samples, [0]))
     spare = graph_table.views()["k"][graph_table.spare_slot]
     assert torch.count_nonzero(spare[:, :, 1:]) == 0  # padding rows wrote position 0 of the spare only
 

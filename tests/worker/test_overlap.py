@@ -186,3 +186,42 @@ def test_a_step_that_fails_while_another_runs_ahead_is_run_again(tiny: Engine, m
     for s in sids:
         tiny.close(s)
     tiny.overlap = False
+
+
+def test_a_new_prompt_rides_in_the_step_launched_ahead(tiny: Engine) -> None:
+    """A generation that arrives while a step runs is launched with the next one, beside the decode rows that
+    read the running step's ids on the device: the engine does not stop to read first, and the tokens are
+    those of one step at a time."""
+    def open_two() -> list[str]:
+        sids = [tiny.create_session() for _ in range(3)]
+        for i, s in enumerate(sids):
+            tiny.append(s, token_ids=prompt(tiny, i))
+        return sids
+
+    sids = open_two()
+    first = tiny.generate_many([(s, {"max_tokens": 10, "ignore_eos": True}) for s in sids[:2]])
+    late = tiny.generate(sids[2], max_tokens=6, ignore_eos=True)
+    for s in sids:
+        tiny.close(s)
+
+    tiny.overlap = True
+    sids = open_two()
+    rids = [tiny.start_generate(s, SamplingParams(max_tokens=10, ignore_eos=True)) for s in sids[:2]]
+    out: dict[str, list[int]] = {r: [] for r in rids}
+    while tiny._inflight is None or not out[rids[0]]:
+        for chunk in tiny.step():
+            out[chunk.request_id] += chunk.token_ids
+    pending = tiny.session_length(sids[2])
+    rids.append(tiny.start_generate(sids[2], SamplingParams(max_tokens=6, ignore_eos=True)))
+    out[rids[2]] = []
+    for chunk in tiny.step():
+        out[chunk.request_id] += chunk.token_ids
+    assert tiny._inflight is not None  # launched ahead, with the new prompt in it
+    assert (tiny.last_rows, tiny.last_prefill_tokens) == (3, pending)
+    while tiny.has_work():
+        for chunk in tiny.step():
+            out[chunk.request_id] += chunk.token_ids
+    assert [out[r] for r in rids] == [first[0].token_ids, first[1].token_ids, late.token_ids]
+    for s in sids:
+        tiny.close(s)
+
