@@ -44,6 +44,10 @@ from .metrics import NoMetrics, WorkerMetrics, WorkerSnapshot, torch_memory
 log = structlog.get_logger()
 
 IDLE_WAIT_S = 0.05  # how long the compute loop waits for a request when the engine is idle
+# While a step with prompt tokens runs (a turnover: sessions closing, opening and sending prompts), the compute
+# loop waits for requests in slices this long, then looks whether the step is done: requests are taken within
+# about this, instead of queueing behind a step of several milliseconds.
+PREFILL_WAIT_SLICE_S = 1e-4
 SLOT_KEEP_S = 2.0  # a closed session's slot stays mapped this long for a new session, then is released
 MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives up and leaves
 MAX_INBOX_BATCH = 1024  # requests admitted between two steps
@@ -59,6 +63,7 @@ class EngineAPI(Protocol):
 
     model_name: str
     max_context: int
+    while_prefilling: Callable[[], object] | None  # called while step() waits for a step with prompt tokens
 
     @property
     def capacity(self) -> int: ...
@@ -468,6 +473,7 @@ class Active:
 class Serve:
     def __init__(self, engine: EngineAPI, config: WorkerConfig, sampling: Callable[[p.Sampling], Any]) -> None:
         self.engine = engine
+        engine.while_prefilling = self._take_requests
         self.config = config
         self._sampling = sampling  # protocol Sampling -> the engine's SamplingParams
         self.draining = False
@@ -562,6 +568,11 @@ class Serve:
                 self.link.send(answers)
         if self._state_stale:  # once per batch: a burst of creates or closes builds it once, not once each
             self._refresh_state()
+
+    def _take_requests(self) -> None:
+        """Inside engine.step(), while it waits for a step with prompt tokens: the requests that come meanwhile are
+        handled now (they queue their device work behind the running steps), not after the step."""
+        self._admit(self.link.receive(PREFILL_WAIT_SLICE_S))
 
     def _handle(self, request: p.Message) -> None:
         self.metrics.request(request.COMMAND)

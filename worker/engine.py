@@ -26,7 +26,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -114,9 +114,14 @@ class Launched:
     ids: torch.Tensor  # the sampled ids on the device (len(sampled),)
     host: torch.Tensor  # their copy in host memory: valid once `copied` has passed
     copied: torch.cuda.Event | None  # None: `host` is already valid (no device)
+    prefill_tokens: int = 0  # prompt tokens the step computes
 
-    def read(self) -> list[int]:
+    def read(self, meanwhile: Callable[[], object] | None = None) -> list[int]:
+        """The sampled ids; `meanwhile` is called again and again until the device has made them."""
         if self.copied is not None:
+            if meanwhile is not None:
+                while not self.copied.query():
+                    meanwhile()
             self.copied.synchronize()
         ids: list[int] = self.host.tolist()
         return ids
@@ -222,6 +227,10 @@ class Engine:
         # Launch the next decode step before reading the last (executors that take ids from the device).
         self.overlap = executor.overlaps if overlap is None else overlap
         self._inflight: Launched | None = None
+        # Called again and again while the host waits for a step that computes prompt tokens (milliseconds on a GPU,
+        # against ~1 ms for a decode step): the daemon takes requests meanwhile (creates, closes, generations: they
+        # only queue device work behind the running steps). It must not call step().
+        self.while_prefilling: Callable[[], object] | None = None
         self._id_copies: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None  # host copies of sampled ids, a ring
 
     # -- construction -------------------------------------------------------------------------
@@ -549,7 +558,7 @@ class Engine:
         ids = sample_ids(logits, [r.params for r in sampled], [r.random for r in sampled])
         if ids.device.type != "cuda":
             self.steps += 1
-            return Launched(plan.partial, sampled, positions, ids, ids, None)
+            return Launched(plan.partial, sampled, positions, ids, ids, None, plan.prefill_tokens)
         if self._id_copies is None:  # pinned memory and events made once, not per step
             self._id_copies = [(torch.empty(self.table.capacity, dtype=torch.long, pin_memory=True), torch.cuda.Event())
                                for _ in range(ID_COPIES)]
@@ -558,13 +567,13 @@ class Engine:
         host = buffer[: len(sampled)]
         host.copy_(ids, non_blocking=True)
         copied.record()
-        return Launched(plan.partial, sampled, positions, ids, host, copied)
+        return Launched(plan.partial, sampled, positions, ids, host, copied, plan.prefill_tokens)
 
     def _collect(self, launched: Launched) -> list[Chunk]:
         """Read a launched step's tokens and apply them to the requests still running (only once the step has
         succeeded: a failed one runs again). A request that ended meanwhile keeps its `computed`: the K/V the
         step wrote past it are simply rewritten."""
-        new_ids = launched.read()
+        new_ids = launched.read(self.while_prefilling if launched.prefill_tokens else None)
         for request, position, n in launched.partial:
             if request.finish_reason is None:
                 request.session.computed = position + n

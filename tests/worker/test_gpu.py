@@ -755,6 +755,59 @@ def test_batch_invariant_tokens_for_any_prompt(gpu_engine: object) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_requests_taken_while_a_prefill_step_runs_change_no_tokens(gpu_engine: object) -> None:
+    """The worker takes requests while step() waits for a step with prompt tokens (Engine.while_prefilling):
+    sessions opened, generations started and a generating session closed from inside step() leave every
+    session's tokens exactly as when each runs alone."""
+    from worker.engine import Engine
+    from worker.sampling import SamplingParams
+
+    assert isinstance(gpu_engine, Engine)
+    rng = random.Random(7)
+    # Four 900-token prompts fill the first steps with 2048 prompt rows (~3 ms each on an H100): the host waits.
+    prompts = [[rng.randrange(300, 49000) for _ in range(n)] for n in (900, 900, 900, 900, 40, 9, 300)]
+    solo = []
+    for prompt in prompts:
+        sid = open_with(gpu_engine, prompt)
+        solo.append(gpu_engine.generate(sid, **greedy(10)).token_ids)
+        gpu_engine.close(sid)
+
+    names: dict[str, int] = {}  # engine request id -> prompt index
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    reasons: dict[str, str | None] = {}
+    doomed = open_with(gpu_engine, prompts[4])
+    doomed_rid = gpu_engine.start_generate(doomed, SamplingParams(**greedy(200)))  # type: ignore[arg-type]
+    waiting = [4, 5, 6]
+    calls = 0
+
+    def meanwhile() -> None:
+        nonlocal calls
+        calls += 1
+        if waiting:
+            i = waiting.pop(0)
+            names[gpu_engine.start_generate(open_with(gpu_engine, prompts[i]), SamplingParams(**greedy(10)))] = i  # type: ignore[arg-type]
+        elif doomed in gpu_engine.sessions():
+            gpu_engine.close(doomed)
+
+    for i in range(4):
+        names[gpu_engine.start_generate(open_with(gpu_engine, prompts[i]), SamplingParams(**greedy(10)))] = i  # type: ignore[arg-type]
+    gpu_engine.while_prefilling = meanwhile
+    try:
+        while gpu_engine.has_work():
+            for chunk in gpu_engine.step():
+                if chunk.request_id in names:
+                    out[names[chunk.request_id]] += chunk.token_ids
+                if chunk.finish_reason is not None:
+                    reasons[chunk.request_id] = chunk.finish_reason
+    finally:
+        gpu_engine.while_prefilling = None
+    assert calls >= 4 and not waiting and doomed not in gpu_engine.sessions()
+    assert [out[i] for i in range(len(prompts))] == solo
+    assert reasons[doomed_rid] == "cancelled"
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_no_bleed_fork_continues_exactly_like_its_parent(gpu_engine: object, references: list[Reference]) -> None:
     from worker.engine import Engine
 

@@ -225,3 +225,31 @@ def test_a_new_prompt_rides_in_the_step_launched_ahead(tiny: Engine) -> None:
     for s in sids:
         tiny.close(s)
 
+
+def test_reading_a_step_calls_meanwhile_until_the_device_is_done() -> None:
+    """Launched.read runs the caller's `meanwhile` while the copy of the ids has not passed (the worker takes
+    requests then), and not at all once it has."""
+    import torch
+
+    from worker.engine import Launched
+
+    class Copy:
+        def __init__(self, pending: int) -> None:
+            self.pending = pending
+            self.synchronized = False
+
+        def query(self) -> bool:
+            self.pending -= 1
+            return self.pending < 0
+
+        def synchronize(self) -> None:
+            self.synchronized = True
+
+    calls: list[int] = []
+    for pending, expected in ((3, 3), (0, 0)):
+        calls.clear()
+        copy = Copy(pending)
+        ids = torch.tensor([5, 7])
+        launched = Launched([], [], [], ids, ids, copy, prefill_tokens=128)  # type: ignore[arg-type]
+        assert launched.read(lambda: calls.append(1)) == [5, 7]
+        assert len(calls) == expected and copy.synchronized
