@@ -128,54 +128,61 @@ class Launched:
 
 
 class StepPlan:
-    """One step's rows as the executor takes them, built in one pass: flat token, position and slot lists, and the
-    rows whose logits give a request's next token.
+    """One step's rows as the executor takes them, built in one pass over the requests.
 
-    Rows added with `decode_ahead` (decode rows whose token the last step samples on the device, not yet in
-    the session) come first in the batch, then those of `add`, in the order added."""
+    The batch holds, in this order: the decode rows whose token the last step samples on the device
+    (`decode_ahead`: not yet in the session), the decode rows whose token the host knows, then the prompt
+    chunks, each part in the order added. Plain lists appended to in place: this runs for every row of every
+    step, and the worker's compute loop is the slower side of a step at 64 sessions."""
 
     def __init__(self, samples: torch.Tensor | None = None) -> None:
         self.samples = samples  # the last step's sampled ids, on the device
-        self._ahead: list[Request] = []
+        self._picks: list[int] = []  # decode_ahead row i takes samples[picks[i]]
+        self._ahead: list[Request] = []  # decode_ahead rows: the requests, their positions and slots
         self._ahead_positions: list[int] = []
         self._ahead_slots: list[int] = []
-        self._picks: list[int] = []  # row i of the batch takes samples[picks[i]]
-        self.partial: list[tuple[Request, int, int]] = []  # prompt chunks that sample nothing
-        self._tokens: list[int] = []
+        self._decode: list[Request] = []  # decode rows whose token the host knows
+        self._decode_positions: list[int] = []
+        self._decode_slots: list[int] = []
+        self._decode_tokens: list[int] = []
+        self._tokens: list[int] = []  # the prompt chunks' rows
         self._positions: list[int] = []
         self._slots: list[int] = []
-        self._logits_at: list[int] = []  # rows of `add`'s part of the batch
+        self._logits_at: list[int] = []  # the chunk rows that sample, counted from the first chunk row
         self._sampled: list[Request] = []
         self._sampled_positions: list[int] = []
-        self._runs = 0
-        self.decode_rows = 0
+        self.partial: list[tuple[Request, int, int]] = []  # prompt chunks that sample nothing
         self.prefill_tokens = 0
 
     def __len__(self) -> int:
         """Requests in the step."""
-        return len(self._ahead) + self._runs
+        return self.decode_rows + len(self._sampled) + len(self.partial)
+
+    @property
+    def decode_rows(self) -> int:
+        return len(self._ahead) + len(self._decode)
 
     def decode_ahead(self, request: Request, position: int, pick: int) -> None:
+        """A decode row reading its token from the last step's samples."""
         self._ahead.append(request)
         self._ahead_positions.append(position)
         self._ahead_slots.append(request.session.slot)
         self._picks.append(pick)
-        self.decode_rows += 1
 
     def add(self, request: Request, start: int, n: int) -> None:
-        """`n` of the session's tokens from position `start`; the request samples if they end its tokens."""
+        """`n` of the session's tokens from position `start`; the request samples if they end its tokens
+        (a decode row always does)."""
         s = request.session
-        self._runs += 1
         if n == 1:
-            self._tokens.append(s.tokens[start])
-            self._positions.append(start)
-            self._slots.append(s.slot)
-            self.decode_rows += 1
-        else:
-            self._tokens += s.tokens[start : start + n]
-            self._positions += range(start, start + n)
-            self._slots += [s.slot] * n
-            self.prefill_tokens += n
+            self._decode.append(request)
+            self._decode_positions.append(start)
+            self._decode_slots.append(s.slot)
+            self._decode_tokens.append(s.tokens[start])
+            return
+        self._tokens += s.tokens[start : start + n]
+        self._positions += range(start, start + n)
+        self._slots += [s.slot] * n
+        self.prefill_tokens += n
         if start + n == len(s.tokens):  # the whole prompt is in: its last row gives the next token
             self._logits_at.append(len(self._tokens) - 1)
             self._sampled.append(request)
@@ -185,17 +192,17 @@ class StepPlan:
 
     def rows(self) -> tuple[list[int], list[int], list[int], list[int], tuple[torch.Tensor, list[int]] | None]:
         """(tokens, positions, slots, logits_at, source) for Executor.execute."""
-        k = len(self._picks)
-        if not k:
-            return self._tokens, self._positions, self._slots, self._logits_at, None
-        assert self.samples is not None
-        logits_at = list(range(k)) + [k + r for r in self._logits_at]
-        return ([0] * k + self._tokens, self._ahead_positions + self._positions, self._ahead_slots + self._slots,
-                logits_at, (self.samples, self._picks))
+        d = self.decode_rows
+        logits_at = list(range(d)) + [d + r for r in self._logits_at] if self._logits_at else list(range(d))
+        source = (self.samples, self._picks) if self._picks and self.samples is not None else None
+        return ([0] * len(self._picks) + self._decode_tokens + self._tokens,
+                self._ahead_positions + self._decode_positions + self._positions,
+                self._ahead_slots + self._decode_slots + self._slots, logits_at, source)
 
     def sampled(self) -> tuple[list[Request], list[int]]:
         """The requests whose next token the step samples, in the order of their logits, and those rows' positions."""
-        return self._ahead + self._sampled, self._ahead_positions + self._sampled_positions
+        return (self._ahead + self._decode + self._sampled,
+                self._ahead_positions + self._decode_positions + self._sampled_positions)
 
 
 class Engine:
@@ -502,27 +509,32 @@ class Engine:
 
     def _launch(self) -> Launched | None:
         """Schedule from the sessions' state and queue the step (nothing may be in flight)."""
-        plan = StepPlan()
-        for request, n in self._schedule():
-            plan.add(request, request.session.computed, n)
-        return self._queue(plan)
+        return self._queue(self._plan(None))
 
     def _launch_next(self, last: Launched) -> Launched | None:
-        """Queue the step after `last` before reading it: what the scheduler would pick once `last` is read.
+        """Queue the step after `last` before reading it: what the scheduler will pick once `last` is read.
 
-        `last`'s generating sessions decode the ids it samples, read on the device; everything else (new
-        requests, further prompt chunks, a session whose next token the host knows) comes along as in a step
-        scheduled afresh, so a new arrival does not make the host read first and leave the device idle.
+        A new arrival does not make the host read first and leave the device idle: it rides in this step.
         Requests that `last` ends by length are left out; one that it ends by a stop token or string runs a
         wasted row, dropped when read. None when nothing is left to run or the decode rows exceed one replay."""
-        sampled = {id(r): i for i, r in enumerate(last.sampled)}
-        computed = {id(r): p + n for r, p, n in last.partial}  # the K/V `last` leaves, for its prompt chunks
-        plan = StepPlan(last.ids)
+        plan = self._plan(last)
+        if plan.decode_rows > self.executor.max_decode_rows:
+            return None
+        return self._queue(plan)
+
+    def _plan(self, last: Launched | None) -> StepPlan:
+        """The scheduler: a decode row for every generating session, then whole prompt chunks in arrival order
+        while they fit the step's budget. With `last` (launched, not read yet), its generating sessions decode
+        the ids it samples, read on the device, and its prompt chunks count as computed."""
+        sampled = {} if last is None else {id(r): i for i, r in enumerate(last.sampled)}
+        computed = {} if last is None else {id(r): p + n for r, p, n in last.partial}
+        plan = StepPlan(None if last is None else last.ids)
         budget = self.step_tokens
         limit = self.max_context - 1
         for request in self._active.values():
             i = sampled.get(id(request))
             if i is not None:
+                assert last is not None
                 position = last.positions[i] + 1
                 if request.generated + 1 < request.params.max_tokens and position < limit:
                     plan.decode_ahead(request, position, i)
@@ -531,16 +543,14 @@ class Engine:
             pending = len(request.session.tokens) - start
             if pending == 1:
                 plan.add(request, start, 1)
-            elif budget > 0:  # as _schedule: whole chunks in arrival order while they fit
+            elif budget > 0:
                 n = min(pending, self.prefill_chunk)
                 if n > budget:
-                    budget = 0
+                    budget = 0  # the step is full (the first chunk always fits): this one goes first next step
                     continue
                 plan.add(request, start, n)
                 budget -= n
-        if plan.decode_rows > self.executor.max_decode_rows:
-            return None
-        return self._queue(plan)
+        return plan
 
     def _queue(self, plan: StepPlan) -> Launched | None:
         """Queue one planned step on the executor and its sampling."""
@@ -635,21 +645,6 @@ class Engine:
         return results
 
     # -- internals ----------------------------------------------------------------------------
-
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """(request, tokens this step): every decode row, then whole prefill chunks in arrival order."""
-        plan = [(r, 1) for r in self._active.values() if r.session.pending == 1]
-        budget = self.step_tokens
-        for request in self._active.values():
-            pending = request.session.pending
-            if pending <= 1:
-                continue
-            n = min(pending, self.prefill_chunk)
-            if n > budget:
-                break  # the step is full (the first chunk always fits): this one goes first next step
-            plan.append((request, n))
-            budget -= n
-        return plan
 
     def _accept(self, request: Request, token: int) -> Chunk:
         """Append a sampled token to the session and decide whether the request is done."""

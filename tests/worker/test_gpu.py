@@ -764,8 +764,10 @@ def test_requests_taken_while_a_prefill_step_runs_change_no_tokens(gpu_engine: o
 
     assert isinstance(gpu_engine, Engine)
     rng = random.Random(7)
-    # Four 900-token prompts fill the first steps with 2048 prompt rows (~3 ms each on an H100): the host waits.
-    prompts = [[rng.randrange(300, 49000) for _ in range(n)] for n in (900, 900, 900, 900, 40, 9, 300)]
+    # Long prompts fill the first steps with up to 2048 prompt rows (~3 ms each on an H100): the host waits. The
+    # 513-token one runs a 512-token chunk, then a decode row whose token the host knows, in the step where the
+    # 9-token one (arrived after it) decodes the id the step before sampled on the device.
+    prompts = [[rng.randrange(300, 49000) for _ in range(n)] for n in (513, 9, 900, 900, 40, 12, 300)]
     solo = []
     for prompt in prompts:
         sid = open_with(gpu_engine, prompt)

@@ -253,3 +253,37 @@ def test_reading_a_step_calls_meanwhile_until_the_device_is_done() -> None:
         launched = Launched([], [], [], ids, ids, copy, prefill_tokens=128)  # type: ignore[arg-type]
         assert launched.read(lambda: calls.append(1)) == [5, 7]
         assert len(calls) == expected and copy.synchronized
+
+
+def test_a_step_plan_puts_the_rows_read_on_the_device_first() -> None:
+    """Whatever the order requests are planned in (arrival order), the rows whose token the last step samples on
+    the device come first, then the decode rows whose token the host knows, then prompt chunks; the logits
+    follow the batch's rows, and so do the sampled requests."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from worker.engine import StepPlan
+
+    def request(slot: int, tokens: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(session=SimpleNamespace(slot=slot, tokens=tokens))
+
+    host_decode = request(3, [5, 6, 7])  # its last prompt token is pending: position 2
+    ahead = request(1, [8, 9])  # the last step samples its next token (position 2 once read)
+    chunk_end = request(4, [1, 2, 3, 4, 5])  # positions 1..4: the whole rest of its prompt
+    chunk_part = request(2, list(range(10)))  # positions 0..3 of 10: samples nothing
+    samples = torch.tensor([40, 41, 42])
+    plan = StepPlan(samples)
+    plan.add(host_decode, 2, 1)  # type: ignore[arg-type]
+    plan.add(chunk_end, 1, 4)  # type: ignore[arg-type]
+    plan.decode_ahead(ahead, 2, 2)  # type: ignore[arg-type]
+    plan.add(chunk_part, 0, 4)  # type: ignore[arg-type]
+    tokens, positions, slots, logits_at, source = plan.rows()
+    assert tokens == [0, 7, 2, 3, 4, 5, 0, 1, 2, 3]
+    assert positions == [2, 2, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert slots == [1, 3, 4, 4, 4, 4, 2, 2, 2, 2]
+    assert logits_at == [0, 1, 5]
+    assert source is not None and source[0] is samples and source[1] == [2]
+    assert plan.sampled() == ([ahead, host_decode, chunk_end], [2, 2, 4])
+    assert plan.partial == [(chunk_part, 0, 4)]
+    assert (len(plan), plan.decode_rows, plan.prefill_tokens) == (4, 2, 8)
