@@ -193,7 +193,7 @@ class StepPlan:
     def rows(self) -> tuple[list[int], list[int], list[int], list[int], tuple[torch.Tensor, list[int]] | None]:
         """(tokens, positions, slots, logits_at, source) for Executor.execute."""
         d = self.decode_rows
-        logits_at = list(range(d)) + [d + r for r in self._logits_at] if self._logits_at else list(range(d))
+        logits_at = list(range(d)) + [d + r for r in self._logits_at]
         source = (self.samples, self._picks) if self._picks and self.samples is not None else None
         return ([0] * len(self._picks) + self._decode_tokens + self._tokens,
                 self._ahead_positions + self._decode_positions + self._positions,
@@ -566,14 +566,13 @@ class Engine:
         """Queue the sampling of a launched step and the copy of its ids to the host."""
         sampled, positions = plan.sampled()
         ids = sample_ids(logits, [r.params for r in sampled], [r.random for r in sampled])
+        step, self.steps = self.steps, self.steps + 1
         if ids.device.type != "cuda":
-            self.steps += 1
             return Launched(plan.partial, sampled, positions, ids, ids, None, plan.prefill_tokens)
         if self._id_copies is None:  # pinned memory and events made once, not per step
             self._id_copies = [(torch.empty(self.table.capacity, dtype=torch.long, pin_memory=True), torch.cuda.Event())
                                for _ in range(ID_COPIES)]
-        buffer, copied = self._id_copies[self.steps % ID_COPIES]
-        self.steps += 1
+        buffer, copied = self._id_copies[step % ID_COPIES]
         host = buffer[: len(sampled)]
         host.copy_(ids, non_blocking=True)
         copied.record()
