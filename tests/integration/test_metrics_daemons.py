@@ -42,7 +42,11 @@ def test_both_daemons_serve_health_readiness_and_exact_counts(cluster: Cluster) 
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert get(f"{broker}/healthz") == (200, "ok\n") and get(f"{worker}/healthz") == (200, "ok\n")
-    assert get(f"{broker}/readyz")[0] == 200
+    # A new broker is not ready until its recovery window (--recovery-ms) has passed, however soon workers register.
+    while (ready := get(f"{broker}/readyz"))[0] != 200:
+        assert ready == (503, "recovering: waiting for workers to re-register\n")
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     assert get(f"{worker}/nope")[0] == 404
     with cluster.client() as c, c.session() as s:
         s.append(token_ids=PROMPT)
