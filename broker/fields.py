@@ -93,6 +93,20 @@ def blob(max_bytes: int) -> Check:
     return check
 
 
+def blob_list(max_items: int, max_bytes: int) -> Check:
+    def check(name: str, value: Any) -> Any:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise FieldError(f"{name} must be a list of byte strings, got {type(value).__name__}")
+        if len(value) > max_items:
+            raise FieldError(f"{name} has more than {max_items} items")
+        for v in value:
+            if type(v) is not bytes or len(v) > max_bytes:
+                raise FieldError(f"{name} must hold byte strings of at most {max_bytes} bytes, got {type(v).__name__}")
+        return tuple(value)
+
+    return check
+
+
 def int_list(max_items: int, lo: int = 0, hi: int = 2**31 - 1, optional: bool = False) -> Check:
     def check(name: str, value: Any) -> Any:
         if value is None and optional:

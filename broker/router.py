@@ -34,7 +34,7 @@ from .registry import Registry, WorkerRecord
 log = structlog.get_logger()
 
 MAX_HELD = 100_000  # requests held while recovering; past this they are refused
-ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNKS, p.Command.CHUNK, p.Command.ERROR})
+ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNKS, p.Command.CHUNK, p.Command.ERROR, p.Command.FANOUT})
 
 RequestKey = tuple[bytes, str]  # (client route, request id)
 
@@ -372,6 +372,7 @@ class Router:
             broker_id=self.broker_id,
             heartbeat_ms=max(1, round(self.settings.heartbeat_s * 1000)),
             liveness=self.settings.liveness,
+            fanout=True,
         )
         self._out.append(Send(Peer.WORKER, identity, p.encode(welcome)))
         for cancel in self._orphans.pop(identity, ()):
@@ -393,6 +394,15 @@ class Router:
             log.info("sessions_expired", worker=record.name, sessions=len(expired))
 
     def _answer(self, identity: bytes, envelope: p.Envelope, frames: list[bytes]) -> None:
+        if envelope.command is p.Command.FANOUT:  # the hot path: one per engine step, for all streaming clients
+            try:
+                fanout = p.parse(envelope)
+            except p.ProtocolError as e:
+                log.warning("worker_fanout_invalid", error=e.message, worker=self._name(identity))
+                return
+            assert isinstance(fanout, p.Fanout)
+            self._out.extend(Send(Peer.CLIENT, route, chunks) for route, chunks in fanout.sends())
+            return
         route = p.route_of(envelope.header)
         if not route:
             log.warning("worker_answer_without_route", command=envelope.command.name, worker=self._name(identity))

@@ -178,6 +178,7 @@ class Link:
         self.heartbeat_s = config.heartbeat_ms / 1000
         self.liveness = config.liveness
         self.broker_id: str | None = None
+        self.fanout = False  # the broker takes FANOUT (its WELCOME says so); set by the link thread, read by any
         self.registered = threading.Event()
         now = time.monotonic()
         self._last_heard = now  # any message from the broker
@@ -381,6 +382,7 @@ class Link:
                 "registered", broker_id=welcome.broker_id, heartbeat_ms=welcome.heartbeat_ms, liveness=welcome.liveness
             )
         self.broker_id = welcome.broker_id
+        self.fanout = welcome.fanout
         self.heartbeat_s = welcome.heartbeat_ms / 1000
         self.liveness = welcome.liveness
         self._ready_backoff = self.heartbeat_s
@@ -442,6 +444,9 @@ class Link:
         except zmq.Again:
             # Queue full (broker away for long): drop. Final answers stay cached for the client's resend.
             log.warning("send_dropped", command=message.COMMAND.name, request=getattr(message, "request_id", None))
+
+
+_stream_chunk = tuple.__new__  # StreamChunk's own __new__ is a Python function: this runs for every streamed token
 
 
 def _readable(dealer: zmq.Socket[bytes]) -> bool:
@@ -703,7 +708,8 @@ class Serve:
         self.steps += 1
         t1 = self._step_end = time.perf_counter()
         new_tokens = 0
-        # One CHUNKS per client route for the streamed requests that moved, then the final answers.
+        # The streamed requests that moved, by client route: one FANOUT for them all (one CHUNKS per route for a
+        # broker without FANOUT), then the final answers.
         batches: dict[bytes, list[p.StreamChunk]] = {}
         finals: list[p.Message] = []
         for chunk in chunks:
@@ -724,10 +730,17 @@ class Serve:
                 batch = batches.get(active.route)
                 if batch is None:
                     batch = batches[active.route] = []
-                batch.append(p.StreamChunk(active.request_id, tuple(ids), chunk.text))
+                batch.append(_stream_chunk(p.StreamChunk, (active.request_id, tuple(ids), chunk.text)))
         # Valid by construction (see Message.unchecked): no per-token checks here; the client checks them all.
-        out: list[p.Message] = [p.Chunks.unchecked(chunks=tuple(batch), route=route) for route, batch in batches.items()]
-        out += finals
+        out: list[p.Message]
+        if not batches:
+            out = finals
+        elif self.link.fanout:
+            out = [p.Fanout.unchecked(routes=tuple(batches), parts=tuple(map(p.chunks_part, batches.values())))]
+            out += finals
+        else:
+            out = [p.Chunks.unchecked(chunks=tuple(batch), route=route) for route, batch in batches.items()]
+            out += finals
         self.link.send(out)
         e = self.engine
         self.metrics.step(t1, t1 - t0, getattr(e, "last_rows", len(chunks)), getattr(e, "last_prefill_tokens", 0), new_tokens)

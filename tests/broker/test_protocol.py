@@ -42,10 +42,12 @@ EXAMPLES: list[p.Message] = [
     p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"), p.StreamChunk("r5", (), "é"), p.StreamChunk("r6", (1, 2), "")),
              route=b"c1"),
     p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"),)),
+    p.Fanout(routes=(b"c1", b"c2"), parts=(p.chunks_part((p.StreamChunk("r4", (4,), "a"),)), b"\x80")),
     p.Error(request_id="r4", code=p.ErrorCode.SESSION_LOST, message="gone"),
     p.Error(request_id=None, code=p.ErrorCode.VERSION_MISMATCH),
     p.Ready(name="w", model="m", capacity=4, free_slots=3, max_context=64, sessions=(SID,), draining=False, device="cpu"),
     p.Welcome(broker_id="b1", heartbeat_ms=100, liveness=3),
+    p.Welcome(broker_id="b1", heartbeat_ms=100, liveness=3, fanout=True),
     p.Heartbeat(broker_id="b1"),
     p.Heartbeat(free_slots=3, sessions=1, draining=True),
     p.Reconnect(broker_id="b1"),
@@ -122,6 +124,15 @@ def frames(command: bytes, header: Any) -> list[bytes]:
         (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1], "text": b"a"}]}, "chunks.text must be"),
         (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [], "text": ""}, 7]}, "chunks must hold maps"),
         (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [], "text": ""}], "route": "c1"}, "route must be"),
+        (b"FANOUT", {"routes": [b"c1"]}, "missing field parts"),
+        (b"FANOUT", {"routes": [b"c1", b"c2"], "parts": [b""]}, "one part per route and at least one: 2 routes, 1 parts"),
+        (b"FANOUT", {"routes": [], "parts": []}, "at least one: 0 routes"),
+        (b"FANOUT", {"routes": [b""], "parts": [b""]}, "a FANOUT route is empty"),
+        (b"FANOUT", {"routes": [b"c" * 256], "parts": [b""]}, "routes must hold byte strings of at most 255 bytes"),
+        (b"FANOUT", {"routes": ["c1"], "parts": [b""]}, "routes must hold byte strings of at most 255 bytes, got str"),
+        (b"FANOUT", {"routes": b"c1", "parts": [b""]}, "routes must be a list of byte strings"),
+        (b"FANOUT", {"routes": [b"c1"], "parts": [{"chunks": []}]}, "parts must hold byte strings"),
+        (b"WELCOME", {"broker_id": "b", "heartbeat_ms": 1, "liveness": 1, "fanout": 1}, "fanout must be a boolean"),
     ],
 )
 def test_bad_fields_are_bad_requests_naming_the_field(command: bytes, header: Any, complaint: str) -> None:
@@ -187,6 +198,21 @@ def test_unchecked_chunks_are_the_same_message_as_checked_ones() -> None:
     assert p.decode(p.encode(fast)) == fast
     with pytest.raises(p.ProtocolError, match="token_ids must hold"):
         p.Chunks(chunks=(p.StreamChunk("r1", (-1,), ""),))  # built from Python the normal way: checked
+
+
+def test_a_fanout_part_is_the_header_of_the_chunks_message_its_client_gets() -> None:
+    chunks = (p.StreamChunk("r1", (1, 2), "ab"), p.StreamChunk("r2", (), "é"))
+    fanout = p.Fanout.unchecked(routes=(b"c1",), parts=(p.chunks_part(chunks),))
+    assert fanout == p.Fanout(routes=(b"c1",), parts=(p.chunks_part(chunks),))
+    [(route, sent)] = fanout.sends()
+    assert route == b"c1" and sent[:2] == [p.VERSION, b"CHUNKS"]
+    assert p.decode(sent) == p.Chunks(chunks=chunks)  # no route: the broker sends it to c1 as it is
+    assert msgpack.unpackb(sent[2]) == msgpack.unpackb(p.encode(p.Chunks(chunks=chunks))[2])
+
+
+def test_a_welcome_without_fanout_is_from_a_broker_that_does_not_take_it() -> None:
+    welcome = p.decode(frames(b"WELCOME", {"broker_id": "b1", "heartbeat_ms": 100, "liveness": 3}))
+    assert isinstance(welcome, p.Welcome) and welcome.fanout is False
 
 
 def test_unchecked_answers_equal_checked_ones_and_take_defaults() -> None:

@@ -49,7 +49,7 @@ def created(router: Router, worker: bytes, request: p.CreateSession, now: float 
 def test_registration_is_welcomed_with_the_liveness_settings() -> None:
     router = Router(SETTINGS, now=0.0, broker_id="b1")
     assert one(router.worker_message(W1, p.encode(ready("w1")), 0.1)) == (
-        Peer.WORKER, W1, p.Welcome(broker_id="b1", heartbeat_ms=250, liveness=3)
+        Peer.WORKER, W1, p.Welcome(broker_id="b1", heartbeat_ms=250, liveness=3, fanout=True)
     )
 
 
@@ -177,7 +177,7 @@ def test_a_restarted_broker_holds_requests_until_workers_re_register() -> None:
     assert one(router.worker_message(W1, p.encode(p.Heartbeat(free_slots=1)), 0.2))[2] == p.Reconnect(broker_id="new")
     assert router.worker_message(W1, p.encode(p.Heartbeat(free_slots=1)), 0.3) == []
     sends = decoded(router.worker_message(W1, p.encode(ready("w1", capacity=2, sessions=(sid,))), 0.4))
-    assert sends[0] == (Peer.WORKER, W1, p.Welcome(broker_id="new", heartbeat_ms=250, liveness=3))
+    assert sends[0] == (Peer.WORKER, W1, p.Welcome(broker_id="new", heartbeat_ms=250, liveness=3, fanout=True))
     assert sends[1] == (Peer.WORKER, W1, info.routed(C1))
     assert isinstance(sends[2][2], p.CreateSession) and sends[2][1] == W1
     # After the recovery window, unknown sessions are simply not found.
@@ -254,11 +254,53 @@ def test_malformed_chunks_batches_from_a_worker_are_dropped() -> None:
         assert router.worker_message(W1, frames, 2.1) == [], frames
 
 
+def fanout(*parts: p.Chunks) -> p.Fanout:
+    return p.Fanout(routes=tuple(c.route for c in parts), parts=tuple(p.chunks_part(c.chunks) for c in parts))
+
+
+def test_a_fanout_becomes_one_chunks_message_per_client_with_the_worker_s_part_as_its_header() -> None:
+    sid, sid2, sid3 = "a" * 32, "b" * 32, "c" * 32
+    router = running((W1, ready("w1", capacity=3, sessions=(sid, sid2, sid3))))
+    for client, rid, session in ((C1, "g1", sid), (C2, "g2", sid2), (C1, "g3", sid3)):
+        router.client_message(client, p.encode(p.Generate(request_id=rid, session_id=session, stream=True)), 2.0)
+    message = fanout(chunks(C1, "g1", "g3"), chunks(C2, "g2"))
+    sends = router.worker_message(W1, p.encode(message), 2.6)
+    assert [(s.peer, s.identity, s.key) for s in sends] == [(Peer.CLIENT, C1, None), (Peer.CLIENT, C2, None)]
+    assert [s.frames for s in sends] == [[p.VERSION, b"CHUNKS", part] for part in message.parts]  # sent as made
+    assert [p.decode(s.frames) for s in sends] == [chunks(b"", "g1", "g3"), chunks(b"", "g2")]
+    assert set(router.inflight) == {(C1, "g1"), (C2, "g2"), (C1, "g3")}  # still streaming
+    router.tick(2.8)  # silent since 2.0 but for the fanout: alive
+    assert W1 in router.registry.workers
+    # A client gone mid-stream: the generations of its part are cancelled, as with a CHUNKS of its own.
+    cancels = decoded(router.undeliverable(sends[0], Failure.UNREACHABLE, 2.9))
+    assert [(identity, c.target) for _, identity, c in cancels] == [(W1, "g1"), (W1, "g3")]  # type: ignore[attr-defined]
+
+
+def test_malformed_fanouts_from_a_worker_are_dropped() -> None:
+    router = running((W1, ready("w1")))
+    pack = msgpack.packb
+    part = p.chunks_part(chunks(C1, "g1").chunks)
+    for frames in (
+        [p.VERSION, b"FANOUT", pack({"routes": [C1, C2], "parts": [part]})],  # a route without its part
+        [p.VERSION, b"FANOUT", pack({"routes": [], "parts": []})],
+        [p.VERSION, b"FANOUT", pack({"routes": [b""], "parts": [part]})],
+        [p.VERSION, b"FANOUT", pack({"routes": [b"x" * 256], "parts": [part]})],
+        [p.VERSION, b"FANOUT", pack({"routes": ["client-1"], "parts": [part]})],
+        [p.VERSION, b"FANOUT", pack({"routes": C1, "parts": part})],
+        [p.VERSION, b"FANOUT", pack({"parts": [part]})],
+        [*p.encode(fanout(chunks(C1, "g1"))), b"payload"],
+        [p.VERSION, b"FANOUT", b"\xc1"],
+    ):
+        assert router.worker_message(W1, frames, 2.1) == [], frames
+    assert W1 in router.registry.workers
+
+
 def test_a_client_cannot_send_chunks() -> None:
     router = running((W1, ready("w1")))
-    _, identity, error = one(router.client_message(C1, p.encode(chunks(C2, "g1")), 2.0))
-    assert identity == C1 and isinstance(error, p.Error) and error.code is p.ErrorCode.BAD_REQUEST
-    assert "not a client request" in error.message
+    for message in (chunks(C2, "g1"), fanout(chunks(C2, "g1"))):
+        _, identity, error = one(router.client_message(C1, p.encode(message), 2.0))
+        assert identity == C1 and isinstance(error, p.Error) and error.code is p.ErrorCode.BAD_REQUEST
+        assert "not a client request" in error.message
 
 
 def test_a_client_that_went_away_mid_batch_has_every_generation_of_the_batch_cancelled() -> None:

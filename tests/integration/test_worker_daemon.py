@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import pytest
@@ -243,8 +243,26 @@ def test_errors_reach_the_broker_with_their_wire_codes(served: tuple[Serve, Fake
     assert broker.recv_until(p.Disconnect) == p.Disconnect(reason="drained")
 
 
-def test_streams_of_two_clients_come_as_batches_per_client_in_order(served: tuple[Serve, FakeEngine, Broker]) -> None:
+def chunks_of(message: p.Message) -> list[p.Chunks]:
+    """The CHUNKS messages that the broker makes of a worker's CHUNKS or FANOUT, with their routes."""
+    if isinstance(message, p.Chunks):
+        return [message]
+    if isinstance(message, p.Fanout):
+        return [cast(p.Chunks, p.decode(frames)).routed(route) for route, frames in message.sends()]
+    return []
+
+
+@pytest.mark.parametrize("fanout", [False, True], ids=["chunks", "fanout"])
+def test_streams_of_two_clients_come_as_batches_per_client_in_order(
+    served: tuple[Serve, FakeEngine, Broker], fanout: bool,
+) -> None:
     serve, engine, broker = served
+    if fanout:
+        broker.send(p.Welcome(broker_id="b1", heartbeat_ms=50, liveness=3, fanout=True))
+        deadline = time.monotonic() + 5
+        while not serve.link.fanout and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert serve.link.fanout is fanout
     routes = {"g0": b"client-0", "g1": b"client-1"}
     for i in range(2):
         sid, route = f"{i}" * 32, routes[f"g{i}"]
@@ -258,16 +276,18 @@ def test_streams_of_two_clients_come_as_batches_per_client_in_order(served: tupl
                                stream=True, route=routes[f"g{i}"]))
     streamed: dict[str, list[int]] = {"g0": [], "g1": []}
     finals: dict[str, p.Generated] = {}
-    batches = 0
+    batches = fanouts = 0
     while len(finals) < 2:
         message = broker.recv()
-        if isinstance(message, p.Chunks):
+        fanouts += isinstance(message, p.Fanout)
+        for batch in chunks_of(message):
             batches += 1
-            for chunk in message.chunks:
-                assert routes[chunk.request_id] == message.route and chunk.request_id not in finals
+            for chunk in batch.chunks:
+                assert routes[chunk.request_id] == batch.route and chunk.request_id not in finals
                 streamed[chunk.request_id] += chunk.token_ids
-        elif isinstance(message, p.Generated):
+        if isinstance(message, p.Generated):
             finals[message.request_id] = message
+    assert (fanouts > 0) is fanout
     for rid, final in finals.items():
         assert final.route == routes[rid] and len(final.token_ids) == 40
         assert streamed[rid] == list(final.token_ids[:-1])  # the last token comes with the final answer
@@ -318,6 +338,32 @@ def test_a_step_sends_one_chunks_message_per_client_route(
     assert [m.token_ids for m in last] == [(2, 3, 4)] * 4  # type: ignore[attr-defined]
     assert [m.route for m in last] == routes  # type: ignore[attr-defined]
     assert not serve._active
+
+
+def test_a_step_sends_one_fanout_for_all_client_routes_to_a_broker_that_takes_it(
+    stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
+) -> None:
+    serve, engine, sent = stepped
+    serve.link.fanout = True  # the broker's WELCOME said so
+    engine.capacity = 3
+    routes = [b"client-1", b"client-2", b"client-1"]
+    for i, route in enumerate(routes):
+        sid = f"{i}" * 32
+        serve._admit([p.CreateSession(request_id=f"c{i}", session_id=sid, route=route)])
+        serve._admit([p.Generate(request_id=f"g{i}", session_id=sid, params=p.Sampling(max_tokens=2), stream=True,
+                                 prompt_ids=(1,), route=route)])
+    sent.clear()
+
+    assert serve._step()
+    [[fanout]] = sent
+    assert isinstance(fanout, p.Fanout) and fanout.routes == (b"client-1", b"client-2")
+    assert [p.decode(frames) for _, frames in fanout.sends()] == [
+        p.Chunks(chunks=(p.StreamChunk("g0", (2,), "x"), p.StreamChunk("g2", (2,), "x"))),
+        p.Chunks(chunks=(p.StreamChunk("g1", (2,), "x"),)),
+    ]
+    assert p.decode(p.encode(fanout)) == fanout  # what the broker will decode
+    assert serve._step()
+    assert [type(m).__name__ for m in sent[-1]] == ["Generated"] * 3  # no stream left: no FANOUT, the finals
 
 
 def test_each_answer_of_a_batch_of_requests_leaves_as_soon_as_it_is_made(
