@@ -93,13 +93,18 @@ def blob(max_bytes: int) -> Check:
     return check
 
 
+def _sequence(name: str, value: Any, max_items: int, of: str = "") -> Sequence[Any]:
+    """The checks every list field starts with: a sequence (not a string), of at most `max_items` items."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise FieldError(f"{name} must be a list{f' of {of}' if of else ''}, got {type(value).__name__}")
+    if len(value) > max_items:
+        raise FieldError(f"{name} has more than {max_items} items")
+    return value
+
+
 def blob_list(max_items: int, max_bytes: int) -> Check:
     def check(name: str, value: Any) -> Any:
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise FieldError(f"{name} must be a list of byte strings, got {type(value).__name__}")
-        if len(value) > max_items:
-            raise FieldError(f"{name} has more than {max_items} items")
-        for v in value:
+        for v in _sequence(name, value, max_items, "byte strings"):
             if type(v) is not bytes or len(v) > max_bytes:
                 raise FieldError(f"{name} must hold byte strings of at most {max_bytes} bytes, got {type(v).__name__}")
         return tuple(value)
@@ -111,10 +116,7 @@ def int_list(max_items: int, lo: int = 0, hi: int = 2**31 - 1, optional: bool = 
     def check(name: str, value: Any) -> Any:
         if value is None and optional:
             return None
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise FieldError(f"{name} must be a list of integers, got {type(value).__name__}")
-        if len(value) > max_items:
-            raise FieldError(f"{name} has more than {max_items} items")
+        _sequence(name, value, max_items, "integers")
         # Prompts and outputs are hundreds of ids: check types and range at C speed; loop only to name the bad one.
         if not value or (_INTS.issuperset(map(type, value)) and lo <= min(value) and max(value) <= hi):
             return tuple(value)
@@ -128,11 +130,7 @@ def int_list(max_items: int, lo: int = 0, hi: int = 2**31 - 1, optional: bool = 
 
 def str_list(max_items: int, item: Check) -> Check:
     def check(name: str, value: Any) -> Any:
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise FieldError(f"{name} must be a list of strings, got {type(value).__name__}")
-        if len(value) > max_items:
-            raise FieldError(f"{name} has more than {max_items} items")
-        return tuple(item(name, v) for v in value)
+        return tuple(item(name, v) for v in _sequence(name, value, max_items, "strings"))
 
     return check
 
@@ -163,11 +161,7 @@ def nested_list(cls: type[Any], max_items: int) -> Check:
     one = nested(cls)
 
     def check(name: str, value: Any) -> Any:
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise FieldError(f"{name} must be a list, got {type(value).__name__}")
-        if len(value) > max_items:
-            raise FieldError(f"{name} has more than {max_items} items")
-        return tuple(one(name, v) for v in value)
+        return tuple(one(name, v) for v in _sequence(name, value, max_items))
 
     return check
 

@@ -446,9 +446,6 @@ class Link:
             log.warning("send_dropped", command=message.COMMAND.name, request=getattr(message, "request_id", None))
 
 
-_stream_chunk = tuple.__new__  # StreamChunk's own __new__ is a Python function: this runs for every streamed token
-
-
 def _readable(dealer: zmq.Socket[bytes]) -> bool:
     return bool(cast(int, dealer.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
@@ -730,18 +727,14 @@ class Serve:
                 batch = batches.get(active.route)
                 if batch is None:
                     batch = batches[active.route] = []
-                batch.append(_stream_chunk(p.StreamChunk, (active.request_id, tuple(ids), chunk.text)))
+                batch.append(p.new_stream_chunk((active.request_id, tuple(ids), chunk.text)))
         # Valid by construction (see Message.unchecked): no per-token checks here; the client checks them all.
         out: list[p.Message]
-        if not batches:
-            out = finals
-        elif self.link.fanout:
+        if batches and self.link.fanout:
             out = [p.Fanout.unchecked(routes=tuple(batches), parts=tuple(map(p.chunks_part, batches.values())))]
-            out += finals
         else:
             out = [p.Chunks.unchecked(chunks=tuple(batch), route=route) for route, batch in batches.items()]
-            out += finals
-        self.link.send(out)
+        self.link.send(out + finals)
         e = self.engine
         self.metrics.step(t1, t1 - t0, getattr(e, "last_rows", len(chunks)), getattr(e, "last_prefill_tokens", 0), new_tokens)
         return True
