@@ -6,12 +6,15 @@
 - `Link` holds the socket, shared by two threads under one lock (see the class). The link thread
   registers (READY with capacity, model and every live session), sends heartbeats on time whatever the
   engine is doing, notices a restarted or silent broker and registers again. ZeroMQ reconnects the TCP
-  connection with exponential backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX). Requests cross to the
-  compute loop as bytes, and the compute loop decodes them; it encodes and sends its answers itself, so
-  a step's output needs no hand-off between threads (whose every wake-up costs the loop the GIL).
+  connection with exponential backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX). While the engine is idle,
+  requests cross to the compute loop as bytes; while it has work, the compute loop reads them from the
+  socket itself. The compute loop decodes them, and encodes and sends its answers itself, so neither a
+  burst of requests nor a step's output needs a hand-off between threads (whose every wake-up costs the
+  loop the GIL).
 - `Serve` owns the engine (not thread-safe): it admits requests between batched steps, runs
-  `engine.step()` while there is work, and turns a step's chunks into one CHUNKS message per client
-  route (streamed requests that moved) plus a final REPLY for each request that finished. Every request
+  `engine.step()` while there is work, and turns a step's chunks into one FANOUT message for all client
+  routes (streamed requests that moved; one CHUNKS per route to a broker without FANOUT) plus a final
+  REPLY for each request that finished. Every request
   id is remembered with its final answer, so a resent request is answered again, never run twice.
 - Sessions idle longer than `session_idle_timeout_s` (no request, no generation) are closed; the broker
   hears of it in the next HEARTBEAT (`expired`), and a later request gets `session_expired`.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import secrets
+import select
 import threading
 import time
 from collections import OrderedDict
@@ -48,6 +52,9 @@ IDLE_WAIT_S = 0.05  # how long the compute loop waits for a request when the eng
 # loop waits for requests in slices this long, then looks whether the step is done: requests are taken within
 # about this, instead of queueing behind a step of several milliseconds.
 PREFILL_WAIT_SLICE_S = 1e-4
+# A wait for requests up to this long is the busy compute loop's: it reads the socket itself, and the link thread leaves
+# the socket to it (see Link). A longer wait (an idle engine) is for the link thread to hand requests over.
+BUSY_WAIT_S = 1e-3
 SLOT_KEEP_S = 2.0  # a closed session's slot stays mapped this long for a new session, then is released
 MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives up and leaves
 MAX_INBOX_BATCH = 1024  # requests admitted between two steps
@@ -146,10 +153,14 @@ class Link:
       step, and every wake-up took the GIL from the compute loop in the middle of launching the next
       step (H100, 64 sessions: launching a decode step took 0.82 ms in the worker against 0.22 ms in
       process, and the GPU waited for the host).
-    - The link thread waits, without the lock, on the socket's file descriptor, a stop signal, the
-      handshake monitor and its timers; it receives, registers and sends heartbeats under the lock.
-      Requests reach the compute loop through a queue as bytes; the compute loop also takes what the
-      socket holds whenever it looks for requests between steps.
+    - The link thread waits, without the lock, on a stop signal, the handshake monitor and its timers, and
+      while the engine is idle on the socket's file descriptor too; it receives, registers and sends
+      heartbeats under the lock. Requests reach the compute loop through a queue as bytes.
+    - While the engine has work, the compute loop reads the socket itself whenever it looks for requests
+      (`busy`), and the link thread stops watching it: a burst of requests (64 sessions closing, opening and
+      sending prompts at once) is not read by one thread for the other, every wake-up of the link thread
+      taking the GIL from the compute loop (H100, 64 sessions: the loop's time per request fell 14%, and
+      the full stack's output tokens/s rose 10%, 54.3k against 49.2k, in one same-machine comparison).
     ZeroMQ sockets are not thread-safe, but one may move between threads across a full memory barrier,
     which the lock is. ZMQ_FD is edge-triggered and any use of the socket can consume its signal, so
     every use under the lock ends by reading everything the socket holds (`_receive_all`).
@@ -179,6 +190,7 @@ class Link:
         self.liveness = config.liveness
         self.broker_id: str | None = None
         self.fanout = False  # the broker takes FANOUT (its WELCOME says so); set by the link thread, read by any
+        self.busy = False  # the compute loop reads the socket itself: set by receive(), read by the link thread
         self.registered = threading.Event()
         now = time.monotonic()
         self._last_heard = now  # any message from the broker
@@ -216,14 +228,17 @@ class Link:
     def receive(self, timeout_s: float) -> list[p.Message]:
         """Requests from the broker: waits up to timeout_s for the first, then takes what is there.
 
+        A wait up to BUSY_WAIT_S is the busy compute loop's (between steps, or while a prefill runs): it reads the
+        socket itself. A longer one (an idle engine) waits for the link thread to hand requests over.
         Decoded here, on the caller's thread; a malformed one is answered with its error when it names a
         route and a request id, and logged either way."""
-        if timeout_s <= 0 and self._lock.acquire(blocking=False):  # busy: read the socket now, not at the next wake
-            try:
-                if self._dealer is not None:
-                    self._take_incoming(self._dealer)
-            finally:
-                self._lock.release()
+        busy = timeout_s <= BUSY_WAIT_S
+        if busy != self.busy:
+            self.busy = busy
+            self._wake()  # the link thread changes what it waits on
+        if busy:
+            self._read_socket(timeout_s)
+            timeout_s = 0.0
         try:
             first = self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
         except queue.Empty:
@@ -259,6 +274,19 @@ class Link:
                 self._wake_rx.close(linger=0)
             self._context.term()
 
+    def _read_socket(self, timeout_s: float) -> None:
+        """On the busy compute thread: read what the socket holds, waiting up to timeout_s for it (under the lock)."""
+        more = False
+        with self._lock:
+            dealer = self._dealer
+            if dealer is not None:
+                more = self._receive_all(dealer)
+                if not more and timeout_s > 0 and self._inbox.empty():
+                    select.select([self._fd], [], [], timeout_s)  # the socket's signal: anything to read
+                    more = self._receive_all(dealer)
+        if more:
+            self._wake()  # past a batch, the link thread reads on
+
     def _take_incoming(self, dealer: zmq.Socket[bytes]) -> None:
         """On the compute thread, under the lock: read what the socket holds; past a batch, the link thread reads on."""
         if self._receive_all(dealer):
@@ -275,11 +303,15 @@ class Link:
     def _run(self) -> None:
         dealer = self._dealer
         assert dealer is not None
-        poller = zmq.Poller()
-        poller.register(self._fd, zmq.POLLIN)  # the socket's signal, waited on without the lock
-        poller.register(self._wake_rx, zmq.POLLIN)
+        busy = zmq.Poller()  # while the compute loop reads the socket: the stop signal, wake-ups, the monitor
+        busy.register(self._wake_rx, zmq.POLLIN)
         if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
+            busy.register(self._monitor, zmq.POLLIN)
+        idle = zmq.Poller()  # otherwise also the socket's signal, waited on without the lock
+        idle.register(self._fd, zmq.POLLIN)
+        idle.register(self._wake_rx, zmq.POLLIN)
+        if self._monitor is not None:
+            idle.register(self._monitor, zmq.POLLIN)
         with self._lock:
             now = time.monotonic()
             self._last_heard = now
@@ -290,6 +322,7 @@ class Link:
         try:
             while not self._stop.is_set():
                 timeout = 0.0 if more else max(0.0, min(self._next_beat, self._next_ready) - time.monotonic())
+                poller = busy if self.busy else idle
                 events = dict(poller.poll(round(timeout * 1000) + (0 if more else 1)))
                 if self._wake_rx in events:
                     self._drain_wakes()

@@ -19,7 +19,7 @@ import zmq
 
 from broker import protocol as p
 from cuda_state import CapacityExhausted
-from worker.daemon import Link, Serve, WorkerConfig, WorkerState, error_code
+from worker.daemon import BUSY_WAIT_S, PREFILL_WAIT_SLICE_S, Link, Serve, WorkerConfig, WorkerState, error_code
 from worker.errors import SessionBusy, SessionNotFound
 
 SID = "a" * 32
@@ -442,6 +442,52 @@ def test_the_compute_thread_sends_on_the_socket_itself_and_reads_requests_betwee
         broker.sock.close()
         broker.context.term()
     link.send([final])  # after stop: dropped, not raised
+
+
+def test_the_busy_compute_loop_reads_requests_itself_and_the_idle_one_has_the_link_thread_read_them() -> None:
+    """A short wait (the engine has work) reads the socket on the caller's thread, and the link thread leaves the
+    socket alone; a long wait (the engine is idle) has the link thread read and hand the requests over."""
+    broker = Broker()
+    link = Link(WorkerConfig(broker=broker.address, name="fw", heartbeat_ms=5000),
+                ready=lambda: p.Ready(name="fw", model="fake", capacity=1, free_slots=1, max_context=8),
+                state=lambda: WorkerState(1, ()))
+    readers: list[str] = []
+    on_message = link._on_message
+
+    def recording(dealer: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        readers.append(threading.current_thread().name)
+        on_message(dealer, frames)
+
+    link._on_message = recording  # type: ignore[method-assign]
+    link.start()
+
+    def ask(n: int, wait_s: float) -> list[p.Message]:
+        sent = [p.Info(request_id=f"i{n}-{i}", session_id=SID, route=b"c") for i in range(3)]
+        for request in sent:
+            broker.send(request)
+        got: list[p.Message] = []
+        deadline = time.monotonic() + 5
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            got += link.receive(wait_s)
+        assert got == sent
+        return got
+
+    try:
+        assert isinstance(broker.recv(), p.Ready)
+        assert link.receive(BUSY_WAIT_S) == [] and link.busy
+        time.sleep(0.05)  # the link thread has gone back to its wait, without the socket
+        readers.clear()
+        ask(1, PREFILL_WAIT_SLICE_S)
+        assert readers == [threading.current_thread().name] * 3
+        assert link.receive(0.01) == [] and not link.busy
+        time.sleep(0.05)
+        readers.clear()
+        ask(2, 0.5)
+        assert readers == ["worker-link"] * 3
+    finally:
+        link.stop()
+        broker.sock.close()
+        broker.context.term()
 
 
 def test_error_codes_of_exceptions() -> None:
