@@ -19,7 +19,17 @@ import zmq
 
 from broker import protocol as p
 from cuda_state import CapacityExhausted
-from worker.daemon import BUSY_WAIT_S, PREFILL_WAIT_SLICE_S, Link, Serve, WorkerConfig, WorkerState, error_code
+from worker.daemon import (
+    BUSY_LINGER_S,
+    BUSY_WAIT_S,
+    IDLE_WAIT_S,
+    PREFILL_WAIT_SLICE_S,
+    Link,
+    Serve,
+    WorkerConfig,
+    WorkerState,
+    error_code,
+)
 from worker.errors import SessionBusy, SessionNotFound
 
 SID = "a" * 32
@@ -375,6 +385,25 @@ def test_each_answer_of_a_batch_of_requests_leaves_as_soon_as_it_is_made(
                   p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"),
                   p.Info(request_id="i1", session_id=SID, route=b"c")])
     assert [[type(m).__name__ for m in batch] for batch in sent] == [["Created"], ["Appended"], ["SessionInfo"]]
+
+
+def test_the_loop_waits_briefly_while_busy_and_for_busy_linger_s_after_its_last_step_or_request(
+    stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
+) -> None:
+    serve, engine, sent = stepped
+    assert serve._wait_s(time.monotonic()) == IDLE_WAIT_S  # nothing has happened yet: the link thread reads
+    serve._admit([p.CreateSession(request_id="c1", session_id=SID, route=b"c")])
+    now = time.monotonic()
+    assert serve._wait_s(now) == BUSY_WAIT_S  # a request came: the loop reads the socket itself for a while
+    assert serve._wait_s(now + BUSY_LINGER_S) == IDLE_WAIT_S
+    serve._admit([p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c")])
+    later = now + 10
+    assert serve._wait_s(later) == 0.0  # work to do: no wait at all
+    serve._step()
+    serve._step()
+    assert not engine.has_work() and isinstance(sent[-1][-1], p.Generated)
+    assert serve._wait_s(later + BUSY_LINGER_S / 2) == BUSY_WAIT_S
+    assert serve._wait_s(later + BUSY_LINGER_S) == IDLE_WAIT_S
 
 
 def test_a_resent_generate_moves_the_rest_of_its_stream_to_the_new_route(
