@@ -575,7 +575,7 @@ class Engine:
         buffer, copied = self._id_copies[step % ID_COPIES]
         host = buffer[: len(sampled)]
         host.copy_(ids, non_blocking=True)
-        copied.record()
+        copied.record(torch.cuda.current_stream(ids.device))  # named: current_stream() alone looks the device up
         return Launched(plan.partial, sampled, positions, ids, host, copied, plan.prefill_tokens)
 
     def _collect(self, launched: Launched) -> list[Chunk]:

@@ -115,7 +115,7 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
         def __init__(self, *args: object, **kwargs: object) -> None:
             pass
 
-        def record(self) -> None:
+        def record(self, stream: object = None) -> None:
             pass
 
         def synchronize(self) -> None:
@@ -137,6 +137,7 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     monkeypatch.setattr(torch.cuda, "Event", Stub)
     monkeypatch.setattr(torch.cuda, "Stream", Stub)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(GraphExecutor, "_capture", capture)
