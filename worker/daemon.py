@@ -284,16 +284,13 @@ class Link:
 
     def _read_socket(self, timeout_s: float) -> None:
         """On the busy compute thread: read what the socket holds, waiting up to timeout_s for it (under the lock)."""
-        more = False
         with self._lock:
             dealer = self._dealer
-            if dealer is not None:
-                more = self._receive_all(dealer)
-                if not more and timeout_s > 0 and self._inbox.empty():
-                    select.select([self._fd], [], [], timeout_s)  # the socket's signal: anything to read
-                    more = self._receive_all(dealer)
-        if more:
-            self._wake()  # past a batch, the link thread reads on
+            if dealer is None:
+                return
+            if timeout_s > 0 and self._inbox.empty() and not _readable(dealer):
+                select.select([self._fd], [], [], timeout_s)  # the socket's signal: anything to read
+            self._take_incoming(dealer)
 
     def _take_incoming(self, dealer: zmq.Socket[bytes]) -> None:
         """On the compute thread, under the lock: read what the socket holds; past a batch, the link thread reads on."""

@@ -210,7 +210,6 @@ class StaticInputs:
         self.host: np.ndarray = self._host.numpy()
         self.host[:] = padding
         self.device: torch.Tensor = self._host.to(device)  # static: graphs read it
-        self._device = device
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(device))
 
@@ -223,7 +222,7 @@ class StaticInputs:
         self.device.copy_(self._host, non_blocking=True)
         # The stream named by its device: current_stream() without one looks the device up (with the engine's event
         # record, 3% of the worker's compute loop at 64 sessions on the H100).
-        self._copied.record(torch.cuda.current_stream(self._device))
+        self._copied.record(torch.cuda.current_stream(self.device.device))
 
 
 class GraphExecutor:

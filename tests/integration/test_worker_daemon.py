@@ -444,13 +444,18 @@ def test_requests_cross_the_link_as_bytes_and_the_compute_loop_decodes_and_answe
     assert link.receive(0.0) == []
 
 
+def bare_link(broker: Broker, heartbeat_ms: int) -> Link:
+    """A Link to `broker` without a Serve (not started)."""
+    return Link(WorkerConfig(broker=broker.address, name="fw", heartbeat_ms=heartbeat_ms),
+                ready=lambda: p.Ready(name="fw", model="fake", capacity=1, free_slots=1, max_context=8),
+                state=lambda: WorkerState(1, ()))
+
+
 def test_the_compute_thread_sends_on_the_socket_itself_and_reads_requests_between_steps() -> None:
     """Link.send writes the caller's encoded frames to the DEALER in order (no queue, no other thread in between);
     Link.receive(0) takes a request straight from the socket, and the link thread keeps registering meanwhile."""
     broker = Broker()
-    link = Link(WorkerConfig(broker=broker.address, name="fw", heartbeat_ms=1000),
-                ready=lambda: p.Ready(name="fw", model="fake", capacity=1, free_slots=1, max_context=8),
-                state=lambda: WorkerState(1, ()))
+    link = bare_link(broker, heartbeat_ms=1000)
     link.start()
     try:
         assert isinstance(broker.recv(), p.Ready)
@@ -477,9 +482,7 @@ def test_the_busy_compute_loop_reads_requests_itself_and_the_idle_one_has_the_li
     """A short wait (the engine has work) reads the socket on the caller's thread, and the link thread leaves the
     socket alone; a long wait (the engine is idle) has the link thread read and hand the requests over."""
     broker = Broker()
-    link = Link(WorkerConfig(broker=broker.address, name="fw", heartbeat_ms=5000),
-                ready=lambda: p.Ready(name="fw", model="fake", capacity=1, free_slots=1, max_context=8),
-                state=lambda: WorkerState(1, ()))
+    link = bare_link(broker, heartbeat_ms=5000)
     readers: list[str] = []
     on_message = link._on_message
 
