@@ -260,6 +260,8 @@ class GraphExecutor:
         # Rows: token ids, positions, slots, lengths. Padding columns: token 0 at position 0 of the spare.
         self._padding: np.ndarray = np.array([[0], [0], [table.spare_slot], [1]], dtype=np.int64)
         self._decode_in = StaticInputs(self.buckets[-1], self._padding, device)
+        self._in_order: list[int] = list(range(self.buckets[-1]))
+        self._id_rows: list[torch.Tensor] = [self._decode_in.device[0, :k] for k in range(self.buckets[-1] + 1)]  # views
         # The prefill graphs' rows, plus a fifth row whose first prefill_logits entries pick the chunk ends.
         self.prefill_rows: int = prefill_rows
         self.prefill_buckets: list[int] = prefill_buckets_for(prefill_rows)
@@ -421,19 +423,22 @@ class GraphExecutor:
         host[:, n:] = self._padding
         samples, picks = source if source is not None else (None, [])
         k = len(picks)
-        if k:
-            host[0, :k] = picks  # the picks travel in the ids' place and are swapped for the ids on the device
+        # Steady decoding: row i takes the last step's i-th sample (the same requests in the same order), one copy.
+        # Otherwise the picks travel in the ids' place and are swapped for the ids on the device (a gather and a copy).
+        in_order = k > 0 and samples is not None and k <= len(samples) and picks == self._in_order[:k]
+        if k and not in_order:
+            host[0, :k] = picks
         self._decode_in.load()
         if samples is not None and k:
-            ids = self._decode_in.device[0, :k]
-            ids.copy_(samples.index_select(0, ids))
+            ids = self._id_rows[k]
+            ids.copy_(samples[:k] if in_order else samples.index_select(0, ids))
         if self.use_graphs:
             graph, logits = self._graphs[bucket]
             graph.replay()
             self.replays += 1
         else:
             logits = self._step(bucket)
-        self.table.mark_used(sorted(set(slots)))
+        self.table.mark_used(slots)  # one row per session: distinct
         return logits[:n].clone() if copy_logits else logits[:n]
 
     def _keep_row_invariant_buckets(self) -> None:

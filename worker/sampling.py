@@ -58,10 +58,15 @@ class RowRandom:
     """A request's private stream of uniform numbers."""
 
     seed: int
-    generator: torch.Generator = field(init=False)
+    # Made on the first draw: a greedy request never draws, and making one is host work for the worker's compute
+    # loop at every request (64 sessions turning over start 64 requests at once).
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.generator = torch.Generator().manual_seed(self.seed)
+    @property
+    def generator(self) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.seed)
+        return self._generator
 
     @classmethod
     def for_params(cls, params: SamplingParams) -> RowRandom:
