@@ -32,6 +32,10 @@ class WorkerRecord:
     draining: bool = False
     sessions: set[str] = field(default_factory=set)
     pending: int = 0  # creates and forks sent to it and not answered yet
+    # Sessions with a CLOSE sent to it and not answered yet. The worker frees a slot as it handles the close, and it
+    # handles what the broker sends in order: a create sent after the close finds the slot free. So a client may open
+    # its next session without waiting for the last one's close (64 sessions turning over on a full worker).
+    closing: set[str] = field(default_factory=set)
     bytes_per_session: int = 0
     seen_at: float = 0.0  # when the broker last heard from it (monotonic)
     steps: int = 0  # engine steps it reported
@@ -39,8 +43,8 @@ class WorkerRecord:
 
     @property
     def free(self) -> int:
-        """Slots a new session could still take, counting the ones already promised."""
-        return self.capacity - len(self.sessions) - self.pending
+        """Slots a new session could still take, counting the ones already promised and the ones being closed."""
+        return self.capacity - len(self.sessions) - self.pending + len(self.closing)
 
     def serves(self, model: str | None) -> bool:
         return model is None or model.casefold() == self.model.casefold()
@@ -81,6 +85,7 @@ class Registry:
         for sid in list(record.sessions):
             self._forget(sid)
         record.sessions = set()
+        record.closing = set()
         owners = ready.owners or ("",) * len(ready.sessions)
         for sid, owner in zip(ready.sessions, owners, strict=True):
             self.add_session(identity, sid, owner)
@@ -124,7 +129,9 @@ class Registry:
         """The session is closed (why None) or expired (why session_expired)."""
         identity = self._forget(session_id)
         if identity is not None:
-            self.workers[identity].sessions.discard(session_id)
+            record = self.workers[identity]
+            record.sessions.discard(session_id)
+            record.closing.discard(session_id)
         if why is not None:
             self._remember_gone(session_id, why)
 

@@ -292,6 +292,8 @@ class Router:
             self._to_worker(worker, replace(request, child_id=child, route=route), key)
             return
         self.inflight[key] = InFlight(worker.identity, request.COMMAND, request.session_id, sent_at)
+        if isinstance(request, p.Close):
+            worker.closing.add(request.session_id)  # its slot is free for what comes after it (WorkerRecord.closing)
         self._to_worker(worker, request.routed(route), key)
 
     def _unknown_session(self, route: bytes, request: p.SessionRequest, now: float, user: str) -> None:
@@ -461,6 +463,10 @@ class Router:
         self._pending_by_owner[owner] = self._pending_by_owner.get(owner, 0) + 1
 
     def _settle_pending(self, flight: InFlight | None) -> None:
+        if flight is not None and flight.command is p.Command.CLOSE:
+            record = self.registry.workers.get(flight.worker)
+            if record is not None:  # answered (Closed drops the session too), failed or timed out: not closing now
+                record.closing.discard(flight.session_id)
         if flight is not None and flight.command in (p.Command.CREATE, p.Command.FORK):
             record = self.registry.workers.get(flight.worker)
             if record is not None:

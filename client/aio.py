@@ -214,7 +214,9 @@ class AsyncClient:
         await self.close()
 
     async def _call(self, request: p.Message, kind: type[M], timeout: float | None) -> M:
-        call = self._transport.start(request)
+        return await self._answer(self._transport.start(request), kind, timeout)
+
+    async def _answer(self, call: Call, kind: type[M], timeout: float | None) -> M:
         try:
             return calls.expect(await self._transport.next(call, self._timeout(timeout)), kind)
         finally:
@@ -309,8 +311,24 @@ class AsyncSession:
         return calls.session_info(await self.client._call(request, p.SessionInfo, timeout))
 
     async def close(self, *, timeout: float | None = None) -> None:
+        await self._closed(self._send_close(), timeout)
+
+    def close_soon(self, *, timeout: float | None = None) -> asyncio.Task[None]:
+        """Send the close now and return without waiting for its answer: a task that ends with it (await it, or
+        asyncio logs its error when it fails).
+
+        The broker counts a session whose close is on its way as a free slot of its worker, which handles the
+        close before anything sent after it: a session opened right after this call may take this one's slot,
+        even on a full worker. A session already gone (not found, lost, expired) closes without an error."""
+        call = self._send_close()
+        return asyncio.get_running_loop().create_task(self._closed(call, timeout))
+
+    def _send_close(self) -> Call:
+        return self.client._transport.start(build(p.Close, request_id=new_request_id(), session_id=self.id))
+
+    async def _closed(self, call: Call, timeout: float | None) -> None:
         try:
-            await self.client._call(build(p.Close, request_id=new_request_id(), session_id=self.id), p.Closed, timeout)
+            await self.client._answer(call, p.Closed, timeout)
         except (SessionNotFound, SessionLost, SessionExpired):
             pass
 

@@ -82,6 +82,12 @@ class StackDriver:
         self.model = model
         self.raw = raw
         self.tally = tally
+        self.closing: set[asyncio.Task[None]] = set()  # closes sent and not answered yet
+
+    async def settle(self) -> None:
+        """Wait for the closes still on their way (before the client goes)."""
+        while self.closing:
+            await asyncio.wait(list(self.closing))
 
     async def run_user(self, script: Script) -> None:
         value: Any = None
@@ -137,12 +143,29 @@ class StackDriver:
                 child = await action.session.fork()
                 result = Opened(child, child.max_context)
             else:
-                await action.session.close()
+                # A user does not wait for a close to open its next session (see AsyncSession.close_soon); the
+                # close is timed when its answer comes.
+                task = action.session.close_soon()
+                self.closing.add(task)
+                task.add_done_callback(lambda done: self._closed(done, start))
+                return None
         except ClientError as e:
             self.raw.op_failed(kind, e.code)
             raise Failed(e.code) from e
         self.raw.op(kind, time.perf_counter() - start)
         return result
+
+    def _closed(self, task: asyncio.Task[None], start: float) -> None:
+        self.closing.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            self.raw.op("close", time.perf_counter() - start)
+        elif isinstance(error, ClientError):
+            self.raw.op_failed("close", error.code)
+        else:
+            log.error("close_failed", error=repr(error))
 
 
 async def run_part(part: Part, start: float | None, tally: Tally, on_progress: Callable[[], None]) -> RawRun:
@@ -156,6 +179,7 @@ async def run_part(part: Part, start: float | None, tally: Tally, on_progress: C
         reporter = asyncio.create_task(_report_every(on_progress))
         try:
             await asyncio.gather(*(driver.run_user(s) for s in scripts))
+            await driver.settle()
         finally:
             reporter.cancel()
     raw.finish = time.perf_counter()

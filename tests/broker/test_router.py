@@ -89,6 +89,30 @@ def test_pending_creates_count_against_capacity() -> None:
     assert isinstance(error, p.Error) and error.code is p.ErrorCode.CAPACITY_EXHAUSTED and error.request_id == "r2"
 
 
+def test_a_session_whose_close_is_on_its_way_frees_its_slot_for_the_next_create() -> None:
+    """The worker handles the close before a create sent after it, so the create may take the closing session's slot."""
+    old, other = "a" * 32, "b" * 32
+    router = running((W1, ready("w1", capacity=2, sessions=(old, other))))
+    assert isinstance(create(router, C1, "r0")[2], p.Error)  # full
+    close = p.Close(request_id="x1", session_id=old)
+    assert one(router.client_message(C1, p.encode(close), 2.0)) == (Peer.WORKER, W1, close.routed(C1))
+    assert router.registry.workers[W1].free == 1
+    peer, identity, request = create(router, C1, "r1")  # sent before the Closed came back
+    assert (peer, identity) == (Peer.WORKER, W1) and isinstance(request, p.CreateSession)
+    refused = create(router, C2, "r2")[2]  # the one slot is taken now
+    assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.CAPACITY_EXHAUSTED
+    router.worker_message(W1, p.encode(p.Closed(request_id="x1", session_id=old, route=C1)), 2.1)
+    created(router, W1, request)
+    record = router.registry.workers[W1]
+    assert record.sessions == {other, request.session_id} and not record.closing and record.free == 0
+    # A close that fails leaves the session live and its slot taken.
+    router.client_message(C1, p.encode(p.Close(request_id="x2", session_id=other)), 2.2)
+    assert record.free == 1
+    failed = p.Error(request_id="x2", code=p.ErrorCode.INTERNAL, message="boom", route=C1)
+    router.worker_message(W1, p.encode(failed), 2.3)
+    assert record.sessions == {other, request.session_id} and not record.closing and record.free == 0
+
+
 def test_a_resent_create_goes_to_the_same_worker_with_the_same_session_id() -> None:
     router = running((W1, ready("w1", capacity=1)), (W2, ready("w2", capacity=1)))
     _, first_worker, first = create(router, C1, "r1")

@@ -303,6 +303,35 @@ def test_an_async_burst_of_twice_the_capacity_admits_exactly_the_capacity(cluste
         assert [(w.name, w.sessions, w.free_slots) for w in c.status()] == [("w1", 0, 4)]
 
 
+def test_a_full_worker_takes_a_new_session_sent_right_behind_a_close_that_is_not_answered_yet(cluster: Cluster) -> None:
+    """4 slots, all taken: three times over, each session is closed with close_soon() and the next one opened at
+    once, before the close is answered. None is refused (the broker counts closes on their way as free slots, and
+    the worker handles each close before the create behind it), the closes all succeed, and the worker is full."""
+    names = start_workers(cluster, workers=1, capacity=4)
+
+    async def churn() -> tuple[list[str], BaseException | None]:
+        async with AsyncClient(cluster.clients, timeout=20) as ac:
+            sessions = [await ac.session() for _ in range(4)]
+            closes = []
+            for _ in range(3):
+                for i, s in enumerate(sessions):
+                    closes.append(s.close_soon())
+                    sessions[i] = await ac.session()
+                    await sessions[i].append(token_ids=prompt(i))
+            await asyncio.gather(*closes)
+            try:
+                await ac.session()
+                refused = None
+            except CapacityExhausted as e:
+                refused = e
+            return [s.worker for s in sessions], refused
+
+    workers, refused = asyncio.run(churn())
+    assert workers == [names[0]] * 4 and isinstance(refused, CapacityExhausted)
+    with cluster.client() as c:
+        assert [(w.name, w.sessions, w.free_slots) for w in c.status()] == [("w1", 4, 0)]
+
+
 def test_a_threaded_burst_over_two_workers_admits_exactly_their_capacity(cluster: Cluster) -> None:
     """Two workers with 2 slots each, 8 threads with a Client each create at the same moment: 4 sessions (2 per
     worker), 4 CapacityExhausted. No session is closed before every create has been answered (a barrier), so
