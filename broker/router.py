@@ -463,12 +463,13 @@ class Router:
         self._pending_by_owner[owner] = self._pending_by_owner.get(owner, 0) + 1
 
     def _settle_pending(self, flight: InFlight | None) -> None:
-        if flight is not None and flight.command is p.Command.CLOSE:
-            record = self.registry.workers.get(flight.worker)
+        if flight is None:
+            return
+        record = self.registry.workers.get(flight.worker)
+        if flight.command is p.Command.CLOSE:
             if record is not None:  # answered (Closed drops the session too), failed or timed out: not closing now
                 record.closing.discard(flight.session_id)
-        if flight is not None and flight.command in (p.Command.CREATE, p.Command.FORK):
-            record = self.registry.workers.get(flight.worker)
+        elif flight.command in (p.Command.CREATE, p.Command.FORK):
             if record is not None:
                 record.pending = max(0, record.pending - 1)
             left = self._pending_by_owner.get(flight.owner, 0) - 1

@@ -425,7 +425,7 @@ class GraphExecutor:
         k = len(picks)
         # Steady decoding: row i takes the last step's i-th sample (the same requests in the same order), one copy.
         # Otherwise the picks travel in the ids' place and are swapped for the ids on the device (a gather and a copy).
-        in_order = k > 0 and samples is not None and k <= len(samples) and picks == self._in_order[:k]
+        in_order = picks == self._in_order[:k]
         if k and not in_order:
             host[0, :k] = picks
         self._decode_in.load()
