@@ -22,6 +22,9 @@ from cuda_state import BufferSpec, StateSpec
 from .config import ModelConfig
 
 
+PACK_ALIGN = 512  # bytes: every packed weight starts at a multiple (cuBLAS and Triton want 16 at least)
+
+
 class Run(NamedTuple):
     """One session's tokens in a batch: batch rows [start, start+n) at positions [pos, pos+n).
 
@@ -169,12 +172,37 @@ class Llama:
         self.norm = weights["norm"].to(device=device, dtype=dtype)
         self.layers = [Layer(weights, i, device, dtype, fold_norms) for i in range(config.n_layers)]
         self.cos, self.sin = rope_tables(config, max_context, device)
+        if device.type == "cuda":
+            self.pack_weights()
         # Set by the GPU engine: a kernel reading K/V by slot and length (worker.triton_attention).
         self.decode_attention: Callable[..., torch.Tensor] | None = None
         # Set by the GPU engine: the whole layer stack in fused kernels (worker.fused_forward.fused_layers),
         # and the final norm + head + float cast in one (worker.fused_forward.fused_head) for row_products batches.
         self.fused_layers: Callable[..., torch.Tensor] | None = None
         self.fused_head: Callable[..., torch.Tensor] | None = None
+
+    def pack_weights(self) -> None:
+        """Move every weight and table into one device allocation (views at PACK_ALIGN-aligned offsets).
+
+        Built one by one, the ~200 tensors of a small model leave the caching allocator's 20 MiB segments part
+        empty: on SmolLM2-135M 280 MiB reserved for 257 MiB of weights. One block costs its size rounded to 2 MiB.
+        The tensors built first are freed here; the caller empties the cache before sizing the session table."""
+        holders: list[tuple[object, str]] = [(self.lm_head, "weight"), (self, "norm"), (self, "cos"), (self, "sin")]
+        if self.embed is not self.lm_head:
+            holders.append((self.embed, "weight"))
+        for layer in self.layers:
+            holders += [(layer, "input_norm"), (layer, "post_norm")]
+            holders += [(linear, "weight") for linear in layer.linears()]
+        tensors = [getattr(owner, name) for owner, name in holders]
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // PACK_ALIGN) * PACK_ALIGN
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        for (owner, name), t, offset in zip(holders, tensors, offsets, strict=True):
+            view = flat[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            setattr(owner, name, view)
 
     def state_spec(self) -> StateSpec:
         """Per session: K and V for every layer, (layers, kv_heads, max_context, head_dim)."""

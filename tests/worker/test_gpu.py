@@ -92,6 +92,26 @@ def test_workspace_covers_prefill_attention_and_graph_outputs() -> None:
     assert workspace_bytes(small) >= sum(BUCKETS) * c.vocab_size * 4  # every bucket's logits
 
 
+def test_packed_weights_are_views_of_one_block_and_give_the_same_logits() -> None:
+    """On the GPU Llama packs its weights into one allocation (Llama.pack_weights); the same packing on the CPU."""
+    from worker.model import PACK_ALIGN
+
+    llama = tiny_llama(64)
+    spec = llama.state_spec()
+    state = {b.name: torch.zeros((2, *b.shape), dtype=b.dtype) for b in spec.buffers}
+    ids, positions, slots = torch.tensor([5, 9, 3, 7]), torch.tensor([0, 1, 2, 0]), torch.tensor([0, 0, 0, 1])
+    before = llama.forward(ids, positions, slots, {k: v.clone() for k, v in state.items()})
+    llama.pack_weights()
+    tensors = [llama.lm_head.weight, llama.norm, llama.cos, llama.sin]
+    for layer in llama.layers:
+        tensors += [layer.input_norm, layer.post_norm, *(linear.weight for linear in layer.linears())]
+    bases = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(bases) == 1
+    assert all((t.data_ptr() - min(bases)) % PACK_ALIGN == 0 and t.is_contiguous() for t in tensors)
+    assert len({t.data_ptr() for t in tensors}) == len(tensors)  # no two share bytes
+    assert torch.equal(llama.forward(ids, positions, slots, state), before)
+
+
 def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                            lengths: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """What the Triton kernel computes, in plain torch (a stand-in on the CPU)."""
@@ -541,6 +561,9 @@ def test_gpu_engine_runs_bf16_on_the_vmm_slab_with_graphs(gpu_engine: object) ->
     assert gpu_engine.executor.row_products and gpu_engine.model.norms_folded  # decode products: worker.triton_matmul
     assert gpu_engine.executor.prefill_buckets == [128, 256, 512, 1024, 2048]  # every prefill bucket row-invariant
     assert gpu_engine.executor.prefill_splits == 1  # 2048 rows x 3 KV heads fill the SMs
+    model = gpu_engine.model
+    weights = [model.lm_head.weight, model.norm, *(lin.weight for layer in model.layers for lin in layer.linears())]
+    assert len({w.untyped_storage().data_ptr() for w in weights}) == 1  # one allocation (Llama.pack_weights)
 
 
 @pytest.mark.gpu
