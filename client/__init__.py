@@ -23,7 +23,7 @@ from .errors import (
     WorkerDraining,
 )
 from .results import Chunk, Generation, SessionInfo, WorkerInfo
-from .sync import Client, Session, Stream
+from .sync import Client, PendingClose, Session, Stream
 
 __all__ = [
     "AsyncClient",
@@ -37,6 +37,7 @@ __all__ = [
     "Generation",
     "InternalError",
     "ModelNotFound",
+    "PendingClose",
     "Session",
     "SessionExpired",
     "SessionInfo",

@@ -172,10 +172,16 @@ class Session:
 
     def close(self, *, timeout: float | None = None) -> None:
         """Free the session's slot. Closing a session that is already gone (closed, lost, expired) is not an error."""
-        try:
-            self.client._call(build(p.Close, request_id=new_request_id(), session_id=self.id), p.Closed, timeout)
-        except (SessionNotFound, SessionLost, SessionExpired):
-            pass
+        self.close_soon(timeout=timeout).wait()
+
+    def close_soon(self, *, timeout: float | None = None) -> PendingClose:
+        """Send the close now and return without waiting for its answer: wait() on the result for it.
+
+        The broker counts a session whose close is on its way as a free slot of its worker, which handles the
+        close before anything sent after it: a session opened right after this call may take this one's slot,
+        even on a full worker. Dropping the result unwaited drops the answer (nothing resends the close then)."""
+        request = build(p.Close, request_id=new_request_id(), session_id=self.id)
+        return PendingClose(self.client, self.client._transport.start(request), self.client._timeout(timeout))
 
     def __enter__(self) -> Session:
         return self
@@ -190,6 +196,34 @@ class Session:
         except ClientError:
             if exc is None:
                 raise  # otherwise the error that ended the block matters more than a failed close
+
+
+class PendingClose:
+    """A close sent by Session.close_soon. wait() takes its answer; a session already gone (not found, lost,
+    expired) closes without an error, as with Session.close."""
+
+    def __init__(self, client: Client, call: calls.Call, timeout_s: float) -> None:
+        self._transport = client._transport
+        self._call = call
+        self._timeout_s = timeout_s
+        self._waited = False
+
+    def wait(self) -> None:
+        """Block until the close is answered (Timeout after the timeout close_soon was given). Once only: later
+        calls return at once."""
+        if self._waited:
+            return
+        self._waited = True
+        try:
+            calls.expect(self._transport.next(self._call, self._timeout_s), p.Closed)
+        except (SessionNotFound, SessionLost, SessionExpired):
+            pass
+        finally:
+            self._transport.finish(self._call)
+
+    def __del__(self) -> None:
+        if not self._waited:  # nobody will read the answer: the transport drops it when it comes
+            self._transport.finish(self._call)
 
 
 class Stream:

@@ -332,6 +332,31 @@ def test_a_full_worker_takes_a_new_session_sent_right_behind_a_close_that_is_not
         assert [(w.name, w.sessions, w.free_slots) for w in c.status()] == [("w1", 4, 0)]
 
 
+def test_the_blocking_client_opens_a_session_behind_a_close_it_has_not_waited_for(cluster: Cluster) -> None:
+    """The same with the blocking client: Session.close_soon() on a full worker, the next create at once, the
+    close's answer waited for after it; a close whose result is dropped unwaited still closes."""
+    names = start_workers(cluster, workers=1, capacity=2)
+    with cluster.client() as c:
+        sessions = [c.session() for _ in range(2)]
+        for round_ in range(3):
+            pending = sessions[0].close_soon()
+            sessions[0] = c.session()
+            assert sessions[0].worker == names[0]
+            sessions[0].append(token_ids=prompt(round_))
+            pending.wait()
+            pending.wait()  # once answered, at once
+        sessions[1].close_soon()  # dropped: nobody reads its answer
+        replacement = c.session()
+        replacement.append(token_ids=prompt(9))
+        tokens = replacement.generate(max_tokens=8, ignore_eos=True).token_ids
+        with pytest.raises(CapacityExhausted):
+            c.session()
+        assert [(w.name, w.sessions, w.free_slots) for w in c.status()] == [("w1", 2, 0)]
+        for s in (sessions[0], replacement):
+            s.close()
+    assert solo_references(cluster, [prompt(9)]) == [tokens]  # the dropped close's slot served a clean session
+
+
 def test_a_threaded_burst_over_two_workers_admits_exactly_their_capacity(cluster: Cluster) -> None:
     """Two workers with 2 slots each, 8 threads with a Client each create at the same moment: 4 sessions (2 per
     worker), 4 CapacityExhausted. No session is closed before every create has been answered (a barrier), so
