@@ -24,11 +24,15 @@ launch (worker.pdl), which hides most of the gap between a graph's consecutive k
 Batch invariance: a row's numbers must not depend on what else is in the step (the same seed and
 inputs give the same tokens whatever else runs). Every kernel of a decode step works row by row:
 the row products' tiles depend on the weight's shape only, and the attention's split count
-(programs per row's keys) is pinned for every bucket. (cuBLAS, for prefill, picks a kernel by the
-shape.) Whether rows come out the same in every bucket is measured, not assumed: at start-up each
-smaller bucket replays real rows (random K/V in real slots) beside the largest one, and a bucket
-whose logits differ in any bit is dropped, its batches served by the next larger bucket (on the
-H100 every bucket passes: one session runs a 1-row step instead of a 64-row one).
+(programs per row's keys) is pinned for every bucket, each row taking as many splits as its own
+length fills. Each decode bucket has two graphs, one without split attention for steps whose rows are
+all shorter than long_rows_from (a row that short runs in one split either way, the same bits), the
+other for the rest. (cuBLAS, for prefill, picks a kernel by the shape.) Whether rows come out the
+same in every bucket is measured, not assumed: at start-up each smaller bucket replays real rows
+(random K/V in real slots) beside the largest one, in both its graphs, and a bucket whose logits
+differ in any bit is dropped, its batches served by the next larger bucket (on the H100 every bucket
+passes: one session runs a 1-row step instead of a 64-row one); short rows are checked to come out
+the same from both graphs (if not, every step takes the split one).
 Prefill buckets are checked the same way against the largest prefill bucket (prompt chunks at
 random offsets of the same temporary slots), and their attention split count is pinned likewise.
 A step that mixes decode rows and prompt chunks is split that way: decode rows from their bucket's
@@ -73,10 +77,13 @@ GRAPHS_ENV = "WORKER_CUDA_GRAPHS"  # "0" disables graphs whatever the caller ask
 FUSED_ENV = "WORKER_FUSED_KERNELS"  # "0" keeps the plain torch layer loop on the GPU (A/B comparisons)
 ROW_PRODUCTS_ENV = "WORKER_ROW_PRODUCTS"  # "0": cuBLAS and the separate fused kernels, norms unfolded (A/B)
 ATTENTION_SPLITS_ENV = "WORKER_ATTENTION_SPLITS"  # pins the decode attention's split count (A/B comparisons)
-# Decode attention's split count, pinned for all buckets, is at most this. One session's 3 (row, kv head) programs
-# each walking all its keys cost the most; a 64-row step's 192 programs already fill the GPU and pay for the
-# merge. H100, SmolLM2-135M, 384 keys: 1-row / 64-row step 0.809 / 0.908 ms with 1 split, 0.795 / 0.919 with 2,
-# 0.786 / 0.943 with 4.
+# Decode attention's split count, pinned for all buckets, is at most this; a row takes fewer when its length gives
+# each split under MIN_SPLIT_KEYS keys (triton_attention). One session's 3 (row, kv head) programs each walking
+# all its keys cost the most at long lengths; short rows gain nothing from splitting and a 64-row step's 192
+# programs fill the GPU. H100, SmolLM2-135M, 1-row / 64-row step: 1,000 keys 0.922 / 1.314 ms with 1 split,
+# 0.800 / 1.406 with 2; 1,800 keys 1.175 / 1.730 and 0.936 / 1.864; 7,000 keys (1 row) 2.736 and 1.717; under
+# 512 keys a step without the split kernel and its merge: 0.665 / 0.817 against 0.676 / 0.853 (why each decode
+# bucket has a second graph, for steps whose longest row splits).
 PINNED_SPLITS_MAX = 2
 # Fixed slack in the workspace: cuBLAS workspaces (one per stream, the capture stream included),
 # lazily loaded kernel modules of torch and Triton, and caching-allocator fragmentation.
@@ -275,11 +282,14 @@ class GraphExecutor:
         self.row_products: bool = model.fused_layers is not None and model.norms_folded and row_products_wanted()
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # The same buckets with split attention, for steps with a row of long_rows_from keys or more (see _decode).
+        self._long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.long_rows_from: int | None = None  # None: one graph per bucket, every row of a step attended alike
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.attention_splits: int | None = None  # the smallest bucket's, for every bucket (None: off the GPU)
         self.prefill_splits: int | None = None  # the largest prefill bucket's, for every prefill bucket
         if device.type == "cuda":
-            from .triton_attention import num_splits, sm_count
+            from .triton_attention import MIN_SPLIT_KEYS, num_splits, sm_count
 
             c, sms = model.config, sm_count(device)
             # Pinned for every bucket (a row's attention must sum in the same order in any bucket): what the smallest
@@ -291,6 +301,8 @@ class GraphExecutor:
                 self.attention_splits = _pinned_splits(pinned)
                 log.info("attention_splits_pinned", env=ATTENTION_SPLITS_ENV, splits=self.attention_splits)
             self.prefill_splits = num_splits(prefill_rows, c.n_kv_heads, model.max_context, sms)
+            if self.attention_splits > 1 and model.max_context > 2 * MIN_SPLIT_KEYS:
+                self.long_rows_from = 2 * MIN_SPLIT_KEYS
         if use_graphs:
             start = time.perf_counter()
             # Largest activations first: the later graphs reuse its pool blocks (only outputs stay).
@@ -300,6 +312,8 @@ class GraphExecutor:
                     self._prefill_out = logits  # the smaller prefill graphs copy their logits into it
             for b in reversed(self.buckets):
                 self._graphs[b] = self._capture(functools.partial(self._step, b))
+                if self.long_rows_from is not None:  # writes its logits into the short graph's output
+                    self._long_graphs[b], _ = self._capture(functools.partial(self._step, b, True))
             torch.cuda.synchronize(device)
             log.info("cuda_graphs_captured", buckets=self.buckets, prefill_buckets=self.prefill_buckets,
                      seconds=round(time.perf_counter() - start, 2))
@@ -408,13 +422,17 @@ class GraphExecutor:
 
     def _decode(
         self, tokens: list[int], positions: list[int], slots: list[int], source: tuple[torch.Tensor, list[int]] | None = None,
-        copy_logits: bool = True, bucket: int | None = None,
+        copy_logits: bool = True, bucket: int | None = None, long: bool | None = None,
     ) -> torch.Tensor:
         """One padded decode step over distinct sessions' single tokens: logits (n, vocab), a copy unless
         copy_logits is False. With `source` (ids, picks), row i < len(picks) takes ids[picks[i]], gathered on the
-        device. `bucket`: the batch size to run (default: the smallest that holds the rows)."""
+        device. `bucket`: the batch size to run (default: the smallest that holds the rows). `long`: the split
+        attention's graph (default: when a row attends to long_rows_from keys or more; both give a shorter row
+        the same bits, so the choice moves no row's numbers)."""
         n = len(positions)
         bucket = pick_bucket(self.buckets, n) if bucket is None else bucket
+        if long is None:
+            long = self.long_rows_from is not None and max(positions) + 1 >= self.long_rows_from
         host = self._decode_in.begin()
         host[0, :n] = tokens
         host[1, :n] = positions
@@ -434,10 +452,10 @@ class GraphExecutor:
             ids.copy_(samples[:k] if in_order else samples.index_select(0, ids))
         if self.use_graphs:
             graph, logits = self._graphs[bucket]
-            graph.replay()
+            (self._long_graphs[bucket] if long else graph).replay()
             self.replays += 1
         else:
-            logits = self._step(bucket)
+            logits = self._step(bucket, long)
         self.table.mark_used(slots)  # one row per session: distinct
         return logits[:n].clone() if copy_logits else logits[:n]
 
@@ -451,7 +469,7 @@ class GraphExecutor:
         reduction order for another row count shows up in the logits; the bucket's batches then run in
         the next larger one (slower, never different).
         """
-        if len(self.buckets) == 1 and len(self.prefill_buckets) == 1:
+        if len(self.buckets) == 1 and len(self.prefill_buckets) == 1 and self.long_rows_from is None:
             return
         start = time.perf_counter()
         gen = torch.Generator(device=self.model.device).manual_seed(0)
@@ -463,12 +481,19 @@ class GraphExecutor:
             for _ in range(min(wanted, self.table.capacity)):
                 slots.append(self.table.create())
             span = min(INVARIANCE_CHECK_POSITIONS, self.model.max_context - 1)
+            filled = min(span + (self.long_rows_from or 0), self.model.max_context - 1)  # long rows reach past span
             for buf in self.table.spec.buffers:
                 view = self.state[buf.name]
                 for slot in slots:
-                    part = view[slot] if buf.seq_axis is None else view[slot].narrow(buf.seq_axis, 0, span)
+                    part = view[slot] if buf.seq_axis is None else view[slot].narrow(buf.seq_axis, 0, filled)
                     part.copy_(torch.randn(part.shape, generator=gen, device=part.device, dtype=torch.float32))
-            dropped = [b for b in self.buckets[:-1] if not self._decode_invariant(b, slots, span, gen)]
+            if self.long_rows_from is not None and not self._split_graphs_agree(slots, span, gen):
+                log.warning("split_attention_differs", detail="short rows differ between the two attentions: every "
+                            "step takes the split one", long_rows_from=self.long_rows_from)
+                self.long_rows_from = 1  # every row: every step replays the split graphs
+            split = self.long_rows_from is not None  # then each bucket's split graph too, rows long and short
+            dropped = [b for b in self.buckets[:-1] if not self._decode_invariant(b, slots, span, gen)
+                       or split and not self._decode_invariant(b, slots, filled, gen, long=True)]
             dropped_prefill = [b for b in self.prefill_buckets[:-1] if not self._prefill_invariant(b, slots, span, gen)]
         except StateError as e:  # no room for the check's slots: keep only the largest buckets
             log.warning("buckets_unchecked", error=str(e), kept=[self.buckets[-1]], prefill_kept=[self.prefill_rows])
@@ -480,6 +505,7 @@ class GraphExecutor:
         for b in dropped:
             self.buckets.remove(b)
             self._graphs.pop(b, None)
+            self._long_graphs.pop(b, None)
         for b in dropped_prefill:
             self.prefill_buckets.remove(b)
             self._prefill_graphs.pop(b, None)
@@ -492,14 +518,25 @@ class GraphExecutor:
         log.info("buckets_checked", buckets=self.buckets, prefill_buckets=self.prefill_buckets,
                  seconds=round(time.perf_counter() - start, 3))
 
-    def _decode_invariant(self, b: int, slots: list[int], span: int, gen: torch.Generator) -> bool:
-        """b decode rows (b <= len(slots)) give the same logits in bucket b as in the largest bucket."""
+    def _decode_invariant(self, b: int, slots: list[int], span: int, gen: torch.Generator, long: bool = False) -> bool:
+        """b decode rows (b <= len(slots)) at positions below `span` give the same logits in bucket b as in the
+        largest bucket (long: in the split attention's graphs)."""
         vocab, device = self.model.config.vocab_size, self.model.device
         tokens = torch.randint(0, vocab, (b,), generator=gen, device=device).tolist()
         positions = torch.randint(1, span, (b,), generator=gen, device=device).tolist()
-        wide = self._decode(tokens, positions, slots[:b], bucket=self.buckets[-1])
-        own = self._decode(tokens, positions, slots[:b], bucket=b)
+        wide = self._decode(tokens, positions, slots[:b], bucket=self.buckets[-1], long=long)
+        own = self._decode(tokens, positions, slots[:b], bucket=b, long=long)
         return torch.equal(wide, own)
+
+    def _split_graphs_agree(self, slots: list[int], span: int, gen: torch.Generator) -> bool:
+        """Rows shorter than long_rows_from give the same logits in the split attention's graph as in the other
+        (what lets a step's longest row pick the graph without moving the others' numbers)."""
+        vocab, device = self.model.config.vocab_size, self.model.device
+        rows = min(len(slots), self.buckets[-1])
+        tokens = torch.randint(0, vocab, (rows,), generator=gen, device=device).tolist()
+        positions = torch.randint(1, span, (rows,), generator=gen, device=device).tolist()
+        split = self._decode(tokens, positions, slots[:rows], bucket=self.buckets[-1], long=True)
+        return torch.equal(split, self._decode(tokens, positions, slots[:rows], bucket=self.buckets[-1], long=False))
 
     def _prefill_invariant(self, b: int, slots: list[int], span: int, gen: torch.Generator) -> bool:
         """Prompt chunks filling most of b rows, one per slot from a random offset, give the same logits at
@@ -522,12 +559,23 @@ class GraphExecutor:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def _step(self, b: int) -> torch.Tensor:
-        """The decode forward over the first b static rows: logits (b, vocab) fp32."""
+    def _step(self, b: int, long: bool = False) -> torch.Tensor:
+        """The decode forward over the first b static rows: logits (b, vocab) fp32.
+
+        long False with long_rows_from set: attention in one program per (row, KV head), for steps whose rows are
+        all shorter than long_rows_from (no merge kernel). long True: keys split attention_splits ways, each row as
+        its length wants (triton_attention: rows shorter than long_rows_from in one split, the same bits), the
+        logits written into the short graph's output once that exists."""
         tokens, positions, slots, lengths = self._decode_in.device[:, :b]
+        splits = self.attention_splits if long or self.long_rows_from is None else 1
         batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32),
-                      attention_splits=self.attention_splits, row_products=self.row_products)
-        return self.model.forward(tokens, positions, slots, self.state, batch)
+                      attention_splits=splits, row_products=self.row_products)
+        logits = self.model.forward(tokens, positions, slots, self.state, batch)
+        short = self._graphs.get(b)
+        if not long or short is None:
+            return logits
+        with torch.inference_mode():  # the output, like the forward's tensors, is an inference tensor
+            return short[1].copy_(logits)
 
     def _prefill_step(self, b: int) -> torch.Tensor:
         """The prefill forward over the first b static prefill rows: logits (prefill_logits, vocab) fp32,

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: GPU time of the step alone against the whole engine step.
 
-    python -m worker.step_profile [--model random:smollm2-135m] [--sessions 1 64] [--steps 200] [--kernels]
+    python -m worker.step_profile [--model random:smollm2-135m] [--sessions 1 64] [--steps 200]
+        [--prompt-tokens 128] [--max-context 1024] [--kernels]
 
 For each batch size: the graph replay timed with CUDA events (GPU time), the engine's step() timed
 on the host (everything: scheduling, input copy, replay, sampling, detokenizing, bookkeeping), and
@@ -149,10 +150,12 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-context", type=int, default=1024, help="the engine's context (each session's slot)")
     ap.add_argument("--kernels", action="store_true", help="also print the kernels of a decode step and a prefill")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    engine = Engine.load(args.model, device="cuda", max_sessions=max(args.sessions), max_context=1024)
+    engine = Engine.load(args.model, device="cuda", max_sessions=max(args.sessions),
+                         max_context=args.max_context)
     rows = {n: profile(engine, n, args.steps, args.prompt_tokens) for n in args.sessions}
     print(f"{'batch':>5} {'graph GPU ms':>13} {'engine step ms':>15} {'host share':>11} {'tokens/s':>10}")
     for n, r in rows.items():

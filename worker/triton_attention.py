@@ -7,8 +7,10 @@ in the log2 domain (exp2 with log2(e) folded into the scale).
 
 For few rows the (row, kv_head) grid cannot fill the GPU, so the keys of each row are split across
 programs (flash-decoding): each split writes an unnormalised partial (acc, max, sum) and a second
-kernel merges them. The split count depends only on shapes, never on `lengths`, so nothing here
-reads device values on the host: both paths are safe to capture in a CUDA graph once compiled.
+kernel merges them. The grid depends only on shapes; inside it a row takes as many of the splits as
+its own length gives MIN_SPLIT_KEYS keys each (a short row: one, bitwise the one-program kernel's
+result), so a row's numbers never depend on the other rows. Nothing here reads device values on the
+host: both paths are safe to capture in a CUDA graph once compiled.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .pdl import launch_options, wait_then_release
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner-loop block
 MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16: the query-head group is padded up to this
-MIN_SPLIT_KEYS = 256  # a split covers at least this many positions of max_context
+MIN_SPLIT_KEYS = 256  # a split covers at least this many positions of max_context, and of a row's length
 MAX_SPLITS = 32
 NUM_WARPS = 4
 
@@ -131,6 +133,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    MIN_KEYS: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -146,7 +149,11 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     split = tl.program_id(2)
     slot = tl.load(Slots + row).to(tl.int64) - anchor  # relative to the slot K and V point at
     length = tl.load(Lengths + row).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK) * BLOCK
+    # The row's own split count: SPLITS, fewer when a split would get under MIN_KEYS keys (one for a short row,
+    # whose later splits are empty). A function of the row's length alone, so a row sums in the same order in any
+    # batch; a row of one split gives the bits of _decode_kernel (the merge weighs the empty splits 0).
+    row_splits = tl.minimum(tl.maximum(length // MIN_KEYS, 1), SPLITS)
+    per_split = tl.cdiv(tl.cdiv(length, row_splits), BLOCK) * BLOCK
     lo = split * per_split
     hi = tl.minimum(lo + per_split, length)  # lo >= hi: an empty split (max -inf, sum 0)
     q = _load_group(Q, row, kvh, stride_qb, stride_qh, GROUP, HEAD_DIM, GROUP_PAD, BLOCK_D)
@@ -284,7 +291,7 @@ def decode_attention(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        qk_scale, HEADS=heads, GROUP=group, SPLITS=splits, num_warps=NUM_WARPS, **shape, **pdl,
+        qk_scale, HEADS=heads, GROUP=group, SPLITS=splits, MIN_KEYS=MIN_SPLIT_KEYS, num_warps=NUM_WARPS, **shape, **pdl,
     )
     _merge_splits_kernel[(rows, heads)](
         part_acc, part_max, part_sum, out,

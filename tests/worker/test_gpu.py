@@ -485,6 +485,26 @@ def test_triton_decode_matches_a_float64_reference(
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_attention_gives_rows_too_short_to_split_the_bits_of_one_program(splits: int) -> None:
+    """A row splits its keys only when each split gets MIN_SPLIT_KEYS of them: a shorter row runs in one split and
+    its output is bitwise the one-program kernel's (so the executor may pick the attention by a step's longest
+    row without moving the other rows' numbers). Longer rows split and stay close to the reference."""
+    from worker.triton_attention import MIN_SPLIT_KEYS, decode_attention
+
+    gen = torch.Generator().manual_seed(splits)
+    q, k, v, slots, lengths = random_decode_case(16, 9, 3, 64, 3 * MIN_SPLIT_KEYS, dtype=torch.bfloat16, gen=gen)
+    short = lengths < 2 * MIN_SPLIT_KEYS
+    assert 0 < int(short.sum()) < 16
+    split = decode_attention(q, k, v, slots, lengths, splits=splits)
+    whole = decode_attention(q, k, v, slots, lengths, splits=1)
+    assert torch.equal(split[short], whole[short])
+    assert not torch.equal(split[~short], whole[~short])  # the long rows did split
+    torch.testing.assert_close(split.double(), attention_reference(q, k, v, slots, lengths), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_triton_decode_replays_in_a_cuda_graph_with_new_slots_and_lengths() -> None:
     from worker.triton_attention import decode_attention
 
@@ -558,6 +578,8 @@ def test_gpu_engine_runs_bf16_on_the_vmm_slab_with_graphs(gpu_engine: object) ->
     assert gpu_engine.executor.buckets == [1, 4, 8] and gpu_engine.capacity == 8  # every bucket row-invariant
     # A 1-row step's 3 (row, KV head) programs leave the SMs idle: keys split, at most PINNED_SPLITS_MAX, in every bucket
     assert gpu_engine.executor.attention_splits == 2
+    # ... in the split graphs, which steps with a row of 512 keys or more replay (the others: one program a row)
+    assert gpu_engine.executor.long_rows_from == 512 and sorted(gpu_engine.executor._long_graphs) == [1, 4, 8]
     assert gpu_engine.executor.row_products and gpu_engine.model.norms_folded  # decode products: worker.triton_matmul
     assert gpu_engine.executor.prefill_buckets == [128, 256, 512, 1024, 2048]  # every prefill bucket row-invariant
     assert gpu_engine.executor.prefill_splits == 1  # 2048 rows x 3 KV heads fill the SMs
