@@ -49,7 +49,11 @@ def profile(engine: Engine, n: int, steps: int, prompt: int) -> dict[str, float]
     if graphs:
         from .gpu import pick_bucket
 
-        graph, _ = graphs[pick_bucket(executor.buckets, n)]  # type: ignore[attr-defined]
+        bucket = pick_bucket(executor.buckets, n)  # type: ignore[attr-defined]
+        graph, _ = graphs[bucket]
+        long_from = getattr(executor, "long_rows_from", None)  # the split attention's graph from this length on
+        if long_from is not None and max(engine.session_length(s) for s in sids) >= long_from:
+            graph = executor._long_graphs[bucket]  # type: ignore[attr-defined]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):
