@@ -432,7 +432,7 @@ class GraphExecutor:
         n = len(positions)
         bucket = pick_bucket(self.buckets, n) if bucket is None else bucket
         if long is None:
-            long = self.long_rows_from is not None and max(positions) + 1 >= self.long_rows_from
+            long = self.long_rows_from is not None and max(positions, default=0) + 1 >= self.long_rows_from
         host = self._decode_in.begin()
         host[0, :n] = tokens
         host[1, :n] = positions
