@@ -207,17 +207,24 @@ class PendingClose:
         self._call = call
         self._timeout_s = timeout_s
         self._waited = False
+        self._error: ClientError | None = None
 
     def wait(self) -> None:
-        """Block until the close is answered (Timeout after the timeout close_soon was given). Once only: later
-        calls return at once."""
+        """Block until the close is answered (Timeout after the timeout close_soon was given). The answer is taken
+        once: later calls return at once, or raise the first call's error again (after a Timeout, whether the
+        session closed is not known here)."""
         if self._waited:
+            if self._error is not None:
+                raise self._error
             return
         self._waited = True
         try:
             calls.expect(self._transport.next(self._call, self._timeout_s), p.Closed)
         except (SessionNotFound, SessionLost, SessionExpired):
             pass
+        except ClientError as e:
+            self._error = e
+            raise
         finally:
             self._transport.finish(self._call)
 

@@ -277,7 +277,6 @@ class Engine:
             from .gpu import attach_gpu_kernels, make_gpu_executor, workspace_bytes
 
             attach_gpu_kernels(llama)
-            torch.cuda.empty_cache()  # the weights as first built (Llama packs them into one block): not ours now
             # Closed sessions' slots stay mapped for the next ones (no driver allocation per session); the
             # worker releases those unused for a while (release_idle_slots).
             backend = open_backend(choice, llama.state_spec(), max_sessions, workspace_bytes(llama))

@@ -284,7 +284,9 @@ class GraphExecutor:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # The same buckets with split attention, for steps with a row of long_rows_from keys or more (see _decode).
         self._long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.long_rows_from: int | None = None  # None: one graph per bucket, every row of a step attended alike
+        # A step with a row of this many keys or more replays the split graphs (1: every step). None: one graph per
+        # bucket (attention not split, or no row long enough to split).
+        self.long_rows_from: int | None = None
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.attention_splits: int | None = None  # the smallest bucket's, for every bucket (None: off the GPU)
         self.prefill_splits: int | None = None  # the largest prefill bucket's, for every prefill bucket
@@ -301,7 +303,7 @@ class GraphExecutor:
                 self.attention_splits = _pinned_splits(pinned)
                 log.info("attention_splits_pinned", env=ATTENTION_SPLITS_ENV, splits=self.attention_splits)
             self.prefill_splits = num_splits(prefill_rows, c.n_kv_heads, model.max_context, sms)
-            if self.attention_splits > 1 and model.max_context > 2 * MIN_SPLIT_KEYS:
+            if self.attention_splits > 1 and model.max_context >= 2 * MIN_SPLIT_KEYS:
                 self.long_rows_from = 2 * MIN_SPLIT_KEYS
         if use_graphs:
             start = time.perf_counter()
@@ -487,17 +489,20 @@ class GraphExecutor:
                 for slot in slots:
                     part = view[slot] if buf.seq_axis is None else view[slot].narrow(buf.seq_axis, 0, filled)
                     part.copy_(torch.randn(part.shape, generator=gen, device=part.device, dtype=torch.float32))
-            if self.long_rows_from is not None and not self._split_graphs_agree(slots, span, gen):
+            if self.long_rows_from is not None and not self._split_graphs_agree(slots, gen):
                 log.warning("split_attention_differs", detail="short rows differ between the two attentions: every "
                             "step takes the split one", long_rows_from=self.long_rows_from)
                 self.long_rows_from = 1  # every row: every step replays the split graphs
-            split = self.long_rows_from is not None  # then each bucket's split graph too, rows long and short
-            dropped = [b for b in self.buckets[:-1] if not self._decode_invariant(b, slots, span, gen)
+            short = self.long_rows_from != 1  # the graphs without split attention serve steps
+            split = self.long_rows_from is not None  # each bucket's split graph too, rows long and short
+            dropped = [b for b in self.buckets[:-1] if short and not self._decode_invariant(b, slots, span, gen)
                        or split and not self._decode_invariant(b, slots, filled, gen, long=True)]
             dropped_prefill = [b for b in self.prefill_buckets[:-1] if not self._prefill_invariant(b, slots, span, gen)]
         except StateError as e:  # no room for the check's slots: keep only the largest buckets
             log.warning("buckets_unchecked", error=str(e), kept=[self.buckets[-1]], prefill_kept=[self.prefill_rows])
             dropped, dropped_prefill = self.buckets[:-1], self.prefill_buckets[:-1]
+            if self.long_rows_from is not None:  # the two attentions' agreement unchecked: the split one only
+                self.long_rows_from = 1
         finally:
             for slot in slots:
                 self.table.free(slot)
@@ -524,17 +529,20 @@ class GraphExecutor:
         vocab, device = self.model.config.vocab_size, self.model.device
         tokens = torch.randint(0, vocab, (b,), generator=gen, device=device).tolist()
         positions = torch.randint(1, span, (b,), generator=gen, device=device).tolist()
+        if long and self.long_rows_from is not None and span > self.long_rows_from:  # a row that splits, at least
+            positions[0] = int(torch.randint(self.long_rows_from - 1, span, (), generator=gen, device=device))
         wide = self._decode(tokens, positions, slots[:b], bucket=self.buckets[-1], long=long)
         own = self._decode(tokens, positions, slots[:b], bucket=b, long=long)
         return torch.equal(wide, own)
 
-    def _split_graphs_agree(self, slots: list[int], span: int, gen: torch.Generator) -> bool:
+    def _split_graphs_agree(self, slots: list[int], gen: torch.Generator) -> bool:
         """Rows shorter than long_rows_from give the same logits in the split attention's graph as in the other
         (what lets a step's longest row pick the graph without moving the others' numbers)."""
+        assert self.long_rows_from is not None
         vocab, device = self.model.config.vocab_size, self.model.device
         rows = min(len(slots), self.buckets[-1])
         tokens = torch.randint(0, vocab, (rows,), generator=gen, device=device).tolist()
-        positions = torch.randint(1, span, (rows,), generator=gen, device=device).tolist()
+        positions = torch.randint(1, self.long_rows_from - 1, (rows,), generator=gen, device=device).tolist()
         split = self._decode(tokens, positions, slots[:rows], bucket=self.buckets[-1], long=True)
         return torch.equal(split, self._decode(tokens, positions, slots[:rows], bucket=self.buckets[-1], long=False))
 

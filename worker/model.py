@@ -165,15 +165,18 @@ class Llama:
         self.device = device
         self.dtype = dtype
         self.max_context = max_context
+        # On the GPU the tensors are built in host memory, then moved in one block (pack_weights): the device holds
+        # the weights once, never twice.
+        build = torch.device("cpu") if device.type == "cuda" else device
         head = weights["embed"] if config.tie_embeddings else weights["lm_head"]
-        self.lm_head = Linear(head, device, dtype, transposed=device.type == "cpu")  # (vocab, dim)
+        self.lm_head = Linear(head, build, dtype, transposed=device.type == "cpu")  # (vocab, dim)
         # With tied weights the head is the embedding, stored once.
-        self.embed = self.lm_head if config.tie_embeddings else Linear(weights["embed"], device, dtype)
-        self.norm = weights["norm"].to(device=device, dtype=dtype)
-        self.layers = [Layer(weights, i, device, dtype, fold_norms) for i in range(config.n_layers)]
-        self.cos, self.sin = rope_tables(config, max_context, device)
+        self.embed = self.lm_head if config.tie_embeddings else Linear(weights["embed"], build, dtype)
+        self.norm = weights["norm"].to(device=build, dtype=dtype)
+        self.layers = [Layer(weights, i, build, dtype, fold_norms) for i in range(config.n_layers)]
+        self.cos, self.sin = rope_tables(config, max_context, build)
         if device.type == "cuda":
-            self.pack_weights()
+            self.pack_weights(device)
         # Set by the GPU engine: a kernel reading K/V by slot and length (worker.triton_attention).
         self.decode_attention: Callable[..., torch.Tensor] | None = None
         # Set by the GPU engine: the whole layer stack in fused kernels (worker.fused_forward.fused_layers),
@@ -181,12 +184,13 @@ class Llama:
         self.fused_layers: Callable[..., torch.Tensor] | None = None
         self.fused_head: Callable[..., torch.Tensor] | None = None
 
-    def pack_weights(self) -> None:
-        """Move every weight and table into one device allocation (views at PACK_ALIGN-aligned offsets).
+    def pack_weights(self, device: torch.device | None = None) -> None:
+        """Move every weight and table into one allocation on `device` (default: where they are), as views at
+        PACK_ALIGN-aligned offsets.
 
-        Built one by one, the ~200 tensors of a small model leave the caching allocator's 20 MiB segments part
-        empty: on SmolLM2-135M 280 MiB reserved for 257 MiB of weights. One block costs its size rounded to 2 MiB.
-        The tensors built first are freed here; the caller empties the cache before sizing the session table."""
+        Allocated one by one on the GPU, the ~200 tensors of a small model leave the caching allocator's 20 MiB
+        segments part empty: on SmolLM2-135M 280 MiB reserved for 257 MiB of weights. One block costs its size
+        rounded to 2 MiB."""
         holders: list[tuple[object, str]] = [(self.lm_head, "weight"), (self, "norm"), (self, "cos"), (self, "sin")]
         if self.embed is not self.lm_head:
             holders.append((self.embed, "weight"))
@@ -194,15 +198,18 @@ class Llama:
             holders += [(layer, "input_norm"), (layer, "post_norm")]
             holders += [(linear, "weight") for linear in layer.linears()]
         tensors = [getattr(owner, name) for owner, name in holders]
-        offsets, total = [], 0
+        places: list[tuple[int, int, torch.dtype, torch.Size]] = []  # (offset, bytes, dtype, shape) of each
+        total = 0
         for t in tensors:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // PACK_ALIGN) * PACK_ALIGN
-        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-        for (owner, name), t, offset in zip(holders, tensors, offsets, strict=True):
-            view = flat[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            setattr(owner, name, view)
+            places.append((total, t.numel() * t.element_size(), t.dtype, t.shape))
+            total += -(-places[-1][1] // PACK_ALIGN) * PACK_ALIGN
+        flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+        for t, (offset, nbytes, dtype, shape) in zip(tensors, places, strict=True):
+            flat[offset : offset + nbytes].view(dtype).view(shape).copy_(t)
+        if device is not None:
+            flat = flat.to(device)
+        for (owner, name), (offset, nbytes, dtype, shape) in zip(holders, places, strict=True):
+            setattr(owner, name, flat[offset : offset + nbytes].view(dtype).view(shape))
 
     def state_spec(self) -> StateSpec:
         """Per session: K and V for every layer, (layers, kv_heads, max_context, head_dim)."""

@@ -52,7 +52,8 @@ def profile(engine: Engine, n: int, steps: int, prompt: int) -> dict[str, float]
         bucket = pick_bucket(executor.buckets, n)  # type: ignore[attr-defined]
         graph, _ = graphs[bucket]
         long_from = getattr(executor, "long_rows_from", None)  # the split attention's graph from this length on
-        if long_from is not None and max(engine.session_length(s) for s in sids) >= long_from:
+        lengths = executor._decode_in.host[3, :n]  # type: ignore[attr-defined]  # the last step's, which replays
+        if long_from is not None and int(lengths.max()) >= long_from:
             graph = executor._long_graphs[bucket]  # type: ignore[attr-defined]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -157,6 +158,9 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=1024, help="the engine's context (each session's slot)")
     ap.add_argument("--kernels", action="store_true", help="also print the kernels of a decode step and a prefill")
     args = ap.parse_args()
+    # A session generates 10 + steps + steps // 2 tokens after its prompt, in a request of 3 x steps + 10.
+    if args.prompt_tokens + 11 + args.steps * 3 // 2 > args.max_context or 3 * args.steps + 10 > args.max_context:
+        ap.error(f"a session's prompt and {args.steps} steps do not fit --max-context {args.max_context}")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     engine = Engine.load(args.model, device="cuda", max_sessions=max(args.sessions),
                          max_context=args.max_context)

@@ -149,9 +149,10 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     split = tl.program_id(2)
     slot = tl.load(Slots + row).to(tl.int64) - anchor  # relative to the slot K and V point at
     length = tl.load(Lengths + row).to(tl.int32)
-    # The row's own split count: SPLITS, fewer when a split would get under MIN_KEYS keys (one for a short row,
-    # whose later splits are empty). A function of the row's length alone, so a row sums in the same order in any
-    # batch; a row of one split gives the bits of _decode_kernel (the merge weighs the empty splits 0).
+    # The row's own split count: length // MIN_KEYS, from 1 to SPLITS (a short row takes one; the splits past a row's
+    # count are empty, as rounding to whole blocks may leave its last one). A function of the row's length alone,
+    # so a row sums in the same order in any batch; a row of one split gives the bits of _decode_kernel (the merge
+    # weighs empty splits 0).
     row_splits = tl.minimum(tl.maximum(length // MIN_KEYS, 1), SPLITS)
     per_split = tl.cdiv(tl.cdiv(length, row_splits), BLOCK) * BLOCK
     lo = split * per_split

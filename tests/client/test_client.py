@@ -329,3 +329,28 @@ def test_closing_an_async_stream_or_client_wakes_its_waiting_reader() -> None:
 
     with FakeBroker(lambda request, reply: None) as fake:
         asyncio.run(main())
+
+
+def test_a_close_sent_soon_is_answered_on_wait_and_its_timeout_stays_an_error() -> None:
+    """Session.close_soon(): the close leaves at once; wait() takes its answer once. A close nobody answers times
+    out, and waiting again raises the same Timeout (the session's fate is unknown), never a quiet return."""
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Close) and request.session_id == SID:
+            reply(p.Closed(request_id=request.request_id, session_id=SID))
+
+    other = "f" * len(SID)
+    with FakeBroker(script) as fake, Client(fake.address, timeout=5, resend_after=10) as c:
+        pending = c.attach(SID).close_soon()
+        deadline = time.monotonic() + 2
+        while not fake.of(p.Close) and time.monotonic() < deadline:  # sent before any wait
+            time.sleep(0.01)
+        assert [m.session_id for m in fake.of(p.Close)] == [SID]
+        pending.wait()
+        pending.wait()
+        unanswered = c.attach(other).close_soon(timeout=0.2)
+        with pytest.raises(Timeout) as first:
+            unanswered.wait()
+        with pytest.raises(Timeout) as again:
+            unanswered.wait()
+        assert again.value is first.value
+        assert not c._transport._mail  # both calls' mailboxes are gone

@@ -347,6 +347,7 @@ def test_the_blocking_client_opens_a_session_behind_a_close_it_has_not_waited_fo
             pending.wait()  # once answered, at once
         sessions[1].close_soon()  # dropped: nobody reads its answer
         replacement = c.session()
+        assert not c._transport._mail  # the dropped close's mailbox went with it
         replacement.append(token_ids=prompt(9))
         tokens = replacement.generate(max_tokens=8, ignore_eos=True).token_ids
         with pytest.raises(CapacityExhausted):
