@@ -74,7 +74,9 @@ class Client:
     # -- plumbing for Session --
 
     def _call(self, request: p.Message, kind: type[M], timeout: float | None) -> M:
-        call = self._transport.start(request)
+        return self._answer(self._transport.start(request), kind, timeout)
+
+    def _answer(self, call: calls.Call, kind: type[M], timeout: float | None) -> M:
         try:
             return calls.expect(self._transport.next(call, self._timeout(timeout)), kind)
         finally:
@@ -181,7 +183,7 @@ class Session:
         close before anything sent after it: a session opened right after this call may take this one's slot,
         even on a full worker. Dropping the result unwaited drops the answer (nothing resends the close then)."""
         request = build(p.Close, request_id=new_request_id(), session_id=self.id)
-        return PendingClose(self.client, self.client._transport.start(request), self.client._timeout(timeout))
+        return PendingClose(self.client, self.client._transport.start(request), timeout)
 
     def __enter__(self) -> Session:
         return self
@@ -202,10 +204,10 @@ class PendingClose:
     """A close sent by Session.close_soon. wait() takes its answer; a session already gone (not found, lost,
     expired) closes without an error, as with Session.close."""
 
-    def __init__(self, client: Client, call: calls.Call, timeout_s: float) -> None:
-        self._transport = client._transport
+    def __init__(self, client: Client, call: calls.Call, timeout: float | None) -> None:
+        self._client = client
         self._call = call
-        self._timeout_s = timeout_s
+        self._timeout = timeout
         self._waited = False
         self._error: ClientError | None = None
 
@@ -219,18 +221,16 @@ class PendingClose:
             return
         self._waited = True
         try:
-            calls.expect(self._transport.next(self._call, self._timeout_s), p.Closed)
+            self._client._answer(self._call, p.Closed, self._timeout)
         except (SessionNotFound, SessionLost, SessionExpired):
             pass
         except ClientError as e:
             self._error = e
             raise
-        finally:
-            self._transport.finish(self._call)
 
     def __del__(self) -> None:
         if not self._waited:  # nobody will read the answer: the transport drops it when it comes
-            self._transport.finish(self._call)
+            self._client._transport.finish(self._call)
 
 
 class Stream:

@@ -204,6 +204,14 @@ def make_gpu_executor(llama: Llama, table: SessionTable, cuda_graphs: bool = Tru
     return GraphExecutor(llama, table, use_graphs=cuda_graphs)
 
 
+def _into(out: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+    """`logits` written into another graph's output `out` (graphs sharing one output), or themselves (None)."""
+    if out is None:
+        return logits
+    with torch.inference_mode():  # the output, like the forward's tensors, is an inference tensor
+        return out.copy_(logits)
+
+
 class StaticInputs:
     """A (fields, rows) int64 block the graphs read, loaded from a pinned host twin without a host sync.
 
@@ -580,10 +588,7 @@ class GraphExecutor:
                       attention_splits=splits, row_products=self.row_products)
         logits = self.model.forward(tokens, positions, slots, self.state, batch)
         short = self._graphs.get(b)
-        if not long or short is None:
-            return logits
-        with torch.inference_mode():  # the output, like the forward's tensors, is an inference tensor
-            return short[1].copy_(logits)
+        return _into(short[1] if long and short is not None else None, logits)
 
     def _prefill_step(self, b: int) -> torch.Tensor:
         """The prefill forward over the first b static prefill rows: logits (prefill_logits, vocab) fp32,
@@ -594,10 +599,7 @@ class GraphExecutor:
         tokens, positions, slots, lengths, ends = self._prefill_in.device[:, :b]
         batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32), attention_splits=self.prefill_splits)
         logits = self.model.forward(tokens, positions, slots, self.state, batch, ends[: self.prefill_logits])
-        if self._prefill_out is None:
-            return logits
-        with torch.inference_mode():  # the output, like the forward's tensors, is an inference tensor
-            return self._prefill_out.copy_(logits)
+        return _into(self._prefill_out, logits)
 
     def _capture(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on the capture stream, then capture. Static inputs hold padding: only the spare is touched."""
