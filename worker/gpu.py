@@ -1,16 +1,19 @@
-"""The GPU side of the engine: the Triton attention kernel, workspace sizing and CUDA-graph steps.
+"""The GPU side of the engine: the Triton attention kernels, workspace sizing and CUDA-graph steps.
 
 Every GPU step replays a captured CUDA graph. State lives at fixed addresses in the slab and the model
 indexes it by slot, so only small static input tensors change between replays. Each row of a step is
 one token: its id, its position, its session's slot, and the length of that session's prefix it
-attends to (position + 1). Attention reads K/V in place from the slab (worker.triton_attention), after
-the step has written its own tokens' K/V, so a prompt chunk's rows attend causally within the chunk
-exactly as a decode row attends to its history: one kernel serves both.
+attends to (position + 1). Attention reads K/V in place from the slab, after the step has written its
+own tokens' K/V, so a prompt chunk's rows attend causally within the chunk exactly as a decode row
+attends to its history. Decode rows take worker.triton_attention's kernel, one program per row and KV
+head; prompt chunks take worker.triton_prefill's, whose programs serve tiles of up to 64 of a chunk's
+rows and load each K/V block once for them (the tiles, worker.prefill_tiles, are static inputs of the
+prefill graphs like the rows; WORKER_PREFILL_TILES=0 gives prompt rows the decode kernel, for A/B runs).
 
 - Decode rows (one token of each generating session) replay a graph per batch-size bucket.
 - Prompt chunks of a step are packed into one prefill graph, the smallest of PREFILL_BUCKETS rows
-  that holds them, returning logits only at the chunk ends (at most PREFILL_LOGITS per replay; more
-  chunks take more replays). A lone 128-token prompt runs 128 rows, not the step budget's 2048.
+  that holds them, returning logits only at the chunk ends (at most PREFILL_LOGITS chunks per replay;
+  more chunks take more replays). A lone 128-token prompt runs 128 rows, not the step budget's 2048.
 Padding rows point at the table's spare slot (always mapped) at position 0 with length 1, so a padded
 row reads and writes only memory nobody else uses.
 
@@ -34,7 +37,9 @@ differ in any bit is dropped, its batches served by the next larger bucket (on t
 passes: one session runs a 1-row step instead of a 64-row one); short rows are checked to come out
 the same from both graphs (if not, every step takes the split one).
 Prefill buckets are checked the same way against the largest prefill bucket (prompt chunks at
-random offsets of the same temporary slots), and their attention split count is pinned likewise.
+random offsets of the same temporary slots). A prompt row's attention does not depend on its tile:
+key blocks start at position 0 whatever the tile, and a block past a row's length changes nothing of
+that row (worker.triton_prefill), so a prompt gives the same bits however it is cut into chunks.
 A step that mixes decode rows and prompt chunks is split that way: decode rows from their bucket's
 graph, the chunks from a prefill graph.
 
@@ -58,6 +63,7 @@ from cuda_state import SessionTable, StateError
 
 from .executor import Executor
 from .model import Batch, Llama, Run, runs_of
+from .prefill_tiles import max_tiles, prefill_tiles
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +83,7 @@ GRAPHS_ENV = "WORKER_CUDA_GRAPHS"  # "0" disables graphs whatever the caller ask
 FUSED_ENV = "WORKER_FUSED_KERNELS"  # "0" keeps the plain torch layer loop on the GPU (A/B comparisons)
 ROW_PRODUCTS_ENV = "WORKER_ROW_PRODUCTS"  # "0": cuBLAS and the separate fused kernels, norms unfolded (A/B)
 ATTENTION_SPLITS_ENV = "WORKER_ATTENTION_SPLITS"  # pins the decode attention's split count (A/B comparisons)
+PREFILL_TILES_ENV = "WORKER_PREFILL_TILES"  # "0": prompt rows in the decode kernel, one program per row (A/B)
 # Decode attention's split count, pinned for all buckets, is at most this; a row takes fewer when its length gives
 # each split under MIN_SPLIT_KEYS keys (triton_attention). One session's 3 (row, kv head) programs each walking
 # all its keys cost the most at long lengths; short rows gain nothing from splitting and a 64-row step's 192
@@ -114,12 +121,16 @@ def row_products_wanted() -> bool:
 
 
 def attach_gpu_kernels(llama: Llama) -> None:
-    """Route the model's decode-only batches through the Triton kernel (reads K/V from the slab), and
-    its layer stack and head through the fused kernels (worker.fused_forward) unless FUSED_ENV is "0"."""
+    """Route the model's decode-only batches through the Triton kernel (reads K/V from the slab), prompt chunks
+    through the tiled one (worker.triton_prefill) unless PREFILL_TILES_ENV is "0", and its layer stack and head
+    through the fused kernels (worker.fused_forward) unless FUSED_ENV is "0"."""
     from .fused_forward import fused_head, fused_layers
     from .triton_attention import decode_attention
+    from .triton_prefill import prefill_attention
 
     llama.decode_attention = decode_attention
+    if os.environ.get(PREFILL_TILES_ENV, "1") != "0":
+        llama.prefill_attention = prefill_attention
     if fused_kernels_wanted():
         llama.fused_layers = fused_layers
         llama.fused_head = fused_head
@@ -277,11 +288,12 @@ class GraphExecutor:
         self._decode_in = StaticInputs(self.buckets[-1], self._padding, device)
         self._in_order: list[int] = list(range(self.buckets[-1]))
         self._id_rows: list[torch.Tensor] = [self._decode_in.device[0, :k] for k in range(self.buckets[-1] + 1)]  # views
-        # The prefill graphs' rows, plus a fifth row whose first prefill_logits entries pick the chunk ends.
+        # The prefill graphs' rows, plus a fifth row whose first prefill_logits entries pick the chunk ends, and two
+        # more for the attention's tiles (worker.triton_prefill): each one's first row and row count (0: unused).
         self.prefill_rows: int = prefill_rows
         self.prefill_buckets: list[int] = prefill_buckets_for(prefill_rows)
-        self.prefill_logits: int = min(prefill_logits, self.prefill_buckets[0])
-        self._prefill_in = StaticInputs(prefill_rows, np.vstack([self._padding, [[0]]]), device)
+        self.prefill_logits: int = min(prefill_logits, self.prefill_buckets[0])  # also the most chunks in a replay
+        self._prefill_in = StaticInputs(prefill_rows, np.vstack([self._padding, [[0]], [[0]], [[0]]]), device)
         self._prefill_out: torch.Tensor | None = None  # the largest prefill graph's logits: every prefill graph's output
         self._stream: torch.cuda.Stream = torch.cuda.Stream(device)
         self.use_graphs: bool = use_graphs
@@ -297,7 +309,8 @@ class GraphExecutor:
         self.long_rows_from: int | None = None
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.attention_splits: int | None = None  # the smallest bucket's, for every bucket (None: off the GPU)
-        self.prefill_splits: int | None = None  # the largest prefill bucket's, for every prefill bucket
+        # Without the tiled prompt attention, prompt rows take the decode kernel, its split count pinned likewise.
+        self.prefill_splits: int | None = None
         if device.type == "cuda":
             from .triton_attention import MIN_SPLIT_KEYS, num_splits, sm_count
 
@@ -376,19 +389,18 @@ class GraphExecutor:
         )
 
     def _prefill_groups(self, runs: list[Run], wanted: set[int]) -> list[list[Run]]:
-        """Prefill runs packed in order into replays of at most `prefill_rows` rows and `prefill_logits` ends."""
+        """Prefill runs packed in order into replays of at most `prefill_rows` rows and `prefill_logits` runs (each
+        replay returns the logits of up to that many chunk ends, and its attention has tiles for that many chunks)."""
         if any(run.n > self.prefill_rows for run in runs):
             raise ValueError(f"a prompt chunk is longer than the {self.prefill_rows} rows of a prefill step")
         groups: list[list[Run]] = []
-        size, ends = self.prefill_rows + 1, 0
+        size = self.prefill_rows + 1
         for run in runs:
-            end = int(run.start + run.n - 1 in wanted)
-            if size + run.n > self.prefill_rows or ends + end > self.prefill_logits:
+            if size + run.n > self.prefill_rows or len(groups[-1]) == self.prefill_logits:
                 groups.append([])
-                size, ends = 0, 0
+                size = 0
             groups[-1].append(run)
             size += run.n
-            ends += end
         return groups
 
     def _prefill(
@@ -407,6 +419,7 @@ class GraphExecutor:
         host = self._prefill_in.begin()
         host[:, :bucket] = self._prefill_in.padding
         keys: list[int] = []  # the caller's row of each chunk end, in the order of the logits
+        starts: list[int] = []  # each chunk's first row here
         cursor = 0
         ids, at = np.array(tokens, dtype=np.int64), np.array(positions, dtype=np.int64)  # once: slices copy from them
         for run in runs:
@@ -417,8 +430,13 @@ class GraphExecutor:
             if end - 1 in wanted:
                 host[4, len(keys)] = cursor + run.n - 1
                 keys.append(end - 1)
+            starts.append(cursor)
             cursor += run.n
         host[3, :cursor] = host[1, :cursor] + 1
+        # The attention's tiles: each chunk's rows, then the padding rows (all in the spare slot).
+        firsts, counts = prefill_tiles([*starts, cursor], [run.n for run in runs] + [bucket - cursor])
+        host[5, : len(firsts)] = firsts
+        host[6, : len(firsts)] = counts
         self._prefill_in.load()
         if self.use_graphs:
             self._prefill_graphs[bucket].replay()
@@ -596,8 +614,10 @@ class GraphExecutor:
 
         Every row is a query of its own session at its position (`decode_only` routes attention to
         the slab kernel, which serves any row by slot and length); logits only at the chunk ends."""
-        tokens, positions, slots, lengths, ends = self._prefill_in.device[:, :b]
-        batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32), attention_splits=self.prefill_splits)
+        tokens, positions, slots, lengths, ends, _, _ = self._prefill_in.device[:, :b]
+        tiles = self._prefill_in.device[5:, : max_tiles(b, self.prefill_logits)]
+        batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32), attention_splits=self.prefill_splits,
+                      tiles=tiles if self.model.prefill_attention is not None else None)
         logits = self.model.forward(tokens, positions, slots, self.state, batch, ends[: self.prefill_logits])
         return _into(self._prefill_out, logits)
 

@@ -51,6 +51,9 @@ class Batch:
     # Decode attention: programs per row's keys (None: chosen from the shapes). The GPU executor pins one
     # count for every batch size, so a row's attention sums in the same order in any bucket.
     attention_splits: int | None = None
+    # Prompt-chunk attention in tiles of a chunk's rows (worker.triton_prefill): (2, n) int64, each tile's first row
+    # and row count, for the GPU executor's prefill steps. None: every row by itself (the decode kernel).
+    tiles: torch.Tensor | None = None
     # The products (and the norms, activation and residual adds beside them) in worker.triton_matmul's
     # row-invariant kernels instead of cuBLAS: the GPU executor's decode steps, through fused_layers.
     row_products: bool = False
@@ -179,6 +182,8 @@ class Llama:
             self.pack_weights(device)
         # Set by the GPU engine: a kernel reading K/V by slot and length (worker.triton_attention).
         self.decode_attention: Callable[..., torch.Tensor] | None = None
+        # Set by the GPU engine: prompt chunks' rows in tiles that share K/V loads (worker.triton_prefill).
+        self.prefill_attention: Callable[..., torch.Tensor] | None = None
         # Set by the GPU engine: the whole layer stack in fused kernels (worker.fused_forward.fused_layers),
         # and the final norm + head + float cast in one (worker.fused_forward.fused_head) for row_products batches.
         self.fused_layers: Callable[..., torch.Tensor] | None = None
@@ -297,6 +302,9 @@ class Llama:
         slots: torch.Tensor,  # (T,)
         batch: Batch,
     ) -> torch.Tensor:
+        if batch.tiles is not None and self.prefill_attention is not None and batch.lengths is not None:
+            tiled: torch.Tensor = self.prefill_attention(q, k_cache, v_cache, slots, batch.lengths, batch.tiles)
+            return tiled
         if batch.decode_only and self.decode_attention is not None and batch.lengths is not None:
             out: torch.Tensor = self.decode_attention(q, k_cache, v_cache, slots, batch.lengths,
                                                       splits=batch.attention_splits)

@@ -225,7 +225,7 @@ def num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int
     return max(1, min(wanted, max_context // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
-def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                   lengths: torch.Tensor, out: torch.Tensor) -> None:
     rows, heads, head_dim = q.shape
     _, kv_heads, _, kv_dim = k_cache.shape
@@ -253,7 +253,7 @@ def decode_attention(
     """softmax(q k^T / sqrt(hd)) v per row over that row's slot and length; (B, H, hd) in q's dtype."""
     if out is None:
         out = torch.empty_like(q)
-    _check_shapes(q, k_cache, v_cache, slots, lengths, out)
+    check_shapes(q, k_cache, v_cache, slots, lengths, out)
     rows, heads, head_dim = q.shape
     _, kv_heads, max_context, _ = k_cache.shape
     if rows == 0:

@@ -31,6 +31,7 @@ from cuda_state import CapacityExhausted
 from worker.config import PRESETS
 from worker.gpu import BUCKETS, buckets_for, pick_bucket, workspace_bytes
 from worker.model import Llama
+from worker.prefill_tiles import TILE_ROWS, max_tiles, prefill_tiles
 
 MODEL = "random:smollm2-135m"
 CONTEXT = 1024
@@ -81,6 +82,18 @@ def tiny_llama(max_context: int) -> Llama:
     return Llama(loaded.config, loaded.weights, torch.device("cpu"), torch.float32, max_context)
 
 
+def test_prefill_tiles_cut_each_chunk_from_its_first_row() -> None:
+    firsts, counts = prefill_tiles([0, 150, 152, 300], [150, 2, 148, 0])
+    assert TILE_ROWS == 64
+    assert firsts.tolist() == [0, 64, 128, 150, 152, 216, 280]
+    assert counts.tolist() == [64, 64, 22, 2, 64, 64, 20]
+    assert [x.tolist() for x in prefill_tiles([], [])] == [[], []]
+    # The grid: every row its own chunk needs one tile a row; 2048 rows in 64 chunks and padding, 32 + 65.
+    assert max_tiles(128, 64) == 67 and max_tiles(2048, 64) == 97 and max_tiles(16, 64) == 16
+    starts = [0, 64, 65, 130, 1000]  # 5 chunks, the last 1048 rows of padding
+    assert len(prefill_tiles(starts, [64, 1, 65, 870, 1048])[0]) == 1 + 1 + 2 + 14 + 17 <= max_tiles(2048, 4)
+
+
 def test_workspace_covers_prefill_attention_and_graph_outputs() -> None:
     from worker.engine import GPU_STEP_TOKENS
 
@@ -123,6 +136,18 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     keep = torch.arange(k.shape[2])[None, :] < lengths[:, None].long()
     weights = scores.masked_fill(~keep[:, None, :], float("-inf")).softmax(-1)
     return torch.einsum("bhn,bhnd->bhd", weights, v)
+
+
+def torch_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                            lengths: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """What the tiled prefill kernel computes, in plain torch: rows in no tile stay NaN, a tile's rows share a slot."""
+    out = torch.full_like(q, float("nan"))
+    for first, n in tiles.t().tolist():
+        if n:
+            rows = slice(first, first + n)
+            assert len(set(slots[rows].tolist())) == 1 and n <= TILE_ROWS
+            out[rows] = torch_decode_attention(q[rows], k_cache, v_cache, slots[rows], lengths[rows])
+    return out
 
 
 def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,6 +193,7 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     loaded = load_model("random:tiny")
     model = Llama(loaded.config, loaded.weights, torch.device("cpu"), torch.float32, 64)
     monkeypatch.setattr(model, "decode_attention", torch_decode_attention)
+    monkeypatch.setattr(model, "prefill_attention", torch_prefill_attention)
     graph_table = SessionTable(HostBackend(model.state_spec(), 6))
     eager_table = SessionTable(HostBackend(model.state_spec(), 6))
     marked: list[list[int]] = []
@@ -290,11 +316,62 @@ INTERPRETED_KERNEL_CHECK = textwrap.dedent(
 )
 
 
+INTERPRETED_PREFILL_CHECK = textwrap.dedent(
+    """
+    import torch
+    from worker.prefill_tiles import prefill_tiles
+    from worker.triton_attention import decode_attention
+    from worker.triton_prefill import prefill_attention
+
+    torch.manual_seed(1)
+    for dtype, tol, heads, kv, hd in ((torch.float32, 1e-5, 9, 3, 64), (torch.float16, 3e-3, 4, 4, 80)):
+        ctx, chunks = 300, [(2, 100, 130), (0, 0, 70), (1, 298, 2)]  # (slot, first position, rows)
+        slab = torch.randn(5, 2, 2, kv, ctx, hd).to(dtype)  # slot 4: the spare
+        k, v = slab[:, 1, 0], slab[:, 1, 1]
+        slots, positions, starts = [], [], []
+        for slot, pos, n in chunks:
+            starts.append(len(slots))
+            slots += [slot] * n
+            positions += range(pos, pos + n)
+            k[slot, :, pos + n:] = float("nan")  # poison what no row of the chunk may read
+            v[slot, :, pos + n:] = float("nan")
+        starts.append(len(slots))
+        slots += [4] * 10  # padding rows: position 0 of the spare
+        positions += [0] * 10
+        slots, lengths = torch.tensor(slots), torch.tensor(positions, dtype=torch.int32) + 1
+        q = torch.randn(len(slots) + 3, heads, hd).to(dtype)  # 3 rows in no tile: left as they are
+        firsts, counts = prefill_tiles(starts, [n for _, _, n in chunks] + [10])
+        tiles = torch.zeros(2, len(firsts) + 4, dtype=torch.long)  # unused tiles: 0 rows
+        tiles[0, : len(firsts)], tiles[1, : len(firsts)] = torch.from_numpy(firsts), torch.from_numpy(counts)
+        out = torch.full_like(q, 7.0)
+        rows = len(slots)
+        pad_slots, pad_lengths = torch.cat([slots, slots[:3]]), torch.cat([lengths, lengths[:3]])
+        assert prefill_attention(q, k, v, pad_slots, pad_lengths, tiles, out=out) is out
+        expected = decode_attention(q[:rows].double(), k.double(), v.double(), slots, lengths, splits=1)
+        err = (out[:rows].double() - expected).abs().max().item()
+        assert err < tol, (dtype, err)
+        assert (out[rows:] == 7.0).all()
+    print("ok")
+    """
+)
+
+
 def test_triton_kernel_math_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [sys.executable, "-c", INTERPRETED_KERNEL_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def test_triton_prefill_kernel_math_in_the_interpreter() -> None:
+    """The tiled prompt-chunk attention against the decode kernel's math in float64, chunks of 1 to 3 tiles at
+    offsets, padding rows in the spare slot, K/V past each chunk poisoned, rows outside every tile untouched."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", INTERPRETED_PREFILL_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
@@ -566,6 +643,114 @@ def test_triton_decode_reads_a_vmm_slab_whose_first_slots_are_unmapped() -> None
         backend.mark_used([2])
     finally:
         backend.close()
+
+
+def random_prefill_case(chunks: list[tuple[int, int, int]], heads: int, kv: int, hd: int, ctx: int, dtype: torch.dtype,
+                        gen: torch.Generator, padding: int = 0) -> tuple[torch.Tensor, ...]:
+    """Prompt chunks (slot, first position, rows) packed in order, then `padding` rows at position 0 of the spare
+    (the last slot); K/V past each chunk's last row poisoned. q, k, v, slots, lengths on the GPU."""
+    dev = torch.device("cuda")
+    slab = torch.randn(max(c[0] for c in chunks) + 2, 3, kv, ctx, hd, generator=gen).to(dev, dtype)
+    k, v = slab[:, 1], slab[:, 2]  # strided views, as the model passes them
+    slots: list[int] = []
+    positions: list[int] = []
+    for slot, pos, n in chunks:
+        slots += [slot] * n
+        positions += range(pos, pos + n)
+        k[slot, :, pos + n :] = float("nan")
+        v[slot, :, pos + n :] = float("nan")
+    slots += [slab.shape[0] - 1] * padding
+    positions += [0] * padding
+    q = torch.randn(len(slots), heads, hd, generator=gen).to(dev, dtype)
+    lengths = torch.tensor(positions, dtype=torch.int32, device=dev) + 1
+    return q, k, v, torch.tensor(slots, device=dev), lengths
+
+
+def tiles_of(counts: list[int], grid: int) -> torch.Tensor:
+    """The tiles of chunks of `counts` rows packed from row 0, in a (2, grid) tensor on the GPU."""
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    firsts, rows = prefill_tiles(starts, counts)
+    tiles = torch.zeros(2, grid, dtype=torch.long)
+    tiles[0, : len(firsts)], tiles[1, : len(firsts)] = torch.from_numpy(firsts), torch.from_numpy(rows)
+    return tiles.cuda()
+
+
+PREFILL_CASES = [  # (dtype, (heads, kv_heads, head_dim, max_context), chunks (slot, first position, rows), padding)
+    (torch.bfloat16, (9, 3, 64, 2048), [(1, 0, 2048)], 0),  # one long prompt from position 0: 32 tiles
+    (torch.bfloat16, (9, 3, 64, 2048), [(0, 1500, 128), (2, 0, 130), (3, 700, 2), (1, 63, 65)], 11),
+    (torch.bfloat16, (4, 4, 80, 300), [(0, 10, 100), (1, 0, 37)], 3),  # no GQA, head_dim not a power of two
+    (torch.float16, (9, 3, 64, 700), [(2, 5, 200)], 56),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("dtype", "shape", "chunks", "padding"), PREFILL_CASES)
+def test_triton_prefill_matches_a_float64_reference(
+    dtype: torch.dtype, shape: tuple[int, int, int, int], chunks: list[tuple[int, int, int]], padding: int
+) -> None:
+    from worker.triton_prefill import prefill_attention
+
+    gen = torch.Generator().manual_seed(sum(shape) + len(chunks))
+    q, k, v, slots, lengths = random_prefill_case(chunks, *shape, dtype=dtype, gen=gen, padding=padding)
+    counts = [n for _, _, n in chunks] + [padding]
+    out = torch.full_like(q, float("nan"))  # poisoned: every row is in a tile and must be written
+    assert prefill_attention(q, k, v, slots, lengths, tiles_of(counts, max_tiles(len(slots), len(chunks))), out=out) is out
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), attention_reference(q, k, v, slots, lengths), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_triton_prefill_rows_give_the_same_bits_however_chunks_are_cut_and_packed() -> None:
+    """A row's numbers do not depend on its tile: the same prompt rows cut into other chunks, packed after other
+    chunks, or launched on a larger grid give bitwise the same output (so a prompt's tokens do not depend on
+    how the scheduler cuts it or what shares its step)."""
+    from worker.triton_prefill import prefill_attention
+
+    gen = torch.Generator().manual_seed(11)
+    chunks = [(0, 1000, 300), (1, 0, 200)]
+    q, k, v, slots, lengths = random_prefill_case(chunks, 9, 3, 64, 2048, dtype=torch.bfloat16, gen=gen, padding=12)
+    whole = prefill_attention(q, k, v, slots, lengths, tiles_of([300, 200, 12], 64))
+    cut = prefill_attention(q, k, v, slots, lengths, tiles_of([37, 64, 150, 49, 1, 199, 12], 64))
+    assert torch.equal(cut, whole)
+    wide = prefill_attention(q, k, v, slots, lengths, tiles_of([300, 200, 12], 200))
+    assert torch.equal(wide, whole)
+    order = torch.cat([torch.arange(300, 500), torch.arange(0, 300), torch.arange(500, 512)]).cuda()  # chunk 1 first
+    swapped = prefill_attention(q[order], k, v, slots[order], lengths[order], tiles_of([200, 300, 12], 64))
+    assert torch.equal(swapped, whole[order])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_triton_prefill_replays_in_a_cuda_graph_with_new_tiles() -> None:
+    from worker.triton_prefill import prefill_attention
+
+    gen = torch.Generator().manual_seed(5)
+    chunks = [(0, 900, 256), (1, 0, 200), (2, 40, 40)]
+    q, k, v, slots, lengths = random_prefill_case(chunks, 9, 3, 64, 2048, dtype=torch.bfloat16, gen=gen, padding=16)
+    grid = max_tiles(len(slots), 8)
+    tiles = tiles_of([256, 200, 40, 16], grid)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        prefill_attention(q, k, v, slots, lengths, tiles, out=out)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        prefill_attention(q, k, v, slots, lengths, tiles, out=out)
+    for counts in ([256, 200, 40, 16], [100, 156, 50, 150, 40, 16], [512]):  # the last: every row one slot's
+        if counts == [512]:
+            slots.fill_(0)
+            lengths.copy_(torch.arange(1, 513, dtype=torch.int32))
+            k[0].normal_()
+            v[0].normal_()
+        tiles.copy_(tiles_of(counts, grid))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, prefill_attention(q, k, v, slots, lengths, tiles_of(counts, grid)))
+    torch.testing.assert_close(out.double(), attention_reference(q, k, v, slots, lengths), atol=2e-2, rtol=2e-2)
 
 
 # -- GPU: the engine -------------------------------------------------------------------------------

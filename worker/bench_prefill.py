@@ -1,0 +1,119 @@
+"""Prefill steps on the GPU: tiled prompt attention against one program per prompt row, in one run.
+
+    python -m worker.bench_prefill [--model random:smollm2-135m] [--max-context 4096] [--replays 50]
+
+Both executors share the model and the session table: one replays prefill graphs captured with the tiled
+kernel (worker.triton_prefill), the other graphs captured with prompt rows in the decode kernel (what
+WORKER_PREFILL_TILES=0 gives). For each scenario (prompts of a given length starting at a given position of
+their sessions), the prefill graph's replay is timed with CUDA events over the same static inputs, and so is
+the attention alone: a graph of the kernel's launches for every layer on the same rows (ms per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+import structlog
+import torch
+
+from .engine import Engine
+from .gpu import GraphExecutor, pick_bucket
+from .model import Run
+from .prefill_tiles import max_tiles
+from .triton_attention import decode_attention
+from .triton_prefill import prefill_attention
+
+SCENARIOS = (  # (prompts, tokens each, first position): one prefill replay each
+    (16, 128, 0),  # a turn's new 128-token prompts (bench_gpu)
+    (16, 128, 1000),  # the same at a later turn of the conversations
+    (1, 128, 1800),
+    (1, 2048, 0),  # one long prompt
+    (1, 2048, 2048),  # its second half
+    (4, 512, 0),
+)
+
+
+def _gpu_ms(fn: Callable[[], object], replays: int) -> float:
+    """GPU time of one call of fn, the mean of `replays` after 3 warm-up calls."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    start.record()
+    for _ in range(replays):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def _graph_of(calls: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """The calls, run once to compile, captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    return graph
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:smollm2-135m")
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--replays", type=int, default=50)
+    args = ap.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    sessions = max(n for n, _, _ in SCENARIOS)
+    engine = Engine.load(args.model, device="cuda", max_sessions=sessions, max_context=args.max_context)
+    tiled = engine.executor
+    assert isinstance(tiled, GraphExecutor) and engine.model.prefill_attention is not None
+    kernel = engine.model.prefill_attention
+    engine.model.prefill_attention = None  # graphs captured from here on give prompt rows the decode kernel
+    rows = GraphExecutor(engine.model, engine.table)
+    engine.model.prefill_attention = kernel
+    slots = [engine.table.create() for _ in range(sessions)]
+    gen = torch.Generator().manual_seed(0)
+    c = engine.model.config
+    print(f"{'prompts':>7} {'tokens':>6} {'from':>5} {'bucket':>6} {'step, rows ms':>14} {'step, tiled ms':>15} "
+          f"{'x':>5} {'attention, rows':>16} {'attention, tiled':>17} {'x':>5}")
+    for prompts, n, first in SCENARIOS:
+        if first + n > engine.model.max_context:
+            continue
+        tokens = torch.randint(300, c.vocab_size, (prompts * n,), generator=gen).tolist()
+        positions = [first + j for _ in range(prompts) for j in range(n)]
+        runs = [Run(slot=slots[i], start=i * n, n=n, pos=first) for i in range(prompts)]
+        ends = {run.start + n - 1 for run in runs}
+        bucket = pick_bucket(tiled.prefill_buckets, prompts * n)
+        step_ms = {}
+        for name, executor in (("rows", rows), ("tiled", tiled)):
+            executor._prefill(runs, tokens, positions, ends)  # loads the static inputs (and writes the K/V)
+            step_ms[name] = _gpu_ms(executor._prefill_graphs[bucket].replay, args.replays)
+        # The attention alone: every layer's, on the rows the tiled executor loaded, from a CUDA graph (launched
+        # from Python one by one, these kernels would be timed by their launches).
+        inputs = tiled._prefill_in.device[:, :bucket]
+        q = torch.randn((bucket, c.n_heads, c.head_dim), generator=gen).to(engine.model.device, engine.model.dtype)
+        lengths = inputs[3].to(torch.int32)
+        tiles = tiled._prefill_in.device[5:, : max_tiles(bucket, tiled.prefill_logits)]
+        out = torch.empty_like(q)
+        k, v = engine.table.views()["k"], engine.table.views()["v"]
+        layers = range(c.n_layers)
+        by_rows = [functools.partial(decode_attention, q, k[:, i], v[:, i], inputs[2], lengths, out=out,
+                                     splits=rows.prefill_splits) for i in layers]
+        by_tiles = [functools.partial(prefill_attention, q, k[:, i], v[:, i], inputs[2], lengths, tiles, out=out)
+                    for i in layers]
+        attn_rows = _gpu_ms(_graph_of(by_rows).replay, args.replays)
+        attn_tiled = _gpu_ms(_graph_of(by_tiles).replay, args.replays)
+        print(f"{prompts:7d} {n:6d} {first:5d} {bucket:6d} {step_ms['rows']:14.3f} {step_ms['tiled']:15.3f} "
+              f"{step_ms['rows'] / step_ms['tiled']:5.2f} {attn_rows:16.3f} {attn_tiled:17.3f} {attn_rows / attn_tiled:5.2f}")
+
+
+if __name__ == "__main__":
+    main()

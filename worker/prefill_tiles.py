@@ -1,0 +1,31 @@
+"""The tiles of a prefill step's attention: runs of a prompt chunk's consecutive rows (host side, numpy only).
+
+worker.triton_prefill serves each tile with one program per query head, loading every K/V block once
+for the tile's rows; a tile never crosses a chunk, so its rows share a slot. The GPU executor writes a
+step's tiles into the prefill graphs' static inputs: TILE_ROWS and the grid (max_tiles) are fixed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TILE_ROWS = 64  # rows of one chunk per program
+
+
+def max_tiles(rows: int, chunks: int) -> int:
+    """Tiles that `rows` rows cut into at most `chunks` chunks and one run of padding rows can need."""
+    return min(rows, -(-rows // TILE_ROWS) + chunks + 1)
+
+
+def prefill_tiles(starts: list[int], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, rows) of each tile of the chunks at rows starts[i] .. starts[i] + counts[i] - 1, in order."""
+    firsts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    for start, n in zip(starts, counts, strict=True):
+        if n > 0:
+            firsts.append(np.arange(start, start + n, TILE_ROWS, dtype=np.int64))
+            ends.append(np.full(len(firsts[-1]), start + n, dtype=np.int64))
+    if not firsts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    first = np.concatenate(firsts)
+    return first, np.minimum(np.concatenate(ends) - first, TILE_ROWS)

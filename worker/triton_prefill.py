@@ -1,0 +1,129 @@
+"""Prompt-chunk attention in Triton: tiles of a chunk's consecutive rows share each K/V block they read.
+
+A prefill step packs several sessions' prompt chunks into rows; row r is a query of the session in
+slot `slots[r]` attending to positions 0..lengths[r]-1 of that slot (its prefix, and the chunk up to
+itself: the step stored the chunk's K/V first). The decode kernel (worker.triton_attention) serves such
+rows one program per (row, KV head), each walking all of its row's keys: a chunk of n rows at the end
+of a long prefix reads that prefix n times. Here a program serves a tile of up to TILE_ROWS consecutive
+rows of one chunk and one query head, loading each K/V block once for the tile (a 2048-token prompt:
+its rows read 64x fewer K/V bytes).
+
+The tiles come from the host (worker.prefill_tiles): (first row, rows) pairs, a chunk's rows cut from
+its first row on, every tile inside one slot. The grid is fixed per row count (max_tiles), so the
+launch is captured once in a CUDA graph; unused tiles have 0 rows and exit.
+
+Batch invariance: a row's numbers never depend on its tile. The key blocks start at position 0 in
+steps of BLOCK_N whatever the tile, each row masks the keys from its own length on, and a block
+wholly past a row's length leaves that row's running max, sum and accumulator exactly as they were
+(scale 2^0 = 1, weights 2^-inf = 0): the tile's longer rows add blocks that change nothing for the
+shorter ones. So a prompt gives the same bits however the scheduler cuts it into chunks, and
+whichever chunks share its step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import launch_options, wait_then_release
+from .prefill_tiles import TILE_ROWS
+from .triton_attention import BLOCK_N, LOG2E, check_shapes
+
+NUM_WARPS = 4
+
+
+@triton.jit
+def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    Q, K, V, Out, Slots, Lengths, TileStart, TileRows, anchor,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_kt,
+    stride_vs, stride_vh, stride_vt,
+    stride_ob, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid (heads, tiles): query head `head` of the tile's rows, all in one slot.
+
+    K and V point at slot `anchor` (see triton_attention.decode_attention); the tile's slot is its first row's."""
+    wait_then_release(PDL)
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+    n_rows = tl.load(TileRows + tile).to(tl.int32)
+    if n_rows > 0:
+        first = tl.load(TileStart + tile)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        m_mask = offs_m < n_rows
+        rows = first + offs_m
+        slot = tl.load(Slots + first).to(tl.int64) - anchor  # relative to the slot K and V point at
+        lengths = tl.load(Lengths + rows, mask=m_mask, other=1).to(tl.int32)  # (BLOCK_M,)
+        hi = tl.max(lengths, 0)  # the tile's longest row
+        kvh = head // GROUP
+        q_mask = m_mask[:, None] & d_mask[None, :]
+        q = tl.load(Q + rows[:, None] * stride_qb + head * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+        k_ptr = K + slot * stride_ks + kvh * stride_kh
+        v_ptr = V + slot * stride_vs + kvh * stride_vh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(0, hi, BLOCK):
+            n = start + offs_n
+            kv_mask = (n < hi)[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK, BLOCK_D)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK) fp32
+            s = tl.where(n[None, :] < lengths[:, None], s, float("-inf"))  # each row its own keys
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: block 0 holds position 0 of every row
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(Out + rows[:, None] * stride_ob + head * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=q_mask)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (T, H, hd)
+    k_cache: torch.Tensor,  # (num_slots, KV, max_context, hd), any strides with a contiguous hd; the last slot mapped
+    v_cache: torch.Tensor,  # same
+    slots: torch.Tensor,  # (T,) int64: the slot each row reads
+    lengths: torch.Tensor,  # (T,) int32 or int64, >= 1: positions 0..length-1 are attended to
+    tiles: torch.Tensor,  # (2, n) int64: each tile's first row and row count (0: unused), worker.prefill_tiles
+    out: torch.Tensor | None = None,  # (T, H, hd) preallocated output (else allocated here)
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) v per row over that row's slot and length, rows read in tiles; (T, H, hd).
+
+    Rows in no tile are left as they are (zeros when `out` is allocated here)."""
+    if out is None:
+        out = torch.zeros_like(q)
+    check_shapes(q, k_cache, v_cache, slots, lengths, out)
+    if tiles.dim() != 2 or tiles.shape[0] != 2:
+        raise ValueError(f"tiles {tuple(tiles.shape)} must be (2, n): first rows and row counts")
+    rows, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if rows == 0 or tiles.shape[1] == 0:
+        return out
+    anchor = k_cache.shape[0] - 1  # the spare slot, always mapped (see decode_attention)
+    _prefill_kernel[(heads, tiles.shape[1])](
+        q, k_cache[anchor], v_cache[anchor], out, slots, lengths, tiles[0], tiles[1], anchor,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        LOG2E / math.sqrt(head_dim),
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=TILE_ROWS, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK=BLOCK_N, num_warps=NUM_WARPS, **launch_options(q),
+    )
+    return out
