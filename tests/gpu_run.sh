@@ -68,6 +68,7 @@ stage bench 150 python -m cuda_state.bench --json "$OUT/bench.json"
 stage step-profile 120 python -m worker.step_profile --sessions 1 64 --steps 200
 stage step-profile-cublas 120 env WORKER_ROW_PRODUCTS=0 python -m worker.step_profile --sessions 1 64 --steps 200
 stage bench-matmul 90 python -m worker.bench_matmul --rows 1 16 64
+stage bench-prefill 120 python -m worker.bench_prefill
 stage memory-churn 120 python -m worker.memory_churn --rounds 12 --prompt-max 1900 --json "$OUT/memory_churn.json"
 
 stage sanitizer 400 env GPU_TESTS_UNDER_SANITIZER=1 \
