@@ -39,7 +39,9 @@ the same from both graphs (if not, every step takes the split one).
 Prefill buckets are checked the same way against the largest prefill bucket (prompt chunks at
 random offsets of the same temporary slots). A prompt row's attention does not depend on its tile:
 key blocks start at position 0 whatever the tile, and a block past a row's length changes nothing of
-that row (worker.triton_prefill), so a prompt gives the same bits however it is cut into chunks.
+that row (worker.triton_prefill), so a prompt's chunks of 2 or more tokens give the same bits however
+they are tiled and packed, whatever shares the step. (A 1-token chunk is a decode row; the engine
+cuts a session's prompt into chunks by its own length and the step budget, never by its neighbours.)
 A step that mixes decode rows and prompt chunks is split that way: decode rows from their bucket's
 graph, the chunks from a prefill graph.
 
@@ -274,7 +276,7 @@ class GraphExecutor:
         # torch's cuDNN attention backend builds, and keeps, an execution plan holding device memory outside
         # torch's allocator for every new (length, ...) shape. Prompt lengths rarely repeat, so a serving worker's
         # memory grew without end (~3 MiB per 40 prompts, worker/memory_churn.py); without it, it stays flat.
-        # (Only eager forwards use torch's attention now; graphs use the slab kernel.)
+        # (Only eager forwards use torch's attention now; graphs use the slab kernels.)
         torch.backends.cuda.enable_cudnn_sdp(False)
         self.model: Llama = model
         self.table: SessionTable = table
@@ -378,7 +380,7 @@ class GraphExecutor:
         missing = wanted.difference(decode, (run.start + run.n - 1 for run in prefill))
         if missing:
             raise ValueError(f"logits of prefill rows {sorted(missing)} other than a chunk's last are not kept")
-        groups = self._prefill_groups(prefill, wanted)
+        groups = self._prefill_groups(prefill)
         for i, group in enumerate(groups):
             keys, logits = self._prefill(group, tokens, positions, wanted)
             if i + 1 < len(groups):
@@ -388,7 +390,7 @@ class GraphExecutor:
             (0, self.model.config.vocab_size), dtype=torch.float32, device=self.model.device
         )
 
-    def _prefill_groups(self, runs: list[Run], wanted: set[int]) -> list[list[Run]]:
+    def _prefill_groups(self, runs: list[Run]) -> list[list[Run]]:
         """Prefill runs packed in order into replays of at most `prefill_rows` rows and `prefill_logits` runs (each
         replay returns the logits of up to that many chunk ends, and its attention has tiles for that many chunks)."""
         if any(run.n > self.prefill_rows for run in runs):
@@ -415,6 +417,9 @@ class GraphExecutor:
         on the bucket. Padding rows write K/V at position 0 of the spare slot and read only that.
         """
         size = sum(run.n for run in runs)
+        if len(runs) > self.prefill_logits or size > self.prefill_rows:
+            raise ValueError(f"{len(runs)} chunks of {size} rows: one prefill replay takes {self.prefill_logits} "
+                             f"chunks of {self.prefill_rows} rows at most")
         bucket = pick_bucket(self.prefill_buckets, size) if bucket is None else bucket
         host = self._prefill_in.begin()
         host[:, :bucket] = self._prefill_in.padding
@@ -576,7 +581,7 @@ class GraphExecutor:
         """Prompt chunks filling most of b rows, one per slot from a random offset, give the same logits at
         their ends in prefill bucket b as in the largest one."""
         vocab, device = self.model.config.vocab_size, self.model.device
-        slots = slots[:INVARIANCE_CHECK_CHUNKS]
+        slots = slots[: min(INVARIANCE_CHECK_CHUNKS, self.prefill_logits)]  # one replay's chunks at most
         offsets = torch.randint(0, span, (len(slots),), generator=gen, device=device).tolist()
         lengths = [max(2, min(b // len(slots), self.model.max_context - o)) for o in offsets]
         runs: list[Run] = []
@@ -612,8 +617,9 @@ class GraphExecutor:
         """The prefill forward over the first b static prefill rows: logits (prefill_logits, vocab) fp32,
         written into the largest prefill graph's output once that exists (graphs).
 
-        Every row is a query of its own session at its position (`decode_only` routes attention to
-        the slab kernel, which serves any row by slot and length); logits only at the chunk ends."""
+        Every row is a query of its own session at its position, its attention from the slab by slot and length:
+        the tiled prompt kernel's (or with PREFILL_TILES_ENV "0" the decode kernel's, `decode_only`); logits only at
+        the chunk ends."""
         tokens, positions, slots, lengths, ends, _, _ = self._prefill_in.device[:, :b]
         tiles = self._prefill_in.device[5:, : max_tiles(b, self.prefill_logits)]
         batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32), attention_splits=self.prefill_splits,

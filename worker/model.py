@@ -302,7 +302,9 @@ class Llama:
         slots: torch.Tensor,  # (T,)
         batch: Batch,
     ) -> torch.Tensor:
-        if batch.tiles is not None and self.prefill_attention is not None and batch.lengths is not None:
+        if batch.tiles is not None and self.prefill_attention is not None:
+            if batch.lengths is None:
+                raise ValueError("a batch with attention tiles needs its rows' lengths")
             tiled: torch.Tensor = self.prefill_attention(q, k_cache, v_cache, slots, batch.lengths, batch.tiles)
             return tiled
         if batch.decode_only and self.decode_attention is not None and batch.lengths is not None:

@@ -13,8 +13,9 @@ TILE_ROWS = 64  # rows of one chunk per program
 
 
 def max_tiles(rows: int, chunks: int) -> int:
-    """Tiles that `rows` rows cut into at most `chunks` chunks and one run of padding rows can need."""
-    return min(rows, -(-rows // TILE_ROWS) + chunks + 1)
+    """Tiles that `rows` rows cut into at most `chunks` chunks and one run of padding rows can need: each of the
+    chunks + 1 runs adds at most one partial tile to the rows' whole ones, ceil(rows / TILE_ROWS) + chunks."""
+    return min(rows, -(-rows // TILE_ROWS) + chunks)
 
 
 def prefill_tiles(starts: list[int], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -15,8 +15,9 @@ launch is captured once in a CUDA graph; unused tiles have 0 rows and exit.
 Batch invariance: a row's numbers never depend on its tile. The key blocks start at position 0 in
 steps of BLOCK_N whatever the tile, each row masks the keys from its own length on, and a block
 wholly past a row's length leaves that row's running max, sum and accumulator exactly as they were
-(scale 2^0 = 1, weights 2^-inf = 0): the tile's longer rows add blocks that change nothing for the
-shorter ones. So a prompt gives the same bits however the scheduler cuts it into chunks, and
+(scale 2^0 = 1, weights 2^-inf = 0, times the later rows' V, which is finite: a non-finite V would
+make those rows themselves non-finite): the tile's longer rows add blocks that change nothing for
+the shorter ones. So a chunk's rows give the same bits however the chunk is tiled or packed, and
 whichever chunks share its step.
 """
 
@@ -105,12 +106,13 @@ def prefill_attention(
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd)) v per row over that row's slot and length, rows read in tiles; (T, H, hd).
 
-    Rows in no tile are left as they are (zeros when `out` is allocated here)."""
+    Rows in no tile are not written (the GPU executor's tiles cover every row, padding included)."""
     if out is None:
-        out = torch.zeros_like(q)
+        out = torch.empty_like(q)
     check_shapes(q, k_cache, v_cache, slots, lengths, out)
-    if tiles.dim() != 2 or tiles.shape[0] != 2:
-        raise ValueError(f"tiles {tuple(tiles.shape)} must be (2, n): first rows and row counts")
+    if tiles.dim() != 2 or tiles.shape[0] != 2 or tiles.dtype != torch.int64 or tiles.stride(1) != 1:
+        raise ValueError(f"tiles {tuple(tiles.shape)} {tiles.dtype} must be (2, n) int64 rows of contiguous "
+                         "first rows and row counts")
     rows, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if rows == 0 or tiles.shape[1] == 0:

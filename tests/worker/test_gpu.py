@@ -29,7 +29,7 @@ import torch
 
 from cuda_state import CapacityExhausted
 from worker.config import PRESETS
-from worker.gpu import BUCKETS, buckets_for, pick_bucket, workspace_bytes
+from worker.gpu import BUCKETS, buckets_for, pick_bucket, split_step, workspace_bytes
 from worker.model import Llama
 from worker.prefill_tiles import TILE_ROWS, max_tiles, prefill_tiles
 
@@ -66,7 +66,6 @@ def test_pick_bucket_takes_the_smallest_that_holds_the_rows() -> None:
 
 
 def test_split_step_separates_decode_rows_from_prefill_chunks() -> None:
-    from worker.gpu import split_step
     from worker.model import Run
 
     # slot 3: one decode token; slot 5: a 3-token chunk; slot 1: one decode token
@@ -88,8 +87,8 @@ def test_prefill_tiles_cut_each_chunk_from_its_first_row() -> None:
     assert firsts.tolist() == [0, 64, 128, 150, 152, 216, 280]
     assert counts.tolist() == [64, 64, 22, 2, 64, 64, 20]
     assert [x.tolist() for x in prefill_tiles([], [])] == [[], []]
-    # The grid: every row its own chunk needs one tile a row; 2048 rows in 64 chunks and padding, 32 + 65.
-    assert max_tiles(128, 64) == 67 and max_tiles(2048, 64) == 97 and max_tiles(16, 64) == 16
+    # The grid: at most one tile a row; 2048 rows in 64 chunks and padding: 32 whole tiles and 64 partial ones.
+    assert max_tiles(128, 64) == 66 and max_tiles(2048, 64) == 96 and max_tiles(16, 64) == 16
     starts = [0, 64, 65, 130, 1000]  # 5 chunks, the last 1048 rows of padding
     assert len(prefill_tiles(starts, [64, 1, 65, 870, 1048])[0]) == 1 + 1 + 2 + 14 + 17 <= max_tiles(2048, 4)
 
@@ -221,6 +220,9 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     replayed.clear()
     torch.testing.assert_close(few.execute(tokens, positions, rows, last), prefilled[1], atol=1e-4, rtol=1e-4)
     assert replayed == [("_prefill_step", 128)] * 3
+    _, chunks = split_step(tokens, positions, rows)
+    with pytest.raises(ValueError, match="one prefill replay takes 2 chunks"):  # more than its tiles' grid holds
+        few._prefill(chunks[:3], tokens, positions, set())
     pos = list(lengths)
     history: list[tuple[torch.Tensor, torch.Tensor]] = []
     for chosen in ([3, 0, 5], [1], [0, 1, 2, 3, 4, 5], [5, 4], [2, 0, 1], [2, 0, 1, 4]):
