@@ -21,7 +21,6 @@ from cuda_state import BufferSpec, StateSpec
 
 from .config import ModelConfig
 
-
 PACK_ALIGN = 512  # bytes: every packed weight starts at a multiple (cuBLAS and Triton want 16 at least)
 
 

@@ -121,7 +121,7 @@ def test_packed_weights_are_views_of_one_block_and_give_the_same_logits() -> Non
     assert len(bases) == 1
     assert all((t.data_ptr() - min(bases)) % PACK_ALIGN == 0 and t.is_contiguous() for t in tensors)
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no two share a byte
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # no two share a byte
     assert torch.equal(llama.forward(ids, positions, slots, state), before)
 
 
