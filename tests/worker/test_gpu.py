@@ -682,6 +682,7 @@ PREFILL_CASES = [  # (dtype, (heads, kv_heads, head_dim, max_context), chunks (s
     (torch.bfloat16, (9, 3, 64, 2048), [(0, 1500, 128), (2, 0, 130), (3, 700, 2), (1, 63, 65)], 11),
     (torch.bfloat16, (4, 4, 80, 300), [(0, 10, 100), (1, 0, 37)], 3),  # no GQA, head_dim not a power of two
     (torch.float16, (9, 3, 64, 700), [(2, 5, 200)], 56),
+    (torch.bfloat16, (32, 8, 128, 600), [(0, 300, 70), (1, 0, 3)], 7),  # Llama-3-8B's heads
 ]
 
 
