@@ -33,35 +33,36 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _attend(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    q,  # (GROUP_PAD, BLOCK_D) the group's query heads, zero rows past the group
-    k_ptr,  # this row's K at (slot, kv_head), position 0
+def attend(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    q,  # (ROWS, BLOCK_D) query rows (padding rows zero)
+    k_ptr,  # K at (slot, kv_head), position 0
     v_ptr,
     stride_kt,
     stride_vt,
     lo,  # first position to attend to
-    hi,  # one past the last
+    hi,  # one past the last position read
+    limit,  # one past the last position each row attends to: hi, or (ROWS, 1) row lengths <= hi (worker.triton_prefill)
     qk_scale,  # softmax scale * log2(e)
     HEAD_DIM: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Online-softmax attention over positions [lo, hi): unnormalised acc, running max (log2), sum."""
+    """Online-softmax attention over positions [lo, limit) of each row, in blocks of BLOCK from lo: unnormalised acc,
+    running max (log2), sum. A block wholly past a row's limit leaves that row's three exactly as they were."""
     offs_n = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK):
         n = start + offs_n
-        n_mask = n < hi
-        kv_mask = n_mask[:, None] & d_mask[None, :]
+        kv_mask = (n < hi)[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK, BLOCK_D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # (GROUP_PAD, BLOCK) fp32
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block holds at least one key < hi
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # (ROWS, BLOCK) fp32
+        s = tl.where(n[None, :] < limit, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a row's first block holds one of its keys
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -111,8 +112,8 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     q = _load_group(Q, row, kvh, stride_qb, stride_qh, GROUP, HEAD_DIM, GROUP_PAD, BLOCK_D)
     k_ptr = K + slot * stride_ks + kvh * stride_kh
     v_ptr = V + slot * stride_vs + kvh * stride_vh
-    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, stride_kt, stride_vt, 0, length, qk_scale,
-                            HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK)
+    acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kt, stride_vt, 0, length, length, qk_scale,
+                           HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK)
     out = acc / l_i[:, None]
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -160,8 +161,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     q = _load_group(Q, row, kvh, stride_qb, stride_qh, GROUP, HEAD_DIM, GROUP_PAD, BLOCK_D)
     k_ptr = K + slot * stride_ks + kvh * stride_kh
     v_ptr = V + slot * stride_vs + kvh * stride_vh
-    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, stride_kt, stride_vt, lo, hi, qk_scale,
-                            HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK)
+    acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kt, stride_vt, lo, hi, hi, qk_scale,
+                           HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUP

@@ -8,7 +8,8 @@ of a long prefix reads that prefix n times. Here a program serves a tile of up t
 rows of one chunk and one query head, loading each K/V block once for the tile (a 2048-token prompt:
 its rows read 64x fewer K/V bytes).
 
-The tiles come from the host (worker.prefill_tiles): (first row, rows) pairs, a chunk's rows cut from
+The loop over key blocks is the decode kernels' (triton_attention.attend), each row masked at its own
+length. The tiles come from the host (worker.prefill_tiles): (first row, rows) pairs, a chunk's rows cut from
 its first row on, every tile inside one slot. The grid is fixed per row count (max_tiles), so the
 launch is captured once in a CUDA graph; unused tiles have 0 rows and exit.
 
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from .pdl import launch_options, wait_then_release
 from .prefill_tiles import TILE_ROWS
-from .triton_attention import BLOCK_N, LOG2E, check_shapes
+from .triton_attention import BLOCK_N, LOG2E, attend, check_shapes
 
 NUM_WARPS = 4
 
@@ -61,7 +62,6 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatu
     if n_rows > 0:
         first = tl.load(TileStart + tile)
         offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
         m_mask = offs_m < n_rows
@@ -74,22 +74,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatu
         q = tl.load(Q + rows[:, None] * stride_qb + head * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
         k_ptr = K + slot * stride_ks + kvh * stride_kh
         v_ptr = V + slot * stride_vs + kvh * stride_vh
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(0, hi, BLOCK):
-            n = start + offs_n
-            kv_mask = (n < hi)[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK, BLOCK_D)
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK) fp32
-            s = tl.where(n[None, :] < lengths[:, None], s, float("-inf"))  # each row its own keys
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: block 0 holds position 0 of every row
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kt, stride_vt, 0, hi, lengths[:, None], qk_scale,
+                               HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK)
         out = acc / l_i[:, None]
         tl.store(Out + rows[:, None] * stride_ob + head * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=q_mask)
