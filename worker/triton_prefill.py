@@ -5,8 +5,8 @@ slot `slots[r]` attending to positions 0..lengths[r]-1 of that slot (its prefix,
 itself: the step stored the chunk's K/V first). The decode kernel (worker.triton_attention) serves such
 rows one program per (row, KV head), each walking all of its row's keys: a chunk of n rows at the end
 of a long prefix reads that prefix n times. Here a program serves a tile of up to TILE_ROWS consecutive
-rows of one chunk and one query head, loading each K/V block once for the tile (a 2048-token prompt:
-its rows read 64x fewer K/V bytes).
+rows of one chunk and one query head, loading each K/V block once for the tile (once per query head:
+SmolLM2's KV heads serve three each, so a long chunk's rows read ~21x fewer K/V bytes).
 
 The loop over key blocks is the decode kernels' (triton_attention.attend), each row masked at its own
 length. The tiles come from the host (worker.prefill_tiles): (first row, rows) pairs, a chunk's rows cut from
