@@ -6,7 +6,8 @@ Both executors share the model and the session table: one replays prefill graphs
 kernel (worker.triton_prefill), the other graphs captured with prompt rows in the decode kernel (what
 WORKER_PREFILL_TILES=0 gives). For each scenario (prompts of a given length starting at a given position of
 their sessions), the prefill graph's replay is timed with CUDA events over the same static inputs, and so is
-the attention alone: a graph of the kernel's launches for every layer on the same rows (ms per step).
+the attention alone: each layer's launch on the same rows in turn, from a CUDA graph (worker.bench_matmul.graph_us;
+launched from Python one by one, these kernels would be timed by their launches), as ms per step of all layers.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import structlog
 import torch
 
+from .bench_matmul import graph_us
 from .engine import Engine
 from .gpu import GraphExecutor, pick_bucket
 from .model import Run
@@ -47,21 +49,6 @@ def _gpu_ms(fn: Callable[[], object], replays: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays
-
-
-def _graph_of(calls: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
-    """The calls, run once to compile, captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for call in calls:
-            call()
-    return graph
 
 
 def main() -> None:
@@ -96,8 +83,7 @@ def main() -> None:
         for name, executor in (("rows", rows), ("tiled", tiled)):
             executor._prefill(runs, tokens, positions, ends)  # loads the static inputs (and writes the K/V)
             step_ms[name] = _gpu_ms(executor._prefill_graphs[bucket].replay, args.replays)
-        # The attention alone: every layer's, on the rows the tiled executor loaded, from a CUDA graph (launched
-        # from Python one by one, these kernels would be timed by their launches).
+        # The attention alone: every layer's, on the rows the tiled executor loaded.
         inputs = tiled._prefill_in.device[:, :bucket]
         q = torch.randn((bucket, c.n_heads, c.head_dim), generator=gen).to(engine.model.device, engine.model.dtype)
         lengths = inputs[3].to(torch.int32)
@@ -109,8 +95,8 @@ def main() -> None:
                                      splits=rows.prefill_splits) for i in layers]
         by_tiles = [functools.partial(prefill_attention, q, k[:, i], v[:, i], inputs[2], lengths, tiles, out=out)
                     for i in layers]
-        attn_rows = _gpu_ms(_graph_of(by_rows).replay, args.replays)
-        attn_tiled = _gpu_ms(_graph_of(by_tiles).replay, args.replays)
+        attn_rows = graph_us(lambda i: by_rows[i % c.n_layers]()) * c.n_layers / 1000  # noqa: B023 (called at once)
+        attn_tiled = graph_us(lambda i: by_tiles[i % c.n_layers]()) * c.n_layers / 1000  # noqa: B023
         print(f"{prompts:7d} {n:6d} {first:5d} {bucket:6d} {step_ms['rows']:14.3f} {step_ms['tiled']:15.3f} "
               f"{step_ms['rows'] / step_ms['tiled']:5.2f} {attn_rows:16.3f} {attn_tiled:17.3f} {attn_rows / attn_tiled:5.2f}")
 

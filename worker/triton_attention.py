@@ -242,6 +242,22 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
 
 
+def spare_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The spare (last) slot's index and K and V as views of it: the pointers a slab kernel takes.
+
+    Triton checks every pointer argument with cuPointerGetAttribute, which fails on the unmapped parts of a
+    reserved slab (slot 0 may be free). So K and V are passed as views of the last slot, the spare that is
+    always mapped, and the kernels offset from there (negative offsets)."""
+    anchor = k_cache.shape[0] - 1
+    return anchor, k_cache[anchor], v_cache[anchor]
+
+
+def slab_strides(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    """A slab kernel's strides after its pointers: q's (row, head), then K's and V's (slot, KV head, position)."""
+    return (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+
+
 def decode_attention(
     q: torch.Tensor,  # (B, H, hd)
     k_cache: torch.Tensor,  # (num_slots, KV, max_context, hd), any strides with a contiguous hd; the last slot mapped
@@ -259,11 +275,8 @@ def decode_attention(
     _, kv_heads, max_context, _ = k_cache.shape
     if rows == 0:
         return out
-    # Triton checks every pointer argument with cuPointerGetAttribute, which fails on the unmapped
-    # parts of a reserved slab (slot 0 may be free). So K and V are passed as views of the last
-    # slot, the spare that is always mapped, and the kernel offsets from there (negative offsets).
-    anchor = k_cache.shape[0] - 1
-    k_anchor, v_anchor = k_cache[anchor], v_cache[anchor]
+    anchor, k_anchor, v_anchor = spare_views(k_cache, v_cache)
+    strides = slab_strides(q, k_cache, v_cache)
     group = heads // kv_heads
     if splits is None:
         splits = num_splits(rows, kv_heads, max_context, sm_count(q.device))
@@ -277,11 +290,7 @@ def decode_attention(
     pdl = launch_options(q)
     if splits <= 1:
         _decode_kernel[(rows, kv_heads)](
-            q, k_anchor, v_anchor, out, slots, lengths, anchor,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            out.stride(0), out.stride(1),
+            q, k_anchor, v_anchor, out, slots, lengths, anchor, *strides, out.stride(0), out.stride(1),
             qk_scale, GROUP=group, num_warps=NUM_WARPS, **shape, **pdl,
         )
         return out
@@ -289,11 +298,8 @@ def decode_attention(
     part_max = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(rows, kv_heads, splits)](
-        q, k_anchor, v_anchor, slots, lengths, anchor, part_acc, part_max, part_sum,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        qk_scale, HEADS=heads, GROUP=group, SPLITS=splits, MIN_KEYS=MIN_SPLIT_KEYS, num_warps=NUM_WARPS, **shape, **pdl,
+        q, k_anchor, v_anchor, slots, lengths, anchor, part_acc, part_max, part_sum, *strides, qk_scale,
+        HEADS=heads, GROUP=group, SPLITS=splits, MIN_KEYS=MIN_SPLIT_KEYS, num_warps=NUM_WARPS, **shape, **pdl,
     )
     _merge_splits_kernel[(rows, heads)](
         part_acc, part_max, part_sum, out,

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .pdl import launch_options, wait_then_release
 from .prefill_tiles import TILE_ROWS
-from .triton_attention import BLOCK_N, LOG2E, attend, check_shapes
+from .triton_attention import BLOCK_N, LOG2E, attend, check_shapes, slab_strides, spare_views
 
 NUM_WARPS = 4
 
@@ -54,7 +54,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatu
 ):
     """Grid (heads, tiles): query head `head` of the tile's rows, all in one slot.
 
-    K and V point at slot `anchor` (see triton_attention.decode_attention); the tile's slot is its first row's."""
+    K and V point at slot `anchor` (see triton_attention.spare_views); the tile's slot is its first row's."""
     wait_then_release(PDL)
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -103,14 +103,10 @@ def prefill_attention(
     kv_heads = k_cache.shape[1]
     if rows == 0 or tiles.shape[1] == 0:
         return out
-    anchor = k_cache.shape[0] - 1  # the spare slot, always mapped (see decode_attention)
+    anchor, k_anchor, v_anchor = spare_views(k_cache, v_cache)
     _prefill_kernel[(heads, tiles.shape[1])](
-        q, k_cache[anchor], v_cache[anchor], out, slots, lengths, tiles[0], tiles[1], anchor,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        LOG2E / math.sqrt(head_dim),
+        q, k_anchor, v_anchor, out, slots, lengths, tiles[0], tiles[1], anchor,
+        *slab_strides(q, k_cache, v_cache), out.stride(0), out.stride(1), LOG2E / math.sqrt(head_dim),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=TILE_ROWS, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK=BLOCK_N, num_warps=NUM_WARPS, **launch_options(q),
     )
