@@ -308,15 +308,14 @@ class Link:
     def _run(self) -> None:
         dealer = self._dealer
         assert dealer is not None
-        busy = zmq.Poller()  # while the compute loop reads the socket: the stop signal, wake-ups, the monitor
-        busy.register(self._wake_rx, zmq.POLLIN)
-        if self._monitor is not None:
-            busy.register(self._monitor, zmq.POLLIN)
-        idle = zmq.Poller()  # otherwise also the socket's signal, waited on without the lock
+        # Both wait on the stop signal and wake-ups and the monitor; `idle` (the compute loop not reading the socket)
+        # also on the socket's signal, waited on without the lock.
+        busy, idle = zmq.Poller(), zmq.Poller()
         idle.register(self._fd, zmq.POLLIN)
-        idle.register(self._wake_rx, zmq.POLLIN)
-        if self._monitor is not None:
-            idle.register(self._monitor, zmq.POLLIN)
+        for poller in (busy, idle):
+            poller.register(self._wake_rx, zmq.POLLIN)
+            if self._monitor is not None:
+                poller.register(self._monitor, zmq.POLLIN)
         with self._lock:
             now = time.monotonic()
             self._last_heard = now
