@@ -17,12 +17,13 @@ from types import FrameType
 
 import structlog
 
-from . import heap, keys, logs, status_cmd
-from .arguments import env_int, non_negative_int, positive_int
-from .metrics import BrokerMetrics
-from .metrics_http import MetricsServer
-from .router import MAX_SESSIONS_FLAG
-from .server import BrokerConfig, BrokerServer
+from broker import status_cmd
+from broker.common import heap, keys, logs
+from broker.common.arguments import env_int, non_negative_int, positive_int
+from broker.common.metrics_http import MetricsServer
+from broker.metrics import BrokerMetrics
+from broker.router import MAX_SESSIONS_FLAG
+from broker.server import BrokerConfig, BrokerServer
 
 EXIT_STARTUP_FAILED = 3
 

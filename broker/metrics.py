@@ -43,11 +43,11 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .metrics_http import Readiness
+from broker.common.metrics_http import Readiness
 
 if TYPE_CHECKING:
-    from .registry import WorkerRecord
-    from .router import Router
+    from broker.registry import WorkerRecord
+    from broker.router import Router
 
 PREFIX = "sessionserve:"
 MAX_LABEL_VALUES = 64  # distinct values one counter keeps; later new ones count under OTHER (one more)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .protocol import ErrorCode
-from .registry import WorkerRecord
+from broker.common.protocol import ErrorCode
+from broker.registry import WorkerRecord
 
 
 class NoPlacement(Exception):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from .protocol import ErrorCode, Ready, WorkerStatus
+from broker.common.protocol import ErrorCode, Ready, WorkerStatus
 
 log = structlog.get_logger()
 

@@ -25,11 +25,11 @@ from enum import Enum
 
 import structlog
 
-from . import protocol as p
-from .liveness import Liveness
-from .metrics import RouterCounters
-from .placement import NoPlacement, place
-from .registry import Registry, WorkerRecord
+from broker.common import protocol as p
+from broker.liveness import Liveness
+from broker.metrics import RouterCounters
+from broker.placement import NoPlacement, place
+from broker.registry import Registry, WorkerRecord
 
 log = structlog.get_logger()
 

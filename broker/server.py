@@ -25,10 +25,10 @@ import structlog
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from . import protocol as p
-from .keys import CLIENTS_DOMAIN, HANDSHAKE_FAILED, WORKERS_DOMAIN, BrokerKeys, drain_events
-from .metrics_http import Pulse
-from .router import Failure, Peer, Router, Send, Settings
+from broker.common import protocol as p
+from broker.common.keys import CLIENTS_DOMAIN, HANDSHAKE_FAILED, WORKERS_DOMAIN, BrokerKeys, drain_events
+from broker.common.metrics_http import Pulse
+from broker.router import Failure, Peer, Router, Send, Settings
 
 log = structlog.get_logger()
 

@@ -7,8 +7,8 @@
 Errors are typed (ClientError and its subclasses, each with a stable `.code`).
 """
 
-from .aio import AsyncClient, AsyncSession, AsyncStream
-from .errors import (
+from client.aio import AsyncClient, AsyncSession, AsyncStream
+from client.errors import (
     BadRequest,
     CapacityExhausted,
     ClientError,
@@ -22,8 +22,8 @@ from .errors import (
     VersionMismatch,
     WorkerDraining,
 )
-from .results import Chunk, Generation, SessionInfo, WorkerInfo
-from .sync import Client, PendingClose, Session, Stream
+from client.results import Chunk, Generation, SessionInfo, WorkerInfo
+from client.sync import Client, PendingClose, Session, Stream
 
 __all__ = [
     "AsyncClient",

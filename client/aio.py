@@ -25,14 +25,13 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from broker import protocol as p
-from broker.keys import CurveClient
-
-from . import calls
-from .calls import Answer, Call, addressed, build, decode_answer, new_request_id
-from .errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
-from .results import Chunk, Generation, SessionInfo, WorkerInfo
-from .transport import connect_client, timed_out
+from broker.common import protocol as p
+from broker.common.keys import CurveClient
+from client import calls
+from client.calls import Answer, Call, addressed, build, decode_answer, new_request_id
+from client.errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
+from client.results import Chunk, Generation, SessionInfo, WorkerInfo
+from client.transport import connect_client, timed_out
 
 log = structlog.get_logger()
 

@@ -15,10 +15,9 @@ from typing import Any, TypeVar
 
 import structlog
 
-from broker import protocol as p
-
-from .errors import BadRequest, InternalError, error_for
-from .results import Chunk, Generation, SessionInfo, WorkerInfo
+from broker.common import protocol as p
+from client.errors import BadRequest, InternalError, error_for
+from client.results import Chunk, Generation, SessionInfo, WorkerInfo
 
 log = structlog.get_logger()
 

@@ -18,9 +18,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from broker import logs
-
-from . import Client, ClientError, Stream
+from broker.common import logs
+from client import Client, ClientError, Stream
 
 QUESTIONS = ("What is the capital of France?", "Give me one tip for learning to cook.")
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from .load_progress import REFRESH_S, Tally
-from .load_stats import RawRun, RequestSample
-from .load_workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
+from client.load_progress import REFRESH_S, Tally
+from client.load_stats import RawRun, RequestSample
+from client.load_workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -41,8 +41,8 @@ def _code(e: Exception) -> str:
 class EngineDriver:
     def __init__(self, engine: Engine, raw: RawRun, tally: Tally) -> None:
         from cuda_state.errors import StateError
+        from worker.engine.sampling import SamplingParams
         from worker.errors import EngineError
-        from worker.sampling import SamplingParams
 
         self.engine = engine
         self.raw = raw

@@ -24,11 +24,11 @@ from typing import Any
 
 import structlog
 
-from .aio import AsyncClient, AsyncSession
-from .errors import ClientError
-from .load_progress import REFRESH_S, Tally
-from .load_stats import RawRun, RequestSample, merge
-from .load_workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
+from client.aio import AsyncClient, AsyncSession
+from client.errors import ClientError
+from client.load_progress import REFRESH_S, Tally
+from client.load_stats import RawRun, RequestSample, merge
+from client.load_workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
 
 log = structlog.get_logger()
 
@@ -270,7 +270,7 @@ def _check_alive(procs: Sequence[BaseProcess], runs: dict[int, RawRun]) -> None:
 def _child(index: int, part: Part, messages: Queue[tuple[str, int, Any]], go: Event, start: Synchronized[float],
            log_level: str) -> None:
     """A client process: its own structlog set-up, then its part of the run on the parent's signal."""
-    from broker import heap, logs
+    from broker.common import heap, logs
 
     logs.configure(log_level, role="loadtest", process=index)
     heap.settle()  # imports done: no full collection walks them again during the run

@@ -224,13 +224,13 @@ class Report:
 
     def table(self) -> Table:
         """The summary table: a rich renderable, whose str() is the plain-text table (so print() works too)."""
-        from .load_table import report_table
+        from client.load_table import report_table
 
         return report_table(self)
 
     def render(self, width: int = 100) -> str:
         """The summary table as plain text."""
-        from .load_table import render
+        from client.load_table import render
 
         return render(self, width)
 

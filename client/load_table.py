@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from .load_stats import Report, Summary
+from client.load_stats import Report, Summary
 
 WIDTH = 100  # columns of the plain-text table
 

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from .errors import ClientError
-from .load_progress import ProgressView, Tally
-from .load_stack import LoadTestError
-from .load_stats import RawRun, Report, build_report
-from .load_workload import Budget, Workload
+from client.errors import ClientError
+from client.load_progress import ProgressView, Tally
+from client.load_stack import LoadTestError
+from client.load_stats import RawRun, Report, build_report
+from client.load_workload import Budget, Workload
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -144,7 +144,7 @@ def run(config: LoadConfig, *, engine: Engine | None = None, log_level: str = "w
 
 
 def _run_in_process(config: LoadConfig, engine: Engine | None) -> RawRun:
-    from .load_engine import load_engine, run_in_process
+    from client.load_engine import load_engine, run_in_process
 
     own = engine is None
     if engine is None:
@@ -169,8 +169,8 @@ def _run_in_process(config: LoadConfig, engine: Engine | None) -> RawRun:
 
 
 def _run_stack(config: LoadConfig, log_level: str) -> RawRun:
-    from .load_stack import run_processes, split
-    from .sync import Client
+    from client.load_stack import run_processes, split
+    from client.sync import Client
 
     assert config.broker is not None  # validate() checked
     try:
@@ -267,7 +267,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from broker import logs
+    from broker.common import logs
 
     ap = parser()
     args = ap.parse_args(argv)
@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     if args.plot is not None:
-        from .load_plot import plot
+        from client.load_plot import plot
 
         plot(report, args.plot)
     return 0 if report.completed else 1

@@ -17,14 +17,13 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Literal, TypeVar, overload
 
-from broker import protocol as p
-from broker.keys import CurveClient
-
-from . import calls
-from .calls import build, new_request_id
-from .errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
-from .results import Chunk, Generation, SessionInfo, WorkerInfo
-from .transport import Transport
+from broker.common import protocol as p
+from broker.common.keys import CurveClient
+from client import calls
+from client.calls import build, new_request_id
+from client.errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
+from client.results import Chunk, Generation, SessionInfo, WorkerInfo
+from client.transport import Transport
 
 M = TypeVar("M", bound=p.Message)
 

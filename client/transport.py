@@ -16,11 +16,10 @@ from typing import Any
 import structlog
 import zmq
 
-from broker import protocol as p
-from broker.keys import HANDSHAKE_FAILED, CurveClient, drain_events
-
-from .calls import Answer, Call, addressed, decode_answer
-from .errors import ClientError, Timeout, Unauthorized
+from broker.common import protocol as p
+from broker.common.keys import HANDSHAKE_FAILED, CurveClient, drain_events
+from client.calls import Answer, Call, addressed, decode_answer
+from client.errors import ClientError, Timeout, Unauthorized
 
 log = structlog.get_logger()
 

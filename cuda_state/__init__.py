@@ -1,10 +1,10 @@
 """Per-session state buffers at fixed addresses: the session table and its backends."""
 
-from .errors import BackendUnavailable, CapacityExhausted, CudaDriverError, SlotError, StateError
-from .host import HostBackend
-from .select import select_backend
-from .spec import BufferSpec, StateSpec
-from .table import SessionTable
+from cuda_state.errors import BackendUnavailable, CapacityExhausted, CudaDriverError, SlotError, StateError
+from cuda_state.host import HostBackend
+from cuda_state.select import select_backend
+from cuda_state.spec import BufferSpec, StateSpec
+from cuda_state.table import SessionTable
 
 __all__ = [
     "BackendUnavailable",

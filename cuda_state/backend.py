@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from .spec import StateSpec
+from cuda_state.spec import StateSpec
 
 
 class StateBackend(Protocol):

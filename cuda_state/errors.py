@@ -1,4 +1,4 @@
-"""Typed errors of the session table. `code` is the stable wire code (see broker.protocol)."""
+"""Typed errors of the session table. `code` is the stable wire code (see broker.common.protocol)."""
 
 from __future__ import annotations
 

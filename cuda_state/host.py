@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .backend import slab_views
-from .spec import StateSpec
+from cuda_state.backend import slab_views
+from cuda_state.spec import StateSpec
 
 HOST_GRANULARITY = 4096  # a page: slots start on page boundaries
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from .backend import StateBackend
-from .errors import BackendUnavailable
-from .host import HostBackend
-from .spec import StateSpec
+from cuda_state.backend import StateBackend
+from cuda_state.errors import BackendUnavailable
+from cuda_state.host import HostBackend
+from cuda_state.spec import StateSpec
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +80,7 @@ def open_backend(choice: Choice, spec: StateSpec, capacity: int, reserve_bytes: 
     """Build the chosen backend. For VMM, capacity is capped by free memory minus `reserve_bytes`."""
     if choice.kind == "host":
         return HostBackend(spec, capacity)
-    from .vmm import VmmBackend  # imported only where CUDA is present
+    from cuda_state.vmm import VmmBackend  # imported only where CUDA is present
 
     return VmmBackend(spec, capacity, choice.device, reserve_bytes=reserve_bytes)
 

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from .backend import StateBackend
-from .errors import CapacityExhausted, SlotError
-from .spec import StateSpec
+from cuda_state.backend import StateBackend
+from cuda_state.errors import CapacityExhausted, SlotError
+from cuda_state.spec import StateSpec
 
 
 class SessionTable:

@@ -27,9 +27,9 @@ import structlog
 import torch
 from cuda.bindings import driver
 
-from .backend import slab_views
-from .errors import BackendUnavailable, CapacityExhausted, CudaDriverError, SlotError, StateError
-from .spec import StateSpec
+from cuda_state.backend import slab_views
+from cuda_state.errors import BackendUnavailable, CapacityExhausted, CudaDriverError, SlotError, StateError
+from cuda_state.spec import StateSpec
 
 log = structlog.get_logger(__name__)
 

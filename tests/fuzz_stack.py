@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: the packages import from the r
 
 import structlog  # noqa: E402
 
-from broker.arguments import positive_int  # noqa: E402
+from broker.common.arguments import positive_int  # noqa: E402
 from tests.fuzzing import TARGETS, FuzzFailure, Report, run_all  # noqa: E402
 
 

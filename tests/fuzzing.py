@@ -40,8 +40,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from broker import protocol as p
-from broker.fields import field_names
+from broker.common import protocol as p
+from broker.common.fields import field_names
 from client import Client, ClientError, Session
 
 from .integration.cluster import Cluster, Daemon, free_port
@@ -450,7 +450,7 @@ def strict(decode: Callable[[Frames], T], frames: Frames) -> T:
     except p.ProtocolError:
         raise
     except Exception as e:
-        raise FuzzFailure(f"broker.protocol raised {type(e).__name__} ({e}) instead of a ProtocolError on "
+        raise FuzzFailure(f"broker.common.protocol raised {type(e).__name__} ({e}) instead of a ProtocolError on "
                           f"{show_frames(frames)}") from e
 
 

@@ -64,12 +64,12 @@ if ! stage pytest 240 python -m pytest -m gpu -x -q --durations=15 --junitxml="$
     stage pytest-all 150 python -m pytest -m gpu -q -rfE --durations=10 tests/
 fi
 
-stage bench 150 python -m cuda_state.bench --json "$OUT/bench.json"
-stage step-profile 120 python -m worker.step_profile --sessions 1 64 --steps 200
-stage step-profile-cublas 120 env WORKER_ROW_PRODUCTS=0 python -m worker.step_profile --sessions 1 64 --steps 200
-stage bench-matmul 90 python -m worker.bench_matmul --rows 1 16 64
-stage bench-prefill 120 python -m worker.bench_prefill
-stage memory-churn 120 python -m worker.memory_churn --rounds 12 --prompt-max 1900 --json "$OUT/memory_churn.json"
+stage bench 150 python -m cuda_state.bench.table --json "$OUT/bench.json"
+stage step-profile 120 python -m worker.bench.step_profile --sessions 1 64 --steps 200
+stage step-profile-cublas 120 env WORKER_ROW_PRODUCTS=0 python -m worker.bench.step_profile --sessions 1 64 --steps 200
+stage bench-matmul 90 python -m worker.bench.matmul --rows 1 16 64
+stage bench-prefill 120 python -m worker.bench.prefill
+stage memory-churn 120 python -m worker.bench.memory_churn --rounds 12 --prompt-max 1900 --json "$OUT/memory_churn.json"
 
 stage sanitizer 400 env GPU_TESTS_UNDER_SANITIZER=1 \
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \

@@ -47,16 +47,16 @@ for ep in healthz readyz; do
     echo "broker /$ep: $(http "http://127.0.0.1:$BM/$ep")  worker /$ep: $(http "http://127.0.0.1:$WM/$ep")"
 done
 [ "$(http "http://127.0.0.1:$BM/metrics" "$OUT/broker.metrics")" = 200 ] || FAILED=$((FAILED + 1))
-[ "$(http "http://127.0.0.1:$WM/metrics" "$OUT/worker.metrics")" = 200 ] || FAILED=$((FAILED + 1))
+[ "$(http "http://127.0.0.1:$WM/metrics" "$OUT/worker.serve.metrics")" = 200 ] || FAILED=$((FAILED + 1))
 grep -E '^sessionserve:(num_workers|requests_total|worker_capacity)' "$OUT/broker.metrics"
 grep -E '^sessionserve:(engine_steps_total|generation_tokens_total|gpu_memory_(allocated|reserved)_bytes|session_bytes|time_to_first_token_seconds_(count|sum)|inter_token_latency_seconds_(count|sum)|engine_step_duration_seconds_(count|sum)|engine_step_batch_size_(count|sum))' \
-    "$OUT/worker.metrics"
+    "$OUT/worker.serve.metrics"
 kill -TERM $WORKER $BROKER
 wait $WORKER; echo "worker exit $?"
 wait $BROKER; echo "broker exit $?"
 
 echo "=== soak ${SOAK_S}s"
-python3 -m client.soak --spawn --model random:smollm2-135m --device cuda --max-sessions 64 --sessions 32 \
+python3 -m client.bench.soak --spawn --model random:smollm2-135m --device cuda --max-sessions 64 --sessions 32 \
     --duration "$SOAK_S" --json "$OUT/soak.json" || FAILED=$((FAILED + 1))
 echo "=== done: $FAILED failed"
 exit "$FAILED"

@@ -191,7 +191,7 @@ def effective(parsed: Parsed, flag: str, env: Mapping[str, str]) -> str | None:
 def code_env_names() -> frozenset[str]:
     """Every BROKER_*/WORKER_*/LOADTEST_* string literal in the packages' source: the variables they read."""
     pattern = re.compile(r"""["']((?:BROKER|WORKER|LOADTEST)_[A-Z0-9_]+)["']""")
-    return frozenset(m for pkg in PACKAGES for f in (ROOT / pkg).glob("*.py") for m in pattern.findall(f.read_text()))
+    return frozenset(m for pkg in PACKAGES for f in (ROOT / pkg).rglob("*.py") for m in pattern.findall(f.read_text()))
 
 
 # ---- what a deploy file holds ---------------------------------------------------------------------
@@ -964,7 +964,7 @@ def test_kustomization_lists_every_manifest() -> None:
 
 
 def test_checker_reads_flags_subcommands_values_and_positionals() -> None:
-    from broker import logs
+    from broker.common import logs
 
     assert parse_command(["worker", "start", "--gpus", "2"]).problems == ["worker start: unknown flag --gpus"]
     assert parse_command(["worker", "start", "--max-sess", "2"]).problems == ["worker start: unknown flag --max-sess"]

@@ -16,14 +16,13 @@ from types import FrameType
 
 import structlog
 
-from broker import heap, logs
-from broker import protocol as p
-from broker.arguments import env, env_int, non_negative_float, port, positive_int
-from broker.keys import CurveClient, KeyFileError
-from broker.metrics_http import MetricsServer
-
-from .daemon import Serve, WorkerConfig
-from .metrics import WorkerMetrics, worker_readiness
+from broker.common import heap, logs
+from broker.common import protocol as p
+from broker.common.arguments import env, env_int, non_negative_float, port, positive_int
+from broker.common.keys import CurveClient, KeyFileError
+from broker.common.metrics_http import MetricsServer
+from worker.serve.loop import Serve, WorkerConfig
+from worker.serve.metrics import WorkerMetrics, worker_readiness
 
 EXIT_STARTUP_FAILED = 3
 
@@ -106,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        from .engine import Engine, SamplingParams
+        from worker.engine import Engine, SamplingParams
 
         engine = Engine.load(
             model=args.model, device=args.device, max_sessions=args.max_sessions, max_context=args.max_context

@@ -11,7 +11,7 @@ import sys
 
 import structlog
 
-from .engine import Engine
+from worker.engine import Engine
 
 
 def main() -> None:

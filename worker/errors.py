@@ -1,4 +1,4 @@
-"""Typed engine errors. `code` is the stable wire code (see broker.protocol.ErrorCode).
+"""Typed engine errors. `code` is the stable wire code (see broker.common.protocol.ErrorCode).
 
 Every one of these is recoverable: the request fails, the engine and every session stay usable.
 CapacityExhausted is cuda_state's own class, re-exported so callers need one import.

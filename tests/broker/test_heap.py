@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import sys
 
-from broker import heap
+from broker.common import heap
 
 
 def test_settle_freezes_what_is_alive_and_sets_the_switch_interval() -> None:

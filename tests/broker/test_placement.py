@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from broker.common.protocol import ErrorCode, Ready
 from broker.liveness import Liveness
 from broker.placement import NoPlacement, place
-from broker.protocol import ErrorCode, Ready
 from broker.registry import Registry, WorkerRecord
 
 A = "a" * 32

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import protocol as p
+from broker.common import protocol as p
 
 SID = "0123456789abcdef0123456789abcdef"
 SID2 = "fedcba9876543210fedcba9876543210"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 
-from broker import protocol as p
+from broker.common import protocol as p
 from broker.router import Failure, Peer, Router, Send, Settings
 
 SETTINGS = Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0)

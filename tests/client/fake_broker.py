@@ -8,7 +8,7 @@ from types import TracebackType
 
 import zmq
 
-from broker import protocol as p
+from broker.common import protocol as p
 
 Reply = Callable[[p.Message], None]
 Script = Callable[[p.Message, Reply], None]  # (request, reply) -> None

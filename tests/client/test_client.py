@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 import client as client_pkg
-from broker import protocol as p
+from broker.common import protocol as p
 from client import (
     AsyncClient,
     AsyncStream,

@@ -10,7 +10,7 @@ import uuid
 import msgpack
 import zmq
 
-from broker import protocol as p
+from broker.common import protocol as p
 
 from .cluster import Cluster
 

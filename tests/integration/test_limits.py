@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from broker import protocol as p
+from broker.common import protocol as p
 from client import BadRequest, SessionExpired, Timeout
-from worker.daemon import Serve, WorkerConfig
+from worker.serve.loop import Serve, WorkerConfig
 
 from .cluster import Cluster
 from .test_worker_daemon import FakeEngine

@@ -8,9 +8,9 @@ import secrets
 import pytest
 import zmq
 
-from broker import protocol as p
+from broker.common import protocol as p
 from client import AsyncClient, BadRequest, Chunk, SessionNotFound
-from worker.tokenizer import Tokenizer
+from worker.model.tokenizer import Tokenizer
 
 from .cluster import Cluster
 

@@ -17,9 +17,10 @@ import msgpack
 import pytest
 import zmq
 
-from broker import protocol as p
+from broker.common import protocol as p
 from cuda_state import CapacityExhausted
-from worker.daemon import (
+from worker.errors import SessionBusy, SessionNotFound
+from worker.serve.loop import (
     BUSY_LINGER_S,
     BUSY_WAIT_S,
     IDLE_WAIT_S,
@@ -30,7 +31,6 @@ from worker.daemon import (
     WorkerState,
     error_code,
 )
-from worker.errors import SessionBusy, SessionNotFound
 
 SID = "a" * 32
 
@@ -204,7 +204,7 @@ def test_the_loop_releases_slots_kept_mapped_longer_than_slot_keep_s(
 ) -> None:
     """Closed sessions' slots stay mapped for new ones (cuda_state.table); the compute loop asks the engine to
     release those unused for SLOT_KEEP_S, every SLOT_KEEP_S / 2, busy or idle."""
-    from worker.daemon import SLOT_KEEP_S
+    from worker.serve.loop import SLOT_KEEP_S
 
     serve, engine, broker = served
     time.sleep(SLOT_KEEP_S * 1.25)

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 
 from worker.engine import Engine
+from worker.engine.sampling import SamplingParams
 from worker.errors import BadRequest, ContextOverflow, EngineError, SessionBusy, SessionNotFound
-from worker.sampling import SamplingParams
 
 PROMPT = "The quick brown fox"
 EXPECTED = [351, 253, 2365, 6354, 7012, 30]

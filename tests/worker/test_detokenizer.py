@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from worker.detokenizer import Detokenizer
 from worker.engine import Engine
-from worker.tokenizer import Tokenizer
+from worker.engine.detokenizer import Detokenizer
+from worker.model.tokenizer import Tokenizer
 
 
 def _stream(tok: Tokenizer, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], Detokenizer]:

@@ -1,7 +1,7 @@
-"""The fused GPU kernels (worker.triton_fused) and the fused layer stack (worker.fused_forward).
+"""The fused GPU kernels (worker.kernels.fused) and the fused layer stack (worker.kernels.layers).
 
 CPU tests run the kernels in Triton's interpreter (in a subprocess: TRITON_INTERPRET is read at
-import) in fp32 and fp16 (the interpreter's bf16 is not exact), against worker.model's torch code,
+import) in fp32 and fp16 (the interpreter's bf16 is not exact), against worker.model.llama's torch code,
 with NaN-poisoned outputs and the K/V caches as the strided slab views the model passes. They also
 run the whole tiny model through Llama.forward with the fused stack hooked in.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker import model as reference
+from worker.model import llama as reference
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "random:smollm2-135m"
@@ -87,10 +87,10 @@ def slab_caches(slots: int, layers: int, kv: int, ctx: int, hd: int, dtype: torc
 
 
 def rope_rows(hd: int, theta: float, ctx: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """worker.model's rope tables for head_dim `hd`, at `positions`: cos, sin (T, hd) fp32."""
+    """worker.model.llama's rope tables for head_dim `hd`, at `positions`: cos, sin (T, hd) fp32."""
     from dataclasses import replace
 
-    from worker.config import PRESETS
+    from worker.model.config import PRESETS
 
     config = replace(PRESETS["tiny"], dim=hd, n_heads=1, rope_theta=theta)  # only head_dim and theta matter
     cos, sin = reference.rope_tables(config, ctx, positions.device)
@@ -103,9 +103,9 @@ INTERPRETED_KERNELS_CHECK = textwrap.dedent(
     import torch
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch.nn.functional as F
-    from worker import model as M
+    from worker.model import llama as M
     from tests.worker.test_fused import rope_rows, same_bits, slab_caches, ulps
-    from worker.triton_fused import add_rms_norm, rms_norm, rope_and_store, silu_mul
+    from worker.kernels.fused import add_rms_norm, rms_norm, rope_and_store, silu_mul
 
     torch.manual_seed(0)
     nan = float("nan")
@@ -180,9 +180,9 @@ INTERPRETED_FORWARD_CHECK = textwrap.dedent(
     import torch
     assert os.environ["TRITON_INTERPRET"] == "1"
     from cuda_state import HostBackend, SessionTable
-    from worker.fused_forward import fused_layers
-    from worker.loader import load_model
-    from worker.model import Llama
+    from worker.kernels.layers import fused_layers
+    from worker.model.loader import load_model
+    from worker.model.llama import Llama
 
     loaded = load_model("random:tiny")
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
@@ -231,7 +231,7 @@ def assert_nearly_exact(got: torch.Tensor, expected: torch.Tensor, what: str) ->
 @needs_cuda
 @pytest.mark.parametrize("rows", [1, 8, 64, 2048])
 def test_gpu_norms_match_torch(rows: int) -> None:
-    from worker.triton_fused import add_rms_norm, rms_norm
+    from worker.kernels.fused import add_rms_norm, rms_norm
 
     gen = torch.Generator().manual_seed(rows)
     x, r = ((torch.randn(rows, 576, generator=gen) * 3).to("cuda", torch.bfloat16) for _ in range(2))
@@ -250,7 +250,7 @@ def test_gpu_norms_match_torch(rows: int) -> None:
 def test_gpu_silu_mul_matches_torch(rows: int) -> None:
     import torch.nn.functional as F
 
-    from worker.triton_fused import silu_mul
+    from worker.kernels.fused import silu_mul
 
     gen = torch.Generator().manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to("cuda", torch.bfloat16)
@@ -282,7 +282,7 @@ def expected_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_rope_and_store_matches_torch_bit_for_bit() -> None:
-    from worker.triton_fused import rope_and_store
+    from worker.kernels.fused import rope_and_store
 
     gen = torch.Generator().manual_seed(11)
     k_all, v_all = slab_caches(7, 3, 3, 512, 64, torch.bfloat16, "cuda")
@@ -304,7 +304,7 @@ def test_gpu_rope_and_store_writes_a_vmm_slab_whose_first_slots_are_unmapped() -
     """Triton validates pointer arguments with the driver; slot 0 of a fresh slab is not mapped."""
     from cuda_state import BufferSpec, StateSpec
     from cuda_state.vmm import VmmBackend
-    from worker.triton_fused import rope_and_store
+    from worker.kernels.fused import rope_and_store
 
     shape = (2, 3, 512, 64)  # (layers, KV, ctx, hd)
     spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
@@ -333,7 +333,7 @@ def test_gpu_rope_and_store_writes_a_vmm_slab_whose_first_slots_are_unmapped() -
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_rope_and_store_replays_in_a_cuda_graph_with_new_slots_and_positions() -> None:
-    from worker.triton_fused import rope_and_store
+    from worker.kernels.fused import rope_and_store
 
     gen = torch.Generator().manual_seed(5)
     k_all, v_all = slab_caches(9, 2, 3, 256, 64, torch.bfloat16, "cuda")
@@ -391,8 +391,8 @@ def eager_steps(engine: object, prompt: list[int], n: int, fused: bool,
                 forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
     """Eager prefill, then decode steps: n tokens, greedy or `forced`, and the logits (n, vocab) that chose them."""
     from worker.engine import Engine
-    from worker.executor import EagerExecutor
-    from worker.fused_forward import fused_layers
+    from worker.engine.executor import EagerExecutor
+    from worker.kernels.layers import fused_layers
 
     assert isinstance(engine, Engine)
     executor = EagerExecutor(engine.model, engine.table)
@@ -416,7 +416,7 @@ def eager_steps(engine: object, prompt: list[int], n: int, fused: bool,
 @needs_cuda
 def test_gpu_engine_uses_the_fused_stack(fused_engine: object) -> None:
     from worker.engine import Engine
-    from worker.fused_forward import fused_layers
+    from worker.kernels.layers import fused_layers
 
     assert isinstance(fused_engine, Engine)
     assert fused_engine.model.fused_layers is fused_layers
@@ -459,8 +459,8 @@ def kernels_in_decode_step(engine: object, fused: bool, row_products: bool = Fal
     from torch.profiler import ProfilerActivity, profile
 
     from worker.engine import Engine
-    from worker.fused_forward import fused_layers
-    from worker.model import Batch
+    from worker.kernels.layers import fused_layers
+    from worker.model.llama import Batch
 
     assert isinstance(engine, Engine)
     model, spare = engine.model, engine.table.spare_slot

@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from cuda_state import CapacityExhausted
-from worker.config import PRESETS
-from worker.gpu import BUCKETS, buckets_for, pick_bucket, split_step, workspace_bytes
-from worker.model import Llama
-from worker.prefill_tiles import TILE_ROWS, max_tiles, prefill_tiles
+from worker.engine.graphs import BUCKETS, buckets_for, pick_bucket, split_step, workspace_bytes
+from worker.kernels.tiles import TILE_ROWS, max_tiles, prefill_tiles
+from worker.model.config import PRESETS
+from worker.model.llama import Llama
 
 MODEL = "random:smollm2-135m"
 CONTEXT = 1024
@@ -66,7 +66,7 @@ def test_pick_bucket_takes_the_smallest_that_holds_the_rows() -> None:
 
 
 def test_split_step_separates_decode_rows_from_prefill_chunks() -> None:
-    from worker.model import Run
+    from worker.model.llama import Run
 
     # slot 3: one decode token; slot 5: a 3-token chunk; slot 1: one decode token
     decode, prefill = split_step([11, 12, 13, 14, 15], [7, 0, 1, 2, 9], [3, 5, 5, 5, 1])
@@ -75,7 +75,7 @@ def test_split_step_separates_decode_rows_from_prefill_chunks() -> None:
 
 
 def tiny_llama(max_context: int) -> Llama:
-    from worker.loader import load_model
+    from worker.model.loader import load_model
 
     loaded = load_model("random:tiny")
     return Llama(loaded.config, loaded.weights, torch.device("cpu"), torch.float32, max_context)
@@ -94,7 +94,7 @@ def test_prefill_tiles_cut_each_chunk_from_its_first_row() -> None:
 
 
 def test_workspace_covers_prefill_attention_and_graph_outputs() -> None:
-    from worker.engine import GPU_STEP_TOKENS
+    from worker.engine.core import GPU_STEP_TOKENS
 
     small, large = tiny_llama(256), tiny_llama(4096)
     c = PRESETS["tiny"]
@@ -106,7 +106,7 @@ def test_workspace_covers_prefill_attention_and_graph_outputs() -> None:
 
 def test_packed_weights_are_views_of_one_block_and_give_the_same_logits() -> None:
     """On the GPU Llama packs its weights into one allocation (Llama.pack_weights); the same packing on the CPU."""
-    from worker.model import PACK_ALIGN
+    from worker.model.llama import PACK_ALIGN
 
     llama = tiny_llama(64)
     spec = llama.state_spec()
@@ -153,8 +153,8 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     """GraphExecutor's host side (static inputs, padding rows, bucket choice, picking logits, marking
     slots used) against the eager executor, with a "graph" that re-runs the captured step."""
     from cuda_state import HostBackend, SessionTable
-    from worker.executor import EagerExecutor
-    from worker.gpu import GraphExecutor
+    from worker.engine.executor import EagerExecutor
+    from worker.engine.graphs import GraphExecutor
 
     class Stub:
         def __init__(self, *args: object, **kwargs: object) -> None:
@@ -187,7 +187,7 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(GraphExecutor, "_capture", capture)
 
-    from worker.loader import load_model
+    from worker.model.loader import load_model
 
     loaded = load_model("random:tiny")
     model = Llama(loaded.config, loaded.weights, torch.device("cpu"), torch.float32, 64)
@@ -279,7 +279,7 @@ INTERPRETED_KERNEL_CHECK = textwrap.dedent(
     """
     import math, os, torch
     assert os.environ["TRITON_INTERPRET"] == "1"
-    from worker.triton_attention import decode_attention
+    from worker.kernels.attention import decode_attention
 
     def reference(q, k, v, slots, lengths):
         rows, heads, hd = q.shape
@@ -321,9 +321,9 @@ INTERPRETED_KERNEL_CHECK = textwrap.dedent(
 INTERPRETED_PREFILL_CHECK = textwrap.dedent(
     """
     import torch
-    from worker.prefill_tiles import prefill_tiles
-    from worker.triton_attention import decode_attention
-    from worker.triton_prefill import prefill_attention
+    from worker.kernels.tiles import prefill_tiles
+    from worker.kernels.attention import decode_attention
+    from worker.kernels.prefill import prefill_attention
 
     torch.manual_seed(1)
     for dtype, tol, heads, kv, hd in ((torch.float32, 1e-5, 9, 3, 64), (torch.float16, 3e-3, 4, 4, 80)):
@@ -557,7 +557,7 @@ KERNEL_CASES = [  # (dtype, (rows, heads, kv_heads, head_dim, max_context), spli
 def test_triton_decode_matches_a_float64_reference(
     dtype: torch.dtype, shape: tuple[int, int, int, int, int], splits: int | None
 ) -> None:
-    from worker.triton_attention import decode_attention
+    from worker.kernels.attention import decode_attention
 
     gen = torch.Generator().manual_seed(sum(shape) * 31 + (splits or 0))
     q, k, v, slots, lengths = random_decode_case(*shape, dtype=dtype, gen=gen)
@@ -576,7 +576,7 @@ def test_split_attention_gives_rows_too_short_to_split_the_bits_of_one_program(s
     """A row splits its keys only when each split gets MIN_SPLIT_KEYS of them: a shorter row runs in one split and
     its output is bitwise the one-program kernel's (so the executor may pick the attention by a step's longest
     row without moving the other rows' numbers). Longer rows split and stay close to the reference."""
-    from worker.triton_attention import MIN_SPLIT_KEYS, decode_attention
+    from worker.kernels.attention import MIN_SPLIT_KEYS, decode_attention
 
     gen = torch.Generator().manual_seed(splits)
     q, k, v, slots, lengths = random_decode_case(16, 9, 3, 64, 3 * MIN_SPLIT_KEYS, dtype=torch.bfloat16, gen=gen)
@@ -592,7 +592,7 @@ def test_split_attention_gives_rows_too_short_to_split_the_bits_of_one_program(s
 @pytest.mark.gpu
 @needs_cuda
 def test_triton_decode_replays_in_a_cuda_graph_with_new_slots_and_lengths() -> None:
-    from worker.triton_attention import decode_attention
+    from worker.kernels.attention import decode_attention
 
     gen = torch.Generator().manual_seed(7)
     q, k, v, slots, lengths = random_decode_case(4, 9, 3, 64, 1024, dtype=torch.bfloat16, gen=gen)
@@ -622,7 +622,7 @@ def test_triton_decode_reads_a_vmm_slab_whose_first_slots_are_unmapped() -> None
     """Triton validates pointer arguments with the driver; slot 0 of a fresh slab is not mapped."""
     from cuda_state import BufferSpec, StateSpec
     from cuda_state.vmm import VmmBackend
-    from worker.triton_attention import decode_attention
+    from worker.kernels.attention import decode_attention
 
     shape = (2, 3, 512, 64)  # (layers, KV, ctx, hd)
     spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
@@ -692,7 +692,7 @@ PREFILL_CASES = [  # (dtype, (heads, kv_heads, head_dim, max_context), chunks (s
 def test_triton_prefill_matches_a_float64_reference(
     dtype: torch.dtype, shape: tuple[int, int, int, int], chunks: list[tuple[int, int, int]], padding: int
 ) -> None:
-    from worker.triton_prefill import prefill_attention
+    from worker.kernels.prefill import prefill_attention
 
     gen = torch.Generator().manual_seed(sum(shape) + len(chunks))
     q, k, v, slots, lengths = random_prefill_case(chunks, *shape, dtype=dtype, gen=gen, padding=padding)
@@ -709,7 +709,7 @@ def test_triton_prefill_rows_give_the_same_bits_however_chunks_are_cut_and_packe
     """A row's numbers do not depend on its tile: the same prompt rows cut into other chunks, packed after other
     chunks, or launched on a larger grid give bitwise the same output (so a prompt's tokens do not depend on
     how the scheduler cuts it or what shares its step)."""
-    from worker.triton_prefill import prefill_attention
+    from worker.kernels.prefill import prefill_attention
 
     gen = torch.Generator().manual_seed(11)
     chunks = [(0, 1000, 300), (1, 0, 200)]
@@ -727,7 +727,7 @@ def test_triton_prefill_rows_give_the_same_bits_however_chunks_are_cut_and_packe
 @pytest.mark.gpu
 @needs_cuda
 def test_triton_prefill_replays_in_a_cuda_graph_with_new_tiles() -> None:
-    from worker.triton_prefill import prefill_attention
+    from worker.kernels.prefill import prefill_attention
 
     gen = torch.Generator().manual_seed(5)
     chunks = [(0, 900, 256), (1, 0, 200), (2, 40, 40)]
@@ -764,7 +764,7 @@ def test_triton_prefill_replays_in_a_cuda_graph_with_new_tiles() -> None:
 def test_gpu_engine_runs_bf16_on_the_vmm_slab_with_graphs(gpu_engine: object) -> None:
     from cuda_state.vmm import VmmBackend
     from worker.engine import Engine
-    from worker.gpu import GraphExecutor
+    from worker.engine.graphs import GraphExecutor
 
     assert isinstance(gpu_engine, Engine)
     assert gpu_engine.model.dtype == torch.bfloat16 and gpu_engine.model.decode_attention is not None
@@ -775,7 +775,7 @@ def test_gpu_engine_runs_bf16_on_the_vmm_slab_with_graphs(gpu_engine: object) ->
     assert gpu_engine.executor.attention_splits == 2
     # ... in the split graphs, which steps with a row of 512 keys or more replay (the others: one program a row)
     assert gpu_engine.executor.long_rows_from == 512 and sorted(gpu_engine.executor._long_graphs) == [1, 4, 8]
-    assert gpu_engine.executor.row_products and gpu_engine.model.norms_folded  # decode products: worker.triton_matmul
+    assert gpu_engine.executor.row_products and gpu_engine.model.norms_folded  # decode products: worker.kernels.matmul
     assert gpu_engine.executor.prefill_buckets == [128, 256, 512, 1024, 2048]  # every prefill bucket row-invariant
     assert gpu_engine.executor.prefill_splits == 1  # 2048 rows x 3 KV heads fill the SMs
     model = gpu_engine.model
@@ -790,7 +790,7 @@ def test_a_bucket_whose_rows_differ_from_the_largest_is_dropped_at_start(monkeyp
     whose numbers differ in any bit (here: skewed on purpose) is not used; its batches run in the next one.
     The same for prefill buckets."""
     from worker.engine import Engine
-    from worker.gpu import GraphExecutor
+    from worker.engine.graphs import GraphExecutor
 
     step, prefill_step = GraphExecutor._step, GraphExecutor._prefill_step
 
@@ -845,7 +845,7 @@ def test_more_prompt_chunks_than_one_prefill_replay_returns() -> None:
     """72 sessions' prompts join in one step: 72 chunk ends, more than the 64 one prefill replay returns, so the
     step takes two replays of the one shared output. Every session's tokens are its tokens alone."""
     from worker.engine import Engine
-    from worker.sampling import SamplingParams
+    from worker.engine.sampling import SamplingParams
 
     engine = Engine.load(MODEL, device="cuda", max_sessions=72, max_context=64)
     try:
@@ -919,7 +919,7 @@ def test_gpu_logits_match_the_cpu_within_bf16_tolerance(
 @needs_cuda
 def test_no_bleed_solo_interleaved_and_batched_agree(gpu_engine: object, references: list[Reference]) -> None:
     from worker.engine import Engine
-    from worker.gpu import GraphExecutor
+    from worker.engine.graphs import GraphExecutor
 
     assert isinstance(gpu_engine, Engine) and isinstance(gpu_engine.executor, GraphExecutor)
     lengths = [8, 5, 7, 6, 8, 4, 8, 3]  # sessions leave the batch at different steps: buckets shrink and pad
@@ -1006,7 +1006,7 @@ def test_requests_taken_while_a_prefill_step_runs_change_no_tokens(gpu_engine: o
     sessions opened, generations started and a generating session closed from inside step() leave every
     session's tokens exactly as when each runs alone."""
     from worker.engine import Engine
-    from worker.sampling import SamplingParams
+    from worker.engine.sampling import SamplingParams
 
     assert isinstance(gpu_engine, Engine)
     rng = random.Random(7)
@@ -1077,7 +1077,7 @@ def test_no_bleed_fork_continues_exactly_like_its_parent(gpu_engine: object, ref
 @needs_cuda
 def test_graph_replay_matches_eager(gpu_engine: object, references: list[Reference]) -> None:
     from worker.engine import Engine
-    from worker.executor import EagerExecutor
+    from worker.engine.executor import EagerExecutor
 
     assert isinstance(gpu_engine, Engine)
     graphs = gpu_engine.executor
@@ -1095,7 +1095,7 @@ def test_graph_replay_matches_eager(gpu_engine: object, references: list[Referen
     assert outputs["graph"] == outputs["eager"] == [ref.tokens for ref in references]
 
     # The same decode step (8 rows, one full bucket) through both: logits agree to bf16 rounding. The graph's
-    # products are worker.triton_matmul's, the norm a row scale after them; the eager step's are cuBLAS's with the
+    # products are worker.kernels.matmul's, the norm a row scale after them; the eager step's are cuBLAS's with the
     # norm before: two bf16 roundings of the same sums, apart as much as bf16 is from fp32 (the CPU test's 4e-2).
     sids = [open_with(gpu_engine, ref.prompt) for ref in references]
     gpu_engine.generate_many([(s, greedy(1)) for s in sids])  # prompts in; one pending token each
@@ -1169,8 +1169,8 @@ def test_device_memory_stays_flat_under_traffic_with_prompts_of_every_length(gpu
     """Rounds of sessions with prompts of random lengths, forks, sampled and greedy generations and cancelled
     streams: after the first rounds, device memory at zero live sessions does not move. (torch's cuDNN
     attention backend kept device memory per new prompt length: ~3 MiB per 40 prompts, without end.)"""
+    from worker.bench.memory_churn import one_round
     from worker.engine import Engine
-    from worker.memory_churn import one_round
 
     assert isinstance(gpu_engine, Engine)
     rng = random.Random(7)

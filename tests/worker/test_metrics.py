@@ -6,9 +6,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import worker.metrics as wm
-from broker import protocol as p
-from worker.metrics import Buckets, WorkerMetrics, WorkerSnapshot, buckets_1_2_5, torch_memory, worker_readiness
+import worker.serve.metrics as wm
+from broker.common import protocol as p
+from worker.serve.metrics import Buckets, WorkerMetrics, WorkerSnapshot, buckets_1_2_5, torch_memory, worker_readiness
 
 LABELS = (("device", "cpu"), ("model", "tiny"), ("worker", "w1"))
 SNAPSHOT = WorkerSnapshot(sessions=3, capacity=8, free_slots=5, running=2, bytes_per_session=1 << 20)

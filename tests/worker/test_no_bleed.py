@@ -99,7 +99,7 @@ def test_close_during_generation_cancels_only_that_session(engine: Engine) -> No
     engine.chat(a, PROMPTS[0])
     engine.chat(b, PROMPTS[1])
     stream_a = engine.stream(a, max_tokens=12, ignore_eos=True)
-    rid_b = engine.start_generate(b, __import__("worker.sampling", fromlist=["SamplingParams"]).SamplingParams(max_tokens=50))
+    rid_b = engine.start_generate(b, __import__("worker.engine.sampling", fromlist=["SamplingParams"]).SamplingParams(max_tokens=50))
     got = next(stream_a).token_ids
     engine.close(b)
     for chunk in stream_a:
@@ -110,7 +110,7 @@ def test_close_during_generation_cancels_only_that_session(engine: Engine) -> No
 
 def test_prefill_chunks_do_not_depend_on_the_batch(engine: Engine) -> None:
     """A long prompt is cut at the same places alone and next to other prompts."""
-    from worker.sampling import SamplingParams
+    from worker.engine.sampling import SamplingParams
 
     long_prompt = list(range(100, 700))  # 600 tokens: chunks of 256, 256, 88
     seen: list[list[int]] = []

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from worker.engine import Engine
-from worker.sampling import SamplingParams
+from worker.engine.sampling import SamplingParams
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_running_ahead_changes_nothing_but_the_timing(tiny: Engine) -> None:
 
 def test_a_step_that_fails_while_another_runs_ahead_is_run_again(tiny: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failure while the next step is in flight drops both: no tokens lost, none doubled."""
-    import worker.engine
+    import worker.engine.core
 
     sids = [tiny.create_session() for _ in range(2)]
     for i, s in enumerate(sids):
@@ -165,7 +165,7 @@ def test_a_step_that_fails_while_another_runs_ahead_is_run_again(tiny: Engine, m
         for chunk in tiny.step():
             out[chunk.request_id] += chunk.token_ids
     assert tiny._inflight is not None
-    real = worker.engine.sample_ids
+    real = worker.engine.core.sample_ids
     calls = 0
 
     def flaky(*args: object) -> object:
@@ -175,7 +175,7 @@ def test_a_step_that_fails_while_another_runs_ahead_is_run_again(tiny: Engine, m
             raise RuntimeError("injected")
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(worker.engine, "sample_ids", flaky)
+    monkeypatch.setattr(worker.engine.core, "sample_ids", flaky)
     with pytest.raises(RuntimeError, match="injected"):
         tiny.step()
     assert tiny._inflight is None
@@ -231,7 +231,7 @@ def test_reading_a_step_calls_meanwhile_until_the_device_is_done() -> None:
     requests then), and not at all once it has."""
     import torch
 
-    from worker.engine import Launched
+    from worker.engine.core import Launched
 
     class Copy:
         def __init__(self, pending: int) -> None:
@@ -263,7 +263,7 @@ def test_a_step_plan_puts_the_rows_read_on_the_device_first() -> None:
 
     import torch
 
-    from worker.engine import StepPlan
+    from worker.engine.core import StepPlan
 
     def request(slot: int, tokens: list[int]) -> SimpleNamespace:
         return SimpleNamespace(session=SimpleNamespace(slot=slot, tokens=tokens))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker import pdl
+from worker.kernels import pdl
 
 
 def test_pdl_is_off_for_cpu_tensors_and_launches_then_pass_only_the_flag() -> None:

@@ -1,4 +1,4 @@
-"""Row products (worker.triton_matmul) and the decode layer stack built on them (worker.fused_forward).
+"""Row products (worker.kernels.matmul) and the decode layer stack built on them (worker.kernels.layers).
 
 CPU tests run the kernels in Triton's interpreter (a subprocess: TRITON_INTERPRET is read at import),
 in fp32 and fp16, against torch: every flag (normed rows, silu, residual add, squares out, fp32 out),
@@ -29,8 +29,8 @@ def random_norms(weights: dict[str, torch.Tensor], seed: int = 1) -> dict[str, t
 
 def test_folded_norms_give_the_same_logits_through_the_torch_layers() -> None:
     from cuda_state import HostBackend, SessionTable
-    from worker.loader import load_model
-    from worker.model import Llama
+    from worker.model.llama import Llama
+    from worker.model.loader import load_model
 
     loaded = load_model("random:tiny")
     weights = random_norms(loaded.weights)
@@ -54,8 +54,8 @@ INTERPRETED_ROW_MATMUL_CHECK = textwrap.dedent(
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch.nn.functional as F
     import triton
-    from worker import model as M
-    from worker.triton_matmul import row_matmul, row_squares, squares_tiles, tiles_for
+    from worker.model import llama as M
+    from worker.kernels.matmul import row_matmul, row_squares, squares_tiles, tiles_for
 
     torch.manual_seed(0)
     nan = float("nan")
@@ -112,9 +112,9 @@ INTERPRETED_ROW_FORWARD_CHECK = textwrap.dedent(
     assert os.environ["TRITON_INTERPRET"] == "1"
     from cuda_state import HostBackend, SessionTable
     from tests.worker.test_row_matmul import random_norms
-    from worker.fused_forward import fused_head, fused_layers
-    from worker.loader import load_model
-    from worker.model import Llama
+    from worker.kernels.layers import fused_head, fused_layers
+    from worker.model.loader import load_model
+    from worker.model.llama import Llama
 
     loaded = load_model("random:tiny")
     weights = random_norms(loaded.weights)
@@ -161,7 +161,7 @@ def test_row_products_forward_matches_the_torch_layers_in_the_interpreter() -> N
 
 def test_row_matmul_refuses_shapes_it_cannot_serve() -> None:
     pytest.importorskip("triton")
-    from worker.triton_matmul import row_matmul
+    from worker.kernels.matmul import row_matmul
 
     x, w = torch.zeros(3, 8), torch.zeros(6, 8)
     with pytest.raises(ValueError, match="weight must be"):
@@ -186,7 +186,7 @@ def test_row_matmul_refuses_shapes_it_cannot_serve() -> None:
 def test_row_products_and_the_norm_fold_follow_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     """WORKER_ROW_PRODUCTS=0 (or WORKER_FUSED_KERNELS=0) turns both off: cuBLAS's speed and its numbers."""
     pytest.importorskip("triton")
-    from worker.gpu import ATTENTION_SPLITS_ENV, _pinned_splits, row_products_wanted
+    from worker.engine.graphs import ATTENTION_SPLITS_ENV, _pinned_splits, row_products_wanted
 
     assert row_products_wanted()
     for env in ("WORKER_ROW_PRODUCTS", "WORKER_FUSED_KERNELS"):
@@ -222,8 +222,8 @@ SHAPES = [(960, 576), (576, 576), (1536, 576), (576, 1536)]  # SmolLM2-135M: qkv
 def test_gpu_row_matmul_matches_torch_to_bf16_rounding(n: int, k: int) -> None:
     import torch.nn.functional as F
 
-    from worker.model import rms_norm
-    from worker.triton_matmul import row_matmul, row_squares
+    from worker.kernels.matmul import row_matmul, row_squares
+    from worker.model.llama import rms_norm
 
     for rows in (1, 64):
         x, w, r = gpu_case(rows, n, k, rows)
@@ -247,7 +247,7 @@ def test_gpu_row_matmul_matches_torch_to_bf16_rounding(n: int, k: int) -> None:
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_gpu_row_matmul_rows_do_not_depend_on_the_row_count(n: int, k: int) -> None:
     """Batch invariance by construction: every variant, rows alone or in a batch of 1-72, bit for bit."""
-    from worker.triton_matmul import row_matmul, row_squares, squares_tiles
+    from worker.kernels.matmul import row_matmul, row_squares, squares_tiles
 
     x, w, r = gpu_case(72, n, k, 3)
     squares_in = row_squares(x, torch.empty((k // 16 + (k % 16 > 0), 72), device="cuda"))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from worker.engine import Engine
-from worker.sampling import RowRandom, SamplingParams, _sample_rows, sample
+from worker.engine.sampling import RowRandom, SamplingParams, _sample_rows, sample
 
 PROMPT = "Tell me a story about a dragon."
 
@@ -105,7 +105,7 @@ def test_extreme_but_valid_parameters_pick_the_top_token(temperature: float, top
 def test_a_failed_step_leaves_the_session_able_to_generate(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that fails (here: in sampling, after the forward) is run again, not skipped: the session neither
     loses tokens nor is left with nothing to compute and a generation that never ends."""
-    import worker.engine
+    import worker.engine.core
 
     sid = engine.create_session()
     engine.append(sid, text=PROMPT)
@@ -117,7 +117,7 @@ def test_a_failed_step_leaves_the_session_able_to_generate(engine: Engine, monke
     def failing(*args: object) -> torch.Tensor:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(worker.engine, "sample_ids", failing)
+    monkeypatch.setattr(worker.engine.core, "sample_ids", failing)
     engine.start_generate(sid, SamplingParams(max_tokens=4, ignore_eos=True), request_id="r1")
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()

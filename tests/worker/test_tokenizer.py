@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.engine import Engine
-from worker.loader import bundled_gguf_path, load_gguf
-from worker.tokenizer import Tokenizer, UnrepresentableText
+from worker.model.loader import bundled_gguf_path, load_gguf
+from worker.model.tokenizer import Tokenizer, UnrepresentableText
 
 SMOL_TEMPLATE_RENDERED = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

@@ -6,7 +6,7 @@ bytes they move would take well under 1 us. `row_matmul` does a product and its 
 
     out = epilogue(scale(x @ w.T))
     norm_squares: rows scaled by rsqrt(mean square + eps) after the product: rms_norm(x) @ w.T, with
-                  the norm's weight folded into w (worker.model.Layer), from partial sums of squares
+                  the norm's weight folded into w (worker.model.llama.Layer), from partial sums of squares
                   of x that the product which wrote x left (squares_out), or row_squares
     SILU:         w = [gate | up]: silu(x @ gate.T) * (x @ up.T)     (the MLP's activation)
     RESIDUAL:     residual + x @ w.T                                 (the residual add after o and down)
@@ -20,8 +20,8 @@ norm kernel plus cuBLAS, and ~3.1 for this kernel).
 
 Numbers: the product is accumulated in fp32 over K in BLOCK_K chunks, in order; a normed product is
 scaled in fp32; then the result is rounded to the model dtype as the library's GEMM returns it, and
-silu, the gated product and the residual sum are rounded where worker.model's torch code rounds them
-(as worker.triton_fused does). The torch code rounds the normed x to the dtype before the product and
+silu, the gated product and the residual sum are rounded where worker.model.llama's torch code rounds them
+(as worker.kernels.fused does). The torch code rounds the normed x to the dtype before the product and
 keeps the norm's weight apart, so the two differ by bf16 rounding (tests: within the tolerances of
 bf16 against fp32).
 
@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .pdl import launch_options, wait_then_release
-from .triton_fused import STRICT, _interpreted
+from worker.kernels.fused import STRICT, _interpreted
+from worker.kernels.pdl import launch_options, wait_then_release
 
 BLOCK_M = 16  # rows per program unless tiles_for says otherwise (tl.dot's smallest tile)
 
@@ -61,7 +61,7 @@ def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
     """The tile configuration of an (n, k) product: a function of the shape only (see the module docstring).
 
     Narrow column blocks: at a few rows the product is a stream of the weight, and more programs
-    keep more of it in flight; a long k takes wider steps. Chosen with `python -m worker.bench_matmul
+    keep more of it in flight; a long k takes wider steps. Chosen with `python -m worker.bench.matmul
     --rows 1 64 --sweep` on the H100 for SmolLM2-135M's shapes: the least time summed over 1 and 64
     rows, with the weights streaming from device memory as in a step (qkv 7.02 us, o 6.22,
     gate|up 12.86, down 9.82, against 6.43, 9.82, 14.86 and 14.08 for cuBLAS with the kernels after it).
@@ -163,7 +163,7 @@ def row_matmul(
     """epilogue(prologue(x) @ weight.T) in one launch (see the module docstring).
 
     With norm_squares the product is rms_norm(x) @ weight.T, the norm's weight folded into `weight`
-    (worker.model.Layer): each row is scaled after the product by rsqrt(mean square + eps), from
+    (worker.model.llama.Layer): each row is scaled after the product by rsqrt(mean square + eps), from
     the partial sums a producer left with squares_out (or row_squares)."""
     rows, k = x.shape
     width = weight.shape[0]

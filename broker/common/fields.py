@@ -1,4 +1,4 @@
-"""Field checks for typed wire messages: the validation behind broker.protocol's `Annotated` fields.
+"""Field checks for typed wire messages: the validation behind broker.common.protocol's `Annotated` fields.
 
 A check takes (field name, value) and returns the normalised value (lists become tuples, ints in a
 float field become floats) or raises FieldError naming the field. `validate` runs every check of a

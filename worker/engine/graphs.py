@@ -5,9 +5,9 @@ indexes it by slot, so only small static input tensors change between replays. E
 one token: its id, its position, its session's slot, and the length of that session's prefix it
 attends to (position + 1). Attention reads K/V in place from the slab, after the step has written its
 own tokens' K/V, so a prompt chunk's rows attend causally within the chunk exactly as a decode row
-attends to its history. Decode rows take worker.triton_attention's kernel, one program per row and KV
-head; prompt chunks take worker.triton_prefill's, whose programs serve tiles of up to 64 of a chunk's
-rows and load each K/V block once for them (the tiles, worker.prefill_tiles, are static inputs of the
+attends to its history. Decode rows take worker.kernels.attention's kernel, one program per row and KV
+head; prompt chunks take worker.kernels.prefill's, whose programs serve tiles of up to 64 of a chunk's
+rows and load each K/V block once for them (the tiles, worker.kernels.tiles, are static inputs of the
 prefill graphs like the rows; WORKER_PREFILL_TILES=0 gives prompt rows the decode kernel, for A/B runs).
 
 - Decode rows (one token of each generating session) replay a graph per batch-size bucket.
@@ -17,12 +17,12 @@ prefill graphs like the rows; WORKER_PREFILL_TILES=0 gives prompt rows the decod
 Padding rows point at the table's spare slot (always mapped) at position 0 with length 1, so a padded
 row reads and writes only memory nobody else uses.
 
-Decode steps run their products in worker.triton_matmul's kernels (row_products; the norms' weights
-folded into the products, worker.model.Layer): 6 launches per layer with the norms, the activation and
+Decode steps run their products in worker.kernels.matmul's kernels (row_products; the norms' weights
+folded into the products, worker.model.llama.Layer): 6 launches per layer with the norms, the activation and
 the residual adds fused in, against 9 with cuBLAS (one more each when the attention splits the keys).
 Prefill steps keep cuBLAS: at hundreds of rows its wide tiles win. WORKER_ROW_PRODUCTS=0 gives decode
 steps cuBLAS too (for A/B runs). On Hopper and later the Triton kernels launch with programmatic dependent
-launch (worker.pdl), which hides most of the gap between a graph's consecutive kernels.
+launch (worker.kernels.pdl), which hides most of the gap between a graph's consecutive kernels.
 
 Batch invariance: a row's numbers must not depend on what else is in the step (the same seed and
 inputs give the same tokens whatever else runs). Every kernel of a decode step works row by row:
@@ -39,7 +39,7 @@ the same from both graphs (if not, every step takes the split one).
 Prefill buckets are checked the same way against the largest prefill bucket (prompt chunks at
 random offsets of the same temporary slots). A prompt row's attention does not depend on its tile:
 key blocks start at position 0 whatever the tile, and a block past a row's length changes nothing of
-that row (worker.triton_prefill), so a prompt's chunks of 2 or more tokens give the same bits however
+that row (worker.kernels.prefill), so a prompt's chunks of 2 or more tokens give the same bits however
 they are tiled and packed, whatever shares the step. (A 1-token chunk is a decode row; the engine
 cuts a session's prompt into chunks by its own length and the step budget, never by its neighbours.)
 A step that mixes decode rows and prompt chunks is split that way: decode rows from their bucket's
@@ -62,10 +62,9 @@ import structlog
 import torch
 
 from cuda_state import SessionTable, StateError
-
-from .executor import Executor
-from .model import Batch, Llama, Run, runs_of
-from .prefill_tiles import max_tiles, prefill_tiles
+from worker.engine.executor import Executor
+from worker.kernels.tiles import max_tiles, prefill_tiles
+from worker.model.llama import Batch, Llama, Run, runs_of
 
 log = structlog.get_logger(__name__)
 
@@ -112,23 +111,23 @@ def limit_cublas_workspace() -> str:
 
 
 def fused_kernels_wanted() -> bool:
-    """The fused layer stack (worker.fused_forward) unless FUSED_ENV is "0"."""
+    """The fused layer stack (worker.kernels.layers) unless FUSED_ENV is "0"."""
     return os.environ.get(FUSED_ENV, "1") != "0"
 
 
 def row_products_wanted() -> bool:
-    """Decode steps in worker.triton_matmul's kernels unless ROW_PRODUCTS_ENV or FUSED_ENV is "0". The engine folds
+    """Decode steps in worker.kernels.matmul's kernels unless ROW_PRODUCTS_ENV or FUSED_ENV is "0". The engine folds
     the norms' weights into the products only then, so "0" gives back cuBLAS's numbers as well as its speed."""
     return os.environ.get(ROW_PRODUCTS_ENV, "1") != "0" and fused_kernels_wanted()
 
 
 def attach_gpu_kernels(llama: Llama) -> None:
     """Route the model's decode-only batches through the Triton kernel (reads K/V from the slab), prompt chunks
-    through the tiled one (worker.triton_prefill) unless PREFILL_TILES_ENV is "0", and its layer stack and head
-    through the fused kernels (worker.fused_forward) unless FUSED_ENV is "0"."""
-    from .fused_forward import fused_head, fused_layers
-    from .triton_attention import decode_attention
-    from .triton_prefill import prefill_attention
+    through the tiled one (worker.kernels.prefill) unless PREFILL_TILES_ENV is "0", and its layer stack and head
+    through the fused kernels (worker.kernels.layers) unless FUSED_ENV is "0"."""
+    from worker.kernels.attention import decode_attention
+    from worker.kernels.layers import fused_head, fused_layers
+    from worker.kernels.prefill import prefill_attention
 
     llama.decode_attention = decode_attention
     if os.environ.get(PREFILL_TILES_ENV, "1") != "0":
@@ -150,7 +149,7 @@ def workspace_bytes(llama: Llama) -> int:
       (one per bucket and the prefill graph's, kept alive in the shared pool);
     - FIXED_WORKSPACE_BYTES for cuBLAS workspaces, kernel modules and fragmentation.
     """
-    from .engine import GPU_STEP_TOKENS
+    from worker.engine.core import GPU_STEP_TOKENS
 
     c = llama.config
     item = torch.empty((), dtype=llama.dtype).element_size()
@@ -166,7 +165,7 @@ def workspace_bytes(llama: Llama) -> int:
 
 def _pinned_splits(value: str) -> int:
     """ATTENTION_SPLITS_ENV's value: an integer from 1 to the kernel's MAX_SPLITS."""
-    from .triton_attention import MAX_SPLITS
+    from worker.kernels.attention import MAX_SPLITS
 
     try:
         splits = int(value)
@@ -291,7 +290,7 @@ class GraphExecutor:
         self._in_order: list[int] = list(range(self.buckets[-1]))
         self._id_rows: list[torch.Tensor] = [self._decode_in.device[0, :k] for k in range(self.buckets[-1] + 1)]  # views
         # The prefill graphs' rows, plus a fifth row whose first prefill_logits entries pick the chunk ends, and two
-        # more for the attention's tiles (worker.triton_prefill): each one's first row and row count (0: unused).
+        # more for the attention's tiles (worker.kernels.prefill): each one's first row and row count (0: unused).
         self.prefill_rows: int = prefill_rows
         self.prefill_buckets: list[int] = prefill_buckets_for(prefill_rows)
         self.prefill_logits: int = min(prefill_logits, self.prefill_buckets[0])  # also the most chunks in a replay
@@ -299,7 +298,7 @@ class GraphExecutor:
         self._prefill_out: torch.Tensor | None = None  # the largest prefill graph's logits: every prefill graph's output
         self._stream: torch.cuda.Stream = torch.cuda.Stream(device)
         self.use_graphs: bool = use_graphs
-        # Decode steps' products in worker.triton_matmul's fused kernels (with the fused layer stack on).
+        # Decode steps' products in worker.kernels.matmul's fused kernels (with the fused layer stack on).
         # They need the norms' weights in the products (Llama(fold_norms=True), as Engine.load builds it).
         self.row_products: bool = model.fused_layers is not None and model.norms_folded and row_products_wanted()
         self._pool = torch.cuda.graph_pool_handle()
@@ -314,7 +313,7 @@ class GraphExecutor:
         # Without the tiled prompt attention, prompt rows take the decode kernel, its split count pinned likewise.
         self.prefill_splits: int | None = None
         if device.type == "cuda":
-            from .triton_attention import MIN_SPLIT_KEYS, num_splits, sm_count
+            from worker.kernels.attention import MIN_SPLIT_KEYS, num_splits, sm_count
 
             c, sms = model.config, sm_count(device)
             # Pinned for every bucket (a row's attention must sum in the same order in any bucket): what the smallest

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cuda_state import BufferSpec, StateSpec
-
-from .config import ModelConfig
+from worker.model.config import ModelConfig
 
 PACK_ALIGN = 512  # bytes: every packed weight starts at a multiple (cuBLAS and Triton want 16 at least)
 
@@ -50,10 +49,10 @@ class Batch:
     # Decode attention: programs per row's keys (None: chosen from the shapes). The GPU executor pins one
     # count for every batch size, so a row's attention sums in the same order in any bucket.
     attention_splits: int | None = None
-    # Prompt-chunk attention in tiles of a chunk's rows (worker.triton_prefill): (2, n) int64, each tile's first row
+    # Prompt-chunk attention in tiles of a chunk's rows (worker.kernels.prefill): (2, n) int64, each tile's first row
     # and row count, for the GPU executor's prefill steps. None: every row by itself (the decode kernel).
     tiles: torch.Tensor | None = None
-    # The products (and the norms, activation and residual adds beside them) in worker.triton_matmul's
+    # The products (and the norms, activation and residual adds beside them) in worker.kernels.matmul's
     # row-invariant kernels instead of cuBLAS: the GPU executor's decode steps, through fused_layers.
     row_products: bool = False
 
@@ -105,7 +104,7 @@ class Layer:
 
     With fold_norms, each RMSNorm's weight is multiplied into the columns of the product after it
     (in fp32, before the cast) and the norm keeps a weight of ones: w @ (g * n) = (w * g) @ n. The
-    norm is then a per-row scale, which a product can apply after summing (worker.triton_matmul).
+    norm is then a per-row scale, which a product can apply after summing (worker.kernels.matmul).
     """
 
     def __init__(self, w: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype,
@@ -179,12 +178,12 @@ class Llama:
         self.cos, self.sin = rope_tables(config, max_context, build)
         if device.type == "cuda":
             self.pack_weights(device)
-        # Set by the GPU engine: a kernel reading K/V by slot and length (worker.triton_attention).
+        # Set by the GPU engine: a kernel reading K/V by slot and length (worker.kernels.attention).
         self.decode_attention: Callable[..., torch.Tensor] | None = None
-        # Set by the GPU engine: prompt chunks' rows in tiles that share K/V loads (worker.triton_prefill).
+        # Set by the GPU engine: prompt chunks' rows in tiles that share K/V loads (worker.kernels.prefill).
         self.prefill_attention: Callable[..., torch.Tensor] | None = None
-        # Set by the GPU engine: the whole layer stack in fused kernels (worker.fused_forward.fused_layers),
-        # and the final norm + head + float cast in one (worker.fused_forward.fused_head) for row_products batches.
+        # Set by the GPU engine: the whole layer stack in fused kernels (worker.kernels.layers.fused_layers),
+        # and the final norm + head + float cast in one (worker.kernels.layers.fused_head) for row_products batches.
         self.fused_layers: Callable[..., torch.Tensor] | None = None
         self.fused_head: Callable[..., torch.Tensor] | None = None
 

@@ -49,7 +49,7 @@ from typing import Annotated, Any, ClassVar, Final, NamedTuple, TypeVar
 
 import msgpack
 
-from .fields import (
+from broker.common.fields import (
     FieldError,
     blob,
     blob_list,
@@ -263,7 +263,7 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """How to generate. Mirrors worker.sampling.SamplingParams; the engine checks the vocabulary."""
+    """How to generate. Mirrors worker.engine.sampling.SamplingParams; the engine checks the vocabulary."""
 
     max_tokens: Annotated[int, integer(1, MAX_TOKENS)] = 16
     temperature: Annotated[float, number(0.0, 100.0)] = 0.0  # 0 = greedy

@@ -19,8 +19,8 @@ import numpy as np
 import structlog
 import torch
 
-from .config import PRESETS, ModelConfig
-from .tokenizer import Tokenizer
+from worker.model.config import PRESETS, ModelConfig
+from worker.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 

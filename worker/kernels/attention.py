@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, wait_then_release
+from worker.kernels.pdl import launch_options, wait_then_release
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per inner-loop block
@@ -41,7 +41,7 @@ def attend(  # type: ignore[no-untyped-def]  # Triton reads the signature
     stride_vt,
     lo,  # first position to attend to
     hi,  # one past the last position read
-    limit,  # one past the last position each row attends to: hi, or (ROWS, 1) row lengths <= hi (worker.triton_prefill)
+    limit,  # one past the last position each row attends to: hi, or (ROWS, 1) row lengths <= hi (worker.kernels.prefill)
     qk_scale,  # softmax scale * log2(e)
     HEAD_DIM: tl.constexpr,
     ROWS: tl.constexpr,

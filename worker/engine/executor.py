@@ -12,8 +12,7 @@ from typing import Protocol
 import torch
 
 from cuda_state import SessionTable
-
-from .model import Llama
+from worker.model.llama import Llama
 
 
 class Executor(Protocol):

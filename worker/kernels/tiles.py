@@ -1,6 +1,6 @@
 """The tiles of a prefill step's attention: runs of a prompt chunk's consecutive rows (host side, numpy only).
 
-worker.triton_prefill serves each tile with one program per query head, loading every K/V block once
+worker.kernels.prefill serves each tile with one program per query head, loading every K/V block once
 for the tile's rows; a tile never crosses a chunk, so its rows share a slot. The GPU executor writes a
 step's tiles into the prefill graphs' static inputs: TILE_ROWS and the grid (max_tiles) are fixed.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 # Rows of one chunk per program. H100 sweep of the kernel (4 warps, 64-key blocks, Triton's 3 pipeline stages) over
-# worker.bench_prefill's scenarios, 30 layers' attention: 128-row tiles with 8 warps took 1.1-1.6x the time of
+# worker.bench.prefill's scenarios, 30 layers' attention: 128-row tiles with 8 warps took 1.1-1.6x the time of
 # 64-row ones, 32-row and 16-row tiles (2 stages) 1.2-2.1x and 1.5-2.2x; 2 stages for 64-row tiles won only on one
 # 2,048-row chunk at 2,048-4,095 keys (2.19 against 2.41 ms) and lost 1.66x on a 128-row chunk at 1,800 keys.
 TILE_ROWS = 64

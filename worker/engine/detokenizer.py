@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import codecs
 
-from .tokenizer import Tokenizer
+from worker.model.tokenizer import Tokenizer
 
 
 class Detokenizer:

@@ -2,14 +2,14 @@
 
 A prefill step packs several sessions' prompt chunks into rows; row r is a query of the session in
 slot `slots[r]` attending to positions 0..lengths[r]-1 of that slot (its prefix, and the chunk up to
-itself: the step stored the chunk's K/V first). The decode kernel (worker.triton_attention) serves such
+itself: the step stored the chunk's K/V first). The decode kernel (worker.kernels.attention) serves such
 rows one program per (row, KV head), each walking all of its row's keys: a chunk of n rows at the end
 of a long prefix reads that prefix n times. Here a program serves a tile of up to TILE_ROWS consecutive
 rows of one chunk and one query head, loading each K/V block once for the tile (once per query head:
 SmolLM2's KV heads serve three each, so a long chunk's rows read ~21x fewer K/V bytes).
 
 The loop over key blocks is the decode kernels' (triton_attention.attend), each row masked at its own
-length. The tiles come from the host (worker.prefill_tiles): (first row, rows) pairs, a chunk's rows cut from
+length. The tiles come from the host (worker.kernels.tiles): (first row, rows) pairs, a chunk's rows cut from
 its first row on, every tile inside one slot. The grid is fixed per row count (max_tiles), so the
 launch is captured once in a CUDA graph; unused tiles have 0 rows and exit.
 
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, wait_then_release
-from .prefill_tiles import TILE_ROWS
-from .triton_attention import BLOCK_N, LOG2E, attend, check_shapes, slab_strides, spare_views
+from worker.kernels.attention import BLOCK_N, LOG2E, attend, check_shapes, slab_strides, spare_views
+from worker.kernels.pdl import launch_options, wait_then_release
+from worker.kernels.tiles import TILE_ROWS
 
 NUM_WARPS = 4
 
@@ -87,7 +87,7 @@ def prefill_attention(
     v_cache: torch.Tensor,  # same
     slots: torch.Tensor,  # (T,) int64: the slot each row reads
     lengths: torch.Tensor,  # (T,) int32 or int64, >= 1: positions 0..length-1 are attended to
-    tiles: torch.Tensor,  # (2, n) int64: each tile's first row and row count (0: unused), worker.prefill_tiles
+    tiles: torch.Tensor,  # (2, n) int64: each tile's first row and row count (0: unused), worker.kernels.tiles
     out: torch.Tensor | None = None,  # (T, H, hd) preallocated output (else allocated here)
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd)) v per row over that row's slot and length, rows read in tiles; (T, H, hd).

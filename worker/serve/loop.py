@@ -39,11 +39,10 @@ from typing import Any, Protocol, cast
 import structlog
 import zmq
 
-from broker import protocol as p
-from broker.keys import HANDSHAKE_FAILED, CurveClient, drain_events
-from broker.metrics_http import Pulse
-
-from .metrics import NoMetrics, WorkerMetrics, WorkerSnapshot, torch_memory
+from broker.common import protocol as p
+from broker.common.keys import HANDSHAKE_FAILED, CurveClient, drain_events
+from broker.common.metrics_http import Pulse
+from worker.serve.metrics import NoMetrics, WorkerMetrics, WorkerSnapshot, torch_memory
 
 log = structlog.get_logger()
 

@@ -1,7 +1,7 @@
 """The GPU layer stack of Llama.forward with fused kernels: ~9 launches per layer instead of ~45.
 
-The same steps as the Python loop in worker.model.Llama.forward, in the same order and with the
-same roundings (see worker.triton_fused), around the same cuBLAS GEMMs and the same attention:
+The same steps as the Python loop in worker.model.llama.Llama.forward, in the same order and with the
+same roundings (see worker.kernels.fused), around the same cuBLAS GEMMs and the same attention:
 
     x = rms_norm(h)                                    first layer only; later ones fuse the add
     q = rope_and_store(wqkv(x))                        RoPE on q, k; k and v into the cache
@@ -9,11 +9,11 @@ same roundings (see worker.triton_fused), around the same cuBLAS GEMMs and the s
     x, h = add_rms_norm(w_down(silu_mul(w_gate_up(x))), h)  h += mlp; x = next input_norm(h)
     h = h + mlp                                        the last layer: Llama.forward norms it
 
-Set as `Llama.fused_layers` by worker.gpu.attach_gpu_kernels; used for graph-captured decode steps
+Set as `Llama.fused_layers` by worker.engine.graphs.attach_gpu_kernels; used for graph-captured decode steps
 and eager prefill chunks alike. Every kernel works row by row, so batch invariance is kept.
 
 Batches marked `row_products` (the GPU executor's decode steps) go further, with the norms' weights
-folded into the products (worker.model.Layer): worker.triton_matmul's kernels do each product with
+folded into the products (worker.model.llama.Layer): worker.kernels.matmul's kernels do each product with
 what surrounds it, 6 launches per layer (7 when attention splits the keys):
 
     qkv = wqkv(rms_norm(h))                  the norm: a row scale from the squares the last product left
@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .triton_fused import add_rms_norm, rms_norm, rope_and_store, silu_mul
-from .triton_matmul import row_matmul, row_squares, squares_tiles, tiles_for
+from worker.kernels.fused import add_rms_norm, rms_norm, rope_and_store, silu_mul
+from worker.kernels.matmul import row_matmul, row_squares, squares_tiles, tiles_for
 
 if TYPE_CHECKING:
-    from .model import Batch, Llama
+    from worker.model.llama import Batch, Llama
 
 
 def fused_layers(
@@ -98,7 +98,7 @@ def _row_layers(
     """fused_layers for a row_products batch: the residual stream (T, dim), updated in place.
 
     The norms' weights are in the products (model.norms_folded), and a norm is a per-row scale that the
-    next product applies from partial sums of squares the previous one left (worker.triton_matmul)."""
+    next product applies from partial sums of squares the previous one left (worker.kernels.matmul)."""
     if not model.norms_folded:
         raise ValueError("row products need the norms folded into the products (Llama(fold_norms=True))")
     c = model.config

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import BadRequest
+from worker.errors import BadRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256

@@ -10,7 +10,7 @@ on the device, beside whatever else the scheduler picks (new requests' prompt ch
 a long prompt); then the host reads the current step's tokens and does its bookkeeping (detokenizing,
 stop checks, the daemon's messages) while the GPU computes the next. A session that turns out to have
 stopped (or is cancelled meanwhile) wastes one row; its result is dropped. Rows do not depend on what
-else is in their step (worker.gpu), so the tokens are exactly those of one step at a time. With nothing
+else is in their step (worker.engine.graphs), so the tokens are exactly those of one step at a time. With nothing
 in flight (the first request after idling) a step is launched afresh and read in the next call, not in
 the one that launched it, so the caller can take requests while the device runs it.
 
@@ -34,14 +34,13 @@ import torch
 
 from cuda_state import SessionTable
 from cuda_state.select import open_backend, select_backend
-
-from .detokenizer import Detokenizer
-from .errors import BadRequest, ContextOverflow, EngineError, SessionBusy, SessionExists, SessionNotFound
-from .executor import EagerExecutor, Executor
-from .loader import load_model
-from .model import Llama
-from .sampling import RowRandom, SamplingParams, sample_ids
-from .tokenizer import Tokenizer
+from worker.engine.detokenizer import Detokenizer
+from worker.engine.executor import EagerExecutor, Executor
+from worker.engine.sampling import RowRandom, SamplingParams, sample_ids
+from worker.errors import BadRequest, ContextOverflow, EngineError, SessionBusy, SessionExists, SessionNotFound
+from worker.model.llama import Llama
+from worker.model.loader import load_model
+from worker.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -261,7 +260,7 @@ class Engine:
         log.info("device_selected", backend=choice.kind, device=str(choice.device), reason=choice.reason)
         fold_norms = False
         if choice.device.type == "cuda":
-            from .gpu import limit_cublas_workspace, row_products_wanted
+            from worker.engine.graphs import limit_cublas_workspace, row_products_wanted
 
             log.info("cublas_workspace", config=limit_cublas_workspace(), applies="unless cuBLAS ran earlier in the process")
             fold_norms = row_products_wanted()
@@ -274,7 +273,7 @@ class Engine:
         del loaded.weights
         executor: Executor
         if on_gpu:
-            from .gpu import attach_gpu_kernels, make_gpu_executor, workspace_bytes
+            from worker.engine.graphs import attach_gpu_kernels, make_gpu_executor, workspace_bytes
 
             attach_gpu_kernels(llama)
             # Closed sessions' slots stay mapped for the next ones (no driver allocation per session); the

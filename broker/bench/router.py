@@ -1,6 +1,6 @@
 """Routing cost: request/reply round trips per second through the broker vs a direct pyzmq echo, one run.
 
-    python -m broker.bench [--seconds 3] [--window 64]
+    python -m broker.bench.router [--seconds 3] [--window 64]
 
 Three peers, each its own process: the real broker (`python -m broker.cli start`), a stub worker that
 answers INFO at once (so the numbers are routing, not inference), and a plain ROUTER echo. The client
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import zmq
 
-from broker import protocol as p
+from broker.common import protocol as p
 from client import Client
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ What each replaces, per layer of a decode step (kernel counts as torch eager lau
 With the four cuBLAS GEMMs and the attention kernel a layer is 9 launches (10 when attention splits
 the keys), against ~45 in eager torch.
 
-Numbers: every kernel rounds exactly where worker.model's torch code rounds, so the GPU path stays
+Numbers: every kernel rounds exactly where worker.model.llama's torch code rounds, so the GPU path stays
 comparable with the reference (and with itself across batch sizes):
 - the residual add is done in fp32 and rounded once to the model dtype, as `h + y` is in bf16;
 - rms_norm normalises in fp32, rounds to the model dtype, then multiplies by the weight and rounds
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .pdl import launch_options, wait_then_release
+from worker.kernels.pdl import launch_options, wait_then_release
 
 NORM_WARPS = 4
 ROPE_WARPS = 2
@@ -120,7 +120,7 @@ def rms_norm(
     eps: float,
     out: torch.Tensor | None = None,  # (T, dim) preallocated output
 ) -> torch.Tensor:
-    """worker.model.rms_norm in one launch: weight * (xf * rsqrt(mean(xf^2) + eps)).to(dtype)."""
+    """worker.model.llama.rms_norm in one launch: weight * (xf * rsqrt(mean(xf^2) + eps)).to(dtype)."""
     _check_rows("x", x, x.shape[0], x.shape[-1])
     out = torch.empty_like(x) if out is None else out
     _launch_norm(x, None, weight, eps, out, None)
@@ -249,7 +249,7 @@ def rope_and_store(
 ) -> torch.Tensor:
     """q = rope(q) (T, H, hd); k_cache[slots, :, positions] = rope(k); v_cache[...] = v. One launch.
 
-    As worker.model.apply_rope plus the cache write: rotated in fp32, rounded to the cache's dtype.
+    As worker.model.llama.apply_rope plus the cache write: rotated in fp32, rounded to the cache's dtype.
     """
     tokens = qkv.shape[0]
     out = torch.empty((tokens, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device) if out is None else out

@@ -1,6 +1,6 @@
 """CPU/GPU speed of the engine in-process: load time and decode tokens/s for 1 and N sessions.
 
-    python -m worker.bench [--model PATH|random:PRESET] [--device cpu] [--sessions 1 8] [--tokens 64]
+    python -m worker.bench.engine [--model PATH|random:PRESET] [--device cpu] [--sessions 1 8] [--tokens 64]
 
 Decode is timed after the prompts are prefilled, so the numbers are steady-state generation.
 """
@@ -15,7 +15,7 @@ import time
 import structlog
 import torch
 
-from .engine import Engine
+from worker.engine import Engine
 
 TARGETS_CPU = {1: 15.0, 8: 60.0}  # tokens/s on a 2-core machine (issue: one model, many sessions)
 

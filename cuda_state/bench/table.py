@@ -1,4 +1,4 @@
-"""Micro-benchmark of the GPU session table and decode: `python -m cuda_state.bench [--json PATH]`.
+"""Micro-benchmark of the GPU session table and decode: `python -m cuda_state.bench.table [--json PATH]`.
 
 Prints session create, fork (of a 2,000-token session) and close latency in ms (median and p99), through
 the driver (a slot mapped per create, unmapped per close) and with closed slots kept mapped for reuse,
@@ -97,7 +97,7 @@ def decode_rate(engine: Any, batch: int, tokens: int, rng: random.Random) -> flo
 
 
 def decode_rates(engine: Any, tokens: int, rng: random.Random) -> dict[str, dict[str, float]]:
-    from worker.executor import EagerExecutor
+    from worker.engine.executor import EagerExecutor
 
     graphs = engine.executor
     eager = EagerExecutor(engine.model, engine.table)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     if not torch.cuda.is_available():
-        print("cuda_state.bench needs a CUDA device", file=sys.stderr)
+        print("cuda_state.bench.table needs a CUDA device", file=sys.stderr)
         return 2
 
     from worker.engine import Engine

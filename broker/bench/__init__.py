@@ -1,0 +1,1 @@
+"""Benchmarks and tools; never imported by library code."""

@@ -1,0 +1,296 @@
+"""The GPU benchmark: our full stack, our engine in-process, and Hugging Face transformers, one run.
+
+    python -m client.bench.gpu [--sessions 1 64] [--prompt-tokens 128] [--new-tokens 256] [--repeats 3] [--json FILE]
+
+All three run a SmolLM2-135M-shaped Llama with the same seeded random bf16 weights
+(`random:smollm2-135m`) on the same GPU:
+  (a) stack:     a broker and one worker as processes on loopback, driven by `loadtest`
+  (b) engine:    the same workload through `worker.engine.Engine` in-process (no broker), with the
+                 worker's configuration (capacity max(--sessions), so the same decode graph)
+  (c) hf:        `LlamaForCausalLM.generate` with a static cache, greedy, one batch of all sessions, in a child
+                 process with torch's defaults (the engine's process sets a small cuBLAS workspace)
+Each session appends a prompt of --prompt-tokens random ids and generates --new-tokens (EOS ignored,
+so every system makes exactly the same number of tokens). Prints output tokens/s, the ratios, and the
+issue's targets against the measured values. For session counts below the largest, the stack is also
+run with a worker sized for that count (`--max-sessions N`): a smaller table has a smaller decode graph.
+Every measurement is repeated --repeats times (default 3) and the median run is reported, with all of
+the runs' values beside it: single runs of the 64-session load spread by several percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from broker.common import logs
+from client import Client
+from client.demo import free_address, spawn, wait_for_worker
+from client.load_stats import Report
+from client.loadtest import LoadConfig, run
+
+MODEL = "random:smollm2-135m"
+TARGET_STACK_64 = 40_000.0  # output tokens/s, full stack, 64 sessions
+TARGET_VS_HF = 4.0  # full stack over transformers' static-cache generate, 64 sessions
+TARGET_STACK_1 = 1_000.0  # output tokens/s, full stack, one session
+TARGET_STACK_VS_ENGINE = 0.90  # full stack over the engine in-process, 64 sessions
+TARGET_MEMORY_SLACK = 0.05  # GPU memory with 64 sessions <= weights + 64 x bytes per session + 5%
+# The engine sets a small cuBLAS workspace for its process (worker.engine.graphs.limit_cublas_workspace); transformers
+# runs in a child process with the environment this one started with, so it gets torch's defaults.
+_STARTING_ENV = dict(os.environ)
+HF_RESULT = "hf-rates: "  # the child's result line
+HF_TIMEOUT_S = 1800
+
+
+def hf_state_dict(weights: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Our loader's names -> transformers' LlamaForCausalLM names (same layout: rotate-half RoPE)."""
+    names = {
+        "input_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+        "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj", "post_norm": "post_attention_layernorm",
+        "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+    }
+    sd = {"model.embed_tokens.weight": weights["embed"], "model.norm.weight": weights["norm"], "lm_head.weight": weights["embed"]}
+    for i in range(n_layers):
+        for ours, theirs in names.items():
+            sd[f"model.layers.{i}.{theirs}.weight"] = weights[f"layers.{i}.{ours}"]
+    return sd
+
+
+def median_run(measure: Callable[[], Report], repeats: int, show: bool = False) -> dict[str, Any]:
+    """The report (as a dict) of the median of `repeats` runs by output tokens/s, with every run's value;
+    `show` prints the median run's table."""
+    runs = [(report.to_dict(), report) for report in (measure() for _ in range(max(1, repeats)))]
+    runs.sort(key=lambda pair: pair[0]["output_tokens_per_s"])
+    median, report = runs[len(runs) // 2]
+    if show:
+        print(report.table())
+    median["runs_output_tokens_per_s"] = [d["output_tokens_per_s"] for d, _ in runs]
+    return median
+
+
+def bench_hf(batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int = 1) -> list[float]:
+    """transformers' greedy generate with a static cache: output tokens/s for one batch, per timed run."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from worker.model.loader import load_model
+
+    loaded = load_model(MODEL)
+    c = loaded.config
+    fields: dict[str, Any] = dict(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.context_length, tie_word_embeddings=True,
+    )
+    model: Any = LlamaForCausalLM(LlamaConfig(**fields))  # transformers is optional here: not type-checked
+    model.load_state_dict(hf_state_dict(loaded.weights, c.n_layers))
+    model.to(device="cuda", dtype=torch.bfloat16)
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(300, 49000, (batch, prompt_tokens), generator=gen).cuda()
+    kwargs: dict[str, Any] = dict(do_sample=False, cache_implementation="static", pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        # Warm-up with the timed shapes: with a static cache, transformers compiles the forward
+        # (torch.compile) on first use for each shape; compilation stays out of the timing.
+        for _ in range(2):
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        rates = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out: Any = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+            torch.cuda.synchronize()
+            rates.append((out.shape[1] - prompt_tokens) * batch / (time.perf_counter() - start))
+    del model
+    torch.cuda.empty_cache()
+    return sorted(rates)
+
+
+def bench_hf_apart(batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int) -> list[float]:
+    """bench_hf in a child process started with this process's starting environment."""
+    args = ["--hf-batch", str(batch), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
+            "--seed", str(seed), "--repeats", str(repeats)]
+    done = subprocess.run([sys.executable, "-m", "client.bench.gpu", *args], env=_STARTING_ENV, capture_output=True,
+                          text=True, check=False, timeout=HF_TIMEOUT_S)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(HF_RESULT)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the transformers run failed ({done.returncode}): {done.stderr[-2000:]}")
+    rates: list[float] = json.loads(lines[-1][len(HF_RESULT):])
+    return rates
+
+
+def workload(sessions: int, prompt_tokens: int, new_tokens: int, seed: int, **kw: Any) -> LoadConfig:
+    rounds = 8  # each session makes `rounds` generations of new_tokens (64 sessions: ~3 s a run)
+    return LoadConfig(
+        sessions=sessions, prompt_tokens=prompt_tokens, max_tokens=new_tokens, turns=1, requests=sessions * rounds,
+        ignore_eos=True, temperature=0.0, seed=seed, progress=False, max_context=1024,
+        warmup=sessions, vocab_size=49152, **kw,
+    )
+
+
+def memory_check(sessions: int, max_context: int = 2048) -> dict[str, float]:
+    """Device memory used by an engine with `sessions` live sessions against weights + sessions x bytes.
+
+    At the default 2048-token context a session is 45 MiB, its slot 46 MiB (2 MiB granularity).
+    Counted: everything the engine allocates (weights, slab, graphs and their pool, workspaces). Not
+    counted: the kernels' code, which the CUDA context loads on first use in any process (cuBLAS, torch
+    and Triton modules: about 240 MiB on the H100): a first engine of the same shape runs a generation
+    and is freed before the baseline is read, so the result does not depend on what ran before.
+    """
+    from worker.engine import Engine
+
+    warm = Engine.load(MODEL, device="cuda", max_sessions=sessions, max_context=max_context)
+    sid = warm.create_session()
+    warm.append(sid, token_ids=list(range(1000, 1300)))
+    warm.generate(sid, max_tokens=4, ignore_eos=True)
+    warm.table.close()
+    del warm
+    gc.collect()  # the graphs and their pool go now, not during the measurement
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free0, _ = torch.cuda.mem_get_info()
+    engine = Engine.load(MODEL, device="cuda", max_sessions=sessions, max_context=max_context)
+    sids = [engine.create_session() for _ in range(sessions)]
+    torch.cuda.synchronize()
+    free1, _ = torch.cuda.mem_get_info()
+    used = free0 - free1
+    budget = engine.model.weight_bytes() + sessions * engine.bytes_per_session
+    result = {"used_bytes": used, "weights_plus_sessions_bytes": budget, "ratio": used / budget, "max_context": max_context,
+              "slot_bytes": engine.table.slot_bytes, "bytes_per_session": engine.bytes_per_session}
+    for sid in sids:
+        engine.close(sid)
+    engine.table.close()
+    del engine
+    torch.cuda.empty_cache()
+    return result
+
+
+class Stack:
+    """A broker and one GPU worker as processes on loopback, stopped with SIGTERM."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.clients, workers = free_address(), free_address()
+        self.logs = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+        self.broker = spawn("broker.cli", ["--clients", self.clients, "--workers", workers], self.logs / "broker.log")
+        self.worker = spawn("worker.cli", ["--broker", workers, "--model", MODEL, "--device", "cuda",
+                                           "--max-sessions", str(max_sessions), "--max-context", "1024"],
+                            self.logs / "worker.log")
+        with Client(self.clients, timeout=120) as client:
+            wait_for_worker(client, self.worker, timeout_s=300)
+
+    def stop(self) -> None:
+        for proc in (self.worker, self.broker):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--processes", type=int, default=4, help="loadtest client processes for the full stack")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--hf-batch", type=int, default=None, help=argparse.SUPPRESS)  # the transformers child
+    args = ap.parse_args()
+    logs.configure("warning")
+    if args.hf_batch is not None:
+        rates = bench_hf(args.hf_batch, args.prompt_tokens, args.new_tokens, args.seed, args.repeats)
+        sys.stdout.write(HF_RESULT + json.dumps(rates) + "\n")
+        return
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "model": MODEL, "runs": {}}
+
+    from worker.engine import Engine
+
+    capacity = max(args.sessions)
+    engine = Engine.load(MODEL, device="cuda", max_sessions=capacity, max_context=1024)  # as the stack's worker
+    reps = args.repeats
+
+    def on_stack(n: int, clients: str) -> Callable[[], Report]:
+        return lambda: run(workload(n, args.prompt_tokens, args.new_tokens, args.seed, broker=clients, model=None,
+                                    processes=min(args.processes, n)))
+
+    def in_process(n: int, engine: Engine) -> Callable[[], Report]:
+        return lambda: run(workload(n, args.prompt_tokens, args.new_tokens, args.seed, in_process=True, device="cuda",
+                                    model=MODEL), engine=engine)
+
+    for n in args.sessions:
+        results["runs"][n] = {"engine": median_run(in_process(n, engine), reps)}
+    engine.table.close()
+    del engine
+    torch.cuda.empty_cache()
+    for n in args.sessions:
+        rates = bench_hf_apart(n, args.prompt_tokens, args.new_tokens, args.seed, reps)
+        results["runs"][n]["hf_tokens_per_s"] = rates[len(rates) // 2]
+        results["runs"][n]["hf_runs_tokens_per_s"] = rates
+    for n in sorted(set(args.sessions) - {capacity}):
+        sized = Stack(n)
+        try:
+            results["runs"][n]["stack_sized"] = median_run(on_stack(n, sized.clients), reps)
+        finally:
+            sized.stop()
+    stack = Stack(capacity)
+    try:
+        for n in args.sessions:
+            results["runs"][n]["stack"] = median_run(on_stack(n, stack.clients), reps, show=True)
+    finally:
+        stack.stop()
+    results["memory_64"] = memory_check(64)
+
+    print(f"\n{results['device']}, {MODEL} (bf16), prompts of {args.prompt_tokens}, {args.new_tokens} new tokens each")
+    print(f"worker and in-process engine: capacity {capacity} sessions, context 1024")
+    print(f"{'sessions':>8} {'stack tok/s':>12} {'engine tok/s':>13} {'hf tok/s':>10} {'stack/engine':>13} {'stack/hf':>9}")
+    for n, r in results["runs"].items():
+        s, e, h = r["stack"]["output_tokens_per_s"], r["engine"]["output_tokens_per_s"], r["hf_tokens_per_s"]
+        print(f"{n:8d} {s:12.0f} {e:13.0f} {h:10.0f} {s / e:13.2f} {s / h:9.2f}")
+        r["ratios"] = {"stack_over_engine": s / e, "stack_over_hf": s / h}
+        if "stack_sized" in r:
+            sized = r["stack_sized"]["output_tokens_per_s"]
+            print(f"{'':8s} {sized:12.0f}  (stack, worker sized for {n}: --max-sessions {n})")
+    print(f"\nmedians of {reps} runs each; every run's output tokens/s:")
+    for n, r in results["runs"].items():
+        runs = {name: r[name]["runs_output_tokens_per_s"] for name in ("stack", "stack_sized", "engine") if name in r}
+        runs["hf"] = r["hf_runs_tokens_per_s"]
+        print(f"{n:8d} " + "  ".join(f"{name} {' / '.join(f'{v:.0f}' for v in values)}" for name, values in runs.items()))
+    mem = results["memory_64"]
+    print("\ntargets:")
+    checks: list[tuple[str, float, float]] = []
+    if 64 in results["runs"]:
+        r = results["runs"][64]
+        checks += [
+            ("64 sessions, stack output tokens/s", r["stack"]["output_tokens_per_s"], TARGET_STACK_64),
+            ("64 sessions, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_VS_HF),
+            ("64 sessions, stack / engine in-process", r["ratios"]["stack_over_engine"], TARGET_STACK_VS_ENGINE),
+        ]
+    if 1 in results["runs"]:
+        checks.append(("1 session, stack output tokens/s", results["runs"][1]["stack"]["output_tokens_per_s"], TARGET_STACK_1))
+        if "stack_sized" in results["runs"][1]:
+            checks.append(("1 session, stack, worker --max-sessions 1", results["runs"][1]["stack_sized"]["output_tokens_per_s"],
+                           TARGET_STACK_1))
+    for name, value, target in checks:
+        print(f"  {name:42s} {value:10.2f}  target >= {target:<8g} {'met' if value >= target else 'MISSED'}")
+    limit = 1 + TARGET_MEMORY_SLACK
+    print(f"  {'GPU memory, 64 sessions / (weights + 64 x bytes)':42s} {mem['ratio']:10.3f}  target <= {limit:<8g} "
+          f"{'met' if mem['ratio'] <= limit else 'MISSED'}  ({mem['used_bytes'] / 2**30:.2f} GiB used)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
