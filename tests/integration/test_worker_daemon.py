@@ -262,17 +262,10 @@ def chunks_of(message: p.Message) -> list[p.Chunks]:
     return []
 
 
-@pytest.mark.parametrize("fanout", [False, True], ids=["chunks", "fanout"])
 def test_streams_of_two_clients_come_as_batches_per_client_in_order(
-    served: tuple[Serve, FakeEngine, Broker], fanout: bool,
+    served: tuple[Serve, FakeEngine, Broker],
 ) -> None:
     serve, engine, broker = served
-    if fanout:
-        broker.send(p.Welcome(broker_id="b1", heartbeat_ms=50, liveness=3, fanout=True))
-        deadline = time.monotonic() + 5
-        while not serve.link.fanout and time.monotonic() < deadline:
-            time.sleep(0.01)
-    assert serve.link.fanout is fanout
     routes = {"g0": b"client-0", "g1": b"client-1"}
     for i in range(2):
         sid, route = f"{i}" * 32, routes[f"g{i}"]
@@ -297,7 +290,7 @@ def test_streams_of_two_clients_come_as_batches_per_client_in_order(
                 streamed[chunk.request_id] += chunk.token_ids
         if isinstance(message, p.Generated):
             finals[message.request_id] = message
-    assert (fanouts > 0) is fanout
+    assert fanouts > 0
     for rid, final in finals.items():
         assert final.route == routes[rid] and len(final.token_ids) == 40
         assert streamed[rid] == list(final.token_ids[:-1])  # the last token comes with the final answer
@@ -317,7 +310,7 @@ def stepped() -> Iterator[tuple[Serve, FakeEngine, list[list[p.Message]]]]:
         serve.link.stop()  # never started: closes its sockets
 
 
-def test_a_step_sends_one_chunks_message_per_client_route(
+def test_a_step_sends_one_fanout_with_a_chunks_part_per_client_route(
     stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
 ) -> None:
     serve, engine, sent = stepped
@@ -334,13 +327,12 @@ def test_a_step_sends_one_chunks_message_per_client_route(
     sent.clear()
 
     assert serve._step()
-    [step] = sent
-    assert [(type(m).__name__, m.route) for m in step] == [("Chunks", b"client-1"), ("Chunks", b"client-2")]  # type: ignore[attr-defined]
-    by_route = {m.route: m.chunks for m in step}  # type: ignore[attr-defined]
+    [[fanout]] = sent
+    assert isinstance(fanout, p.Fanout) and fanout.routes == (b"client-1", b"client-2")
+    by_route = {route: cast(p.Chunks, p.decode(frames)).chunks for route, frames in fanout.sends()}
     assert by_route[b"client-1"] == (p.StreamChunk("g0", (2,), "x"), p.StreamChunk("g2", (2,), "x"))
     assert by_route[b"client-2"] == (p.StreamChunk("g1", (2,), "x"),)  # g3 is not streamed: nothing until its end
-    for message in step:  # what the broker and the client will decode
-        assert p.decode(p.encode(message)) == message
+    assert p.decode(p.encode(fanout)) == fanout  # what the broker will decode
 
     assert serve._step() and serve._step()
     last = sent[-1]
@@ -350,11 +342,10 @@ def test_a_step_sends_one_chunks_message_per_client_route(
     assert not serve._active
 
 
-def test_a_step_sends_one_fanout_for_all_client_routes_to_a_broker_that_takes_it(
+def test_a_step_sends_one_fanout_for_all_client_routes(
     stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
 ) -> None:
     serve, engine, sent = stepped
-    serve.link.fanout = True  # the broker's WELCOME said so
     engine.capacity = 3
     routes = [b"client-1", b"client-2", b"client-1"]
     for i, route in enumerate(routes):
@@ -418,7 +409,7 @@ def test_a_resent_generate_moves_the_rest_of_its_stream_to_the_new_route(
     serve._admit([generate.routed(b"new")])  # the client reconnected (or the broker restarted) and resent it
     serve._step()
     serve._step()
-    batches = [m for messages in sent for m in messages if isinstance(m, p.Chunks)]
+    batches = [c for messages in sent for m in messages for c in chunks_of(m)]
     assert [(m.route, m.chunks) for m in batches] == [
         (b"old", (p.StreamChunk("g1", (2,), "x"),)), (b"new", (p.StreamChunk("g1", (3,), "x"),))
     ]

@@ -13,7 +13,7 @@
   loop the GIL).
 - `Serve` owns the engine (not thread-safe): it admits requests between batched steps, runs
   `engine.step()` while there is work, and turns a step's chunks into one FANOUT message for all client
-  routes (streamed requests that moved; one CHUNKS per route to a broker without FANOUT) plus a final
+  routes (the streamed requests that moved) plus a final
   REPLY for each request that finished. Every request
   id is remembered with its final answer, so a resent request is answered again, never run twice.
 - Sessions idle longer than `session_idle_timeout_s` (no request, no generation) are closed; the broker
@@ -193,7 +193,6 @@ class Link:
         self.heartbeat_s = config.heartbeat_ms / 1000
         self.liveness = config.liveness
         self.broker_id: str | None = None
-        self.fanout = False  # the broker takes FANOUT (its WELCOME says so); set by the link thread, read by any
         self.busy = False  # the compute loop reads the socket itself: set by receive(), read by the link thread
         self.registered = threading.Event()
         now = time.monotonic()
@@ -418,7 +417,6 @@ class Link:
                 "registered", broker_id=welcome.broker_id, heartbeat_ms=welcome.heartbeat_ms, liveness=welcome.liveness
             )
         self.broker_id = welcome.broker_id
-        self.fanout = welcome.fanout
         self.heartbeat_s = welcome.heartbeat_ms / 1000
         self.liveness = welcome.liveness
         self._ready_backoff = self.heartbeat_s
@@ -755,8 +753,7 @@ class Serve:
         self.steps += 1
         t1 = self._step_end = time.perf_counter()
         new_tokens = 0
-        # The streamed requests that moved, by client route: one FANOUT for them all (one CHUNKS per route for a
-        # broker without FANOUT), then the final answers.
+        # The streamed requests that moved, by client route: one FANOUT for them all, then the final answers.
         batches: dict[bytes, list[p.StreamChunk]] = {}
         finals: list[p.Message] = []
         for chunk in chunks:
@@ -779,11 +776,9 @@ class Serve:
                     batch = batches[active.route] = []
                 batch.append(p.new_stream_chunk((active.request_id, tuple(ids), chunk.text)))
         # Valid by construction (see Message.unchecked): no per-token checks here; the client checks them all.
-        out: list[p.Message]
-        if batches and self.link.fanout:
-            out = [p.Fanout.unchecked(routes=tuple(batches), parts=tuple(map(p.chunks_part, batches.values())))]
-        else:
-            out = [p.Chunks.unchecked(chunks=tuple(batch), route=route) for route, batch in batches.items()]
+        out: list[p.Message] = []
+        if batches:
+            out.append(p.Fanout.unchecked(routes=tuple(batches), parts=tuple(map(p.chunks_part, batches.values()))))
         self.link.send(out + finals)
         e = self.engine
         self.metrics.step(t1, t1 - t0, getattr(e, "last_rows", len(chunks)), getattr(e, "last_prefill_tokens", 0), new_tokens)
