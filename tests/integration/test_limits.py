@@ -98,10 +98,10 @@ def hung(cluster: Cluster) -> Iterator[tuple[Cluster, FakeEngine, threading.Even
     hang = {"on": False}
     step = engine.step
 
-    def stuck_step() -> Any:
+    def stuck_step(wait: bool = True) -> Any:
         if hang["on"]:
             release.wait(30)
-        return step()
+        return step(wait)
 
     engine.step = stuck_step  # type: ignore[method-assign]
     engine.hang = hang  # type: ignore[attr-defined]

@@ -20,17 +20,10 @@ import zmq
 from broker.common import protocol as p
 from cuda_state import CapacityExhausted
 from worker.errors import SessionBusy, SessionNotFound
-from worker.serve.loop import (
-    BUSY_LINGER_S,
-    BUSY_WAIT_S,
-    IDLE_WAIT_S,
-    PREFILL_WAIT_SLICE_S,
-    Link,
-    Serve,
-    WorkerConfig,
-    WorkerState,
-    error_code,
-)
+from worker.serve.config import WorkerConfig, WorkerState
+from worker.serve.dispatch import error_code
+from worker.serve.link import BUSY_WAIT_S, Link
+from worker.serve.loop import BUSY_LINGER_S, IDLE_WAIT_S, PREFILL_WAIT_SLICE_S, Serve
 
 SID = "a" * 32
 
@@ -52,8 +45,11 @@ class FakeEngine:
     capacity = 2
     device = "cpu"
     bytes_per_session = 1
+    prefill_running = False  # no step here computes prompt tokens on a device
 
     def __init__(self) -> None:
+        self.last_rows = self.last_prefill_tokens = 0
+        self.last_read = False
         self.lengths: dict[str, int] = {}
         self.active: dict[str, tuple[str, int]] = {}  # engine id -> (session, tokens left)
         self.step_delay = 0.0
@@ -111,8 +107,9 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self.active)
 
-    def step(self) -> list[FakeChunk]:
+    def step(self, wait: bool = True) -> list[FakeChunk]:
         time.sleep(self.step_delay)
+        self.last_rows, self.last_read = len(self.active), True
         out = []
         for engine_id, (sid, left) in list(self.active.items()):
             self.lengths[sid] += 1
@@ -339,7 +336,7 @@ def test_a_step_sends_one_fanout_with_a_chunks_part_per_client_route(
     assert [type(m).__name__ for m in last] == ["Generated"] * 4  # the final answers carry every token
     assert [m.token_ids for m in last] == [(2, 3, 4)] * 4  # type: ignore[attr-defined]
     assert [m.route for m in last] == routes  # type: ignore[attr-defined]
-    assert not serve._active
+    assert not serve.dispatch.active
 
 
 def test_a_step_sends_one_fanout_for_all_client_routes(

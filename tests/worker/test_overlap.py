@@ -90,7 +90,7 @@ def drive(engine: Engine, overlap: bool, stop_id: int, stop_text: str) -> Run:
     ]
     launched_before = engine.steps
     while engine.has_work():
-        inflight_before = engine._inflight is not None
+        inflight_before = engine._unread is not None
         for chunk in engine.step():
             name = names[chunk.request_id]
             ids, text, _ = run.outputs[name]
@@ -164,7 +164,7 @@ def test_a_step_that_fails_while_another_runs_ahead_is_run_again(tiny: Engine, m
     for _ in range(3):
         for chunk in tiny.step():
             out[chunk.request_id] += chunk.token_ids
-    assert tiny._inflight is not None
+    assert tiny._unread is not None
     real = worker.engine.core.sample_ids
     calls = 0
 
@@ -178,7 +178,7 @@ def test_a_step_that_fails_while_another_runs_ahead_is_run_again(tiny: Engine, m
     monkeypatch.setattr(worker.engine.core, "sample_ids", flaky)
     with pytest.raises(RuntimeError, match="injected"):
         tiny.step()
-    assert tiny._inflight is None
+    assert tiny._unread is None
     while tiny.has_work():
         for chunk in tiny.step():
             out[chunk.request_id] += chunk.token_ids
@@ -208,7 +208,7 @@ def test_a_new_prompt_rides_in_the_step_launched_ahead(tiny: Engine) -> None:
     sids = open_two()
     rids = [tiny.start_generate(s, SamplingParams(max_tokens=10, ignore_eos=True)) for s in sids[:2]]
     out: dict[str, list[int]] = {r: [] for r in rids}
-    while tiny._inflight is None or not out[rids[0]]:
+    while tiny._unread is None or not out[rids[0]]:
         for chunk in tiny.step():
             out[chunk.request_id] += chunk.token_ids
     pending = tiny.session_length(sids[2])
@@ -216,7 +216,7 @@ def test_a_new_prompt_rides_in_the_step_launched_ahead(tiny: Engine) -> None:
     out[rids[2]] = []
     for chunk in tiny.step():
         out[chunk.request_id] += chunk.token_ids
-    assert tiny._inflight is not None  # launched ahead, with the new prompt in it
+    assert tiny._unread is not None  # launched ahead, with the new prompt in it
     assert (tiny.last_rows, tiny.last_prefill_tokens) == (3, pending)
     while tiny.has_work():
         for chunk in tiny.step():
@@ -226,33 +226,44 @@ def test_a_new_prompt_rides_in_the_step_launched_ahead(tiny: Engine) -> None:
         tiny.close(s)
 
 
-def test_reading_a_step_calls_meanwhile_until_the_device_is_done() -> None:
-    """Launched.read runs the caller's `meanwhile` while the copy of the ids has not passed (the worker takes
-    requests then), and not at all once it has."""
-    import torch
-
+def test_a_step_with_prompt_tokens_is_read_only_once_the_device_is_done_when_the_caller_does_not_wait(
+    tiny: Engine, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """step(wait=False) returns without reading a step that computes prompt tokens while the device has not made its
+    ids (the worker takes requests then, between calls), and reads it once it has; step() waits for it."""
     from worker.engine.core import Launched
 
-    class Copy:
-        def __init__(self, pending: int) -> None:
-            self.pending = pending
-            self.synchronized = False
+    pending = {"polls": 0}
 
-        def query(self) -> bool:
-            self.pending -= 1
-            return self.pending < 0
+    def done(self: Launched) -> bool:
+        pending["polls"] -= 1
+        return pending["polls"] < 0
 
-        def synchronize(self) -> None:
-            self.synchronized = True
+    monkeypatch.setattr(Launched, "done", done)
+    sid = tiny.create_session()
+    tiny.append(sid, token_ids=prompt(tiny, 0))
+    expected = tiny.generate(sid, max_tokens=3, ignore_eos=True).token_ids
+    tiny.close(sid)
 
-    calls: list[int] = []
-    for pending, expected in ((3, 3), (0, 0)):
-        calls.clear()
-        copy = Copy(pending)
-        ids = torch.tensor([5, 7])
-        launched = Launched([], [], [], ids, ids, copy, prefill_tokens=128)  # type: ignore[arg-type]
-        assert launched.read(lambda: calls.append(1)) == [5, 7]
-        assert len(calls) == expected and copy.synchronized
+    tiny.overlap = True
+    sid = tiny.create_session()
+    tiny.append(sid, token_ids=prompt(tiny, 0))
+    rid = tiny.start_generate(sid, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert tiny.step(wait=False) == [] and tiny.last_rows == 1 and not tiny.last_read  # launched, read next call
+    pending["polls"] = 3
+    assert tiny.prefill_running
+    for _ in range(2):  # the device is still on it: nothing is read, the step after it is launched once
+        assert tiny.step(wait=False) == [] and not tiny.last_read
+    assert not tiny.prefill_running  # done now
+    out = tiny.step(wait=False)
+    assert tiny.last_read and [c.request_id for c in out] == [rid]
+    tokens = list(out[0].token_ids)
+    while tiny.has_work():
+        for chunk in tiny.step():
+            tokens += chunk.token_ids
+    assert tokens == expected
+    tiny.close(sid)
+    tiny.overlap = False
 
 
 def test_a_step_plan_puts_the_rows_read_on_the_device_first() -> None:
@@ -263,7 +274,7 @@ def test_a_step_plan_puts_the_rows_read_on_the_device_first() -> None:
 
     import torch
 
-    from worker.engine.core import StepPlan
+    from worker.engine.scheduler import StepPlan
 
     def request(slot: int, tokens: list[int]) -> SimpleNamespace:
         return SimpleNamespace(session=SimpleNamespace(slot=slot, tokens=tokens))
@@ -278,7 +289,7 @@ def test_a_step_plan_puts_the_rows_read_on_the_device_first() -> None:
     plan.add(chunk_end, 1, 4)  # type: ignore[arg-type]
     plan.decode_ahead(ahead, 2, 2)  # type: ignore[arg-type]
     plan.add(chunk_part, 0, 4)  # type: ignore[arg-type]
-    tokens, positions, slots, logits_at, source = plan.rows()
+    tokens, positions, slots, logits_at, source = plan.rows()  # a StepRows
     assert tokens == [0, 7, 2, 3, 4, 5, 0, 1, 2, 3]
     assert positions == [2, 2, 1, 2, 3, 4, 0, 1, 2, 3]
     assert slots == [1, 3, 4, 4, 4, 4, 2, 2, 2, 2]

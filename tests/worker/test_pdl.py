@@ -16,17 +16,15 @@ def test_pdl_is_off_for_cpu_tensors_and_launches_then_pass_only_the_flag() -> No
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_pdl_follows_the_device_generation_and_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_follows_the_device_generation_and_the_switch() -> None:
     t = torch.zeros(1, device="cuda")
     hopper = torch.cuda.get_device_capability()[0] >= 9
-    pdl._enabled.cache_clear()
+    pdl.configure(True)
     try:
         assert pdl.enabled(t) is (hopper and pdl.HAVE_GDC)
         if pdl.enabled(t):
             assert pdl.launch_options(t) == {"PDL": True, "launch_pdl": True}
-        monkeypatch.setenv(pdl.ENV, "0")
-        pdl._enabled.cache_clear()
+        pdl.configure(False)
         assert not pdl.enabled(t)
     finally:
-        monkeypatch.delenv(pdl.ENV)
-        pdl._enabled.cache_clear()
+        pdl.configure(True)

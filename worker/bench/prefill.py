@@ -13,6 +13,7 @@ launched from Python one by one, these kernels would be timed by their launches)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -61,11 +62,11 @@ def main() -> None:
     sessions = max(n for n, _, _ in SCENARIOS)
     engine = Engine.load(args.model, device="cuda", max_sessions=sessions, max_context=args.max_context)
     tiled = engine.executor
-    assert isinstance(tiled, GraphExecutor) and engine.model.prefill_attention is not None
-    kernel = engine.model.prefill_attention
-    engine.model.prefill_attention = None  # graphs captured from here on give prompt rows the decode kernel
+    kernels = engine.model.kernels
+    assert isinstance(tiled, GraphExecutor) and kernels.prefill_attention is not None
+    engine.model.kernels = dataclasses.replace(kernels, prefill_attention=None)  # graphs captured now: the decode kernel
     rows = GraphExecutor(engine.model, engine.table)
-    engine.model.prefill_attention = kernel
+    engine.model.kernels = kernels
     slots = [engine.table.create() for _ in range(sessions)]
     gen = torch.Generator().manual_seed(0)
     c = engine.model.config
@@ -81,7 +82,7 @@ def main() -> None:
         bucket = pick_bucket(tiled.prefill_buckets, prompts * n)
         step_ms = {}
         for name, executor in (("rows", rows), ("tiled", tiled)):
-            executor._prefill(runs, tokens, positions, ends)  # loads the static inputs (and writes the K/V)
+            executor.replay_prefill(runs, tokens, positions, ends)  # loads the static inputs (and writes the K/V)
             step_ms[name] = _gpu_ms(executor._prefill_graphs[bucket].replay, args.replays)
         # The attention alone: every layer's, on the rows the tiled executor loaded.
         inputs = tiled._prefill_in.device[:, :bucket]

@@ -95,11 +95,11 @@ def kernel_table(engine: Engine, n: int, steps: int = 20) -> None:
     sids = _sessions(engine, n, 128, steps)
     for _ in range(3):
         engine.step()
-    executor._step(bucket)  # warm
+    executor._decode_forward(bucket)  # warm
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            executor._step(bucket)
+            executor._decode_forward(bucket)
         torch.cuda.synchronize()
     print(f"--- kernels of one eager decode step, bucket {bucket} (mean of {steps}) ---")
     _print_kernels(prof, steps)

@@ -1,106 +1,60 @@
 """The engine: one model, many sessions, one loop of batched steps.
 
-A step is `schedule -> execute -> update` (the vLLM v1 shape): the scheduler picks one token for
-every generating session plus chunks of pending prompt tokens within a token budget, the executor
-runs them as one batch through the model, and the update samples, appends and reports.
+A step is `schedule -> execute -> update` (the vLLM v1 shape): the scheduler (worker.engine.scheduler) picks one
+token for every generating session plus chunks of pending prompt tokens within a token budget, the executor runs
+them as one batch through the model (worker.engine.executor, worker.engine.graphs), and the update samples,
+appends and reports.
 
-On a GPU the host runs one step ahead (vLLM's async scheduling): the next step is launched before the
-host has read the current one, its generating sessions decoding the token ids the current step samples
-on the device, beside whatever else the scheduler picks (new requests' prompt chunks, further chunks of
-a long prompt); then the host reads the current step's tokens and does its bookkeeping (detokenizing,
-stop checks, the daemon's messages) while the GPU computes the next. A session that turns out to have
-stopped (or is cancelled meanwhile) wastes one row; its result is dropped. Rows do not depend on what
-else is in their step (worker.engine.graphs), so the tokens are exactly those of one step at a time. With nothing
-in flight (the first request after idling) a step is launched afresh and read in the next call, not in
-the one that launched it, so the caller can take requests while the device runs it.
+On a GPU the host runs one step ahead (vLLM's async scheduling): the next step is launched before the host has
+read the current one, its generating sessions decoding the token ids the current step samples on the device,
+beside whatever else the scheduler picks (new requests' prompt chunks, further chunks of a long prompt); then the
+host reads the current step's tokens and does its bookkeeping (detokenizing, stop checks, the daemon's messages)
+while the GPU computes the next. A session that turns out to have stopped (or is cancelled meanwhile) wastes one
+row; its result is dropped. Rows do not depend on what else is in their step (worker.engine.graphs), so the tokens
+are exactly those of one step at a time. With nothing in flight (the first request after idling) a step is
+launched afresh and read in the next call, not in the one that launched it, so the caller can take requests
+while the device runs it.
 
-Sessions keep their whole token history. `computed` counts the tokens whose K/V are in the state;
-the rest are pending and get prefilled when the session next generates. The last sampled token of
-a generation stays pending, so the next turn starts exactly where the last one ended.
+Requests (create, close, generate, cancel) are calls between steps; the caller owns the loop. A step that computes
+prompt tokens takes milliseconds on a GPU: `step(wait=False)` returns without reading it until the device is done,
+so the caller (the worker's compute loop) takes the requests that arrive meanwhile and calls again.
 
 Not thread-safe: one thread owns an engine (the daemon's compute loop, or the caller of the sync API).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
-import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 
 import structlog
 import torch
 
 from cuda_state import SessionTable
-from cuda_state.select import open_backend, select_backend
+from worker.engine.budget import PREFILL_CHUNK
+from worker.engine.build import build_parts
 from worker.engine.detokenizer import Detokenizer
-from worker.engine.executor import EagerExecutor, Executor
+from worker.engine.executor import Executor
+from worker.engine.options import EngineOptions
 from worker.engine.sampling import RowRandom, SamplingParams, sample_ids
+from worker.engine.scheduler import StepPlan, schedule
+from worker.engine.session import Chunk, Generation, Request, Session
 from worker.errors import BadRequest, ContextOverflow, EngineError, SessionBusy, SessionExists, SessionNotFound
 from worker.model.llama import Llama
-from worker.model.loader import load_model
 from worker.model.tokenizer import Tokenizer
+
+__all__ = ["Chunk", "Engine", "Generation", "Launched", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
 
-# Prompt tokens one step may prefill, besides its decode rows: bounds the step's latency for the
-# sessions that are decoding. A prompt is cut into chunks of at most PREFILL_CHUNK tokens counted
-# from the session's own start, never by what else is in the step, so a session computes the same
-# chunks (and the same numbers) alone or batched with others.
-CPU_STEP_TOKENS = 256
-GPU_STEP_TOKENS = 2048
-PREFILL_CHUNK = {"cpu": 256, "cuda": 512}
 MAX_APPEND_TOKENS = 1 << 20
 # Pinned host buffers (and their events) the sampled ids of a step are copied into, used in turn: at most two
 # launched steps are unread at a time (the one in flight and the one being launched), so a buffer is free again
 # long before its turn comes back.
 ID_COPIES = 4
-
-
-@dataclass(slots=True)
-class Chunk:
-    """What one step produced for one request. finish_reason: None, "stop", "length" or "cancelled"."""
-
-    request_id: str
-    session_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-
-
-@dataclass
-class Request:
-    id: str
-    session: Session
-    params: SamplingParams
-    random: RowRandom
-    detok: Detokenizer
-    stop_ids: frozenset[int]
-    token_ids: list[int] = field(default_factory=list)  # returned tokens (no EOS / stop ids)
-    generated: int = 0  # sampled tokens, EOS included
-    finish_reason: str | None = None
-    started: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class Session:
-    id: str
-    slot: int
-    tokens: list[int] = field(default_factory=list)
-    computed: int = 0
-    request: Request | None = None
-
-    @property
-    def pending(self) -> int:
-        return len(self.tokens) - self.computed
 
 
 @dataclass
@@ -115,93 +69,16 @@ class Launched:
     copied: torch.cuda.Event | None  # None: `host` is already valid (no device)
     prefill_tokens: int = 0  # prompt tokens the step computes
 
-    def read(self, meanwhile: Callable[[], object] | None = None) -> list[int]:
-        """The sampled ids; `meanwhile` is called again and again until the device has made them."""
+    def done(self) -> bool:
+        """Whether the device has made the ids (reading them will not wait)."""
+        return self.copied is None or self.copied.query()
+
+    def read(self) -> list[int]:
+        """The sampled ids, waiting for the device if it has not made them yet."""
         if self.copied is not None:
-            if meanwhile is not None:
-                while not self.copied.query():
-                    meanwhile()
             self.copied.synchronize()
         ids: list[int] = self.host.tolist()
         return ids
-
-
-class StepPlan:
-    """One step's rows as the executor takes them, built in one pass over the requests.
-
-    The batch holds, in this order: the decode rows whose token the last step samples on the device
-    (`decode_ahead`: not yet in the session), the decode rows whose token the host knows, then the prompt
-    chunks, each part in the order added. Plain lists appended to in place: this runs for every row of every
-    step, and the worker's compute loop is the slower side of a step at 64 sessions."""
-
-    def __init__(self, samples: torch.Tensor | None = None) -> None:
-        self.samples = samples  # the last step's sampled ids, on the device
-        self._picks: list[int] = []  # decode_ahead row i takes samples[picks[i]]
-        self._ahead: list[Request] = []  # decode_ahead rows: the requests, their positions and slots
-        self._ahead_positions: list[int] = []
-        self._ahead_slots: list[int] = []
-        self._decode: list[Request] = []  # decode rows whose token the host knows
-        self._decode_positions: list[int] = []
-        self._decode_slots: list[int] = []
-        self._decode_tokens: list[int] = []
-        self._tokens: list[int] = []  # the prompt chunks' rows
-        self._positions: list[int] = []
-        self._slots: list[int] = []
-        self._logits_at: list[int] = []  # the chunk rows that sample, counted from the first chunk row
-        self._sampled: list[Request] = []
-        self._sampled_positions: list[int] = []
-        self.partial: list[tuple[Request, int, int]] = []  # prompt chunks that sample nothing
-        self.prefill_tokens = 0
-
-    def __len__(self) -> int:
-        """Requests in the step."""
-        return self.decode_rows + len(self._sampled) + len(self.partial)
-
-    @property
-    def decode_rows(self) -> int:
-        return len(self._ahead) + len(self._decode)
-
-    def decode_ahead(self, request: Request, position: int, pick: int) -> None:
-        """A decode row reading its token from the last step's samples."""
-        self._ahead.append(request)
-        self._ahead_positions.append(position)
-        self._ahead_slots.append(request.session.slot)
-        self._picks.append(pick)
-
-    def add(self, request: Request, start: int, n: int) -> None:
-        """`n` of the session's tokens from position `start`; the request samples if they end its tokens
-        (a decode row always does)."""
-        s = request.session
-        if n == 1:
-            self._decode.append(request)
-            self._decode_positions.append(start)
-            self._decode_slots.append(s.slot)
-            self._decode_tokens.append(s.tokens[start])
-            return
-        self._tokens += s.tokens[start : start + n]
-        self._positions += range(start, start + n)
-        self._slots += [s.slot] * n
-        self.prefill_tokens += n
-        if start + n == len(s.tokens):  # the whole prompt is in: its last row gives the next token
-            self._logits_at.append(len(self._tokens) - 1)
-            self._sampled.append(request)
-            self._sampled_positions.append(start + n - 1)
-        else:
-            self.partial.append((request, start, n))
-
-    def rows(self) -> tuple[list[int], list[int], list[int], list[int], tuple[torch.Tensor, list[int]] | None]:
-        """(tokens, positions, slots, logits_at, source) for Executor.execute."""
-        d = self.decode_rows
-        logits_at = list(range(d)) + [d + r for r in self._logits_at]
-        source = (self.samples, self._picks) if self._picks and self.samples is not None else None
-        return ([0] * len(self._picks) + self._decode_tokens + self._tokens,
-                self._ahead_positions + self._decode_positions + self._positions,
-                self._ahead_slots + self._decode_slots + self._slots, logits_at, source)
-
-    def sampled(self) -> tuple[list[Request], list[int]]:
-        """The requests whose next token the step samples, in the order of their logits, and those rows' positions."""
-        return (self._ahead + self._decode + self._sampled,
-                self._ahead_positions + self._decode_positions + self._sampled_positions)
 
 
 class Engine:
@@ -228,15 +105,13 @@ class Engine:
         self._finished: list[Chunk] = []  # final chunks produced outside a step (cancel, close)
         self._mailboxes: dict[str, deque[Chunk]] = {}  # for the sync helpers
         self.steps = 0
-        self.last_rows = 0  # requests in the last step's batch (0: it ran none)
-        self.last_prefill_tokens = 0  # prompt tokens the last step computed
+        self.last_rows = 0  # requests in the step the last call launched (0: it launched none)
+        self.last_prefill_tokens = 0  # prompt tokens that step computes
+        self.last_read = False  # whether the last call read a step's tokens
         # Launch the next decode step before reading the last (executors that take ids from the device).
         self.overlap = executor.overlaps if overlap is None else overlap
-        self._inflight: Launched | None = None
-        # Called again and again while the host waits for a step that computes prompt tokens (milliseconds on a GPU,
-        # against ~1 ms for a decode step): the daemon takes requests meanwhile (creates, closes, generations: they
-        # only queue device work behind the running steps). It must not call step().
-        self.while_prefilling: Callable[[], object] | None = None
+        self._unread: Launched | None = None  # the step the next call reads
+        self._ahead: Launched | None = None  # the step launched after it, before it was read
         self._id_copies: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None  # host copies of sampled ids, a ring
 
     # -- construction -------------------------------------------------------------------------
@@ -250,57 +125,35 @@ class Engine:
         max_context: int = 2048,
         step_tokens: int | None = None,
         cuda_graphs: bool = True,
+        options: EngineOptions | None = None,
     ) -> Engine:
-        """Load weights once and open the session table. model None = the bundled SmolLM2."""
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
-        if max_context < 2:
-            raise ValueError(f"max_context must be >= 2, got {max_context}")
-        choice = select_backend(device)
-        log.info("device_selected", backend=choice.kind, device=str(choice.device), reason=choice.reason)
-        fold_norms = False
-        if choice.device.type == "cuda":
-            from worker.engine.graphs import limit_cublas_workspace, row_products_wanted
+        """Load weights once and open the session table. model None = the bundled SmolLM2.
 
-            log.info("cublas_workspace", config=limit_cublas_workspace(), applies="unless cuBLAS ran earlier in the process")
-            fold_norms = row_products_wanted()
-        loaded = load_model(model)
-        on_gpu = choice.device.type == "cuda"
-        context = min(max_context, loaded.config.context_length)
-        # On the GPU the norms' weights ride in the products (Layer): decode steps scale rows after the product.
-        llama = Llama(loaded.config, loaded.weights, choice.device, torch.bfloat16 if on_gpu else torch.float32, context,
-                      fold_norms=fold_norms)
-        del loaded.weights
-        executor: Executor
-        if on_gpu:
-            from worker.engine.graphs import attach_gpu_kernels, make_gpu_executor, workspace_bytes
-
-            attach_gpu_kernels(llama)
-            # Closed sessions' slots stay mapped for the next ones (no driver allocation per session); the
-            # worker releases those unused for a while (release_idle_slots).
-            backend = open_backend(choice, llama.state_spec(), max_sessions, workspace_bytes(llama))
-            table = SessionTable(backend, keep_mapped=backend.num_slots - 1)
-            executor = make_gpu_executor(llama, table, cuda_graphs=cuda_graphs)
-        else:
-            table = SessionTable(open_backend(choice, llama.state_spec(), max_sessions))
-            executor = EagerExecutor(llama, table)
-        engine = cls(
-            llama,
-            loaded.tokenizer,
-            table,
-            executor,
-            loaded.config.name,
-            step_tokens or (GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS),
-        )
-        log.info(
-            "engine_ready",
-            model=engine.model_name,
-            device=engine.device,
-            capacity=table.capacity,
-            bytes_per_session=table.bytes_per_session,
-            max_context=context,
-        )
+        `options`: the GPU path's switches (None: read from the WORKER_* variables, EngineOptions.from_env);
+        cuda_graphs False turns graphs off whatever they say."""
+        options = EngineOptions.from_env() if options is None else options
+        if not cuda_graphs:
+            options = dataclasses.replace(options, cuda_graphs=False)
+        engine = cls(*build_parts(model, device, max_sessions, max_context, step_tokens, options))
+        log.info("engine_ready", model=engine.model_name, device=engine.device, capacity=engine.table.capacity,
+                 bytes_per_session=engine.table.bytes_per_session, max_context=engine.max_context)
         return engine
+
+    def unload(self) -> None:
+        """Free what load() built, in reverse: the steps in flight end, then the executor's graphs, the session
+        table (every slot; sessions are gone) and the model's weights. The engine is unusable afterwards."""
+        for request in list(self._active.values()):
+            self._cancel(request)
+        self._unread = self._ahead = None
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self._sessions.clear()
+        self._mailboxes.clear()
+        self.executor = _Closed()
+        self.table.close()
+        del self.model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     # -- facts --------------------------------------------------------------------------------
 
@@ -476,42 +329,49 @@ class Engine:
             self._cancel(request)
 
     def has_work(self) -> bool:
-        return bool(self._active or self._finished or self._inflight)
+        return bool(self._active or self._finished or self._unread)
 
-    def step(self) -> list[Chunk]:
-        """One batched step over all active requests. Returns one chunk per request that moved.
+    @property
+    def prefill_running(self) -> bool:
+        """The step the next call reads computes prompt tokens and the device has not finished it: a caller with
+        other work (the worker taking requests) may do it first; step(wait=False) would return without reading."""
+        unread = self._unread
+        return unread is not None and unread.prefill_tokens > 0 and not unread.done()
 
-        With overlap, the step read here may have been launched by the previous call, and the next
-        one may be left running on the device when this returns (see the module's docstring); a call
-        that launches a step afresh returns without reading it (only chunks made outside a step)."""
+    def step(self, wait: bool = True) -> list[Chunk]:
+        """One step: schedule -> execute -> update. Returns one chunk per request that moved.
+
+        With overlap, the step read here may have been launched by the previous call, and the next one is left
+        running on the device when this returns (see the module's docstring); a call that launches a step afresh
+        returns without reading it (only chunks made outside a step). wait False: a step with prompt tokens is read
+        only once the device has made its tokens (`prefill_running`); until then the call launches what it can and
+        returns. Decode steps (about a millisecond) are always waited for."""
         chunks, self._finished = self._finished, []
-        launched, self._inflight = self._inflight, None
         self.last_rows = self.last_prefill_tokens = 0  # what this call launches (a call may only read)
+        self.last_read = False
         try:
-            if launched is None:
-                launched = self._launch()
-                if launched is None:
-                    return chunks
-                if self.overlap:
-                    # Read it in the next call, not now: meanwhile the caller takes requests (the daemon: a
-                    # burst of closes, creates and generations) while the device runs this step (a prefill
-                    # of 2048 tokens takes ~3 ms on the H100) instead of waiting here with them queued.
-                    self._inflight = launched
-                    return chunks
-            if self.overlap:
-                self._inflight = self._launch_next(launched)
-            chunks += self._collect(launched)
+            if self._unread is None:
+                self._unread = self._launch(self._plan(None))
+                if self._unread is None or self.overlap:
+                    return chunks  # read in the next call: meanwhile the caller takes requests
+            elif self.overlap and self._ahead is None:
+                self._ahead = self._launch_after(self._unread)
+            launched = self._unread
+            if not wait and launched.prefill_tokens and not launched.done():
+                return chunks
+            self._unread, self._ahead = self._ahead, None
+            self.last_read = True
+            chunks += self._update(launched)
         except BaseException:
-            self._inflight = None  # nothing of a failed step is kept: its requests run it again
+            self._unread = self._ahead = None  # nothing of a failed step is kept: its requests run it again
             raise
         return chunks
 
-    def _launch(self) -> Launched | None:
-        """Schedule from the sessions' state and queue the step (nothing may be in flight)."""
-        return self._queue(self._plan(None))
+    def _plan(self, last: Launched | None) -> StepPlan:
+        return schedule(self._active.values(), last, self.step_tokens, self.prefill_chunk, self.max_context)
 
-    def _launch_next(self, last: Launched) -> Launched | None:
-        """Queue the step after `last` before reading it: what the scheduler will pick once `last` is read.
+    def _launch_after(self, last: Launched) -> Launched | None:
+        """The step after `last`, queued before `last` is read: what the scheduler will pick once it is read.
 
         A new arrival does not make the host read first and leave the device idle: it rides in this step.
         Requests that `last` ends by length are left out; one that it ends by a stop token or string runs a
@@ -519,50 +379,15 @@ class Engine:
         plan = self._plan(last)
         if plan.decode_rows > self.executor.max_decode_rows:
             return None
-        return self._queue(plan)
+        return self._launch(plan)
 
-    def _plan(self, last: Launched | None) -> StepPlan:
-        """The scheduler: a decode row for every generating session, then whole prompt chunks in arrival order
-        while they fit the step's budget. With `last` (launched, not read yet), its generating sessions decode
-        the ids it samples, read on the device, and its prompt chunks count as computed."""
-        sampled = {} if last is None else {id(r): i for i, r in enumerate(last.sampled)}
-        computed = {} if last is None else {id(r): p + n for r, p, n in last.partial}
-        plan = StepPlan(None if last is None else last.ids)
-        budget = self.step_tokens
-        limit = self.max_context - 1
-        for request in self._active.values():
-            i = sampled.get(id(request))
-            if i is not None:
-                assert last is not None
-                position = last.positions[i] + 1
-                if request.generated + 1 < request.params.max_tokens and position < limit:
-                    plan.decode_ahead(request, position, i)
-                continue
-            start = computed.get(id(request), request.session.computed)
-            pending = len(request.session.tokens) - start
-            if pending == 1:
-                plan.add(request, start, 1)
-            elif budget > 0:
-                n = min(pending, self.prefill_chunk)
-                if n > budget:
-                    budget = 0  # the step is full (the first chunk always fits): this one goes first next step
-                    continue
-                plan.add(request, start, n)
-                budget -= n
-        return plan
-
-    def _queue(self, plan: StepPlan) -> Launched | None:
-        """Queue one planned step on the executor and its sampling."""
+    def _launch(self, plan: StepPlan) -> Launched | None:
+        """Execute one planned step and queue its sampling and the copy of its ids to the host."""
         self.last_rows = len(plan)
         self.last_prefill_tokens = plan.prefill_tokens
         if not self.last_rows:
             return None
-        tokens, positions, slots, logits_at, source = plan.rows()
-        logits = self.executor.execute(tokens, positions, slots, logits_at, source=source, copy_logits=False)
-        return self._sampled(plan, logits)
-
-    def _sampled(self, plan: StepPlan, logits: torch.Tensor) -> Launched:
-        """Queue the sampling of a launched step and the copy of its ids to the host."""
+        logits = self.executor.execute(plan.rows(), copy_logits=False)
         sampled, positions = plan.sampled()
         ids = sample_ids(logits, [r.params for r in sampled], [r.random for r in sampled])
         step, self.steps = self.steps, self.steps + 1
@@ -577,11 +402,11 @@ class Engine:
         copied.record(torch.cuda.current_stream(ids.device))  # named: current_stream() alone looks the device up
         return Launched(plan.partial, sampled, positions, ids, host, copied, plan.prefill_tokens)
 
-    def _collect(self, launched: Launched) -> list[Chunk]:
+    def _update(self, launched: Launched) -> list[Chunk]:
         """Read a launched step's tokens and apply them to the requests still running (only once the step has
         succeeded: a failed one runs again). A request that ended meanwhile keeps its `computed`: the K/V the
         step wrote past it are simply rewritten."""
-        new_ids = launched.read(self.while_prefilling if launched.prefill_tokens else None)
+        new_ids = launched.read()
         for request, position, n in launched.partial:
             if request.finish_reason is None:
                 request.session.computed = position + n
@@ -719,3 +544,13 @@ def _params(kwargs: dict[str, object]) -> SamplingParams:
         return SamplingParams(stop=tuple(stop or ()), **kwargs)  # type: ignore[arg-type]
     except TypeError as e:
         raise BadRequest(str(e)) from e
+
+
+class _Closed:
+    """The executor of a closed engine: every step is refused."""
+
+    overlaps = False
+    max_decode_rows = 0
+
+    def execute(self, rows: object, copy_logits: bool = True) -> torch.Tensor:
+        raise EngineError("the engine is closed")

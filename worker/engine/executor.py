@@ -7,12 +7,27 @@ the queued work touches, so no slot is freed under a running kernel.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from cuda_state import SessionTable
 from worker.model.llama import Llama
+
+
+class StepRows(NamedTuple):
+    """One step's rows, as the scheduler hands them to an executor.
+
+    Row t is token `tokens[t]` of the session in slot `slots[t]`, at position `positions[t]`; a session's rows are
+    contiguous and in order. `source` (ids, picks): the first len(picks) rows are decode rows of distinct sessions
+    whose token is ids[picks[i]], a tensor on the model's device (the previous step's samples, not read by the
+    host); `tokens` holds placeholders there."""
+
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    logits_at: list[int]  # the rows whose logits the step returns, in this order
+    source: tuple[torch.Tensor, list[int]] | None = None
 
 
 class Executor(Protocol):
@@ -26,20 +41,9 @@ class Executor(Protocol):
         """The most decode rows one execute() with `source` takes."""
         ...
 
-    def execute(
-        self,
-        tokens: list[int],
-        positions: list[int],
-        slots: list[int],
-        logits_at: list[int],
-        source: tuple[torch.Tensor, list[int]] | None = None,
-        copy_logits: bool = True,
-    ) -> torch.Tensor:
-        """float32 logits (len(logits_at), vocab), on the model's device.
+    def execute(self, rows: StepRows, copy_logits: bool = True) -> torch.Tensor:
+        """float32 logits (len(rows.logits_at), vocab), on the model's device.
 
-        `source` (ids, picks): the first len(picks) rows are decode rows of distinct sessions whose token is
-        ids[picks[i]], a tensor on the model's device (the previous step's samples, not read by the host);
-        `tokens` holds placeholders there. The rows after them are as usual.
         copy_logits False: the result may be a view of a graph's output, valid only until the next
         execute() (the engine samples it at once; work queued later on the stream sees it intact)."""
         ...
@@ -54,15 +58,8 @@ class EagerExecutor:
         self.table = table
         self.state = table.views()
 
-    def execute(
-        self,
-        tokens: list[int],
-        positions: list[int],
-        slots: list[int],
-        logits_at: list[int],
-        source: tuple[torch.Tensor, list[int]] | None = None,
-        copy_logits: bool = True,
-    ) -> torch.Tensor:
+    def execute(self, rows: StepRows, copy_logits: bool = True) -> torch.Tensor:
+        tokens, positions, slots, logits_at, source = rows
         dev = self.model.device
         batch = self.model.plan(slots, positions, lengths_on_device=dev.type == "cuda")
         ids = torch.tensor(tokens, dtype=torch.long, device=dev)

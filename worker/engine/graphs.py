@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import os
 import time
 from collections.abc import Callable
 
@@ -61,10 +60,12 @@ import numpy as np
 import structlog
 import torch
 
-from cuda_state import SessionTable, StateError
-from worker.engine.executor import Executor
+from cuda_state import SessionTable
+from worker.engine.budget import GPU_STEP_TOKENS
+from worker.engine.executor import StepRows
 from worker.kernels.tiles import max_tiles, prefill_tiles
-from worker.model.llama import Batch, Llama, Run, runs_of
+from worker.model.batch import Batch, Run, runs_of
+from worker.model.llama import Llama
 
 log = structlog.get_logger(__name__)
 
@@ -72,19 +73,12 @@ log = structlog.get_logger(__name__)
 # steps of 4x in rows keep that memory small while padding costs little (below ~64 rows a step's time hardly
 # depends on its rows on a model this size; a single session gets its own 1-row step).
 BUCKETS = (1, 4, 16, 64, 128, 256)
-INVARIANCE_CHECK_POSITIONS = 48  # positions of random K/V the start-up check's rows attend to
 WARMUP_RUNS = 2  # eager runs on the capture stream before capturing (compiles Triton, inits cuBLAS)
-PREFILL_ROWS = 2048  # rows of the largest prefill replay (= the engine's GPU step budget for prompt tokens)
+PREFILL_ROWS = GPU_STEP_TOKENS  # rows of the largest prefill replay: the engine's GPU step budget for prompt tokens
 # Prefill graphs' rows below PREFILL_ROWS. They share the largest one's activation blocks and its logits output,
 # so each costs only its capture: a few sessions' prompts pad to at most twice their tokens.
 PREFILL_BUCKETS = (128, 256, 512, 1024)
 PREFILL_LOGITS = 64  # chunk ends one prefill replay returns logits for (fixed: the lm_head's shape)
-INVARIANCE_CHECK_CHUNKS = 4  # prompt chunks (one per temporary slot) the start-up check puts in each prefill bucket
-GRAPHS_ENV = "WORKER_CUDA_GRAPHS"  # "0" disables graphs whatever the caller asked for
-FUSED_ENV = "WORKER_FUSED_KERNELS"  # "0" keeps the plain torch layer loop on the GPU (A/B comparisons)
-ROW_PRODUCTS_ENV = "WORKER_ROW_PRODUCTS"  # "0": cuBLAS and the separate fused kernels, norms unfolded (A/B)
-ATTENTION_SPLITS_ENV = "WORKER_ATTENTION_SPLITS"  # pins the decode attention's split count (A/B comparisons)
-PREFILL_TILES_ENV = "WORKER_PREFILL_TILES"  # "0": prompt rows in the decode kernel, one program per row (A/B)
 # Decode attention's split count, pinned for all buckets, is at most this; a row takes fewer when its length gives
 # each split under MIN_SPLIT_KEYS keys (triton_attention). One session's 3 (row, kv head) programs each walking
 # all its keys cost the most at long lengths; short rows gain nothing from splitting and a 64-row step's 192
@@ -93,87 +87,6 @@ PREFILL_TILES_ENV = "WORKER_PREFILL_TILES"  # "0": prompt rows in the decode ker
 # 512 keys a step without the split kernel and its merge: 0.665 / 0.817 against 0.676 / 0.853 (why each decode
 # bucket has a second graph, for steps whose longest row splits).
 PINNED_SPLITS_MAX = 2
-# Fixed slack in the workspace: cuBLAS workspaces (one per stream, the capture stream included),
-# lazily loaded kernel modules of torch and Triton, and caching-allocator fragmentation.
-FIXED_WORKSPACE_BYTES = 768 << 20
-# cuBLAS workspace per (handle, stream), as CUBLAS_WORKSPACE_CONFIG spells it: 8 buffers of 16 KiB. Torch's default
-# on Hopper is 32 MiB for every stream that runs a product, held for the life of the process (the capture stream's
-# stays referenced by the graphs). Measured on the H100: the same decode-graph times and the same row-invariant
-# buckets at 128 KiB as at 32 MiB, and 32 MiB less device memory with 64 sessions (ratio 1.057 -> 1.046).
-CUBLAS_WORKSPACE_CONFIG = ":16:8"
-
-
-def limit_cublas_workspace() -> str:
-    """Set CUBLAS_WORKSPACE_CONFIG to CUBLAS_WORKSPACE_CONFIG unless the environment sets it; returns the value
-    it now holds. Torch reads it once, at the process's first cuBLAS product: where one ran before (a caller's
-    own products), the setting does not apply. The worker process calls this (Engine.load) before any."""
-    return os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
-
-
-def fused_kernels_wanted() -> bool:
-    """The fused layer stack (worker.kernels.layers) unless FUSED_ENV is "0"."""
-    return os.environ.get(FUSED_ENV, "1") != "0"
-
-
-def row_products_wanted() -> bool:
-    """Decode steps in worker.kernels.matmul's kernels unless ROW_PRODUCTS_ENV or FUSED_ENV is "0". The engine folds
-    the norms' weights into the products only then, so "0" gives back cuBLAS's numbers as well as its speed."""
-    return os.environ.get(ROW_PRODUCTS_ENV, "1") != "0" and fused_kernels_wanted()
-
-
-def attach_gpu_kernels(llama: Llama) -> None:
-    """Route the model's decode-only batches through the Triton kernel (reads K/V from the slab), prompt chunks
-    through the tiled one (worker.kernels.prefill) unless PREFILL_TILES_ENV is "0", and its layer stack and head
-    through the fused kernels (worker.kernels.layers) unless FUSED_ENV is "0"."""
-    from worker.kernels.attention import decode_attention
-    from worker.kernels.layers import fused_head, fused_layers
-    from worker.kernels.prefill import prefill_attention
-
-    llama.decode_attention = decode_attention
-    if os.environ.get(PREFILL_TILES_ENV, "1") != "0":
-        llama.prefill_attention = prefill_attention
-    if fused_kernels_wanted():
-        llama.fused_layers = fused_layers
-        llama.fused_head = fused_head
-
-
-def workspace_bytes(llama: Llama) -> int:
-    """Device memory to keep free beside the weights and the slab when sizing the session table.
-
-    Generous on purpose: a session refused at create is cheap, an out-of-memory in a step is not.
-    - activations of one eager step of up to GPU_STEP_TOKENS tokens (one layer live at a time, x2
-      for the allocator holding the previous layer's blocks);
-    - the attention of a prefill chunk: the model's masked SDPA with GQA takes the math path, which
-      materialises fp32 scores, probabilities and the mask, (H, chunk, max_context) each;
-    - logits: fp32 and model dtype for the largest eager decode, and the graphs' static outputs
-      (one per bucket and the prefill graph's, kept alive in the shared pool);
-    - FIXED_WORKSPACE_BYTES for cuBLAS workspaces, kernel modules and fragmentation.
-    """
-    from worker.engine.core import GPU_STEP_TOKENS
-
-    c = llama.config
-    item = torch.empty((), dtype=llama.dtype).element_size()
-    context = llama.max_context
-    chunk = min(GPU_STEP_TOKENS, context)
-    qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-    per_token = item * (4 * c.dim + qkv + c.n_heads * c.head_dim + 3 * c.ffn_dim)
-    activations = 2 * GPU_STEP_TOKENS * per_token
-    attention = 3 * c.n_heads * chunk * context * 4
-    logits = 2 * BUCKETS[-1] * c.vocab_size * (4 + item) + (sum(BUCKETS) + PREFILL_LOGITS) * c.vocab_size * 4
-    return activations + attention + logits + FIXED_WORKSPACE_BYTES
-
-
-def _pinned_splits(value: str) -> int:
-    """ATTENTION_SPLITS_ENV's value: an integer from 1 to the kernel's MAX_SPLITS."""
-    from worker.kernels.attention import MAX_SPLITS
-
-    try:
-        splits = int(value)
-    except ValueError:
-        splits = 0
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"{ATTENTION_SPLITS_ENV} must be an integer from 1 to {MAX_SPLITS}, got {value!r}")
-    return splits
 
 
 def buckets_for(capacity: int) -> list[int]:
@@ -203,17 +116,6 @@ def split_step(tokens: list[int], positions: list[int], slots: list[int]) -> tup
         else:
             prefill.append(run)
     return decode, prefill
-
-
-def make_gpu_executor(llama: Llama, table: SessionTable, cuda_graphs: bool = True) -> Executor:
-    """GraphExecutor, or the eager executor (still with the Triton kernel) when graphs are off."""
-    if os.environ.get(GRAPHS_ENV, "1") == "0":
-        cuda_graphs = False
-    if llama.decode_attention is None:
-        attach_gpu_kernels(llama)
-    if not cuda_graphs:
-        log.info("cuda_graphs_disabled", env=GRAPHS_ENV)
-    return GraphExecutor(llama, table, use_graphs=cuda_graphs)
 
 
 def _into(out: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
@@ -269,12 +171,17 @@ class GraphExecutor:
         use_graphs: bool = True,
         prefill_rows: int = PREFILL_ROWS,
         prefill_logits: int = PREFILL_LOGITS,
+        row_products: bool = True,
+        attention_splits: int | None = None,
     ) -> None:
-        if model.decode_attention is None:
-            raise ValueError("GraphExecutor needs the decode kernel: call attach_gpu_kernels(model) first")
+        """`row_products`: decode steps' products in worker.kernels.matmul's kernels, where the model has the fused
+        layer stack and its norms folded (EngineOptions.row_products). `attention_splits`: the decode attention's
+        split count pinned for every bucket (None: chosen from the shapes, see pin_splits)."""
+        if model.kernels.decode_attention is None:
+            raise ValueError("GraphExecutor needs a model built with the decode kernel (worker.kernels.gpu_kernels)")
         # torch's cuDNN attention backend builds, and keeps, an execution plan holding device memory outside
         # torch's allocator for every new (length, ...) shape. Prompt lengths rarely repeat, so a serving worker's
-        # memory grew without end (~3 MiB per 40 prompts, worker/memory_churn.py); without it, it stays flat.
+        # memory grew without end (~3 MiB per 40 prompts, worker/bench/memory_churn.py); without it, it stays flat.
         # (Only eager forwards use torch's attention now; graphs use the slab kernels.)
         torch.backends.cuda.enable_cudnn_sdp(False)
         self.model: Llama = model
@@ -298,9 +205,9 @@ class GraphExecutor:
         self._prefill_out: torch.Tensor | None = None  # the largest prefill graph's logits: every prefill graph's output
         self._stream: torch.cuda.Stream = torch.cuda.Stream(device)
         self.use_graphs: bool = use_graphs
-        # Decode steps' products in worker.kernels.matmul's fused kernels (with the fused layer stack on).
-        # They need the norms' weights in the products (Llama(fold_norms=True), as Engine.load builds it).
-        self.row_products: bool = model.fused_layers is not None and model.norms_folded and row_products_wanted()
+        # Decode steps' products in worker.kernels.matmul's fused kernels (with the fused layer stack on). They need
+        # the norms' weights in the products (Llama(fold_norms=True), as Engine.load builds it for this option).
+        self.row_products: bool = row_products and model.kernels.fused_layers is not None and model.norms_folded
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # The same buckets with split attention, for steps with a row of long_rows_from keys or more (see _decode).
@@ -313,79 +220,80 @@ class GraphExecutor:
         # Without the tiled prompt attention, prompt rows take the decode kernel, its split count pinned likewise.
         self.prefill_splits: int | None = None
         if device.type == "cuda":
-            from worker.kernels.attention import MIN_SPLIT_KEYS, num_splits, sm_count
-
-            c, sms = model.config, sm_count(device)
-            # Pinned for every bucket (a row's attention must sum in the same order in any bucket): what the smallest
-            # bucket wants, at most PINNED_SPLITS_MAX (see there).
-            self.attention_splits = min(num_splits(self.buckets[0], c.n_kv_heads, model.max_context, sms),
-                                        PINNED_SPLITS_MAX)
-            pinned = os.environ.get(ATTENTION_SPLITS_ENV)
-            if pinned:
-                self.attention_splits = _pinned_splits(pinned)
-                log.info("attention_splits_pinned", env=ATTENTION_SPLITS_ENV, splits=self.attention_splits)
-            self.prefill_splits = num_splits(prefill_rows, c.n_kv_heads, model.max_context, sms)
-            if self.attention_splits > 1 and model.max_context >= 2 * MIN_SPLIT_KEYS:
-                self.long_rows_from = 2 * MIN_SPLIT_KEYS
+            self._pin_splits(attention_splits)
         if use_graphs:
-            start = time.perf_counter()
-            # Largest activations first: the later graphs reuse its pool blocks (only outputs stay).
-            for b in reversed(self.prefill_buckets):
-                self._prefill_graphs[b], logits = self._capture(functools.partial(self._prefill_step, b))
-                if self._prefill_out is None:
-                    self._prefill_out = logits  # the smaller prefill graphs copy their logits into it
-            for b in reversed(self.buckets):
-                self._graphs[b] = self._capture(functools.partial(self._step, b))
-                if self.long_rows_from is not None:  # writes its logits into the short graph's output
-                    self._long_graphs[b], _ = self._capture(functools.partial(self._step, b, True))
-            torch.cuda.synchronize(device)
-            log.info("cuda_graphs_captured", buckets=self.buckets, prefill_buckets=self.prefill_buckets,
-                     seconds=round(time.perf_counter() - start, 2))
+            self._capture_graphs()
         if device.type == "cuda":
-            self._keep_row_invariant_buckets()
+            from worker.engine.invariance import keep_row_invariant_buckets
+
+            keep_row_invariant_buckets(self)
+
+    def _pin_splits(self, pinned: int | None) -> None:
+        """The decode attention's split count for every bucket (a row's attention must sum in the same order in any
+        bucket): what the smallest bucket wants, at most PINNED_SPLITS_MAX (see there), or `pinned`; and the length
+        from which a row splits (long_rows_from: the steps whose rows are all shorter take the unsplit graphs)."""
+        from worker.kernels.attention import MIN_SPLIT_KEYS, num_splits, sm_count
+
+        model = self.model
+        c, sms = model.config, sm_count(model.device)
+        self.attention_splits = min(num_splits(self.buckets[0], c.n_kv_heads, model.max_context, sms), PINNED_SPLITS_MAX)
+        if pinned is not None:
+            self.attention_splits = pinned
+            log.info("attention_splits_pinned", splits=pinned)
+        self.prefill_splits = num_splits(self.prefill_rows, c.n_kv_heads, model.max_context, sms)
+        if self.attention_splits > 1 and model.max_context >= 2 * MIN_SPLIT_KEYS:
+            self.long_rows_from = 2 * MIN_SPLIT_KEYS
+
+    def _capture_graphs(self) -> None:
+        """The prefill graphs, largest first (the later ones reuse its pool blocks; only outputs stay), then each decode
+        bucket's graph and, where rows split, its split-attention twin."""
+        start = time.perf_counter()
+        for b in reversed(self.prefill_buckets):
+            self._prefill_graphs[b], logits = self._capture(functools.partial(self._prefill_forward, b))
+            if self._prefill_out is None:
+                self._prefill_out = logits  # the smaller prefill graphs copy their logits into it
+        for b in reversed(self.buckets):
+            self._graphs[b] = self._capture(functools.partial(self._decode_forward, b))
+            if self.long_rows_from is not None:  # writes its logits into the short graph's output
+                self._long_graphs[b], _ = self._capture(functools.partial(self._decode_forward, b, True))
+        torch.cuda.synchronize(self.model.device)
+        log.info("cuda_graphs_captured", buckets=self.buckets, prefill_buckets=self.prefill_buckets,
+                 seconds=round(time.perf_counter() - start, 2))
 
     @property
     def max_decode_rows(self) -> int:
         """The most decode rows one replay serves."""
         return self.buckets[-1]
 
-    def execute(
-        self,
-        tokens: list[int],
-        positions: list[int],
-        slots: list[int],
-        logits_at: list[int],
-        source: tuple[torch.Tensor, list[int]] | None = None,
-        copy_logits: bool = True,
-    ) -> torch.Tensor:
-        """Logits (len(logits_at), vocab) fp32 (see Executor.execute). `source` (ids, picks): the first
-        len(picks) rows take their token from ids[picks[i]], read on the device; with it, a step's decode rows
+    def execute(self, rows: StepRows, copy_logits: bool = True) -> torch.Tensor:
+        """Logits (len(rows.logits_at), vocab) fp32 (see Executor.execute). With `rows.source`, a step's decode rows
         fit one replay (at most max_decode_rows)."""
+        tokens, positions, slots, logits_at, source = rows
         n = len(positions)
         if n <= self.buckets[-1] and len(set(slots)) == n and logits_at == list(range(n)):
             # The common case: every row a different session's one token (prompt chunks share a slot), one replay.
-            return self._decode(tokens, positions, slots, source, copy_logits)
+            return self.replay_decode(tokens, positions, slots, source, copy_logits)
         decode, prefill = split_step(tokens, positions, slots)
         if source is not None and (len(decode) > self.buckets[-1] or decode[: len(source[1])] != list(range(len(source[1])))):
             raise ValueError("token ids from the device serve the first rows of a step's one decode replay")
         wanted = set(logits_at)
-        rows: dict[int, torch.Tensor] = {}
+        kept: dict[int, torch.Tensor] = {}
         biggest = self.buckets[-1]
         for i in range(0, len(decode), biggest):
             part = decode[i : i + biggest]
-            logits = self._decode([tokens[r] for r in part], [positions[r] for r in part], [slots[r] for r in part],
-                                  source)
-            rows.update((r, logits[j]) for j, r in enumerate(part) if r in wanted)
+            logits = self.replay_decode([tokens[r] for r in part], [positions[r] for r in part],
+                                        [slots[r] for r in part], source)
+            kept.update((r, logits[j]) for j, r in enumerate(part) if r in wanted)
         missing = wanted.difference(decode, (run.start + run.n - 1 for run in prefill))
         if missing:
             raise ValueError(f"logits of prefill rows {sorted(missing)} other than a chunk's last are not kept")
         groups = self._prefill_groups(prefill)
         for i, group in enumerate(groups):
-            keys, logits = self._prefill(group, tokens, positions, wanted)
+            keys, logits = self.replay_prefill(group, tokens, positions, wanted)
             if i + 1 < len(groups):
                 logits = logits.clone()  # the next prefill replay rewrites the graphs' output
-            rows.update(zip(keys, logits, strict=True))
-        return torch.stack([rows[r] for r in logits_at]) if logits_at else torch.empty(
+            kept.update(zip(keys, logits, strict=True))
+        return torch.stack([kept[r] for r in logits_at]) if logits_at else torch.empty(
             (0, self.model.config.vocab_size), dtype=torch.float32, device=self.model.device
         )
 
@@ -404,7 +312,7 @@ class GraphExecutor:
             size += run.n
         return groups
 
-    def _prefill(
+    def replay_prefill(
         self, runs: list[Run], tokens: list[int], positions: list[int], wanted: set[int], bucket: int | None = None,
     ) -> tuple[list[int], torch.Tensor]:
         """One prefill replay over several sessions' chunks, padded to the smallest prefill bucket that holds
@@ -448,11 +356,11 @@ class GraphExecutor:
             logits = self._prefill_out
             self.prefill_replays += 1
         else:
-            logits = self._prefill_step(bucket)
+            logits = self._prefill_forward(bucket)
         self.table.mark_used(sorted({r.slot for r in runs}))
         return keys, logits[: len(keys)]
 
-    def _decode(
+    def replay_decode(
         self, tokens: list[int], positions: list[int], slots: list[int], source: tuple[torch.Tensor, list[int]] | None = None,
         copy_logits: bool = True, bucket: int | None = None, long: bool | None = None,
     ) -> torch.Tensor:
@@ -487,117 +395,13 @@ class GraphExecutor:
             (self._long_graphs[bucket] if long else graph).replay()
             self.replays += 1
         else:
-            logits = self._step(bucket, long)
+            logits = self._decode_forward(bucket, long)
         self.table.mark_used(slots)  # one row per session: distinct
         return logits[:n].clone() if copy_logits else logits[:n]
 
-    def _keep_row_invariant_buckets(self) -> None:
-        """Drop every bucket whose rows differ in any bit from the same rows run in the largest bucket,
-        decode and prefill buckets alike.
-
-        Real rows: temporary slots with random K/V in their first positions; decode rows are random
-        tokens at random positions there, prefill chunks random tokens from random offsets there. So the
-        products, the attention and the head all see ordinary numbers. A library that picks another
-        reduction order for another row count shows up in the logits; the bucket's batches then run in
-        the next larger one (slower, never different).
-        """
-        if len(self.buckets) == 1 and len(self.prefill_buckets) == 1 and self.long_rows_from is None:
-            return
-        start = time.perf_counter()
-        gen = torch.Generator(device=self.model.device).manual_seed(0)
-        slots: list[int] = []
-        dropped: list[int] = []
-        dropped_prefill: list[int] = []
-        try:
-            wanted = max(self.buckets[-2] if len(self.buckets) > 1 else 0, INVARIANCE_CHECK_CHUNKS)
-            for _ in range(min(wanted, self.table.capacity)):
-                slots.append(self.table.create())
-            span = min(INVARIANCE_CHECK_POSITIONS, self.model.max_context - 1)
-            filled = min(span + (self.long_rows_from or 0), self.model.max_context - 1)  # long rows reach past span
-            for buf in self.table.spec.buffers:
-                view = self.state[buf.name]
-                for slot in slots:
-                    part = view[slot] if buf.seq_axis is None else view[slot].narrow(buf.seq_axis, 0, filled)
-                    part.copy_(torch.randn(part.shape, generator=gen, device=part.device, dtype=torch.float32))
-            if self.long_rows_from is not None and not self._split_graphs_agree(slots, gen):
-                log.warning("split_attention_differs", detail="short rows differ between the two attentions: every "
-                            "step takes the split one", long_rows_from=self.long_rows_from)
-                self.long_rows_from = 1  # every row: every step replays the split graphs
-            short = self.long_rows_from != 1  # the graphs without split attention serve steps
-            split = self.long_rows_from is not None  # each bucket's split graph too, rows long and short
-            dropped = [b for b in self.buckets[:-1] if short and not self._decode_invariant(b, slots, span, gen)
-                       or split and not self._decode_invariant(b, slots, filled, gen, long=True)]
-            dropped_prefill = [b for b in self.prefill_buckets[:-1] if not self._prefill_invariant(b, slots, span, gen)]
-        except StateError as e:  # no room for the check's slots: keep only the largest buckets
-            log.warning("buckets_unchecked", error=str(e), kept=[self.buckets[-1]], prefill_kept=[self.prefill_rows])
-            dropped, dropped_prefill = self.buckets[:-1], self.prefill_buckets[:-1]
-            if self.long_rows_from is not None:  # the two attentions' agreement unchecked: the split one only
-                self.long_rows_from = 1
-        finally:
-            for slot in slots:
-                self.table.free(slot)
-            self.table.trim()  # the check's slots are not kept mapped for sessions
-        for b in dropped:
-            self.buckets.remove(b)
-            self._graphs.pop(b, None)
-            self._long_graphs.pop(b, None)
-        for b in dropped_prefill:
-            self.prefill_buckets.remove(b)
-            self._prefill_graphs.pop(b, None)
-        self.replays = self.prefill_replays = 0
-        torch.cuda.empty_cache()  # the check's temporaries: nothing of it stays on the device
-        if dropped or dropped_prefill:
-            log.warning("buckets_not_row_invariant", dropped=dropped, kept=self.buckets,
-                        prefill_dropped=dropped_prefill, prefill_kept=self.prefill_buckets,
-                        detail="their matrix products sum in another order than the largest bucket's")
-        log.info("buckets_checked", buckets=self.buckets, prefill_buckets=self.prefill_buckets,
-                 seconds=round(time.perf_counter() - start, 3))
-
-    def _decode_invariant(self, b: int, slots: list[int], span: int, gen: torch.Generator, long: bool = False) -> bool:
-        """b decode rows (b <= len(slots)) at positions below `span` give the same logits in bucket b as in the
-        largest bucket (long: in the split attention's graphs)."""
-        vocab, device = self.model.config.vocab_size, self.model.device
-        tokens = torch.randint(0, vocab, (b,), generator=gen, device=device).tolist()
-        positions = torch.randint(1, span, (b,), generator=gen, device=device).tolist()
-        if long and self.long_rows_from is not None and span > self.long_rows_from:  # a row that splits, at least
-            positions[0] = int(torch.randint(self.long_rows_from - 1, span, (), generator=gen, device=device))
-        wide = self._decode(tokens, positions, slots[:b], bucket=self.buckets[-1], long=long)
-        own = self._decode(tokens, positions, slots[:b], bucket=b, long=long)
-        return torch.equal(wide, own)
-
-    def _split_graphs_agree(self, slots: list[int], gen: torch.Generator) -> bool:
-        """Rows shorter than long_rows_from give the same logits in the split attention's graph as in the other
-        (what lets a step's longest row pick the graph without moving the others' numbers)."""
-        assert self.long_rows_from is not None
-        vocab, device = self.model.config.vocab_size, self.model.device
-        rows = min(len(slots), self.buckets[-1])
-        tokens = torch.randint(0, vocab, (rows,), generator=gen, device=device).tolist()
-        positions = torch.randint(1, self.long_rows_from - 1, (rows,), generator=gen, device=device).tolist()
-        split = self._decode(tokens, positions, slots[:rows], bucket=self.buckets[-1], long=True)
-        return torch.equal(split, self._decode(tokens, positions, slots[:rows], bucket=self.buckets[-1], long=False))
-
-    def _prefill_invariant(self, b: int, slots: list[int], span: int, gen: torch.Generator) -> bool:
-        """Prompt chunks filling most of b rows, one per slot from a random offset, give the same logits at
-        their ends in prefill bucket b as in the largest one."""
-        vocab, device = self.model.config.vocab_size, self.model.device
-        slots = slots[: min(INVARIANCE_CHECK_CHUNKS, self.prefill_logits)]  # one replay's chunks at most
-        offsets = torch.randint(0, span, (len(slots),), generator=gen, device=device).tolist()
-        lengths = [max(2, min(b // len(slots), self.model.max_context - o)) for o in offsets]
-        runs: list[Run] = []
-        positions: list[int] = []
-        for slot, offset, n in zip(slots, offsets, lengths, strict=True):
-            runs.append(Run(slot=slot, start=len(positions), n=n, pos=offset))
-            positions += range(offset, offset + n)
-        tokens = torch.randint(0, vocab, (len(positions),), generator=gen, device=device).tolist()
-        ends = {run.start + run.n - 1 for run in runs}
-        _, wide = self._prefill(runs, tokens, positions, ends, bucket=self.prefill_rows)
-        wide = wide.clone()
-        _, own = self._prefill(runs, tokens, positions, ends, bucket=b)
-        return torch.equal(wide, own)
-
     # -- steps ----------------------------------------------------------------------------------
 
-    def _step(self, b: int, long: bool = False) -> torch.Tensor:
+    def _decode_forward(self, b: int, long: bool = False) -> torch.Tensor:
         """The decode forward over the first b static rows: logits (b, vocab) fp32.
 
         long False with long_rows_from set: attention in one program per (row, KV head), for steps whose rows are
@@ -612,7 +416,7 @@ class GraphExecutor:
         short = self._graphs.get(b)
         return _into(short[1] if long and short is not None else None, logits)
 
-    def _prefill_step(self, b: int) -> torch.Tensor:
+    def _prefill_forward(self, b: int) -> torch.Tensor:
         """The prefill forward over the first b static prefill rows: logits (prefill_logits, vocab) fp32,
         written into the largest prefill graph's output once that exists (graphs).
 
@@ -622,7 +426,7 @@ class GraphExecutor:
         tokens, positions, slots, lengths, ends, _, _ = self._prefill_in.device[:, :b]
         tiles = self._prefill_in.device[5:, : max_tiles(b, self.prefill_logits)]
         batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32), attention_splits=self.prefill_splits,
-                      tiles=tiles if self.model.prefill_attention is not None else None)
+                      tiles=tiles if self.model.kernels.prefill_attention is not None else None)
         logits = self.model.forward(tokens, positions, slots, self.state, batch, ends[: self.prefill_logits])
         return _into(self._prefill_out, logits)
 

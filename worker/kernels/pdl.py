@@ -10,7 +10,8 @@ or writes memory before its predecessor is done, and since every PDL kernel wait
 holds transitively (a kernel launched without PDL waits for the whole kernel before it, as always).
 
 Kernels take a `PDL: tl.constexpr` and start with `wait_then_release(PDL)`; launchers pass
-`**launch_options(tensor)`. Off in Triton's interpreter and before Hopper; WORKER_PDL=0 turns it off (A/B runs).
+`**launch_options(tensor)`. Off in Triton's interpreter and before Hopper; `configure(False)` turns it off for the
+process (the engine's `pdl` option, WORKER_PDL=0: A/B runs).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENV = "WORKER_PDL"
+_allowed = True  # configure(): the process's choice, made once at start-up
 
 try:
     import triton.language.extra.cuda as _cuda
@@ -41,9 +42,16 @@ def wait_then_release(PDL: tl.constexpr):  # type: ignore[no-untyped-def]  # Tri
         tl.extra.cuda.gdc_launch_dependents()
 
 
+def configure(allowed: bool) -> None:
+    """Whether kernels may launch with PDL at all (where the device has it). Before the first launch."""
+    global _allowed
+    _allowed = allowed
+    _enabled.cache_clear()
+
+
 @functools.cache
 def _enabled(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ENV, "1") == "0" or not HAVE_GDC:
+    if os.environ.get("TRITON_INTERPRET") == "1" or not _allowed or not HAVE_GDC:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

@@ -9,94 +9,17 @@ token each), mixed freely. Nothing here knows about sessions, sampling or schedu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from cuda_state import BufferSpec, StateSpec
+from worker.model.batch import NO_KERNELS, Batch, Kernels, Run, runs_of
 from worker.model.config import ModelConfig
+from worker.model.layers import Linear, apply_rope, rms_norm, rope_tables
+
+__all__ = ["PACK_ALIGN", "Batch", "Layer", "Llama", "Run", "apply_rope", "rms_norm", "rope_tables", "runs_of"]
 
 PACK_ALIGN = 512  # bytes: every packed weight starts at a multiple (cuBLAS and Triton want 16 at least)
-
-
-class Run(NamedTuple):
-    """One session's tokens in a batch: batch rows [start, start+n) at positions [pos, pos+n).
-
-    A named tuple: a decode step builds one per row, and a tuple is built several times faster than a
-    frozen dataclass."""
-
-    slot: int
-    start: int
-    n: int
-    pos: int
-
-
-@dataclass
-class Batch:
-    """What one forward needs besides the token tensors. Built by the engine, outside graphs."""
-
-    runs: list[Run]
-    decode_only: bool  # every run is a single token: the batched decode-attention path applies
-    lengths: torch.Tensor | None = None  # int32 [rows]: positions + 1, on the model's device (decode)
-    # Rows outside every run (padding to a fixed shape): their attention output is zero and they
-    # write K/V only where the caller pointed them (the spare slot).
-    padded: bool = False
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # run index -> causal mask, built once per forward
-    # Decode attention: programs per row's keys (None: chosen from the shapes). The GPU executor pins one
-    # count for every batch size, so a row's attention sums in the same order in any bucket.
-    attention_splits: int | None = None
-    # Prompt-chunk attention in tiles of a chunk's rows (worker.kernels.prefill): (2, n) int64, each tile's first row
-    # and row count, for the GPU executor's prefill steps. None: every row by itself (the decode kernel).
-    tiles: torch.Tensor | None = None
-    # The products (and the norms, activation and residual adds beside them) in worker.kernels.matmul's
-    # row-invariant kernels instead of cuBLAS: the GPU executor's decode steps, through fused_layers.
-    row_products: bool = False
-
-
-def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
-    """Split a flat batch into per-session runs (a run breaks where the slot changes or a position skips).
-
-    Vectorised: a prefill step holds thousands of tokens, and a Python pass over them cost ~2 ms a step."""
-    if len(slots) != len(positions):
-        raise ValueError(f"{len(slots)} slots for {len(positions)} positions")
-    if not slots:
-        return []
-    s = np.array(slots, dtype=np.int64)
-    p = np.array(positions, dtype=np.int64)
-    breaks = (np.flatnonzero((s[1:] != s[:-1]) | (p[1:] != p[:-1] + 1)) + 1).tolist()
-    starts = [0, *breaks]
-    ends = [*breaks, len(slots)]
-    return [Run(slots[a], a, b - a, positions[a]) for a, b in zip(starts, ends, strict=True)]
-
-
-class Linear:
-    """A weight (out, in), optionally stored transposed as (in, out) contiguous.
-
-    The CPU keeps the vocabulary head transposed: a one-row product then streams it in order
-    (measured on a 2-core machine here: 5.4 ms against 11.3 ms for the 49152x576 head, and about
-    even at 8 rows). The layers' smaller weights multiply as fast or faster as (out, in).
-    """
-
-    def __init__(self, weight: torch.Tensor, device: torch.device, dtype: torch.dtype, transposed: bool = False) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.transposed = transposed
-        w = weight.t() if self.transposed else weight
-        self.weight = w.to(device=device, dtype=dtype).contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight if self.transposed else F.linear(x, self.weight)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the (out, in) weight: an embedding lookup through a tied head."""
-        return self.weight[:, ids].t() if self.transposed else self.weight[ids]
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
 
 
 class Layer:
@@ -129,28 +52,6 @@ class Layer:
         return [self.wqkv, self.wo, self.w_gate_up, self.w_down]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rope_tables(config: ModelConfig, max_context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_context, head_dim), rotate-half layout, computed in float64 then cast."""
-    hd = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    angles = torch.outer(torch.arange(max_context, dtype=torch.float64), inv)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, hd); cos/sin: (T, hd)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
-
-
 class Llama:
     def __init__(
         self,
@@ -160,8 +61,10 @@ class Llama:
         dtype: torch.dtype,
         max_context: int,
         fold_norms: bool = False,  # the layers' norm weights multiplied into the products (see Layer)
+        kernels: Kernels = NO_KERNELS,  # the GPU kernels the forward takes in place of plain torch
     ) -> None:
         self.config = config
+        self.kernels = kernels
         self.norms_folded = fold_norms
         self.device = device
         self.dtype = dtype
@@ -178,14 +81,6 @@ class Llama:
         self.cos, self.sin = rope_tables(config, max_context, build)
         if device.type == "cuda":
             self.pack_weights(device)
-        # Set by the GPU engine: a kernel reading K/V by slot and length (worker.kernels.attention).
-        self.decode_attention: Callable[..., torch.Tensor] | None = None
-        # Set by the GPU engine: prompt chunks' rows in tiles that share K/V loads (worker.kernels.prefill).
-        self.prefill_attention: Callable[..., torch.Tensor] | None = None
-        # Set by the GPU engine: the whole layer stack in fused kernels (worker.kernels.layers.fused_layers),
-        # and the final norm + head + float cast in one (worker.kernels.layers.fused_head) for row_products batches.
-        self.fused_layers: Callable[..., torch.Tensor] | None = None
-        self.fused_head: Callable[..., torch.Tensor] | None = None
 
     def pack_weights(self, device: torch.device | None = None) -> None:
         """Move every weight and table into one allocation on `device` (default: where they are), as views at
@@ -244,14 +139,15 @@ class Llama:
         c = self.config
         h = self.embed.rows(token_ids)  # (T, dim)
         cos, sin = self.cos[positions], self.sin[positions]  # (T, hd)
-        if self.fused_layers is not None:
-            h = self.fused_layers(self, h, cos, sin, positions, slots, state, batch)
+        kernels = self.kernels
+        if kernels.fused_layers is not None:
+            h = kernels.fused_layers(self, h, cos, sin, positions, slots, state, batch)
         else:
             h = self._layers(h, cos, sin, positions, slots, state, batch)
         if logits_at is not None:
             h = h[logits_at]
-        if batch.row_products and self.fused_layers is not None and self.fused_head is not None:
-            return self.fused_head(self, h)
+        if batch.row_products and kernels.fused_layers is not None and kernels.fused_head is not None:
+            return kernels.fused_head(self, h)
         return self.lm_head(rms_norm(h, self.norm, c.norm_eps)).float()
 
     def _layers(
@@ -300,13 +196,14 @@ class Llama:
         slots: torch.Tensor,  # (T,)
         batch: Batch,
     ) -> torch.Tensor:
-        if batch.tiles is not None and self.prefill_attention is not None:
+        kernels = self.kernels
+        if batch.tiles is not None and kernels.prefill_attention is not None:
             if batch.lengths is None:
                 raise ValueError("a batch with attention tiles needs its rows' lengths")
-            tiled: torch.Tensor = self.prefill_attention(q, k_cache, v_cache, slots, batch.lengths, batch.tiles)
+            tiled: torch.Tensor = kernels.prefill_attention(q, k_cache, v_cache, slots, batch.lengths, batch.tiles)
             return tiled
-        if batch.decode_only and self.decode_attention is not None and batch.lengths is not None:
-            out: torch.Tensor = self.decode_attention(q, k_cache, v_cache, slots, batch.lengths,
+        if batch.decode_only and kernels.decode_attention is not None and batch.lengths is not None:
+            out: torch.Tensor = kernels.decode_attention(q, k_cache, v_cache, slots, batch.lengths,
                                                       splits=batch.attention_splits)
             return out
         outs = [self._run_attention(q, k_cache, v_cache, batch, i) for i in range(len(batch.runs))]

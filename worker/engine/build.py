@@ -1,0 +1,108 @@
+"""Building an engine's parts in named steps, llama2.c's build_* style: device, weights, model, table, executor.
+
+Engine.load chains them; Engine.close frees the same parts in reverse order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import structlog
+import torch
+
+from cuda_state import SessionTable
+from cuda_state.select import Choice, open_backend, select_backend
+from worker.engine.budget import CPU_STEP_TOKENS, GPU_STEP_TOKENS
+from worker.engine.executor import EagerExecutor, Executor
+from worker.engine.options import EngineOptions
+from worker.model.batch import NO_KERNELS
+from worker.model.llama import Llama
+from worker.model.loader import LoadedModel, load_model
+from worker.model.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+class Parts(NamedTuple):
+    """What an Engine is made of (its constructor's arguments)."""
+
+    model: Llama
+    tokenizer: Tokenizer
+    table: SessionTable
+    executor: Executor
+    model_name: str
+    step_tokens: int
+
+
+def build_parts(model: str | None, device: str, max_sessions: int, max_context: int, step_tokens: int | None,
+                options: EngineOptions) -> Parts:
+    """Load weights once, build the model on the chosen device, open the session table and make the executor."""
+    if max_sessions < 1:
+        raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+    if max_context < 2:
+        raise ValueError(f"max_context must be >= 2, got {max_context}")
+    choice = select_device(device)
+    on_gpu = choice.device.type == "cuda"
+    if on_gpu:
+        configure_gpu(options)
+    loaded = load_model(model)
+    llama = build_model(loaded, choice.device, max_context, options)
+    table = open_table(choice, llama, max_sessions)
+    executor = make_executor(llama, table, options)
+    return Parts(llama, loaded.tokenizer, table, executor, loaded.config.name,
+                 step_tokens or (GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS))
+
+
+def select_device(device: str) -> Choice:
+    choice = select_backend(device)
+    log.info("device_selected", backend=choice.kind, device=str(choice.device), reason=choice.reason)
+    return choice
+
+
+def configure_gpu(options: EngineOptions) -> None:
+    """Process-wide settings read once, before the first kernel or product runs."""
+    from worker.engine.workspace import limit_cublas_workspace
+    from worker.kernels import pdl
+
+    log.info("cublas_workspace", config=limit_cublas_workspace(), applies="unless cuBLAS ran earlier in the process")
+    pdl.configure(options.pdl)
+
+
+def build_model(loaded: LoadedModel, device: torch.device, max_context: int, options: EngineOptions) -> Llama:
+    """The model on `device`: bf16 with the GPU kernels on a GPU, fp32 in plain torch on the CPU. On the GPU the
+    norms' weights ride in the products when decode steps use row products (worker.model.llama.Layer)."""
+    on_gpu = device.type == "cuda"
+    kernels = NO_KERNELS
+    if on_gpu:
+        from worker.kernels import gpu_kernels
+
+        kernels = gpu_kernels(prefill_tiles=options.prefill_tiles, fused=options.fused_kernels)
+    context = min(max_context, loaded.config.context_length)
+    llama = Llama(loaded.config, loaded.weights, device, torch.bfloat16 if on_gpu else torch.float32, context,
+                  fold_norms=on_gpu and options.folds_norms, kernels=kernels)
+    loaded.weights.clear()  # the model holds its own copies: the loader's go now, not at the caller's leisure
+    return llama
+
+
+def open_table(choice: Choice, llama: Llama, max_sessions: int) -> SessionTable:
+    """The session table, sized by free memory after the weights and the GPU workspace. On the GPU closed sessions'
+    slots stay mapped for the next ones (no driver allocation per session); the worker releases those unused for
+    a while (Engine.release_idle_slots)."""
+    if choice.device.type != "cuda":
+        return SessionTable(open_backend(choice, llama.state_spec(), max_sessions))
+    from worker.engine.workspace import workspace_bytes
+
+    backend = open_backend(choice, llama.state_spec(), max_sessions, workspace_bytes(llama))
+    return SessionTable(backend, keep_mapped=backend.num_slots - 1)
+
+
+def make_executor(llama: Llama, table: SessionTable, options: EngineOptions) -> Executor:
+    """The GPU's graph executor (eager replays of the same padded steps with cuda_graphs off), the CPU's eager one."""
+    if llama.device.type != "cuda":
+        return EagerExecutor(llama, table)
+    from worker.engine.graphs import GraphExecutor
+
+    if not options.cuda_graphs:
+        log.info("cuda_graphs_disabled")
+    return GraphExecutor(llama, table, use_graphs=options.cuda_graphs, row_products=options.row_products,
+                         attention_splits=options.attention_splits)

@@ -1,0 +1,64 @@
+"""The engine's host-side record of each session and each generation, and what a step hands back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from worker.engine.detokenizer import Detokenizer
+from worker.engine.sampling import RowRandom, SamplingParams
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What one step produced for one request. finish_reason: None, "stop", "length" or "cancelled"."""
+
+    request_id: str
+    session_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    """A whole generation, for the synchronous helpers (Engine.generate)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class Request:
+    """A generation in flight on one session."""
+
+    id: str
+    session: Session
+    params: SamplingParams
+    random: RowRandom
+    detok: Detokenizer
+    stop_ids: frozenset[int]
+    token_ids: list[int] = field(default_factory=list)  # returned tokens (no EOS / stop ids)
+    generated: int = 0  # sampled tokens, EOS included
+    finish_reason: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Session:
+    """A conversation: its slot in the session table and its whole token history.
+
+    `computed` counts the tokens whose K/V are in the slot; the rest are pending and get prefilled when the
+    session next generates. The last sampled token of a generation stays pending, so the next turn starts
+    exactly where the last one ended."""
+
+    id: str
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    computed: int = 0
+    request: Request | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.computed

@@ -1,0 +1,37 @@
+"""The worker daemon's settings, and the state it reports to the broker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.common import protocol as p
+from broker.common.keys import CurveClient
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    broker: str = "tcp://127.0.0.1:5556"
+    name: str = "worker"
+    heartbeat_ms: int = 1000  # until the broker's WELCOME says otherwise
+    liveness: int = 3
+    reconnect_max_ms: int = 2000  # ZeroMQ's reconnect backoff ceiling, and READY's resend ceiling
+    drain_timeout_s: float = 60.0
+    request_cache: int = 4096  # final answers kept for resent requests
+    hwm: int = 100_000
+    curve: CurveClient | None = None  # the broker's public key and this worker's pair
+    session_idle_timeout_s: float = 0.0  # 0: sessions never expire
+    metrics: bool = False  # keep Prometheus metrics (for --metrics-port)
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What the Link reports; replaced (never mutated) by the compute loop, so reading it needs no lock."""
+
+    free_slots: int
+    sessions: tuple[str, ...]
+    draining: bool = False
+    owners: tuple[str, ...] = ()  # one per session
+
+    def heartbeat(self, steps: int, expired: tuple[str, ...] = ()) -> p.Heartbeat:
+        return p.Heartbeat(free_slots=self.free_slots, sessions=len(self.sessions), draining=self.draining,
+                           steps=steps, expired=expired)

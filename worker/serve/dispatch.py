@@ -1,0 +1,324 @@
+"""Requests to engine calls, and engine chunks to answers: the worker's request handling, without sockets.
+
+The compute loop (worker.serve.loop) hands every decoded request to `Dispatch.handle` and every step's chunks
+to `Dispatch.step_answers`, and sends what they return. Every request id is remembered with its final answer,
+so a resent request is answered again, never run twice; a resent generation that is still running moves the
+rest of its stream to the new route.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from broker.common import protocol as p
+from worker.serve.config import WorkerConfig
+from worker.serve.metrics import NoMetrics, WorkerMetrics
+
+log = structlog.get_logger()
+
+MAX_EXPIRED_REMEMBERED = 1 << 16  # expired session ids answered with session_expired (oldest forgotten first)
+
+
+class EngineAPI(Protocol):
+    """The part of worker.engine.Engine the daemon drives (see that module for the semantics)."""
+
+    model_name: str
+    max_context: int
+    last_rows: int  # requests in the step the last step() launched
+    last_prefill_tokens: int  # prompt tokens that step computes
+    last_read: bool  # whether the last step() read a step's tokens
+
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def free_slots(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def bytes_per_session(self) -> int: ...
+    @property
+    def prefill_running(self) -> bool: ...
+    def create_session(self, session_id: str | None = None) -> str: ...
+    def fork(self, session_id: str, child_id: str | None = None) -> str: ...
+    def close(self, session_id: str) -> None: ...
+    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int: ...
+    def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
+    def sessions(self) -> list[str]: ...
+    def session_length(self, session_id: str) -> int: ...
+    def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
+                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None) -> str: ...
+    def cancel(self, request_id: str) -> None: ...
+    def release_idle_slots(self, older_than_s: float) -> int: ...
+    def has_work(self) -> bool: ...
+    def step(self, wait: bool = True) -> Sequence[Any]: ...
+
+
+class SessionExpired(Exception):
+    code = "session_expired"
+
+
+class Draining(Exception):
+    code = "worker_draining"
+
+
+def error_code(exc: BaseException) -> p.ErrorCode:
+    """The wire code of an exception: its `code` attribute when that is one (engine, cuda_state, protocol)."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, p.ErrorCode):
+        return code
+    if isinstance(code, str) and code in p.ERROR_CODES:
+        return p.ERROR_CODES[code]
+    return p.ErrorCode.INTERNAL
+
+
+@dataclass
+class Active:
+    """A generation in flight."""
+
+    request_id: str  # the client's
+    session_id: str
+    route: bytes
+    stream: bool
+    appended: int = 0  # prompt tokens the request appended first
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+
+class Dispatch:
+    """The worker's request handling: owns the generations in flight, the answers kept for resends, and each
+    session's owner and last use. One thread (the compute loop) calls it."""
+
+    def __init__(self, engine: EngineAPI, config: WorkerConfig, sampling: Callable[[p.Sampling], Any],
+                 metrics: WorkerMetrics | NoMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self._sampling = sampling  # protocol Sampling -> the engine's SamplingParams
+        self.metrics = metrics
+        self.draining = False
+        self.active: dict[str, Active] = {}  # engine request id -> generation
+        self._by_session: dict[str, str] = {}  # session id -> engine request id
+        self._done: OrderedDict[tuple[str, str], p.Message] = OrderedDict()  # (session, request id) -> answer
+        self.owners: dict[str, str] = {}  # session id -> the client key it belongs to ("" = none)
+        self._last_used: dict[str, float] = {}  # session id -> when a request or generation last touched it
+        self._expired: OrderedDict[str, None] = OrderedDict()
+        self.sessions_changed = False  # sessions were created or closed since the loop last looked
+
+    # -- requests --
+
+    def handle(self, request: p.Message) -> list[p.Message]:
+        """Run one request; its answers to send now (none for a generation, answered when it finishes)."""
+        self.metrics.request(request.COMMAND)
+        if isinstance(request, p.Cancel):
+            engine_id = self._by_session.get(request.session_id)
+            active = self.active.get(engine_id) if engine_id else None
+            if active is not None and active.request_id == request.target:
+                self.engine.cancel(engine_id)  # type: ignore[arg-type]
+            return []
+        rid: str = getattr(request, "request_id", "")
+        route: bytes = getattr(request, "route", b"")
+        key = (getattr(request, "session_id", None) or "", rid)
+        resent = self._resent(key, route)
+        if resent is not None:
+            return resent
+        try:
+            if key[0] in self._expired:
+                raise SessionExpired(f"session {key[0]} was closed after idling more than "
+                                     f"{self.config.session_idle_timeout_s:g} s (worker --session-idle-timeout)")
+            if key[0] in self._last_used:
+                self._last_used[key[0]] = time.monotonic()
+            answer = self._execute(request)
+        except Exception as e:
+            code = error_code(e)
+            if code is p.ErrorCode.INTERNAL:
+                log.exception("request_failed", command=request.COMMAND.name, request=rid, session=key[0] or None)
+            else:
+                log.info("request_refused", command=request.COMMAND.name, code=code.value, error=str(e), request=rid,
+                         session=key[0] or None)
+            answer = p.Error(request_id=rid, code=code, message=str(e) or type(e).__name__)
+            self.metrics.error(code)
+        if answer is None:
+            return []
+        answer = answer.routed(route)
+        self._remember(key, answer)
+        return [answer]
+
+    def _resent(self, key: tuple[str, str], route: bytes) -> list[p.Message] | None:
+        """A request id seen before: its cached answer, or (a generation still running) nothing now, the rest of its
+        stream and its answer going to the new route. None for a request not seen before. Never a re-run."""
+        done = self._done.get(key)
+        if done is not None:
+            return [done.routed(route)]
+        engine_id = self._by_session.get(key[0])
+        active = self.active.get(engine_id) if engine_id else None
+        if active is not None and active.request_id == key[1]:
+            active.route = route
+            return []
+        return None
+
+    def _execute(self, request: p.Message) -> p.Message | None:
+        e = self.engine
+        name = self.config.name
+        if isinstance(request, p.CreateSession):
+            self._refuse_if_draining("new sessions")
+            if request.session_id is None:
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "CREATE needs the broker's session_id")
+            sid = e.create_session(request.session_id)
+            self.owners[sid] = request.owner
+            self._last_used[sid] = time.monotonic()
+            self.sessions_changed = True
+            # Per-session lines are debug: at info, rendering one cost ~20 us of the compute loop's time, which a burst
+            # of creates and closes spends while the GPU waits (the metrics count sessions; --log-level debug shows them).
+            log.debug("session_created", session=sid, request=request.request_id)
+            return p.Created(request_id=request.request_id, session_id=sid, model=e.model_name, worker=name,
+                             max_context=e.max_context)
+        if isinstance(request, p.Append):
+            ids = list(request.token_ids) if request.token_ids is not None else None
+            length = e.append(request.session_id, token_ids=ids, text=request.text)
+            return p.Appended(request_id=request.request_id, session_id=request.session_id, length=length)
+        if isinstance(request, p.Chat):
+            length = e.chat(request.session_id, request.content, role=request.role)
+            return p.Appended(request_id=request.request_id, session_id=request.session_id, length=length)
+        if isinstance(request, p.Generate):
+            self._refuse_if_draining("new generations")
+            before = e.session_length(request.session_id)
+            engine_id = e.start_generate(request.session_id, self._sampling(request.params),
+                                         prompt_ids=request.prompt_ids, prompt=request.prompt)
+            appended = e.session_length(request.session_id) - before
+            self.active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream,
+                                            appended)
+            self._by_session[request.session_id] = engine_id
+            self.metrics.generation_started(engine_id, time.perf_counter())
+            return None  # answered when the generation finishes
+        if isinstance(request, p.Fork):
+            self._refuse_if_draining("new sessions")
+            if request.child_id is None:
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "FORK needs the broker's child_id")
+            child = e.fork(request.session_id, request.child_id)
+            self.owners[child] = self.owners.get(request.session_id, "")
+            self._last_used[child] = time.monotonic()
+            self.sessions_changed = True
+            log.debug("session_forked", session=child, parent=request.session_id, request=request.request_id)
+            return p.Forked(request_id=request.request_id, session_id=request.session_id, child_id=child,
+                            length=e.session_length(child), worker=name)
+        if isinstance(request, p.Close):
+            e.close(request.session_id)  # a generation on it ends "cancelled" in the next step
+            self.owners.pop(request.session_id, None)
+            self._last_used.pop(request.session_id, None)
+            self.sessions_changed = True
+            log.debug("session_closed", session=request.session_id, request=request.request_id)
+            return p.Closed(request_id=request.request_id, session_id=request.session_id)
+        if isinstance(request, p.Info):
+            return p.SessionInfo(request_id=request.request_id, session_id=request.session_id,
+                                 length=e.session_length(request.session_id), model=e.model_name, worker=name,
+                                 max_context=e.max_context, busy=request.session_id in self._by_session)
+        raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"a worker does not serve {request.COMMAND.name}")
+
+    def _refuse_if_draining(self, what: str) -> None:
+        if self.draining:
+            raise Draining(f"worker {self.config.name} is draining: it takes no {what}")
+
+    def _remember(self, key: tuple[str, str], answer: p.Message) -> None:
+        self._done[key] = answer
+        if len(self._done) > self.config.request_cache:
+            self._done.popitem(last=False)
+
+    # -- step output --
+
+    def step_answers(self, chunks: Sequence[Any], end: float) -> tuple[list[p.Message], int]:
+        """One step's chunks as messages: one FANOUT for the streamed requests that moved, by client route, then the
+        final answer of each request that finished. Also the new tokens the step made."""
+        new_tokens = 0
+        batches: dict[bytes, list[p.StreamChunk]] = {}
+        finals: list[p.Message] = []
+        for chunk in chunks:
+            active = self.active.get(chunk.request_id)
+            if active is None:
+                continue
+            ids = chunk.token_ids
+            if ids:
+                if not active.token_ids:
+                    self.metrics.first_token(chunk.request_id, end)
+                active.token_ids += ids
+                new_tokens += len(ids)
+            if chunk.text:
+                active.text.append(chunk.text)
+            if chunk.finish_reason is not None:
+                finals.append(self._finish(chunk.request_id, active, chunk.finish_reason, end))
+            elif active.stream and (ids or chunk.text):
+                batch = batches.get(active.route)
+                if batch is None:
+                    batch = batches[active.route] = []
+                batch.append(p.new_stream_chunk((active.request_id, tuple(ids), chunk.text)))
+        # Valid by construction (see Message.unchecked): no per-token checks here; the client checks them all.
+        out: list[p.Message] = []
+        if batches:
+            out.append(p.Fanout.unchecked(routes=tuple(batches), parts=tuple(map(p.chunks_part, batches.values()))))
+        return out + finals, new_tokens
+
+    def _finish(self, engine_id: str, active: Active, finish_reason: str, end: float) -> p.Message:
+        """A generation ended: its whole answer, remembered for a resend."""
+        self._retire(engine_id, active)
+        self.metrics.generation_finished(engine_id, end, len(active.token_ids), finish_reason)
+        try:
+            length = self.engine.session_length(active.session_id)
+        except Exception:  # closed while generating
+            length = 0
+        answer = p.Generated.unchecked(request_id=active.request_id, session_id=active.session_id,
+                                       token_ids=tuple(active.token_ids), text="".join(active.text),
+                                       finish_reason=finish_reason, length=length, appended=active.appended,
+                                       route=active.route)
+        self._remember((active.session_id, active.request_id), answer)
+        return answer
+
+    def _retire(self, engine_id: str, active: Active) -> None:
+        if active.session_id in self._last_used:
+            self._last_used[active.session_id] = time.monotonic()
+        del self.active[engine_id]
+        if self._by_session.get(active.session_id) == engine_id:
+            del self._by_session[active.session_id]
+
+    # -- failures, drain, expiry --
+
+    def fail_all(self, why: str) -> list[p.Message]:
+        """End every generation in flight with an internal error (the engine step failed): the errors to send."""
+        errors: list[p.Message] = []
+        for engine_id, active in list(self.active.items()):
+            self._retire(engine_id, active)
+            self.metrics.generation_finished(engine_id, time.perf_counter(), len(active.token_ids), "error")
+            self.metrics.error(p.ErrorCode.INTERNAL)
+            try:
+                self.engine.cancel(engine_id)
+            except Exception:
+                log.exception("cancel_failed", request=active.request_id)
+            errors.append(p.Error(request_id=active.request_id, code=p.ErrorCode.INTERNAL, message=why,
+                                  route=active.route))
+        return errors
+
+    def cancel_all(self) -> None:
+        for engine_id in list(self.active):
+            self.engine.cancel(engine_id)
+
+    def expire_idle(self, now: float) -> list[str]:
+        """Close the sessions idle longer than the timeout (not generating); their ids, for the broker."""
+        timeout = self.config.session_idle_timeout_s
+        idle = [sid for sid, t in self._last_used.items() if now - t > timeout and sid not in self._by_session]
+        for sid in idle:
+            try:
+                self.engine.close(sid)
+            except Exception:
+                log.exception("expire_failed", session=sid)
+            del self._last_used[sid]
+            self.owners.pop(sid, None)
+            self._expired[sid] = None
+            if len(self._expired) > MAX_EXPIRED_REMEMBERED:
+                self._expired.popitem(last=False)
+        if idle:
+            self.sessions_changed = True
+            log.info("sessions_expired", sessions=len(idle), idle_timeout_s=timeout)
+        return idle
