@@ -26,8 +26,8 @@ from enum import Enum
 import structlog
 
 from broker.common import protocol as p
+from broker.counters import RouterCounters
 from broker.liveness import Liveness
-from broker.metrics import RouterCounters
 from broker.placement import NoPlacement, place
 from broker.registry import Registry, WorkerRecord
 
