@@ -36,9 +36,9 @@ import torch
 
 from broker.common import logs
 from client import Client
+from client.bench.loadtest import LoadConfig, run
+from client.bench.loadtest.report import Report
 from client.demo import free_address, spawn, wait_for_worker
-from client.load_stats import Report
-from client.loadtest import LoadConfig, run
 
 MODEL = "random:smollm2-135m"
 TARGET_STACK_64 = 40_000.0  # output tokens/s, full stack, 64 sessions

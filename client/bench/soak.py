@@ -47,9 +47,9 @@ from typing import Any, Protocol, TypeVar
 from broker.common import logs
 from broker.common.arguments import positive_float, positive_int
 from client.aio import AsyncClient, AsyncSession
+from client.bench.loadtest.workload import WORDS
 from client.demo import free_address, spawn
 from client.errors import ClientError
-from client.load_workload import WORDS
 from client.sync import Client
 
 T = TypeVar("T")
