@@ -374,7 +374,6 @@ class Router:
             broker_id=self.broker_id,
             heartbeat_ms=max(1, round(self.settings.heartbeat_s * 1000)),
             liveness=self.settings.liveness,
-            fanout=True,
         )
         self._out.append(Send(Peer.WORKER, identity, p.encode(welcome)))
         for cancel in self._orphans.pop(identity, ()):
