@@ -33,7 +33,7 @@ CANCEL is one-way: nothing answers it; the generation it cancels ends with finis
 Every request carries a client-made `request_id`; a worker answers a repeated id from its cache
 instead of running it again, which is what makes resending a request safe.
 
-Validation lives in the types: each field's `Annotated` check (broker/fields.py) runs when a message
+Validation lives in the types: each field's `Annotated` check (broker/common/fields.py) runs when a message
 is built, from a peer's header or from Python, so a bad value is a `ProtocolError` with code
 `bad_request` naming the field, on either side of the wire.
 """
