@@ -2,15 +2,17 @@
 
 Two halves, so that the router's hot path pays one dict increment per event and nothing per scrape:
 
-- `RouterCounters`: plain counts the router bumps as things happen (requests by command, errors by
-  code, workers registered and lost). No prometheus, no locks: one thread (the broker loop) writes.
+- `RouterCounters` (broker/counters.py): plain counts the router bumps as things happen (requests by
+  command, errors by code, workers registered and lost). No prometheus, no locks: one thread (the
+  broker loop) writes.
 - `BrokerMetrics(router, counters)`: a private `CollectorRegistry` whose collector reads the router's
   registry, in-flight and held tables and the counters when Prometheus scrapes, on the metrics
   server's thread. It copies what it reads in single C-level steps (`list(d.values())`), which the
   GIL keeps whole, and never writes.
 
 Names follow vLLM's where one exists (`vllm:num_requests_running` -> `sessionserve:num_requests_running`);
-ours (workers, sessions, slots) take the same `sessionserve:` prefix. What a broker exports:
+ours (workers, sessions, slots) take the same `sessionserve:` prefix (broker/common/metrics.py, shared with the
+worker). What a broker exports:
 
     sessionserve:num_workers                      gauge    workers registered
     sessionserve:num_sessions                     gauge    sessions on live workers
@@ -36,86 +38,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from enum import Enum
 from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from broker.common.metrics import PREFIX, label
 from broker.common.metrics_http import Readiness
+from broker.counters import RouterCounters
 
 if TYPE_CHECKING:
     from broker.registry import WorkerRecord
     from broker.router import Router
 
-PREFIX = "sessionserve:"
-MAX_LABEL_VALUES = 64  # distinct values one counter keeps; later new ones count under OTHER (one more)
-OTHER = "other"
 WORKER_LABELS = ("worker", "model", "device")
 
 T = TypeVar("T")
-
-
-def label(value: object) -> str:
-    """A label value: an enum's string value (ErrorCode) or its lower-case name (Command), a string as is."""
-    if isinstance(value, Enum):
-        return value.value if isinstance(value.value, str) else value.name.lower()
-    return value if isinstance(value, str) else str(value)
-
-
-def bump(counts: dict[T, int], key: T, other: T) -> None:
-    """counts[key] += 1. Once MAX_LABEL_VALUES keys exist, a new key counts as `other` (so a peer that sends
-    ever new values cannot grow the exposition without bound)."""
-    n = counts.get(key)
-    if n is None:
-        if len(counts) >= MAX_LABEL_VALUES:
-            key = other
-            n = counts.get(other, 0)
-        else:
-            n = 0
-    counts[key] = n + 1
-
-
-def lost_reason(reason: str) -> str:
-    """The bounded label of a free-text reason: 'missed heartbeats' -> 'missed_heartbeats',
-    'disconnected: drained' -> 'disconnected'."""
-    head = reason.split(":", 1)[0].strip().lower()
-    return "_".join(head.split()) or "unknown"
-
-
-class RouterCounters:
-    """What happened since the broker started, counted by the router. Every method is O(1)."""
-
-    __slots__ = ("requests", "errors", "workers_lost", "workers_registered", "workers_reregistered", "sessions_lost")
-
-    def __init__(self) -> None:
-        self.requests: dict[str | Enum, int] = {}  # by command (a Command, or its name)
-        self.errors: dict[object, int] = {}  # by wire error code (an ErrorCode, or its value)
-        self.workers_lost: dict[str, int] = {}  # by lost_reason()
-        self.workers_registered = 0
-        self.workers_reregistered = 0  # a known worker sent READY again (its broker restarted, or it reconnected)
-        self.sessions_lost = 0  # sessions that were on a worker when it was lost
-
-    def request(self, command: str | Enum) -> None:
-        """A valid client request arrived (call once per request, resends included)."""
-        bump(self.requests, command, OTHER)
-
-    def error(self, code: object) -> None:
-        """An ERROR went to a client: made by the broker, or forwarded from a worker (its header's code as sent:
-        anything that is not a string or an enum counts as "invalid")."""
-        bump(self.errors, code if isinstance(code, (str, Enum)) else "invalid", OTHER)
-
-    def worker_registered(self, again: bool = False) -> None:
-        if again:
-            self.workers_reregistered += 1
-        else:
-            self.workers_registered += 1
-
-    def worker_lost(self, reason: str, sessions: int = 0) -> None:
-        """A registered worker is gone (missed heartbeats, disconnected, unreachable) with `sessions` on it."""
-        bump(self.workers_lost, lost_reason(reason), OTHER)
-        self.sessions_lost += sessions
 
 
 def _copied(read: Callable[[], T], tries: int = 3) -> T | None:

@@ -26,8 +26,8 @@ from enum import Enum
 import structlog
 
 from broker.common import protocol as p
+from broker.counters import RouterCounters
 from broker.liveness import Liveness
-from broker.metrics import RouterCounters
 from broker.placement import NoPlacement, place
 from broker.registry import Registry, WorkerRecord
 
@@ -374,7 +374,6 @@ class Router:
             broker_id=self.broker_id,
             heartbeat_ms=max(1, round(self.settings.heartbeat_s * 1000)),
             liveness=self.settings.liveness,
-            fanout=True,
         )
         self._out.append(Send(Peer.WORKER, identity, p.encode(welcome)))
         for cancel in self._orphans.pop(identity, ()):

@@ -50,7 +50,7 @@ class BrokerConfig:
     recovery_ms: int | None = None  # None: (liveness + 2) heartbeats
     hwm: int = 100_000  # messages queued per peer before sends to it fail with EAGAIN
     max_message_bytes: int = p.MAX_MESSAGE_BYTES
-    keys: Path | None = None  # CURVE on: see broker/keys.py for the layout
+    keys: Path | None = None  # CURVE on: see broker/common/keys.py for the layout
     max_sessions_per_client: int = 1024  # 0: no cap
     request_timeout_ms: int = 60_000  # 0: no deadline
 

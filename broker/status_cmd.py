@@ -1,17 +1,19 @@
 """`broker status`: ask a running broker for its workers and print them as a table (or JSON).
 
-Exit codes: 0 with the table, 1 when the broker does not answer within --timeout or refuses the
-request (the message says which), 2 for bad arguments.
+It speaks the protocol itself: one STATUS request on a DEALER (with CURVE keys when given), the
+StatusReport (or ERROR) back. Exit codes: 0 with the table, 1 when the broker does not answer within
+--timeout or refuses the request (the message says which), 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import json
 import os
 import sys
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -20,11 +22,25 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from client import Client, ClientError, Timeout, WorkerInfo
+from broker.common import protocol as p
+from broker.common.keys import HANDSHAKE_FAILED, HANDSHAKE_REFUSED, CurveClient, drain_events
 
 DEFAULT_CLIENTS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_S = 5.0
 WIDTH = 120  # columns of the plain-text table
+
+
+class NoAnswer(Exception):
+    """The broker did not answer within the timeout: not running, or not at this address."""
+
+
+class Refused(Exception):
+    """The broker answered with an ERROR, or refused this client's handshake (code `unauthorized`)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
 
 
 def _env(*names: str) -> str | None:
@@ -61,11 +77,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return status
 
 
-def as_dict(worker: WorkerInfo) -> dict[str, Any]:
-    return dataclasses.asdict(worker)
+def as_dict(worker: p.WorkerStatus) -> dict[str, Any]:
+    """A worker as `--json` prints it (the heartbeat age in seconds)."""
+    return {"name": worker.name, "model": worker.model, "capacity": worker.capacity, "free_slots": worker.free_slots,
+            "sessions": worker.sessions, "draining": worker.draining, "device": worker.device,
+            "last_seen_s": worker.last_seen_ms / 1000}
 
 
-def table(workers: Sequence[WorkerInfo]) -> Table:
+def table(workers: Sequence[p.WorkerStatus]) -> Table:
     t = Table(title=f"{len(workers)} worker{'' if len(workers) == 1 else 's'}", title_justify="left", box=box.SIMPLE)
     t.add_column("worker", no_wrap=True)
     t.add_column("model")
@@ -74,7 +93,7 @@ def table(workers: Sequence[WorkerInfo]) -> Table:
         t.add_column(name, justify="right")
     for w in sorted(workers, key=lambda w: (w.model, w.name)):
         t.add_row(w.name, w.model, w.device or "-", str(w.capacity), str(w.sessions), str(w.free_slots),
-                  "yes" if w.draining else "no", f"{w.last_seen_s:.1f}s")
+                  "yes" if w.draining else "no", f"{w.last_seen_ms / 1000:.1f}s")
     t.add_section()
     draining = sum(1 for w in workers if w.draining)
     t.add_row("total", "", "", str(sum(w.capacity for w in workers)), str(sum(w.sessions for w in workers)),
@@ -82,21 +101,54 @@ def table(workers: Sequence[WorkerInfo]) -> Table:
     return t
 
 
-def render(workers: Sequence[WorkerInfo], width: int = WIDTH) -> str:
+def render(workers: Sequence[p.WorkerStatus], width: int = WIDTH) -> str:
     """The table as plain text (no colour), as `broker status` prints it."""
     out = io.StringIO()
     Console(file=out, width=width, color_system=None, legacy_windows=False).print(table(workers))
     return "".join(line.rstrip() + "\n" for line in out.getvalue().splitlines())
 
 
-def fetch(args: argparse.Namespace) -> list[WorkerInfo]:
-    """The broker's workers. Raises ClientError (Timeout when it does not answer), OSError, ValueError."""
+def fetch(args: argparse.Namespace) -> list[p.WorkerStatus]:
+    """The broker's workers. Raises NoAnswer, Refused, OSError or ValueError (key files), zmq.ZMQError (address)."""
+    curve = CurveClient.from_files(args.broker_key or None, args.key or None)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)  # ZeroMQ retries a refused handshake silently
     try:
-        client = Client(args.clients, timeout=args.timeout, broker_key=args.broker_key or None, key=args.key or None)
-    except ClientError as e:  # a malformed address: nothing was asked of a broker
-        raise ValueError(str(e)) from e
-    with client:
-        return client.status(timeout=args.timeout)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(args.clients)
+        request = p.Status(request_id=uuid.uuid4().hex)
+        sock.send_multipart(p.encode(request))
+        report = _answer(sock, request.request_id, time.monotonic() + args.timeout)
+        if report is None:
+            if drain_events(monitor):
+                raise Refused(p.ErrorCode.UNAUTHORIZED.value, HANDSHAKE_REFUSED)
+            raise NoAnswer(f"no answer within {args.timeout:g} s")
+        return list(report.workers)
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        context.term()
+
+
+def _answer(sock: zmq.Socket[bytes], request_id: str, deadline: float) -> p.StatusReport | None:
+    """The StatusReport for `request_id`, None at the deadline; an ERROR for it raises Refused."""
+    while (left_ms := round((deadline - time.monotonic()) * 1000)) > 0:
+        if not sock.poll(left_ms, zmq.POLLIN):
+            continue
+        try:
+            answer = p.decode(sock.recv_multipart())
+        except p.ProtocolError:
+            continue  # not an answer to our request: wait on for one that is
+        if isinstance(answer, p.StatusReport) and answer.request_id == request_id:
+            return answer
+        if isinstance(answer, p.Error) and answer.request_id == request_id:
+            raise Refused(answer.code.value, answer.message)
+    return None
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -104,11 +156,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     err = err or sys.stderr
     try:
         workers = fetch(args)
-    except Timeout:
+    except NoAnswer:
         print(f"broker status: no answer from the broker at {args.clients} within {args.timeout:g} s "
               "(is it running, and is this its client address?)", file=err)
         return 1
-    except ClientError as e:
+    except Refused as e:
         print(f"broker status: the broker at {args.clients} answered {e.code}: {e.message}", file=err)
         return 1
     except (OSError, ValueError) as e:  # a key file that cannot be read, keys this client cannot use

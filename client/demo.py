@@ -8,40 +8,19 @@ and stops both daemons with SIGTERM. Daemon logs go to files in a temporary fold
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from broker.common import logs
 from client import Client, ClientError, Stream
+from client.stack import LocalStack, StackError
 
 QUESTIONS = ("What is the capital of France?", "Give me one tip for learning to cook.")
-
-
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-def spawn(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", module, "start", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def wait_for_worker(client: Client, worker: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not client.status():
-        if worker.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the worker did not register (see its log)")
-        time.sleep(0.2)
+WORKER = "demo-worker"
+START_TIMEOUT_S = 300.0  # for the worker to load the model and register
+STOP_TIMEOUT_S = 30.0
 
 
 def interleave(streams: dict[str, Stream]) -> dict[str, str]:
@@ -86,32 +65,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logs.configure("warning")
 
-    clients, workers = free_address(), free_address()
-    log_dir = Path(tempfile.mkdtemp(prefix="sessionserve-demo-"))
-    broker = spawn("broker.cli", ["--clients", clients, "--workers", workers], log_dir / "broker.log")
-    worker = spawn("worker.cli", ["--broker", workers, "--device", args.device, "--max-sessions", "4", "--name",
-                                  "demo-worker", *(["--model", args.model] if args.model else [])],
-                   log_dir / "worker.log")
+    stack = LocalStack(Path(tempfile.mkdtemp(prefix="sessionserve-demo-")), heartbeats=None)  # the daemons' defaults
+    broker = stack.start_broker()
+    worker = stack.start_worker(WORKER, model=args.model, device=args.device, max_sessions=4)
     code = 0
     try:
-        with Client(clients, timeout=120) as client:
+        with Client(stack.clients, timeout=120) as client:
             print("starting a broker and a worker (loading the model)...")
-            wait_for_worker(client, worker, timeout_s=300)
+            stack.wait_for_workers({WORKER}, timeout=START_TIMEOUT_S)
             run_demo(client, args.max_tokens)
-    except (ClientError, RuntimeError) as e:
-        print(f"demo failed: {e} (daemon logs in {log_dir})", file=sys.stderr)
+    except (ClientError, StackError) as e:
+        print(f"demo failed: {e} (daemon logs in {stack.log_dir})", file=sys.stderr)
         code = 1
     finally:
-        for proc in (worker, broker):  # the worker first: it drains, says DISCONNECT, exits
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = 1
-    print(f"broker and worker stopped (exit codes {broker.returncode}, {worker.returncode})")
-    return code or broker.returncode or worker.returncode
+        if None in stack.stop(timeout=STOP_TIMEOUT_S).values():  # the worker first: it drains, says DISCONNECT, exits
+            code = 1  # one had to be killed
+    print(f"broker and worker stopped (exit codes {broker.proc.returncode}, {worker.proc.returncode})")
+    return code or broker.proc.returncode or worker.proc.returncode
 
 
 if __name__ == "__main__":

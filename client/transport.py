@@ -17,19 +17,13 @@ import structlog
 import zmq
 
 from broker.common import protocol as p
-from broker.common.keys import HANDSHAKE_FAILED, CurveClient, drain_events
+from broker.common.keys import HANDSHAKE_FAILED, HANDSHAKE_REFUSED, CurveClient, drain_events
 from client.calls import Answer, Call, addressed, decode_answer
 from client.errors import ClientError, Timeout, Unauthorized
 
 log = structlog.get_logger()
 
 RECV_BATCH = 1024
-
-
-REFUSED = (
-    "the broker refused this client's handshake: its key is not in the broker's clients/, --broker-key is not "
-    "the broker's public key, or the broker requires keys and none were given"
-)
 
 
 class HandshakeWatch:
@@ -55,7 +49,7 @@ class HandshakeWatch:
 def timed_out(watch: HandshakeWatch, address: str, timeout_s: float, request_id: str) -> ClientError:
     """The error for a wait with no answer: Unauthorized when the broker refused our handshake."""
     if watch.refused():
-        return Unauthorized(REFUSED, request_id=request_id)
+        return Unauthorized(HANDSHAKE_REFUSED, request_id=request_id)
     return Timeout(f"no answer within {timeout_s:g} s from {address}", request_id=request_id)
 
 

@@ -40,7 +40,7 @@ for _ in $(seq 120); do
     [ "$(http "http://127.0.0.1:$WM/readyz")" = 200 ] && break
     sleep 1
 done
-python3 -m client.loadtest --broker tcp://127.0.0.1:$CP --sessions 16 --prompt-tokens 128 --max-tokens 64 --turns 2 \
+python3 -m client.bench.loadtest --broker tcp://127.0.0.1:$CP --sessions 16 --prompt-tokens 128 --max-tokens 64 --turns 2 \
     --ignore-eos --no-progress --json "$OUT/loadtest.json" || FAILED=$((FAILED + 1))
 python3 -m broker.cli status --clients tcp://127.0.0.1:$CP || FAILED=$((FAILED + 1))
 for ep in healthz readyz; do

@@ -62,10 +62,10 @@ HARDENING = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome":
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """The parsers behind the console scripts `broker`, `worker` and `loadtest` (pyproject.toml)."""
     from broker import cli as broker_cli
-    from client import loadtest
+    from client.bench.loadtest import cli as loadtest_cli
     from worker import cli as worker_cli
 
-    return {"broker": broker_cli.parser(), "worker": worker_cli.parser(), "loadtest": loadtest.parser()}
+    return {"broker": broker_cli.parser(), "worker": worker_cli.parser(), "loadtest": loadtest_cli.parser()}
 
 
 def subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction[argparse.ArgumentParser] | None:

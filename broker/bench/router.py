@@ -2,8 +2,9 @@
 
     python -m broker.bench.router [--seconds 3] [--window 64]
 
-Three peers, each its own process: the real broker (`python -m broker.cli start`), a stub worker that
-answers INFO at once (so the numbers are routing, not inference), and a plain ROUTER echo. The client
+Three peers, each its own process: the real broker (`python -m broker.cli start`, started by client/stack.py,
+its log in a temporary folder), a stub worker that answers INFO at once (so the numbers are routing, not
+inference), and a plain ROUTER echo. The client
 side runs here, with 1 request in flight (latency-bound) and with `--window` in flight (throughput),
 using the same frames both ways, plus the Client library's `session.info()` for its own overhead.
 """
@@ -12,29 +13,18 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import zmq
 
 from broker.common import protocol as p
 from client import Client
-
-ROOT = Path(__file__).resolve().parents[1]
+from client.stack import LocalStack, free_address
 
 SID = "b" * 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+STUB = "stub"  # the stub worker's name
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
 
 
 def stub_worker(address: str) -> None:
@@ -43,7 +33,7 @@ def stub_worker(address: str) -> None:
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, b"stub-worker")
     sock.connect(address)
-    ready = p.Ready(name="stub", model="stub", capacity=1, free_slots=0, max_context=1, sessions=(SID,))
+    ready = p.Ready(name=STUB, model="stub", capacity=1, free_slots=0, max_context=1, sessions=(SID,))
     sock.send_multipart(p.encode(ready))
     beat = p.encode(p.Heartbeat(free_slots=0, sessions=1))
     next_beat = time.monotonic()
@@ -115,33 +105,21 @@ def client_round_trips(address: str, seconds: float) -> float:
         return n / (time.perf_counter() - start)
 
 
-def wait_until(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the broker did not come up")
-        time.sleep(0.05)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--window", type=int, default=64)
     args = parser.parse_args()
 
-    clients, workers, echo = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    broker = subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "start", "--clients", clients, "--workers", workers,
-         "--log-level", "warning"], env=env, cwd=ROOT,
-    )
-    peers = [mp.Process(target=stub_worker, args=(workers,), daemon=True),
+    stack = LocalStack(heartbeats=None, log_level="warning")
+    clients, echo = stack.clients, free_address()
+    stack.start_broker()
+    peers = [mp.Process(target=stub_worker, args=(stack.workers_address,), daemon=True),
              mp.Process(target=echo_server, args=(echo,), daemon=True)]
     for peer in peers:
         peer.start()
     try:
-        with Client(clients, timeout=2) as c:
-            wait_until(lambda: [w.name for w in c.status()] == ["stub"])
+        stack.wait_for_workers({STUB}, timeout=START_TIMEOUT_S)
         rows = []
         for window in (1, args.window):
             via_broker = round_trips(clients, args.seconds, window)
@@ -155,8 +133,7 @@ def main() -> None:
     finally:
         for peer in peers:
             peer.terminate()
-        broker.terminate()
-        broker.wait(timeout=10)
+        stack.stop(STOP_TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ tokens with ignore_eos, all at once):
 - in-process: `Engine.load(model, device)` and `generate_many` (in a child process, so that this one
   stays a plain client);
 - the stack: one broker (`python -m broker.cli start`), one worker (`python -m worker.cli start --model
-  random:tiny --device cpu --max-sessions N`) and the client here: one AsyncClient running every stream
+  random:tiny --device cpu --max-sessions N`), both started by client/stack.py with their logs in a
+  temporary folder, and the client here: one AsyncClient running every stream
   concurrently (`--client async`), or one Client reading every stream round-robin on one thread
   (`--client sync`).
 
@@ -33,11 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.bench.router import free_port, wait_until
 from client import AsyncClient, AsyncSession, Client
+from client.stack import PYTHON, LocalStack, child_env
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [7, 8, 9, 10]
+WORKER = "bench"  # the worker's name
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
 
 
 def prompt(i: int) -> list[int]:
@@ -83,12 +86,11 @@ def engine_only(
 
 
 def in_process(args: argparse.Namespace) -> list[tuple[float, float]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.torch_threads)}
     out = subprocess.run(
         [sys.executable, "-m", "broker.bench.stream", "--engine-only", "--model", args.model, "--device", args.device,
          "--sessions", str(args.sessions), "--tokens", str(args.tokens), "--repeat", str(args.repeat),
          "--torch-threads", str(args.torch_threads)],
-        env=env, cwd=ROOT, check=True, capture_output=True, text=True,
+        env=child_env({"OMP_NUM_THREADS": str(args.torch_threads)}), check=True, capture_output=True, text=True,
     )
     return [(rate, cpu) for rate, cpu in json.loads(out.stdout.strip().splitlines()[-1])]
 
@@ -173,27 +175,20 @@ def sync_run(address: str, sessions: int, tokens: int, probe: Probe) -> Result:
 
 
 def through_stack(args: argparse.Namespace) -> list[Run]:
-    clients, workers = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.torch_threads)}
-
-    def python(name: str) -> list[str]:
+    def python(name: str) -> tuple[str, ...]:
         if args.profile is None:
-            return [sys.executable]
-        return [sys.executable, "-m", "cProfile", "-o", str(Path(args.profile) / f"{name}.prof")]
+            return PYTHON
+        return (sys.executable, "-m", "cProfile", "-o", str(Path(args.profile) / f"{name}.prof"))
 
-    broker = subprocess.Popen(
-        [*python("broker"), "-m", "broker.cli", "start", "--clients", clients, "--workers", workers,
-         "--log-level", "warning"], env=env, cwd=ROOT,
-    )
-    worker = subprocess.Popen(
-        [*python("worker"), "-m", "worker.cli", "start", "--broker", workers, "--model", args.model, "--device",
-         args.device, "--max-sessions", str(args.sessions), "--name", "bench", "--log-level", "warning"],
-        env=env, cwd=ROOT,
-    )
+    stack = LocalStack(heartbeats=None, log_level="warning", env={"OMP_NUM_THREADS": str(args.torch_threads)})
+    clients = stack.clients
     runs: list[Run] = []
     try:
-        with Client(clients, timeout=2) as c:
-            wait_until(lambda: [w.name for w in c.status()] == ["bench"], timeout=120)
+        broker = stack.start_broker(python=python("broker"))
+        worker = stack.start_worker(WORKER, model=args.model, device=args.device, max_sessions=args.sessions,
+                                    python=python("worker"))
+        stack.wait_for_workers({WORKER}, timeout=START_TIMEOUT_S)
+
         def probe() -> dict[str, float]:
             return {"broker": cpu_seconds(broker.pid), "worker": cpu_seconds(worker.pid), "client": cpu_seconds()}
 
@@ -210,10 +205,7 @@ def through_stack(args: argparse.Namespace) -> list[Run]:
                     {k: v / total * 1e6 for k, v in used.items()},
                 ))
     finally:
-        worker.terminate()
-        broker.terminate()
-        worker.wait(timeout=30)
-        broker.wait(timeout=10)
+        stack.stop(STOP_TIMEOUT_S)
     return runs
 
 

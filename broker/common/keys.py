@@ -28,6 +28,11 @@ WORKERS_DOMAIN = "workers"
 CLIENTS_DOMAIN = "clients"
 # Socket-monitor events of a refused handshake: an unknown key, a wrong server key, or one side without CURVE.
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+# What a client is told when the broker refused its handshake (ZeroMQ retries it silently: the wait times out).
+HANDSHAKE_REFUSED = (
+    "the broker refused this client's handshake: its key is not in the broker's clients/, --broker-key is not "
+    "the broker's public key, or the broker requires keys and none were given"
+)
 
 
 class KeyFileError(ValueError):

@@ -24,16 +24,16 @@ Streaming: each client gets ONE CHUNKS message per engine step, whose `chunks` l
 client splits it back into its streams. The worker sends the broker ONE FANOUT message per step for all
 its streaming clients, holding each client's CHUNKS header ready-made; the broker sends each its part
 without reading it. So a step costs the worker one message however many clients stream (64 clients of
-one session each: 64 messages a step were 0.9 ms of the worker's compute loop on an H100 host). A worker
-sends FANOUT only to a broker whose WELCOME says `fanout`; to an older broker it sends a CHUNKS per client,
-which the broker forwards after checking the route. A request's final REPLY (or ERROR) stays a message of
-its own, sent after all of its chunks, and carries every token.
+one session each: 64 messages a step were 0.9 ms of the worker's compute loop on an H100 host). A CHUNKS
+that a worker addresses to one client itself (with a `route`) is forwarded too, after checking the route. A
+request's final REPLY (or ERROR) stays a message of its own, sent after all of its chunks, and carries every
+token.
 
 CANCEL is one-way: nothing answers it; the generation it cancels ends with finish_reason "cancelled".
 Every request carries a client-made `request_id`; a worker answers a repeated id from its cache
 instead of running it again, which is what makes resending a request safe.
 
-Validation lives in the types: each field's `Annotated` check (broker/fields.py) runs when a message
+Validation lives in the types: each field's `Annotated` check (broker/common/fields.py) runs when a message
 is built, from a peer's header or from Python, so a bad value is a `ProtocolError` with code
 `bad_request` naming the field, on either side of the wire.
 """
@@ -587,7 +587,7 @@ class Fanout(Message):
 
     `parts[i]` is the packed header of the CHUNKS message for the client at `routes[i]` (`chunks_part`); the
     broker sends it on as [VERSION, CHUNKS, parts[i]] without unpacking it, and the client checks it as it checks
-    every CHUNKS. Sent only to a broker whose WELCOME has `fanout`.
+    every CHUNKS.
     """
 
     COMMAND: ClassVar[Command] = Command.FANOUT
@@ -663,7 +663,6 @@ class Welcome(Message):
     broker_id: RequestId
     heartbeat_ms: Annotated[int, integer(1, 3_600_000)]
     liveness: Annotated[int, integer(1, 1000)]
-    fanout: Annotated[bool, boolean] = False  # the broker takes FANOUT (an older one leaves it out: False)
 
 
 @dataclass(frozen=True, slots=True)

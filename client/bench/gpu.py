@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,10 +34,9 @@ from typing import Any
 import torch
 
 from broker.common import logs
-from client import Client
-from client.demo import free_address, spawn, wait_for_worker
-from client.load_stats import Report
-from client.loadtest import LoadConfig, run
+from client.bench.loadtest import LoadConfig, run
+from client.bench.loadtest.report import Report
+from client.stack import LocalStack
 
 MODEL = "random:smollm2-135m"
 TARGET_STACK_64 = 40_000.0  # output tokens/s, full stack, 64 sessions
@@ -51,6 +49,9 @@ TARGET_MEMORY_SLACK = 0.05  # GPU memory with 64 sessions <= weights + 64 x byte
 _STARTING_ENV = dict(os.environ)
 HF_RESULT = "hf-rates: "  # the child's result line
 HF_TIMEOUT_S = 1800
+WORKER = "bench-gpu"
+START_TIMEOUT_S = 300.0  # model load and CUDA graph capture
+STOP_TIMEOUT_S = 60.0
 
 
 def hf_state_dict(weights: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
@@ -175,27 +176,18 @@ def memory_check(sessions: int, max_context: int = 2048) -> dict[str, float]:
     return result
 
 
-class Stack:
-    """A broker and one GPU worker as processes on loopback, stopped with SIGTERM."""
-
-    def __init__(self, max_sessions: int) -> None:
-        self.clients, workers = free_address(), free_address()
-        self.logs = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
-        self.broker = spawn("broker.cli", ["--clients", self.clients, "--workers", workers], self.logs / "broker.log")
-        self.worker = spawn("worker.cli", ["--broker", workers, "--model", MODEL, "--device", "cuda",
-                                           "--max-sessions", str(max_sessions), "--max-context", "1024"],
-                            self.logs / "worker.log")
-        with Client(self.clients, timeout=120) as client:
-            wait_for_worker(client, self.worker, timeout_s=300)
-
-    def stop(self) -> None:
-        for proc in (self.worker, self.broker):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def gpu_stack(max_sessions: int) -> LocalStack:
+    """A broker and one GPU worker as processes on loopback (the daemons' own heartbeats), the worker registered.
+    Stop it with `stop(STOP_TIMEOUT_S)`."""
+    stack = LocalStack(Path(tempfile.mkdtemp(prefix="bench-gpu-")), heartbeats=None)
+    try:
+        stack.start_broker()
+        stack.start_worker(WORKER, model=MODEL, device="cuda", max_sessions=max_sessions, max_context=1024)
+        stack.wait_for_workers({WORKER}, timeout=START_TIMEOUT_S)
+    except BaseException:
+        stack.stop(STOP_TIMEOUT_S)
+        raise
+    return stack
 
 
 def main() -> None:
@@ -240,17 +232,17 @@ def main() -> None:
         results["runs"][n]["hf_tokens_per_s"] = rates[len(rates) // 2]
         results["runs"][n]["hf_runs_tokens_per_s"] = rates
     for n in sorted(set(args.sessions) - {capacity}):
-        sized = Stack(n)
+        sized = gpu_stack(n)
         try:
             results["runs"][n]["stack_sized"] = median_run(on_stack(n, sized.clients), reps)
         finally:
-            sized.stop()
-    stack = Stack(capacity)
+            sized.stop(STOP_TIMEOUT_S)
+    stack = gpu_stack(capacity)
     try:
         for n in args.sessions:
             results["runs"][n]["stack"] = median_run(on_stack(n, stack.clients), reps, show=True)
     finally:
-        stack.stop()
+        stack.stop(STOP_TIMEOUT_S)
     results["memory_64"] = memory_check(64)
 
     print(f"\n{results['device']}, {MODEL} (bf16), prompts of {args.prompt_tokens}, {args.new_tokens} new tokens each")

@@ -30,7 +30,6 @@ import asyncio
 import json
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -47,10 +46,9 @@ from typing import Any, Protocol, TypeVar
 from broker.common import logs
 from broker.common.arguments import positive_float, positive_int
 from client.aio import AsyncClient, AsyncSession
-from client.demo import free_address, spawn
+from client.bench.loadtest.workload import WORDS
 from client.errors import ClientError
-from client.load_workload import WORDS
-from client.sync import Client
+from client.stack import Daemon, LocalStack, StackError, free_port
 
 T = TypeVar("T")
 
@@ -59,6 +57,7 @@ ACTIONS = ("generate", "stream", "cancel", "fork", "info")
 WEIGHTS = (3, 3, 1, 1, 1)  # mostly generation; forks and cancels often enough to churn slots and streams
 SPAWN_TIMEOUT_S = 600.0  # model load (and CUDA graph capture) of a spawned worker
 STOP_TIMEOUT_S = 60.0
+WORKER = "soak-worker"  # the spawned worker's name
 STATUS_TIMEOUT_S = 10.0  # the first call: a broker that is not there is reported soon
 ERROR_SAMPLES = 20  # error messages kept for the report
 
@@ -488,46 +487,31 @@ class Spawned:
 
 @contextmanager
 def spawned_stack(config: SoakConfig) -> Iterator[Spawned]:
-    """A broker and one worker on free loopback ports; stopped with SIGTERM (worker first: it drains) on exit."""
-    clients, workers = free_address(), free_address()
-    metrics_port = int(free_address().rsplit(":", 1)[1])
-    log_dir = Path(tempfile.mkdtemp(prefix="sessionserve-soak-"))
-    broker = spawn("broker.cli", ["--clients", clients, "--workers", workers], log_dir / "broker.log")
-    worker = spawn("worker.cli", [
-        "--broker", workers, "--device", config.device, "--max-sessions", str(config.max_sessions),
-        "--max-context", str(config.max_context), "--name", "soak-worker", "--metrics-port", str(metrics_port),
-        *(["--model", config.model] if config.model else []),
-    ], log_dir / "worker.log")
-    stack = Spawned(clients, worker.pid, log_dir, f"http://127.0.0.1:{metrics_port}/metrics")
+    """A broker and one worker on free loopback ports (the daemons' own heartbeats); stopped with SIGTERM (worker
+    first: it drains) on exit, their exit codes then in the Spawned (None: had to be killed)."""
+    metrics_port = free_port()
+    stack = LocalStack(Path(tempfile.mkdtemp(prefix="sessionserve-soak-")), heartbeats=None)
+    spawned: Spawned | None = None
     try:
-        wait_registered(clients, worker, log_dir)
-        yield stack
+        stack.start_broker()
+        worker = stack.start_worker(WORKER, model=config.model, device=config.device, max_sessions=config.max_sessions,
+                                    max_context=config.max_context, extra=["--metrics-port", str(metrics_port)])
+        spawned = Spawned(stack.clients, worker.pid, stack.log_dir, f"http://127.0.0.1:{metrics_port}/metrics")
+        wait_registered(stack, worker)
+        yield spawned
     finally:
-        for name, proc in (("worker", worker), ("broker", broker)):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                stack.exit_codes[name] = proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                stack.exit_codes[name] = None  # had to be killed
+        codes = stack.stop(STOP_TIMEOUT_S)
+        if spawned is not None:
+            spawned.exit_codes.update(worker=codes.get(WORKER), broker=codes.get("broker"))
 
 
-def wait_registered(clients: str, worker: subprocess.Popen[bytes], log_dir: Path) -> None:
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    with Client(clients, timeout=2.0) as client:
-        while True:
-            try:
-                if client.status():
-                    return
-            except ClientError:
-                pass
-            if worker.poll() is not None:
-                raise StartupError(f"the worker exited with code {worker.returncode} (logs in {log_dir})")
-            if time.monotonic() > deadline:
-                raise StartupError(f"the worker did not register within {SPAWN_TIMEOUT_S:g} s (logs in {log_dir})")
-            time.sleep(0.2)
+def wait_registered(stack: LocalStack, worker: Daemon) -> None:
+    try:
+        stack.wait_for_workers({WORKER}, timeout=SPAWN_TIMEOUT_S)
+    except StackError as e:
+        if worker.alive:
+            raise StartupError(f"the worker did not register within {SPAWN_TIMEOUT_S:g} s (logs in {stack.log_dir})") from e
+        raise StartupError(f"the worker exited with code {worker.proc.returncode} (logs in {stack.log_dir})") from e
 
 
 # -- the report -----------------------------------------------------------------------------------------

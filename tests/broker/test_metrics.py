@@ -12,8 +12,10 @@ from prometheus_client.registry import Collector
 
 from broker.common import metrics_http
 from broker.common import protocol as p
+from broker.common.metrics import MAX_LABEL_VALUES
 from broker.common.metrics_http import MetricsServer, Pulse
-from broker.metrics import MAX_LABEL_VALUES, BrokerMetrics, RouterCounters, lost_reason
+from broker.counters import RouterCounters, lost_reason
+from broker.metrics import BrokerMetrics
 from broker.router import Router, Settings
 
 SETTINGS = Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0)

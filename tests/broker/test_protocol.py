@@ -47,7 +47,6 @@ EXAMPLES: list[p.Message] = [
     p.Error(request_id=None, code=p.ErrorCode.VERSION_MISMATCH),
     p.Ready(name="w", model="m", capacity=4, free_slots=3, max_context=64, sessions=(SID,), draining=False, device="cpu"),
     p.Welcome(broker_id="b1", heartbeat_ms=100, liveness=3),
-    p.Welcome(broker_id="b1", heartbeat_ms=100, liveness=3, fanout=True),
     p.Heartbeat(broker_id="b1"),
     p.Heartbeat(free_slots=3, sessions=1, draining=True),
     p.Reconnect(broker_id="b1"),
@@ -132,7 +131,6 @@ def frames(command: bytes, header: Any) -> list[bytes]:
         (b"FANOUT", {"routes": ["c1"], "parts": [b""]}, "routes must hold byte strings of at most 255 bytes, got str"),
         (b"FANOUT", {"routes": b"c1", "parts": [b""]}, "routes must be a list of byte strings"),
         (b"FANOUT", {"routes": [b"c1"], "parts": [{"chunks": []}]}, "parts must hold byte strings"),
-        (b"WELCOME", {"broker_id": "b", "heartbeat_ms": 1, "liveness": 1, "fanout": 1}, "fanout must be a boolean"),
     ],
 )
 def test_bad_fields_are_bad_requests_naming_the_field(command: bytes, header: Any, complaint: str) -> None:
@@ -210,9 +208,9 @@ def test_a_fanout_part_is_the_header_of_the_chunks_message_its_client_gets() -> 
     assert msgpack.unpackb(sent[2]) == msgpack.unpackb(p.encode(p.Chunks(chunks=chunks))[2])
 
 
-def test_a_welcome_without_fanout_is_from_a_broker_that_does_not_take_it() -> None:
-    welcome = p.decode(frames(b"WELCOME", {"broker_id": "b1", "heartbeat_ms": 100, "liveness": 3}))
-    assert isinstance(welcome, p.Welcome) and welcome.fanout is False
+def test_the_fanout_flag_of_an_older_broker_s_welcome_is_ignored() -> None:
+    header = {"broker_id": "b1", "heartbeat_ms": 100, "liveness": 3, "fanout": True}
+    assert p.decode(frames(b"WELCOME", header)) == p.Welcome(broker_id="b1", heartbeat_ms=100, liveness=3)
 
 
 def test_unchecked_answers_equal_checked_ones_and_take_defaults() -> None:

@@ -49,7 +49,7 @@ def created(router: Router, worker: bytes, request: p.CreateSession, now: float 
 def test_registration_is_welcomed_with_the_liveness_settings() -> None:
     router = Router(SETTINGS, now=0.0, broker_id="b1")
     assert one(router.worker_message(W1, p.encode(ready("w1")), 0.1)) == (
-        Peer.WORKER, W1, p.Welcome(broker_id="b1", heartbeat_ms=250, liveness=3, fanout=True)
+        Peer.WORKER, W1, p.Welcome(broker_id="b1", heartbeat_ms=250, liveness=3)
     )
 
 
@@ -201,7 +201,7 @@ def test_a_restarted_broker_holds_requests_until_workers_re_register() -> None:
     assert one(router.worker_message(W1, p.encode(p.Heartbeat(free_slots=1)), 0.2))[2] == p.Reconnect(broker_id="new")
     assert router.worker_message(W1, p.encode(p.Heartbeat(free_slots=1)), 0.3) == []
     sends = decoded(router.worker_message(W1, p.encode(ready("w1", capacity=2, sessions=(sid,))), 0.4))
-    assert sends[0] == (Peer.WORKER, W1, p.Welcome(broker_id="new", heartbeat_ms=250, liveness=3, fanout=True))
+    assert sends[0] == (Peer.WORKER, W1, p.Welcome(broker_id="new", heartbeat_ms=250, liveness=3))
     assert sends[1] == (Peer.WORKER, W1, info.routed(C1))
     assert isinstance(sends[2][2], p.CreateSession) and sends[2][1] == W1
     # After the recovery window, unknown sessions are simply not found.

@@ -9,11 +9,11 @@ import json
 import pytest
 
 from broker import status_cmd
-from client import WorkerInfo
+from broker.common import protocol as p
 
-WORKERS = [
-    WorkerInfo("gpu0", "SmolLM2-135M-Instruct", 64, 60, 4, False, "cuda:0", 0.25),
-    WorkerInfo("cpu1", "SmolLM2-135M-Instruct", 8, 8, 0, True, "", 1.5),
+WORKERS = [  # as a StatusReport lists them; the heartbeat age in ms
+    p.WorkerStatus("gpu0", "SmolLM2-135M-Instruct", 64, 60, 4, False, "cuda:0", 250),
+    p.WorkerStatus("cpu1", "SmolLM2-135M-Instruct", 8, 8, 0, True, "", 1500),
 ]
 
 

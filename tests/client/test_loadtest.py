@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from client.load_stats import RawRun, RequestSample, Summary, build_report, e2e, itls, merge, percentile, timeline, tpot, ttft
-from client.load_workload import Budget, Close, Create, Failed, Fork, Opened, Turn, TurnDone, Workload, user
-from client.loadtest import LoadConfig, LoadTestError, run
+from client.bench.loadtest import LoadConfig, LoadTestError, run
+from client.bench.loadtest.report import build_report
+from client.bench.loadtest.stats import RawRun, RequestSample, Summary, e2e, itls, merge, percentile, timeline, tpot, ttft
+from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, Opened, Turn, TurnDone, Workload, user
 
 from ..integration.cluster import ROOT, Cluster, free_port
 
@@ -189,7 +190,7 @@ def test_a_failed_turn_closes_the_session_and_opens_another() -> None:
 
 def test_prompts_are_the_same_for_the_same_seed() -> None:
     w = workload(prompt_kind="text", prompt_tokens=40)
-    from client.load_workload import Prompts
+    from client.bench.loadtest.workload import Prompts
 
     a, b = Prompts(w, 3), Prompts(w, 3)
     assert [a.next() for _ in range(3)] == [b.next() for _ in range(3)]
@@ -292,7 +293,7 @@ def test_full_stack_cli_with_two_client_processes(stack: Cluster, tmp_path: Path
     args = ["--broker", stack.clients, "--model", "random-tiny", "--sessions", "4", "--processes", "2", "--prompt-tokens", "16",
             "--max-tokens", "8", "--turns", "2", "--fork-every", "2", "--requests", "12", "--ignore-eos", "--no-progress",
             "--json", str(out_json), "--plot", str(out_png)]
-    done = subprocess.run([sys.executable, "-m", "client.loadtest", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "client.bench.loadtest", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Output token throughput" in done.stdout
@@ -325,3 +326,14 @@ def test_full_stack_unknown_model_fails_every_create(stack: Cluster) -> None:
 def test_no_broker_is_a_clear_error() -> None:
     with pytest.raises(LoadTestError, match="no broker answers"):
         run(LoadConfig(broker=f"tcp://127.0.0.1:{free_port()}", requests=1, timeout=0.5))
+
+
+def test_the_old_module_is_an_alias_for_one_release() -> None:
+    from client import loadtest
+    from client.bench import loadtest as moved
+
+    assert [getattr(loadtest, name) for name in loadtest.__all__] == [getattr(moved, name) for name in loadtest.__all__]
+    assert set(loadtest.__all__) == {"LoadConfig", "LoadTestError", "Report", "main", "run"}
+    done = subprocess.run([sys.executable, "-m", "client.loadtest", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: loadtest")

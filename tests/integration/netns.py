@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cluster import ROOT, Daemon
+from .cluster import Daemon
 
 SUBNETS = ipaddress.IPv4Network("10.231.0.0/16")  # the /24s of a LAN are taken from here
 IP_TIMEOUT_S = 10.0
@@ -177,11 +177,4 @@ class NetnsDaemon(Daemon):
     interpreter: the process, its pid and its signals are the daemon's own."""
 
     def __init__(self, netns: str, module: str, args: list[str], log: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        env.setdefault("OMP_NUM_THREADS", "1")  # two cores shared by every daemon and the test itself
-        self.log = log
-        self._log_file = log.open("ab")
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", netns, sys.executable, "-m", module, "start", *args], cwd=ROOT, env=env,
-            stdout=self._log_file, stderr=subprocess.STDOUT,
-        )
+        super().__init__(module, args, log, python=("ip", "netns", "exec", netns, sys.executable))

@@ -159,7 +159,7 @@ def test_an_unauthenticated_client_can_be_used_with_the_client_helper(keys: Path
 
 
 def test_loadtest_drives_a_secured_broker_with_its_keys(secured: Cluster, keys: Path) -> None:
-    from client.loadtest import LoadConfig, run
+    from client.bench.loadtest import LoadConfig, run
 
     creds = as_client(keys, "bob")
     report = run(LoadConfig(broker=secured.clients, sessions=2, prompt_tokens=8, max_tokens=4, turns=2, ignore_eos=True,

@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker import status_cmd
 from broker.common import protocol as p
 from broker.common.metrics_http import MetricsServer, Pulse
-from broker.metrics import BrokerMetrics, RouterCounters
+from broker.counters import RouterCounters
+from broker.metrics import BrokerMetrics
 from broker.server import BrokerConfig, BrokerServer
 
 from .cluster import Cluster, free_port

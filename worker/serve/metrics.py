@@ -57,8 +57,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from broker.common.metrics import OTHER, PREFIX, bump, label
 from broker.common.metrics_http import Readiness
-from broker.metrics import OTHER, PREFIX, bump, label
 
 log = structlog.get_logger()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from client.load_stats import Report
+from client.bench.loadtest.report import Report
 
 HIST_BINS = 50
 

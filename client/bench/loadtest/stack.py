@@ -25,10 +25,10 @@ from typing import Any
 import structlog
 
 from client.aio import AsyncClient, AsyncSession
+from client.bench.loadtest.progress import REFRESH_S, Tally
+from client.bench.loadtest.stats import RawRun, RequestSample, merge
+from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
 from client.errors import ClientError
-from client.load_progress import REFRESH_S, Tally
-from client.load_stats import RawRun, RequestSample, merge
-from client.load_workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
 
 log = structlog.get_logger()
 

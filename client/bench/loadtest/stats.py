@@ -1,4 +1,4 @@
-"""The load test's measurements: raw samples, their merge, and the report with vLLM `bench serve` names.
+"""The load test's measurements: raw samples, their merge, and their statistics (vLLM `bench serve` definitions).
 
 Times are `time.perf_counter()` seconds (CLOCK_MONOTONIC on Linux, so samples taken by several client
 processes on one host share one clock). Definitions, as vLLM's `bench serve` has them:
@@ -16,10 +16,6 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from rich.table import Table
 
 PERCENTILES = (50, 90, 99)
 TIMELINE_BINS = 40  # throughput-over-time resolution when the run is short
@@ -154,114 +150,3 @@ def timeline(samples: Iterable[RequestSample], start: float, end: float) -> list
         for t, n in zip(sample.chunk_times, sample.chunk_tokens, strict=True):
             bins[min(max(int((t - start) / width), 0), len(bins) - 1)] += n
     return [((i + 0.5) * width, n / width) for i, n in enumerate(bins)]
-
-
-# -- the report ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Report:
-    mode: str  # "full-stack" or "in-process"
-    config: dict[str, Any]
-    duration_s: float  # from the run's start to the end of its last request
-    completed: int
-    failed: int
-    request_errors: dict[str, int]  # error code -> failed requests
-    total_input_tokens: int
-    total_output_tokens: int
-    ttft: Summary
-    tpot: Summary
-    itl: Summary
-    e2el: Summary
-    ops: dict[str, Summary]  # session create / fork / close
-    op_errors: dict[str, dict[str, int]]
-    counts: dict[str, int]
-    timeline: list[tuple[float, float]]
-    # The distributions themselves (ms), for plots; not part of to_dict().
-    ttft_ms: list[float] = field(default_factory=list, repr=False)
-    itl_ms: list[float] = field(default_factory=list, repr=False)
-    tpot_ms: list[float] = field(default_factory=list, repr=False)
-    e2el_ms: list[float] = field(default_factory=list, repr=False)
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.total_output_tokens / self.duration_s if self.duration_s > 0 else 0.0
-
-    @property
-    def total_tokens_per_s(self) -> float:
-        return (self.total_input_tokens + self.total_output_tokens) / self.duration_s if self.duration_s > 0 else 0.0
-
-    @property
-    def requests_per_s(self) -> float:
-        return self.completed / self.duration_s if self.duration_s > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Every figure, flat under vLLM's names where vLLM has one."""
-        out: dict[str, Any] = {
-            "mode": self.mode,
-            "config": self.config,
-            "duration": self.duration_s,
-            "completed": self.completed,
-            "failed": self.failed,
-            "errors": dict(self.request_errors),
-            "total_input_tokens": self.total_input_tokens,
-            "total_output_tokens": self.total_output_tokens,
-            "request_throughput": self.requests_per_s,
-            "output_throughput": self.output_tokens_per_s,
-            "output_tokens_per_s": self.output_tokens_per_s,  # the same, under the Report property's name
-            "total_token_throughput": self.total_tokens_per_s,
-        }
-        for name in ("ttft", "tpot", "itl", "e2el"):
-            out.update(getattr(self, name).flat(name))
-        out["session_ops"] = {
-            kind: {"count": s.count, "mean_ms": s.mean, "p50_ms": s.p50, "p99_ms": s.p99,
-                   "errors": dict(self.op_errors.get(kind, {}))}
-            for kind, s in self.ops.items()
-        }
-        out["counts"] = dict(self.counts)
-        out["output_throughput_over_time"] = [{"t": t, "tokens_per_s": v} for t, v in self.timeline]
-        return out
-
-    def table(self) -> Table:
-        """The summary table: a rich renderable, whose str() is the plain-text table (so print() works too)."""
-        from client.load_table import report_table
-
-        return report_table(self)
-
-    def render(self, width: int = 100) -> str:
-        """The summary table as plain text."""
-        from client.load_table import render
-
-        return render(self, width)
-
-
-def build_report(raw: RawRun, mode: str, config: dict[str, Any]) -> Report:
-    done = [r for r in raw.requests if r.error is None]
-    failed = [r for r in raw.requests if r.error is not None]
-    last_end = max((r.end for r in raw.requests), default=raw.finish)
-    ttft_ms = [t * 1e3 for t in map(ttft, done) if t is not None]
-    itl_ms = [g * 1e3 for r in done for g in itls(r)]
-    tpot_ms = [t * 1e3 for t in map(tpot, done) if t is not None]
-    e2el_ms = [e2e(r) * 1e3 for r in done]
-    return Report(
-        mode=mode,
-        config=config,
-        duration_s=max(last_end - raw.start, 0.0),
-        completed=len(done),
-        failed=len(failed),
-        request_errors=dict(Counter(r.error for r in failed if r.error is not None)),
-        total_input_tokens=sum(r.prompt_tokens for r in done),
-        total_output_tokens=sum(r.output_tokens for r in done),
-        ttft=Summary.of(ttft_ms),
-        tpot=Summary.of(tpot_ms),
-        itl=Summary.of(itl_ms),
-        e2el=Summary.of(e2el_ms),
-        ops={kind: Summary.of([s * 1e3 for s in values]) for kind, values in raw.ops.items()},
-        op_errors={kind: dict(codes) for kind, codes in raw.op_errors.items()},
-        counts=dict(raw.counts),
-        timeline=timeline(done, raw.start, last_end),
-        ttft_ms=ttft_ms,
-        itl_ms=itl_ms,
-        tpot_ms=tpot_ms,
-        e2el_ms=e2el_ms,
-    )

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from client.load_progress import REFRESH_S, Tally
-from client.load_stats import RawRun, RequestSample
-from client.load_workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
+from client.bench.loadtest.progress import REFRESH_S, Tally
+from client.bench.loadtest.stats import RawRun, RequestSample
+from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
 
 if TYPE_CHECKING:
     from worker.engine import Engine
