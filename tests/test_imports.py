@@ -40,9 +40,6 @@ ALIASES = frozenset({
 })
 DEMOS = frozenset({"client.demo", "worker.demo"})
 # Worker-internal circles being removed by the worker rewrite on another branch (flip the xfail when merged).
-KNOWN_WORKER_CYCLES = "worker.engine.core -> worker.engine.graphs -> worker.engine.core (GPU_STEP_TOKENS)"
-
-
 @dataclass(frozen=True)
 class Import:
     source: str  # the importing module
@@ -235,7 +232,6 @@ def test_no_import_cycles_outside_worker(edges: list[Import]) -> None:
     assert [c for c in cycles(edges) if not c.startswith("import cycle: worker.")] == []
 
 
-@pytest.mark.xfail(strict=True, reason=f"worker's own circle, removed by the worker rewrite: {KNOWN_WORKER_CYCLES}")
 def test_no_import_cycles_inside_worker(edges: list[Import]) -> None:
     assert [c for c in cycles(edges) if c.startswith("import cycle: worker.")] == []
 

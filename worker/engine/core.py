@@ -28,7 +28,6 @@ import dataclasses
 import secrets
 from collections import deque
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -41,7 +40,7 @@ from worker.engine.executor import Executor
 from worker.engine.options import EngineOptions
 from worker.engine.sampling import RowRandom, SamplingParams, sample_ids
 from worker.engine.scheduler import StepPlan, schedule
-from worker.engine.session import Chunk, Generation, Request, Session
+from worker.engine.session import Chunk, Generation, Launched, Request, Session
 from worker.errors import BadRequest, ContextOverflow, EngineError, SessionBusy, SessionExists, SessionNotFound
 from worker.model.llama import Llama
 from worker.model.tokenizer import Tokenizer
@@ -55,30 +54,6 @@ MAX_APPEND_TOKENS = 1 << 20
 # launched steps are unread at a time (the one in flight and the one being launched), so a buffer is free again
 # long before its turn comes back.
 ID_COPIES = 4
-
-
-@dataclass
-class Launched:
-    """A step queued on the device whose sampled tokens the host has not read yet."""
-
-    partial: list[tuple[Request, int, int]]  # (request, first position, tokens) of the prompt chunks that sample nothing
-    sampled: list[Request]  # the requests whose next token this step samples, in row order
-    positions: list[int]  # the position of each sampled row (its token's K/V are written there)
-    ids: torch.Tensor  # the sampled ids on the device (len(sampled),)
-    host: torch.Tensor  # their copy in host memory: valid once `copied` has passed
-    copied: torch.cuda.Event | None  # None: `host` is already valid (no device)
-    prefill_tokens: int = 0  # prompt tokens the step computes
-
-    def done(self) -> bool:
-        """Whether the device has made the ids (reading them will not wait)."""
-        return self.copied is None or self.copied.query()
-
-    def read(self) -> list[int]:
-        """The sampled ids, waiting for the device if it has not made them yet."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        ids: list[int] = self.host.tolist()
-        return ids
 
 
 class Engine:

@@ -63,6 +63,7 @@ import torch
 from cuda_state import SessionTable
 from worker.engine.budget import GPU_STEP_TOKENS
 from worker.engine.executor import StepRows
+from worker.engine.invariance import keep_row_invariant_buckets
 from worker.kernels.tiles import max_tiles, prefill_tiles
 from worker.model.batch import Batch, Run, runs_of
 from worker.model.llama import Llama
@@ -224,8 +225,6 @@ class GraphExecutor:
         if use_graphs:
             self._capture_graphs()
         if device.type == "cuda":
-            from worker.engine.invariance import keep_row_invariant_buckets
-
             keep_row_invariant_buckets(self)
 
     def _pin_splits(self, pinned: int | None) -> None:
@@ -259,6 +258,18 @@ class GraphExecutor:
         torch.cuda.synchronize(self.model.device)
         log.info("cuda_graphs_captured", buckets=self.buckets, prefill_buckets=self.prefill_buckets,
                  seconds=round(time.perf_counter() - start, 2))
+
+    def drop_buckets(self, decode: list[int], prefill: list[int]) -> None:
+        """Serve no step from these buckets (the start-up check found their rows differ): their batches take the next
+        larger bucket. The replay counters start afresh."""
+        for b in decode:
+            self.buckets.remove(b)
+            self._graphs.pop(b, None)
+            self._long_graphs.pop(b, None)
+        for b in prefill:
+            self.prefill_buckets.remove(b)
+            self._prefill_graphs.pop(b, None)
+        self.replays = self.prefill_replays = 0
 
     @property
     def max_decode_rows(self) -> int:

@@ -10,16 +10,14 @@ the unsplit attention; prefill buckets are checked against the largest prefill b
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 import torch
 
-from cuda_state import StateError
+from cuda_state import SessionTable, StateError
 from worker.model.batch import Run
-
-if TYPE_CHECKING:
-    from worker.engine.graphs import GraphExecutor
+from worker.model.llama import Llama
 
 log = structlog.get_logger(__name__)
 
@@ -27,7 +25,30 @@ INVARIANCE_CHECK_POSITIONS = 48  # positions of random K/V the check's rows atte
 INVARIANCE_CHECK_CHUNKS = 4  # prompt chunks (one per temporary slot) the check puts in each prefill bucket
 
 
-def keep_row_invariant_buckets(ex: GraphExecutor) -> None:
+class Replays(Protocol):
+    """What the check needs of an executor (worker.engine.graphs.GraphExecutor): its buckets, padded replays of
+    given rows in a chosen bucket, and a way to drop buckets."""
+
+    model: Llama
+    table: SessionTable
+    state: dict[str, torch.Tensor]
+    buckets: list[int]
+    prefill_buckets: list[int]
+    prefill_rows: int
+    prefill_logits: int
+    long_rows_from: int | None
+
+    def replay_decode(self, tokens: list[int], positions: list[int], slots: list[int],
+                      source: tuple[torch.Tensor, list[int]] | None = None, copy_logits: bool = True,
+                      bucket: int | None = None, long: bool | None = None) -> torch.Tensor: ...
+
+    def replay_prefill(self, runs: list[Run], tokens: list[int], positions: list[int], wanted: set[int],
+                       bucket: int | None = None) -> tuple[list[int], torch.Tensor]: ...
+
+    def drop_buckets(self, decode: list[int], prefill: list[int]) -> None: ...
+
+
+def keep_row_invariant_buckets(ex: Replays) -> None:
     """Drop every bucket whose rows differ in any bit from the same rows run in the largest bucket,
     decode and prefill buckets alike.
 
@@ -73,14 +94,7 @@ def keep_row_invariant_buckets(ex: GraphExecutor) -> None:
         for slot in slots:
             ex.table.free(slot)
         ex.table.trim()  # the check's slots are not kept mapped for sessions
-    for b in dropped:
-        ex.buckets.remove(b)
-        ex._graphs.pop(b, None)
-        ex._long_graphs.pop(b, None)
-    for b in dropped_prefill:
-        ex.prefill_buckets.remove(b)
-        ex._prefill_graphs.pop(b, None)
-    ex.replays = ex.prefill_replays = 0
+    ex.drop_buckets(dropped, dropped_prefill)
     torch.cuda.empty_cache()  # the check's temporaries: nothing of it stays on the device
     if dropped or dropped_prefill:
         log.warning("buckets_not_row_invariant", dropped=dropped, kept=ex.buckets,
@@ -89,7 +103,7 @@ def keep_row_invariant_buckets(ex: GraphExecutor) -> None:
     log.info("buckets_checked", buckets=ex.buckets, prefill_buckets=ex.prefill_buckets,
              seconds=round(time.perf_counter() - start, 3))
 
-def _decode_invariant(ex: GraphExecutor, b: int, slots: list[int], span: int, gen: torch.Generator, long: bool = False) -> bool:
+def _decode_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: torch.Generator, long: bool = False) -> bool:
     """b decode rows (b <= len(slots)) at positions below `span` give the same logits in bucket b as in the
     largest bucket (long: in the split attention's graphs)."""
     vocab, device = ex.model.config.vocab_size, ex.model.device
@@ -101,7 +115,7 @@ def _decode_invariant(ex: GraphExecutor, b: int, slots: list[int], span: int, ge
     own = ex.replay_decode(tokens, positions, slots[:b], bucket=b, long=long)
     return torch.equal(wide, own)
 
-def _split_graphs_agree(ex: GraphExecutor, slots: list[int], gen: torch.Generator) -> bool:
+def _split_graphs_agree(ex: Replays, slots: list[int], gen: torch.Generator) -> bool:
     """Rows shorter than long_rows_from give the same logits in the split attention's graph as in the other
     (what lets a step's longest row pick the graph without moving the others' numbers)."""
     assert ex.long_rows_from is not None
@@ -112,7 +126,7 @@ def _split_graphs_agree(ex: GraphExecutor, slots: list[int], gen: torch.Generato
     split = ex.replay_decode(tokens, positions, slots[:rows], bucket=ex.buckets[-1], long=True)
     return torch.equal(split, ex.replay_decode(tokens, positions, slots[:rows], bucket=ex.buckets[-1], long=False))
 
-def _prefill_invariant(ex: GraphExecutor, b: int, slots: list[int], span: int, gen: torch.Generator) -> bool:
+def _prefill_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: torch.Generator) -> bool:
     """Prompt chunks filling most of b rows, one per slot from a random offset, give the same logits at
     their ends in prefill bucket b as in the largest one."""
     vocab, device = ex.model.config.vocab_size, ex.model.device

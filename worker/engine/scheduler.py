@@ -9,15 +9,11 @@ and its prompt chunks count as computed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
 from worker.engine.executor import StepRows
-from worker.engine.session import Request
-
-if TYPE_CHECKING:
-    from worker.engine.core import Launched
+from worker.engine.session import Launched, Request
 
 
 class StepPlan:

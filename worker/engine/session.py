@@ -1,9 +1,11 @@
-"""The engine's host-side record of each session and each generation, and what a step hands back."""
+"""The engine's host-side record of each session, each generation and each launched step, and what a step hands back."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from worker.engine.detokenizer import Detokenizer
 from worker.engine.sampling import RowRandom, SamplingParams
@@ -62,3 +64,27 @@ class Session:
     @property
     def pending(self) -> int:
         return len(self.tokens) - self.computed
+
+
+@dataclass
+class Launched:
+    """A step queued on the device whose sampled tokens the host has not read yet."""
+
+    partial: list[tuple[Request, int, int]]  # (request, first position, tokens) of the prompt chunks that sample nothing
+    sampled: list[Request]  # the requests whose next token this step samples, in row order
+    positions: list[int]  # the position of each sampled row (its token's K/V are written there)
+    ids: torch.Tensor  # the sampled ids on the device (len(sampled),)
+    host: torch.Tensor  # their copy in host memory: valid once `copied` has passed
+    copied: torch.cuda.Event | None  # None: `host` is already valid (no device)
+    prefill_tokens: int = 0  # prompt tokens the step computes
+
+    def done(self) -> bool:
+        """Whether the device has made the ids (reading them will not wait)."""
+        return self.copied is None or self.copied.query()
+
+    def read(self) -> list[int]:
+        """The sampled ids, waiting for the device if it has not made them yet."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        ids: list[int] = self.host.tolist()
+        return ids
