@@ -34,7 +34,7 @@ CONTEXT = 1024
 THETA = 100000.0  # SmolLM2's rope_theta
 TOKENS = 6  # greedy tokens per prompt in the engine test
 CANDIDATES = 24  # random prompts tried until 3 have safe margins at every token
-# Top-1 minus top-2 logit, as test_gpu's SAFE_MARGIN: graph decode runs the 8-row bucket's GEMMs, the
+# Top-1 minus top-2 logit, as tests/worker/gpu's SAFE_MARGIN: graph decode runs the 8-row bucket's GEMMs, the
 # eager reference one row's, so their bf16 logits differ by more than fused vs torch (rare last bits).
 SAFE_MARGIN = 0.06
 
@@ -368,7 +368,7 @@ def test_gpu_rope_and_store_replays_in_a_cuda_graph_with_new_slots_and_positions
 @pytest.fixture(scope="module")
 def engine_box() -> Iterator[list[object]]:
     """The fused GPU engine, in a list that teardown empties: its memory is given back before the next
-    module (test_gpu measures the device memory its own engine takes)."""
+    module (tests/worker/gpu/test_memory measures the device memory its own engine takes)."""
     from worker.engine import Engine
 
     box: list[object] = [Engine.load(model=MODEL, device="cuda", max_sessions=8, max_context=CONTEXT)]
