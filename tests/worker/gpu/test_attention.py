@@ -4,20 +4,13 @@ in CUDA graphs and on a VMM slab."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.worker.interpreted import run_interpreted
 from worker.kernels.tiles import TILE_ROWS, max_tiles, prefill_tiles
 
 from .device import needs_cuda
-
-REPO = Path(__file__).resolve().parents[3]
 
 # Warnings are errors in this project; a deprecation inside Triton's own code is not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
@@ -35,107 +28,16 @@ def test_prefill_tiles_cut_each_chunk_from_its_first_row() -> None:
     assert len(prefill_tiles(starts, [64, 1, 65, 870, 1048])[0]) == 1 + 1 + 2 + 14 + 17 <= max_tiles(2048, 4)
 
 
-INTERPRETED_KERNEL_CHECK = textwrap.dedent(
-    """
-    import math, os, torch
-    assert os.environ["TRITON_INTERPRET"] == "1"
-    from worker.kernels.attention import decode_attention
-
-    def reference(q, k, v, slots, lengths):
-        rows, heads, hd = q.shape
-        group = heads // k.shape[1]
-        out = torch.empty(rows, heads, hd, dtype=torch.float64)
-        for r in range(rows):
-            n, s = int(lengths[r]), int(slots[r])
-            for h in range(heads):
-                kk, vv = k[s, h // group, :n].double(), v[s, h // group, :n].double()
-                out[r, h] = torch.softmax(kk @ q[r, h].double() / math.sqrt(hd), 0) @ vv
-        return out
-
-    torch.manual_seed(0)
-    worst = {}
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
-        for rows, heads, kv, hd, ctx, splits in [(3, 9, 3, 64, 300, 1), (3, 9, 3, 64, 300, 4), (2, 4, 4, 32, 130, 3),
-                                                 (4, 8, 2, 80, 200, 2), (5, 9, 3, 64, 500, 5), (1, 2, 1, 16, 64, 1),
-                                                 (2, 9, 3, 64, 800, 3)]:  # 800 keys: 3 splits
-            slots_n = rows + 2
-            slab = torch.randn(slots_n, 2, 2, kv, ctx, hd).to(dtype)  # (slot, layer, k|v, KV, ctx, hd)
-            k, v = slab[:, 1, 0], slab[:, 1, 1]  # strided views, as the model passes them
-            slots = torch.randperm(slots_n)[:rows]
-            lengths = torch.randint(1, ctx + 1, (rows,), dtype=torch.int32)
-            lengths[0], lengths[-1] = ctx, 1
-            for r in range(rows):  # poison what must not be read
-                k[slots[r], :, int(lengths[r]):] = float("nan")
-                v[slots[r], :, int(lengths[r]):] = float("nan")
-            q = torch.randn(rows, heads, hd).to(dtype)
-            out = torch.full((rows, heads, hd), float("nan"), dtype=dtype)
-            got = decode_attention(q, k, v, slots, lengths, out=out, splits=splits)
-            assert got is out
-            err = (out.double() - reference(q, k, v, slots, lengths)).abs().max().item()
-            assert err < tol, (dtype, rows, heads, kv, hd, ctx, splits, err)
-    print("ok")
-    """
-)
-
-
-INTERPRETED_PREFILL_CHECK = textwrap.dedent(
-    """
-    import torch
-    from worker.kernels.tiles import prefill_tiles
-    from worker.kernels.attention import decode_attention
-    from worker.kernels.prefill import prefill_attention
-
-    torch.manual_seed(1)
-    for dtype, tol, heads, kv, hd in ((torch.float32, 1e-5, 9, 3, 64), (torch.float16, 3e-3, 4, 4, 80)):
-        ctx, chunks = 300, [(2, 100, 130), (0, 0, 70), (1, 298, 2)]  # (slot, first position, rows)
-        slab = torch.randn(5, 2, 2, kv, ctx, hd).to(dtype)  # slot 4: the spare
-        k, v = slab[:, 1, 0], slab[:, 1, 1]
-        slots, positions, starts = [], [], []
-        for slot, pos, n in chunks:
-            starts.append(len(slots))
-            slots += [slot] * n
-            positions += range(pos, pos + n)
-            k[slot, :, pos + n:] = float("nan")  # poison what no row of the chunk may read
-            v[slot, :, pos + n:] = float("nan")
-        starts.append(len(slots))
-        slots += [4] * 10  # padding rows: position 0 of the spare
-        positions += [0] * 10
-        slots, lengths = torch.tensor(slots), torch.tensor(positions, dtype=torch.int32) + 1
-        q = torch.randn(len(slots) + 3, heads, hd).to(dtype)  # 3 rows in no tile: left as they are
-        firsts, counts = prefill_tiles(starts, [n for _, _, n in chunks] + [10])
-        tiles = torch.zeros(2, len(firsts) + 4, dtype=torch.long)  # unused tiles: 0 rows
-        tiles[0, : len(firsts)], tiles[1, : len(firsts)] = torch.from_numpy(firsts), torch.from_numpy(counts)
-        out = torch.full_like(q, 7.0)
-        rows = len(slots)
-        pad_slots, pad_lengths = torch.cat([slots, slots[:3]]), torch.cat([lengths, lengths[:3]])
-        assert prefill_attention(q, k, v, pad_slots, pad_lengths, tiles, out=out) is out
-        expected = decode_attention(q[:rows].double(), k.double(), v.double(), slots, lengths, splits=1)
-        err = (out[:rows].double() - expected).abs().max().item()
-        assert err < tol, (dtype, err)
-        assert (out[rows:] == 7.0).all()
-    print("ok")
-    """
-)
-
-
 def test_triton_kernel_math_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_KERNEL_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    run_interpreted("decode_attention", timeout_s=300)
 
 
 def test_triton_prefill_kernel_math_in_the_interpreter() -> None:
     """The tiled prompt-chunk attention against the decode kernel's math in float64, chunks of 1 to 3 tiles at
     offsets, padding rows in the spare slot, K/V past each chunk poisoned, rows outside every tile untouched."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_PREFILL_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    run_interpreted("prefill_attention", timeout_s=300)
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
