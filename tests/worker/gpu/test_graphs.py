@@ -182,22 +182,22 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
         step_positions = [pos[0], pos[3], pos[1]] + [pos[4] + j for j in range(chunk)]
         step_slots = [slots[0], slots[3], slots[1]] + [slots[4]] * chunk
         want = [0, 1, 2] + ([5] if chunk else [])
-        args = (step_tokens, step_positions, step_slots, want)
-        got, expected = graphs.execute(*args, source=(samples, [2, 0])), eager.execute(*args, source=(samples, [2, 0]))
+        ahead = (step_tokens, step_positions, step_slots, want)
+        got, expected = graphs.execute(*ahead, source=(samples, [2, 0])), eager.execute(*ahead, source=(samples, [2, 0]))
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         assert replayed[-1 - bool(chunk)] == ("_step", 4)
         for i in (0, 3, 1):
             pos[i] += 1
         pos[4] += chunk
     # The host ids of the rows it reads from the device are placeholders: they change nothing.
-    args = ([1, 2, 3], [pos[0], pos[3], pos[1]], [slots[0], slots[3], slots[1]], [0, 1, 2])
-    torch.testing.assert_close(graphs.execute(*args, source=(samples, [2, 0, 1])),
-                               eager.execute([11, 7, 300], *args[1:]), atol=1e-4, rtol=1e-4)
+    placeholders = ([1, 2, 3], [pos[0], pos[3], pos[1]], [slots[0], slots[3], slots[1]], [0, 1, 2])
+    torch.testing.assert_close(graphs.execute(*placeholders, source=(samples, [2, 0, 1])),
+                               eager.execute([11, 7, 300], *placeholders[1:]), atol=1e-4, rtol=1e-4)
     # In order (steady decoding: row i takes the last step's i-th sample): the ids are copied as they are.
-    torch.testing.assert_close(graphs.execute(*args, source=(samples, [0, 1, 2])),
-                               eager.execute([7, 300, 11], *args[1:]), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(graphs.execute(*args, source=(samples, [0, 1])),
-                               eager.execute([7, 300, 3], *args[1:]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graphs.execute(*placeholders, source=(samples, [0, 1, 2])),
+                               eager.execute([7, 300, 11], *placeholders[1:]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graphs.execute(*placeholders, source=(samples, [0, 1])),
+                               eager.execute([7, 300, 3], *placeholders[1:]), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="first rows"):  # a device row after a host one: refused, not misread
         graphs.execute([0, 0, 0, 0], [pos[4], pos[4] + 1, pos[0], pos[2]], [slots[4], slots[4], slots[0], slots[2]],
                        [1, 2, 3], source=(samples, [0]))
