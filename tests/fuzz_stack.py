@@ -2,7 +2,7 @@
 
 Starts a broker and two random:tiny CPU workers on 127.0.0.1 (one behind the broker, one driven by a fake
 broker), then fires `--cases` hypothesis-drawn cases at each target in turn: the broker's client socket, its
-worker socket, and the worker's message handling (see tests/fuzzing.py for the cases and the checks). Prints
+worker socket, and the worker's message handling (see tests/fuzz/ for the cases and the checks). Prints
 a summary: cases and cases per second per target, what came back (errors by code), checkpoints and good-session
 rounds passed, processes alive. Exit code 0 when every check passed, 1 on the first failed one (its report: the
 check, the cases of its batch, the daemons' tracebacks), 2 for bad arguments. The daemons' logs stay in --logs.
@@ -24,7 +24,9 @@ sys.path.insert(0, str(ROOT))  # run as a script: the packages import from the r
 import structlog  # noqa: E402
 
 from broker.common.arguments import positive_int  # noqa: E402
-from tests.fuzzing import TARGETS, FuzzFailure, Report, run_all  # noqa: E402
+from tests.fuzz.checks import FuzzFailure, Report  # noqa: E402
+from tests.fuzz.run import run_all  # noqa: E402
+from tests.fuzz.targets import TARGETS  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from types import TracebackType
+from typing import TypeVar
 
 import zmq
 
@@ -12,6 +13,7 @@ from broker.common import protocol as p
 
 Reply = Callable[[p.Message], None]
 Script = Callable[[p.Message, Reply], None]  # (request, reply) -> None
+M = TypeVar("M", bound=p.Message)
 
 
 class FakeBroker:
@@ -36,7 +38,7 @@ class FakeBroker:
         self._socket.close()
         self._context.term()
 
-    def of(self, kind: type[p.Message]) -> list[p.Message]:
+    def of(self, kind: type[M]) -> list[M]:
         return [m for m in self.received if isinstance(m, kind)]
 
     def _run(self) -> None:

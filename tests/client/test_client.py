@@ -139,8 +139,8 @@ def test_closing_a_stream_early_or_timing_out_sends_cancel() -> None:
         deadline = time.monotonic() + 2
         while len(fake.of(p.Cancel)) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-    targets = [m.target for m in fake.of(p.Cancel)]  # type: ignore[attr-defined]
-    assert targets == [m.request_id for m in fake.of(p.Generate)]  # type: ignore[attr-defined]
+    targets = [m.target for m in fake.of(p.Cancel)]
+    assert targets == [m.request_id for m in fake.of(p.Generate)]
 
 
 def test_an_error_ends_a_stream_with_its_typed_exception() -> None:
@@ -174,7 +174,7 @@ def test_async_client_resends_streams_and_runs_calls_concurrently() -> None:
     def script(request: p.Message, reply: Reply) -> None:
         if isinstance(request, p.Generate):
             if request.params.max_tokens == 7 and len([g for g in fake.of(p.Generate)
-                                                       if g.params.max_tokens == 7]) == 1:  # type: ignore[attr-defined]
+                                                       if g.params.max_tokens == 7]) == 1:
                 return  # drop the first attempt of this one
             if request.stream:
                 reply(chunk(request, (1,)))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
@@ -52,7 +53,14 @@ def worker_keys(keys: Path, secret: Path) -> list[str]:
     return ["--broker-key", str(keys / "broker.key"), "--key", str(secret)]
 
 
-def as_client(keys: Path, name: str, where: str = "clients") -> dict[str, Path]:
+class Credentials(TypedDict, total=False):
+    """A client's key files, as Client (and Cluster.client) takes them by name; none: a client without keys."""
+
+    broker_key: Path
+    key: Path
+
+
+def as_client(keys: Path, name: str, where: str = "clients") -> Credentials:
     return {"broker_key": keys / "broker.key", "key": keys / where / f"{name}.key_secret"}
 
 
@@ -69,7 +77,7 @@ def test_a_session_belongs_to_the_key_that_created_it(secured: Cluster, keys: Pa
             mine.append(token_ids=PROMPT)
             expected = mine.fork().generate(max_tokens=6, ignore_eos=True).token_ids  # the fork is alice's too
             theirs = bob.attach(mine.id)
-            attempts = {
+            attempts: dict[str, Callable[[], object]] = {
                 "info": theirs.info, "append": lambda: theirs.append(token_ids=[1]),
                 "generate": lambda: theirs.generate(max_tokens=2), "fork": theirs.fork, "close": theirs.close,
             }
@@ -87,9 +95,9 @@ def test_a_session_belongs_to_the_key_that_created_it(secured: Cluster, keys: Pa
 @pytest.mark.parametrize("who", ["no keys", "unknown key", "wrong broker key"])
 def test_unauthenticated_clients_are_refused_and_others_keep_working(secured: Cluster, keys: Path, who: str) -> None:
     credentials = {
-        "no keys": {},
+        "no keys": Credentials(),
         "unknown key": as_client(keys, "eve", "outsiders"),
-        "wrong broker key": {"broker_key": keys / "outsiders" / "eve.key", "key": keys / "clients" / "alice.key_secret"},
+        "wrong broker key": Credentials(broker_key=keys / "outsiders" / "eve.key", key=keys / "clients" / "alice.key_secret"),
     }[who]
     with secured.client(timeout=1.5, **credentials) as stranger:
         started = time.monotonic()

@@ -1,6 +1,6 @@
 """Protocol fuzz on real daemons, a CI-sized sample: hypothesis draws mutated and random messages for the broker's
 client socket, its worker socket and a worker's own link, while a good session checks that nothing it relies on
-moved. tests/fuzzing.py holds the strategies and the checks; `python tests/fuzz_stack.py --cases 10000` runs long.
+moved. tests/fuzz/ holds the strategies, the targets and the checks; `python tests/fuzz_stack.py --cases 10000` runs long.
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from ..fuzzing import ClientSocket, FuzzStack, WorkerLink, WorkerSocket, drive
+from ..fuzz.run import drive
+from ..fuzz.stack import FuzzStack
+from ..fuzz.targets import ClientSocket, WorkerLink, WorkerSocket
 
 pytestmark = pytest.mark.slow  # about 15 s for the module (400 cases per target)
 

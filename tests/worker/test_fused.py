@@ -15,26 +15,22 @@ SmolLM2-135M-shaped engine with and without the fused stack, and its launch coun
 from __future__ import annotations
 
 import gc
-import os
 import random
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.worker.interpreted import run_interpreted
+from tests.worker.tensors import rope_rows, same_bits, slab_caches, ulps
 from worker.model import llama as reference
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "random:smollm2-135m"
 CONTEXT = 1024
 THETA = 100000.0  # SmolLM2's rope_theta
 TOKENS = 6  # greedy tokens per prompt in the engine test
 CANDIDATES = 24  # random prompts tried until 3 have safe margins at every token
-# Top-1 minus top-2 logit, as test_gpu's SAFE_MARGIN: graph decode runs the 8-row bucket's GEMMs, the
+# Top-1 minus top-2 logit, as tests/worker/gpu's SAFE_MARGIN: graph decode runs the 8-row bucket's GEMMs, the
 # eager reference one row's, so their bf16 logits differ by more than fused vs torch (rare last bits).
 SAFE_MARGIN = 0.06
 
@@ -43,177 +39,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
 
 
-def run_interpreted(script: str) -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
-
-
-# Also imported by the interpreter scripts below (from tests.worker.test_fused import ...).
-
-
-def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise distance in units in the last place (same dtype; +0 and -0 are equal)."""
-    assert a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    ints = torch.int32 if a.dtype == torch.float32 else torch.int16
-    sign = 1 << (8 * a.element_size() - 1)
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        i = t.contiguous().view(ints).long()
-        return torch.where(i < 0, -(i + sign), i)  # negative floats count down from -0
-
-    return (ordered(a) - ordered(b)).abs()
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN poison included)."""
-    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
-
-
-def slab_caches(slots: int, layers: int, kv: int, ctx: int, hd: int, dtype: torch.dtype,
-                device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as the session table lays them out: (slots, layers, KV, ctx, hd) strided views of one byte slab."""
-    from cuda_state import BufferSpec, StateSpec
-    from cuda_state.backend import slab_views
-
-    shape = (layers, kv, ctx, hd)
-    spec = StateSpec((BufferSpec("k", shape, dtype, 2), BufferSpec("v", shape, dtype, 2)))
-    slot_bytes = spec.slot_bytes(4096)
-    slab = torch.zeros(slots * slot_bytes, dtype=torch.uint8, device=device)
-    views = slab_views(slab, spec, slots, slot_bytes)
-    return views["k"], views["v"]
-
-
-def rope_rows(hd: int, theta: float, ctx: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """worker.model.llama's rope tables for head_dim `hd`, at `positions`: cos, sin (T, hd) fp32."""
-    from dataclasses import replace
-
-    from worker.model.config import PRESETS
-
-    config = replace(PRESETS["tiny"], dim=hd, n_heads=1, rope_theta=theta)  # only head_dim and theta matter
-    cos, sin = reference.rope_tables(config, ctx, positions.device)
-    return cos[positions], sin[positions]
-
-
-INTERPRETED_KERNELS_CHECK = textwrap.dedent(
-    """
-    import os
-    import torch
-    assert os.environ["TRITON_INTERPRET"] == "1"
-    import torch.nn.functional as F
-    from worker.model import llama as M
-    from tests.worker.test_fused import rope_rows, same_bits, slab_caches, ulps
-    from worker.kernels.fused import add_rms_norm, rms_norm, rope_and_store, silu_mul
-
-    torch.manual_seed(0)
-    nan = float("nan")
-
-    def rows(t, dim, dtype, pad=0):
-        '''t x dim, optionally a column slice of a wider tensor (row stride dim + pad).'''
-        return (torch.randn(t, dim + pad) * 3).to(dtype)[:, :dim]
-
-    for dtype in (torch.float32, torch.float16):
-        # fp16: a rare last-bit flip of the normed or silu value (sum order, exp) moves the output <= 2 ulps
-        close = (lambda a, b: (ulps(a, b) <= 2).all()) if dtype == torch.float16 else (
-            lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
-
-        for t, dim, pad in ((5, 576, 0), (3, 64, 16), (4, 80, 0), (1, 1000, 24)):
-            x, r = rows(t, dim, dtype, pad), rows(t, dim, dtype)
-            w = torch.randn(dim).to(dtype)
-            out = torch.full((t, dim), nan, dtype=dtype)
-            assert rms_norm(x, w, 1e-5, out=out) is out
-            assert close(out, M.rms_norm(x, w, 1e-5)), ("rms_norm", dtype, t, dim)
-
-            out, res = torch.full((t, dim), nan, dtype=dtype), torch.full((t, dim), nan, dtype=dtype)
-            got, new_res = add_rms_norm(x, r, w, 1e-5, out=out, residual_out=res)
-            assert got is out and new_res is res
-            assert same_bits(res, r + x), ("residual", dtype, t, dim)  # h + y, rounded once
-            assert close(out, M.rms_norm(r + x, w, 1e-5)), ("add_rms_norm", dtype, t, dim)
-            r_in_place = r.clone()
-            _, again = add_rms_norm(x, r_in_place, w, 1e-5, residual_out=r_in_place)  # row by row: in place is safe
-            assert again is r_in_place and same_bits(again, res)
-
-        for t, ffn, pad in ((3, 1536, 0), (2, 40, 8), (1, 1030, 0)):
-            gate_up = (torch.randn(t, 2 * ffn + pad) * 4).to(dtype)[:, : 2 * ffn]
-            out = torch.full((t, ffn), nan, dtype=dtype)
-            assert silu_mul(gate_up, out=out) is out
-            gate, up = gate_up.chunk(2, dim=-1)
-            assert close(out, F.silu(gate) * up), ("silu_mul", dtype, t, ffn)
-
-        for heads, kv, hd in ((9, 3, 64), (4, 4, 80), (4, 2, 16)):
-            n_slots, layers, ctx = 5, 3, 40
-            spare = n_slots - 1
-            k_all, v_all = slab_caches(n_slots, layers, kv, ctx, hd, dtype, "cpu")
-            k_all.fill_(nan)  # poison: only the written places may change
-            v_all.fill_(nan)
-            k_cache, v_cache = k_all[:, 1], v_all[:, 1]  # layer 1, as the model passes it
-            # a prefill run of slot 2, decode rows of slots 0 and 3, a padding row of the spare
-            slots = torch.tensor([2, 2, 2, 0, 3, spare])
-            positions = torch.tensor([5, 6, 7, 0, ctx - 1, 0])
-            t = len(slots)
-            qkv = torch.randn(t, (heads + 2 * kv) * hd).to(dtype)
-            cos, sin = rope_rows(hd, 10000.0, ctx, positions)
-            expect_k, expect_v = k_all.clone(), v_all.clone()
-            q_ref, k_ref, v_ref = qkv.split([heads * hd, kv * hd, kv * hd], dim=-1)
-            expect_k[:, 1][slots, :, positions] = M.apply_rope(k_ref.view(t, kv, hd), cos, sin)
-            expect_v[:, 1][slots, :, positions] = v_ref.view(t, kv, hd)
-            q_out = torch.full((t, heads, hd), nan, dtype=dtype)
-            q = rope_and_store(qkv, cos, sin, k_cache, v_cache, slots, positions, heads, kv, hd, out=q_out)
-            assert q is q_out
-            assert same_bits(q, M.apply_rope(q_ref.view(t, heads, hd), cos, sin)), ("rope q", dtype, heads, kv, hd)
-            assert same_bits(k_all, expect_k), ("k cache", dtype, heads, kv, hd)  # every slot, every layer
-            assert same_bits(v_all, expect_v), ("v cache", dtype, heads, kv, hd)
-    print("ok")
-    """
-)
-
-
 def test_fused_kernels_match_torch_in_the_interpreter() -> None:
-    run_interpreted(INTERPRETED_KERNELS_CHECK)
-
-
-INTERPRETED_FORWARD_CHECK = textwrap.dedent(
-    """
-    import os
-    import torch
-    assert os.environ["TRITON_INTERPRET"] == "1"
-    from cuda_state import HostBackend, SessionTable
-    from worker.kernels.layers import fused_layers
-    from worker.model.loader import load_model
-    from worker.model.llama import Llama
-
-    loaded = load_model("random:tiny")
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
-        llama = Llama(loaded.config, loaded.weights, torch.device("cpu"), dtype, 64)
-        assert llama.fused_layers is None  # the CPU path stays the torch loop
-        tables = [SessionTable(HostBackend(llama.state_spec(), 3)) for _ in range(2)]
-        for table in tables:
-            assert [table.create() for _ in range(3)] == [0, 1, 2]
-        gen = torch.Generator().manual_seed(5)
-        # step 1: prefill runs of slots 0 and 2; step 2: decode rows of 2, 0, 1 (1 starts with one token)
-        steps = [([0] * 6 + [2] * 9, list(range(6)) + list(range(9))), ([2, 0, 1], [9, 6, 0])]
-        for slots, positions in steps:
-            tokens = torch.randint(0, 512, (len(slots),), generator=gen)
-            logits = []
-            for fused, table in zip((None, fused_layers), tables):
-                llama.fused_layers = fused
-                args = (tokens, torch.tensor(positions), torch.tensor(slots), table.views())
-                logits.append(llama.forward(*args, batch=llama.plan(slots, positions)))
-            torch.testing.assert_close(logits[1], logits[0], rtol=tol, atol=tol)
-            for name in ("k", "v"):
-                a, b = (t.views()[name][:3] for t in tables)  # session slots; the spare is never touched
-                torch.testing.assert_close(b, a, rtol=tol, atol=tol)
-        llama.fused_layers = None
-    print("ok")
-    """
-)
+    pytest.importorskip("triton")
+    run_interpreted("fused_kernels", timeout_s=600)
 
 
 def test_fused_forward_matches_the_torch_layers_in_the_interpreter() -> None:
     """The tiny model through Llama.forward, fused stack hooked in or not: mixed prefill and decode."""
-    run_interpreted(INTERPRETED_FORWARD_CHECK)
+    pytest.importorskip("triton")
+    run_interpreted("fused_forward", timeout_s=600)
 
 
 # -- GPU: the kernels ------------------------------------------------------------------------------
@@ -368,7 +202,7 @@ def test_gpu_rope_and_store_replays_in_a_cuda_graph_with_new_slots_and_positions
 @pytest.fixture(scope="module")
 def engine_box() -> Iterator[list[object]]:
     """The fused GPU engine, in a list that teardown empties: its memory is given back before the next
-    module (test_gpu measures the device memory its own engine takes)."""
+    module (tests/worker/gpu/test_memory measures the device memory its own engine takes)."""
     from worker.engine import Engine
 
     box: list[object] = [Engine.load(model=MODEL, device="cuda", max_sessions=8, max_context=CONTEXT)]

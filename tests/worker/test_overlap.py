@@ -77,10 +77,12 @@ def drive(engine: Engine, overlap: bool, stop_id: int, stop_text: str) -> Run:
     def got(name: str) -> int:
         return len(run.outputs[name][0]) if name in run.outputs else 0
 
+    def open_and_start_d() -> None:
+        engine.append(sid.setdefault("D", engine.create_session()), token_ids=prompt(engine, 5))
+        start("D", sid["D"], max_tokens=12, stop=(stop_text,), ignore_eos=True)
+
     events: list[tuple[str, Callable[[], bool], Callable[[], None]]] = [
-        ("D", lambda: got("A") >= 2, lambda: (engine.append(sid.setdefault("D", engine.create_session()),
-                                                            token_ids=prompt(engine, 5)),
-                                              start("D", sid["D"], max_tokens=12, stop=(stop_text,), ignore_eos=True))),
+        ("D", lambda: got("A") >= 2, open_and_start_d),
         ("cancel B", lambda: got("B") >= 3, lambda: engine.cancel(next(r for r, n in names.items() if n == "B"))),
         ("close C", lambda: got("C") >= 4, lambda: (engine.close(sid.pop("C")))),
         ("fork F", lambda: run.outputs["F"][2] is not None,

@@ -9,22 +9,14 @@ bf16 rounding and, bit for bit, that a row's result does not depend on how many 
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 
-from tests.worker.test_fused import run_interpreted
+from tests.worker.interpreted import run_interpreted
+from tests.worker.tensors import random_norms
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
-
-
-def random_norms(weights: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
-    """The weights with every norm's weight drawn around 1 (random models have norms of ones)."""
-    gen = torch.Generator().manual_seed(seed)
-    return {name: (1 + 0.3 * torch.randn(w.shape, generator=gen)) if name.endswith("norm") else w
-            for name, w in weights.items()}
 
 
 def test_folded_norms_give_the_same_logits_through_the_torch_layers() -> None:
@@ -47,116 +39,15 @@ def test_folded_norms_give_the_same_logits_through_the_torch_layers() -> None:
     assert float(logits[0].std()) > 0.1  # a real signal, not zeros
 
 
-INTERPRETED_ROW_MATMUL_CHECK = textwrap.dedent(
-    """
-    import os
-    import torch
-    assert os.environ["TRITON_INTERPRET"] == "1"
-    import torch.nn.functional as F
-    import triton
-    from worker.model import llama as M
-    from worker.kernels.matmul import row_matmul, row_squares, squares_tiles, tiles_for
-
-    torch.manual_seed(0)
-    nan = float("nan")
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-        for rows in (1, 5, 17, 40):
-            for n, k in ((24, 40), (64, 96), (40, 1100)):
-                x = (torch.randn(rows, k) * 2).to(dtype)
-                w = (torch.randn(2 * n, k) * 0.1).to(dtype)
-                g = (1 + 0.3 * torch.randn(k)).to(dtype)
-                r = torch.randn(rows, n).to(dtype)
-                close = lambda a, b: torch.testing.assert_close(a.float(), b.float(), rtol=tol,
-                                                                atol=tol * max(1.0, float(b.float().abs().max())))
-
-                out = torch.full((rows, n), nan, dtype=dtype)
-                assert row_matmul(x, w[:n].contiguous(), out=out) is out
-                close(out, F.linear(x, w[:n]))
-
-                gate, up = F.linear(x, w).chunk(2, dim=-1)
-                close(row_matmul(x, w, silu=True), F.silu(gate) * up)
-
-                out = r.clone()
-                tiles = squares_tiles(n, k)
-                squares = torch.full((tiles, rows), nan)
-                assert row_matmul(x, w[:n].contiguous(), residual=out, out=out, squares_out=squares) is out
-                close(out, r + F.linear(x, w[:n]))
-                block = tiles_for(n, k).block_n
-                expected = torch.stack([(out[:, i:i + block].float() ** 2).sum(1) for i in range(0, n, block)])
-                close(squares, expected)
-
-                # normed rows: the norm's weight folded into the product, the row scale from row_squares
-                squares = row_squares(x, torch.full((triton.cdiv(k, 16), rows), nan))
-                folded = (w.float() * g.float()).to(dtype)
-                got = row_matmul(x, folded[:n].contiguous(), norm_squares=squares, eps=1e-5)
-                close(got, F.linear(M.rms_norm(x, g, 1e-5), w[:n]))
-                gate, up = F.linear(M.rms_norm(x, g, 1e-5), w).chunk(2, dim=-1)
-                close(row_matmul(x, folded, norm_squares=squares, eps=1e-5, silu=True), F.silu(gate) * up)
-
-                wide = torch.full((rows, n), nan, dtype=torch.float32)
-                assert row_matmul(x, w[:n].contiguous(), out=wide) is wide
-                close(wide, F.linear(x, w[:n]).float())
-    print("ok")
-    """
-)
-
-
 def test_row_matmul_matches_torch_in_the_interpreter() -> None:
-    run_interpreted(INTERPRETED_ROW_MATMUL_CHECK)
-
-
-INTERPRETED_ROW_FORWARD_CHECK = textwrap.dedent(
-    """
-    import os
-    import torch
-    assert os.environ["TRITON_INTERPRET"] == "1"
-    from cuda_state import HostBackend, SessionTable
-    from tests.worker.test_row_matmul import random_norms
-    from worker.kernels.layers import fused_head, fused_layers
-    from worker.model.loader import load_model
-    from worker.model.llama import Llama
-
-    loaded = load_model("random:tiny")
-    weights = random_norms(loaded.weights)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
-        plain = Llama(loaded.config, weights, torch.device("cpu"), dtype, 64)
-        folded = Llama(loaded.config, weights, torch.device("cpu"), dtype, 64, fold_norms=True)
-        folded.fused_layers, folded.fused_head = fused_layers, fused_head
-        tables = [SessionTable(HostBackend(plain.state_spec(), 3)) for _ in range(2)]
-        for table in tables:
-            assert [table.create() for _ in range(3)] == [0, 1, 2]
-        gen = torch.Generator().manual_seed(5)
-        # a prefill step (the fused stack without row products), then two decode steps with them
-        steps = [([0] * 6 + [2] * 9, list(range(6)) + list(range(9))), ([2, 0, 1], [9, 6, 0]), ([2, 0, 1], [10, 7, 1])]
-        for i, (slots, positions) in enumerate(steps):
-            tokens = torch.randint(0, 512, (len(slots),), generator=gen)
-            logits = []
-            for model, table in zip((plain, folded), tables):
-                batch = model.plan(slots, positions)
-                batch.row_products = model is folded and i > 0
-                args = (tokens, torch.tensor(positions), torch.tensor(slots), table.views())
-                logits.append(model.forward(*args, batch=batch))
-            assert logits[1].dtype == torch.float32
-            torch.testing.assert_close(logits[1], logits[0], rtol=tol, atol=tol)
-            for name in ("k", "v"):
-                a, b = (t.views()[name][:3] for t in tables)
-                torch.testing.assert_close(b, a, rtol=tol, atol=tol)
-        batch = plain.plan([0], [11])
-        batch.row_products = True
-        plain.fused_layers = fused_layers
-        try:
-            plain.forward(torch.tensor([1]), torch.tensor([11]), torch.tensor([0]), tables[0].views(), batch=batch)
-            raise AssertionError("row products ran with the norms not folded")
-        except ValueError as e:
-            assert "folded" in str(e)
-    print("ok")
-    """
-)
+    pytest.importorskip("triton")
+    run_interpreted("row_matmul", timeout_s=600)
 
 
 def test_row_products_forward_matches_the_torch_layers_in_the_interpreter() -> None:
     """The tiny model, norm weights not ones: folded norms + row products against the plain torch loop."""
-    run_interpreted(INTERPRETED_ROW_FORWARD_CHECK)
+    pytest.importorskip("triton")
+    run_interpreted("row_forward", timeout_s=600)
 
 
 def test_row_matmul_refuses_shapes_it_cannot_serve() -> None:

@@ -15,10 +15,11 @@ def _run(engine: Engine, seed: int, others: int = 0) -> list[int]:
     noise = [engine.create_session() for _ in range(others)]
     for i, n in enumerate(noise):
         engine.append(n, text=f"Unrelated prompt number {i} " * (i + 1))
-    results = engine.generate_many(
-        [(sid, {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": seed, "ignore_eos": True})]
-        + [(n, {"max_tokens": 16, "temperature": 1.0, "seed": 100 + i}) for i, n in enumerate(noise)]
-    )
+    requests: list[tuple[str, dict[str, object]]] = [
+        (sid, {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": seed, "ignore_eos": True})
+    ]
+    requests += [(n, {"max_tokens": 16, "temperature": 1.0, "seed": 100 + i}) for i, n in enumerate(noise)]
+    results = engine.generate_many(requests)
     for s in [sid, *noise]:
         engine.close(s)
     return results[0].token_ids

@@ -1,0 +1,568 @@
+"""What is fuzzed: a `Target` fires cases at one socket and checks at every checkpoint; `ClientSocket` (the
+broker's client socket), `WorkerSocket` (the broker's worker socket, from fake workers) and `WorkerLink` (a real
+worker, from a fake broker)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import zmq
+from hypothesis import strategies as st
+
+from broker.common import protocol as p
+from client import ClientError
+
+from ..integration.cluster import Daemon
+from .checks import (
+    ANSWER_WAIT_S,
+    GOOD_PROMPT,
+    GOOD_TOKENS,
+    MESSAGE_KEY_CHARS,
+    ErrorKey,
+    FuzzFailure,
+    Report,
+    RoutedErrorKey,
+    client_error,
+    decodes,
+    describe,
+    forwarded_to,
+    show_frames,
+    tracebacks,
+    worker_error,
+)
+from .stack import HEARTBEAT_MS
+from .strategies import Case, Frames, client_cases, worker_link_cases, worker_socket_cases
+
+if TYPE_CHECKING:
+    from .stack import FuzzStack
+
+TargetT = TypeVar("TargetT", bound="Target")
+
+VICTIMS = 3  # live sessions of another client that the fuzzer addresses
+SPARE_SESSIONS = 16  # sessions the fuzz cases may make before they are closed, mid-batch if need be
+
+
+class Target:
+    """One thing under fuzz: `fire` sends a case, `checkpoint` checks everything (every `batch` cases), `finish`
+    makes the final checks. A context manager: leaving it releases the target's sockets, pass or fail."""
+
+    name = "target"
+
+    def __init__(self, stack: FuzzStack, batch: int) -> None:
+        self.stack = stack
+        self.known = stack.known()
+        self.batch = batch
+        self.report = Report(self.name)
+        self.failure: FuzzFailure | None = None
+        self.created: set[str] = set()  # sessions the fuzz cases made (from the answers), closed before they pile up
+        self._recent: list[Case] = []
+
+    def strategy(self) -> st.SearchStrategy[Case]:
+        raise NotImplementedError
+
+    def fire(self, case: Case) -> None:
+        if self.failure is not None:  # hypothesis replays a failing case: the live system has not healed since
+            raise self.failure
+        self._recent.append(case)
+        for _ in range(case.times):
+            self._send(case.frames, case.peer)
+        if case.then is not None:
+            self._send(case.then, case.peer)
+        self.report.cases += 1
+        self._pump(0)
+        if len(self._recent) >= self.batch:
+            self.checkpoint()
+        elif len(self.created) >= SPARE_SESSIONS:  # keep a slot for the good session's fork
+            self._close_created()
+
+    def checkpoint(self) -> None:
+        """Check everything, clean up what the cases left, start a new batch."""
+        self._check()
+        self._recent = []
+        self.report.checkpoints += 1
+
+    def finish(self) -> None:
+        """A last checkpoint, then the target's final checks."""
+        if self._recent:
+            self.checkpoint()
+
+    def release(self) -> None:
+        """Close what the target opened, after `finish` or after a failure (on leaving the `with`)."""
+
+    def __enter__(self: TargetT) -> TargetT:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _naming(self, answer: p.Error) -> str:
+        """The cases of this batch whose frames name the answer's request id (the likely culprits)."""
+        rid = (answer.request_id or "").encode()
+        named = [c for c in self._recent if rid and any(rid in f for f in [*c.frames, *(c.then or [])])]
+        return "".join(f"\n  sent as {show_frames(c.frames)}" + (f" then {show_frames(c.then)}" if c.then else "")
+                       for c in named[-3:])
+
+    def fail(self, what: str, daemons: Sequence[Daemon] = ()) -> FuzzFailure:
+        """The failure to raise: the check, the batch's last cases, the daemons' tracebacks. Sticky (see fire)."""
+        batch = "\n".join(f"  {show_frames(c.frames)} x{c.times} peer {c.peer}"
+                          + (f" then {show_frames(c.then)}" if c.then else "") for c in self._recent[-40:])
+        logs = "\n".join(f"--- {d.log.name} (alive: {d.alive}) ---\n{tracebacks(d)}" for d in daemons)
+        self.failure = FuzzFailure(f"{self.name}: {what}\nlast cases of the batch:\n{batch}\n{logs}")
+        return self.failure
+
+    def _send(self, frames: Frames, peer: int) -> None:
+        raise NotImplementedError
+
+    def _pump(self, timeout_ms: int) -> None:
+        raise NotImplementedError
+
+    def _check(self) -> None:
+        raise NotImplementedError
+
+    def _close_created(self) -> None:
+        """Close the sessions the fuzz cases made; remember a few as stale ids to address."""
+        for sid in sorted(self.created):
+            self._close_session(sid)
+        self.known.stale[:] = sorted(self.created)[-8:] or self.known.stale
+        self.created.clear()
+
+    def _close_session(self, sid: str) -> None:
+        raise NotImplementedError
+
+    def _wait(self, done: Callable[[], bool], timeout_s: float = ANSWER_WAIT_S) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                return False
+            self._pump(20)
+        return True
+
+
+def _dealer(context: zmq.Context[zmq.Socket[bytes]], address: str, identity: bytes) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    return sock
+
+
+def _recv_all(sock: zmq.Socket[bytes], timeout_ms: int) -> list[Frames]:
+    out: list[Frames] = []
+    if not sock.poll(timeout_ms, zmq.POLLIN):
+        return out
+    while True:
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return out
+
+
+class ClientSocket(Target):
+    """The broker's client socket. Every message the protocol rejects must come back as its typed error; valid
+    requests run on the real worker. The fuzzer's own sessions are closed at every checkpoint and the other
+    client's sessions it addresses (victims) made again, so that capacity never runs out."""
+
+    name = "broker client socket"
+
+    def __init__(self, stack: FuzzStack, batch: int) -> None:
+        super().__init__(stack, batch)
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.route = b"fz" + uuid.uuid4().bytes
+        self.sock = _dealer(self.context, stack.cluster.clients, self.route)
+        self.victim_client = stack.cluster.client()
+        self.expected: Counter[ErrorKey] = Counter()
+        self.errors: Counter[ErrorKey] = Counter()
+        self.known.routes[:] = [self.route, stack.good.route]
+        try:
+            self._renew_victims()
+        except BaseException:
+            self.release()
+            raise
+
+    def strategy(self) -> st.SearchStrategy[Case]:
+        return client_cases(self.known)
+
+    def _send(self, frames: Frames, peer: int) -> None:
+        self.sock.send_multipart(frames)
+        expected = client_error(frames)
+        if expected is not None:
+            self.expected[expected] += 1
+
+    def _pump(self, timeout_ms: int) -> None:
+        for frames in _recv_all(self.sock, timeout_ms):
+            message = decodes(frames)
+            self.report.answers[describe(message, frames)] += 1
+            if message is None:
+                self.report.notes.append(f"undecodable answer from the broker: {show_frames(frames)}")
+            elif isinstance(message, p.Error):
+                self.errors[message.code.value, message.request_id, message.message[:MESSAGE_KEY_CHARS]] += 1
+                if message.code is p.ErrorCode.INTERNAL:
+                    self.report.notes.append(f"an internal error answers a fuzz case: {message}{self._naming(message)}")
+            elif isinstance(message, p.Created):
+                self.created.add(message.session_id)
+            elif isinstance(message, p.Forked):
+                self.created.add(message.child_id)
+
+    def _check(self) -> None:
+        if not self._wait(lambda: not (self.expected - self.errors)):
+            missing = dict((self.expected - self.errors).most_common(8))
+            raise self.fail(f"errors never answered (code, request id, message): {missing}", self.stack.daemons())
+        self.errors.clear()  # the rest are a worker's refusals of valid requests
+        self.expected.clear()
+        if self.report.notes:
+            raise self.fail(self.report.notes[0], self.stack.daemons())
+        self.stack.check_alive(self)
+        self.stack.check_good(self)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._close_created()
+        self._renew_victims()
+
+    def _renew_victims(self) -> None:
+        for sid in list(self.known.sessions):
+            self._close_session(sid)
+        fresh = []
+        for _ in range(VICTIMS):
+            try:
+                session = self.victim_client.session()
+                session.append(token_ids=list(GOOD_PROMPT))
+            except ClientError as e:
+                raise self.fail(f"a victim session could not be made: {e.code}: {e}", self.stack.daemons()) from e
+            fresh.append(session.id)
+        self.known.sessions[:] = fresh
+
+    def _close_session(self, sid: str) -> None:
+        try:
+            self.victim_client.attach(sid).close()
+        except ClientError:
+            pass  # already closed by a fuzz case
+
+    def finish(self) -> None:
+        """Close every session the fuzzer made or touched: then the broker must count the good session alone."""
+        super().finish()
+        self._wait(lambda: False, 0.3)  # late answers: creates that finished after the last checkpoint
+        self._cleanup()
+        for sid in self.known.sessions:
+            self._close_session(sid)
+        self.known.sessions[:] = [uuid.uuid4().hex]
+        with self.stack.good.paused():
+            self.stack.check_accounting(self)
+
+    def release(self) -> None:
+        self.victim_client.close()
+        self.sock.close(linger=0)
+        self.context.term()
+
+
+class WorkerSocket(Target):
+    """The broker's worker socket, from fake workers. A valid READY is welcomed; an answer routed to a real client
+    (the bystander, a DEALER on the client socket) arrives there untouched; everything the broker sends decodes.
+    A fake that registers is a legitimate peer (no auth) and may be chosen for a new session: during every batch
+    the bystander has one CREATE in flight, and it must be answered (created on the real worker, or an error once
+    the fake that got it leaves or falls silent). The good session lives on the real worker from before and must
+    not notice."""
+
+    name = "broker worker socket"
+    PEERS = 3
+
+    def __init__(self, stack: FuzzStack, batch: int) -> None:
+        super().__init__(stack, batch)
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.fakes = [
+            _dealer(self.context, stack.cluster.workers_address, f"fake{i}-{uuid.uuid4().hex[:8]}".encode())
+            for i in range(self.PEERS)
+        ]
+        self.bystander_route = b"by" + uuid.uuid4().bytes
+        self.bystander = _dealer(self.context, stack.cluster.clients, self.bystander_route)
+        try:
+            self._connect_bystander()
+        except BaseException:
+            self.release()
+            raise
+        self.known.routes[:] = [self.bystander_route, stack.good.route]
+        self.known.sessions[:] = [stack.good.session_id]  # the good session is held by the real worker
+        self.welcomes_expected = [0] * self.PEERS
+        self.welcomes = [0] * self.PEERS
+        self.forward_expected: Counter[tuple[bytes, ...]] = Counter()
+        self.forwarded: Counter[tuple[bytes, ...]] = Counter()
+        self.own: dict[str, p.Message | None] = {}  # the bystander's own requests -> their answers
+        self.create_id = self._start_create()
+
+    def strategy(self) -> st.SearchStrategy[Case]:
+        return worker_socket_cases(self.known, self.PEERS)
+
+    def _connect_bystander(self) -> None:
+        """A ROUTER knows a peer only once it has sent something: a STATUS, and its answer."""
+        self.bystander.send_multipart(p.encode(p.Status(request_id="hello")))
+        if not self.bystander.poll(10_000, zmq.POLLIN):
+            raise FuzzFailure("the broker does not answer STATUS")
+        self.bystander.recv_multipart()
+
+    def _send(self, frames: Frames, peer: int) -> None:
+        self.fakes[peer].send_multipart(frames)
+        message = decodes(frames)
+        if isinstance(message, p.Ready):
+            self.welcomes_expected[peer] += 1
+        if forwarded_to(frames) == self.bystander_route:
+            self.forward_expected[tuple(frames)] += 1
+
+    def _pump(self, timeout_ms: int) -> None:
+        for i, fake in enumerate(self.fakes):
+            for frames in _recv_all(fake, timeout_ms if i == 0 else 0):
+                message = decodes(frames)
+                self.report.answers[describe(message, frames)] += 1
+                if not isinstance(message, (p.Welcome, p.Reconnect, p.Heartbeat, *p.REQUEST_TYPES)):
+                    self.report.notes.append(f"fake worker {i} got {show_frames(frames)}")
+                if isinstance(message, p.Welcome):
+                    self.welcomes[i] += 1
+        for frames in _recv_all(self.bystander, 0):
+            rid = getattr(decodes(frames), "request_id", None)
+            if rid in self.own:
+                self.own[rid] = decodes(frames)
+            else:
+                self.forwarded[tuple(frames)] += 1
+                self.report.answers["forwarded"] += 1
+
+    def _check(self) -> None:
+        done = self._wait(lambda: self.welcomes == self.welcomes_expected and not (self.forward_expected - self.forwarded))
+        if not done:
+            missing = [show_frames(list(f)) for f in (self.forward_expected - self.forwarded)][:5]
+            raise self.fail(f"welcomes {self.welcomes} (expected {self.welcomes_expected}); "
+                            f"answers not forwarded to the bystander: {missing}", self.stack.daemons())
+        self._pump(50)
+        extra = self.forwarded - self.forward_expected
+        if extra or self.welcomes != self.welcomes_expected:
+            raise self.fail(f"unexpected: forwarded {[show_frames(list(f)) for f in extra][:5]}, "
+                            f"welcomes {self.welcomes} (expected {self.welcomes_expected})", self.stack.daemons())
+        self.forwarded.clear()
+        self.forward_expected.clear()
+        if self.report.notes:
+            raise self.fail(self.report.notes[0], self.stack.daemons())
+        self.stack.check_alive(self)
+        self.stack.check_good(self)
+        self._settle_create()
+        self.create_id = self._start_create()
+
+    def _start_create(self) -> str:
+        """The bystander's CREATE for the next batch: placed on the real worker or on a fake, answered later."""
+        request = p.CreateSession(request_id=uuid.uuid4().hex)
+        self.own[request.request_id] = None
+        self.bystander.send_multipart(p.encode(request))
+        return request.request_id
+
+    def _settle_create(self) -> None:
+        created = self._answer_to(self.create_id, "CREATE")
+        if isinstance(created, p.Created):
+            close = p.Close(request_id=uuid.uuid4().hex, session_id=created.session_id)
+            self.own[close.request_id] = None
+            self.bystander.send_multipart(p.encode(close))
+            self._answer_to(close.request_id, "CLOSE")
+
+    def _answer_to(self, request_id: str, what: str) -> p.Message:
+        """The final answer to a request of the bystander's own, whichever worker (real or fake) it went to."""
+        if not self._wait(lambda: self.own[request_id] is not None):
+            raise self.fail(f"the bystander's {what} {request_id} was never answered", self.stack.daemons())
+        answer = self.own.pop(request_id)
+        assert answer is not None
+        self.report.answers[f"bystander {describe(answer, [])}"] += 1
+        return answer
+
+    def finish(self) -> None:
+        """The fakes fall silent: the broker must forget them and list the real worker alone."""
+        super().finish()
+        self._settle_create()
+        self.stack.check_workers(self, {self.stack.worker_name})
+
+    def release(self) -> None:
+        for sock in (*self.fakes, self.bystander):
+            sock.close(linger=0)
+        self.context.term()
+
+
+class WorkerLink(Target):
+    """A real worker process driven by a fake broker (a ROUTER the worker connects to). A broken request whose
+    header names a route and a request id is answered with its error; everything the worker sends decodes; it keeps
+    heartbeating and registering; between batches a good session on it generates the tokens it did before."""
+
+    name = "worker link"
+    BROKER_ID = "fuzzbroker"
+    GOOD_ROUTE = b"good"
+    JANITOR_ROUTE = b"janitor"
+
+    def __init__(self, stack: FuzzStack, batch: int) -> None:
+        super().__init__(stack, batch)
+        self.daemon = stack.lone
+        self.sock = stack.lone_router
+        self.identity = b""
+        self.last_beat = 0.0
+        self._next_beat = 0.0
+        self._seq = 0
+        self._mail: dict[tuple[bytes, str], list[p.Message]] = {}
+        self.expected: Counter[RoutedErrorKey] = Counter()
+        self.errors: Counter[RoutedErrorKey] = Counter()
+        self.known.routes[:] = [b"fz-a", b"fz-b", self.GOOD_ROUTE]
+        self.known.names[:] = [stack.lone_name]
+        if not self._wait(lambda: bool(self.identity), 60.0):
+            raise self.fail("the worker never sent READY", [self.daemon])
+        self.good_session = uuid.uuid4().hex
+        self._call(p.CreateSession(request_id=self._rid(), session_id=self.good_session), p.Created)
+        self._call(p.Append(request_id=self._rid(), session_id=self.good_session, token_ids=GOOD_PROMPT), p.Appended)
+        self.expected_tokens, _ = self._good_round(stream=False)
+        self.known.sessions[:] = self._victims()
+
+    def strategy(self) -> st.SearchStrategy[Case]:
+        return worker_link_cases(self.known)
+
+    # -- the fake broker --
+
+    def _rid(self) -> str:
+        self._seq += 1
+        return f"fuzzbroker-{self._seq}"
+
+    def _to_worker(self, frames: Frames) -> None:
+        try:
+            self.sock.send_multipart([self.identity, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise self.fail(f"the worker cannot be reached ({e})", [self.daemon]) from e
+
+    def _send(self, frames: Frames, peer: int) -> None:
+        self._to_worker(frames)
+        expected = worker_error(frames)
+        if expected is not None:
+            self.expected[expected] += 1
+
+    def _pump(self, timeout_ms: int) -> None:
+        now = time.monotonic()
+        if self.identity and now >= self._next_beat:
+            self._to_worker(p.encode(p.Heartbeat(broker_id=self.BROKER_ID)))
+            self._next_beat = now + HEARTBEAT_MS / 1000
+        for identity, *frames in _recv_all(self.sock, timeout_ms):
+            message = decodes(frames)
+            self.report.answers[describe(message, frames)] += 1
+            if message is None:
+                self.report.notes.append(f"undecodable message from the worker: {show_frames(frames)}")
+                continue
+            if isinstance(message, p.Ready):
+                self.identity = identity
+                self._welcome()
+            elif isinstance(message, p.Heartbeat):
+                self.last_beat = time.monotonic()
+            route: bytes = getattr(message, "route", b"")
+            if isinstance(message, p.Error):
+                self.errors[message.route, message.code.value, message.request_id, message.message[:MESSAGE_KEY_CHARS]] += 1
+                if message.code is p.ErrorCode.INTERNAL:  # bad input gets a typed error, never "internal"
+                    self.report.notes.append(f"an internal error answers a fuzz case: {message}{self._naming(message)}")
+            ours = route in (self.GOOD_ROUTE, self.JANITOR_ROUTE)  # fuzz cases may use the good route too: no matter
+            if isinstance(message, p.Created) and not ours:
+                self.created.add(message.session_id)
+            elif isinstance(message, p.Forked) and not ours:
+                self.created.add(message.child_id)
+            rid = getattr(message, "request_id", None)
+            if isinstance(message, p.Chunks):
+                for chunk in message.chunks:
+                    self._deliver((route, chunk.request_id), message)
+            elif rid is not None:
+                self._deliver((route, rid), message)
+
+    def _deliver(self, key: tuple[bytes, str], message: p.Message) -> None:
+        """Into the mailbox of a call of ours (the good session's and the janitor's requests)."""
+        box = self._mail.get(key)
+        if box is not None:
+            box.append(message)
+
+    def _welcome(self) -> None:
+        self._to_worker(p.encode(p.Welcome(broker_id=self.BROKER_ID, heartbeat_ms=HEARTBEAT_MS, liveness=3)))
+
+    def _call(self, request: p.Message, kind: type[p.Message], route: bytes = GOOD_ROUTE) -> p.Message:
+        """Send a request as the broker would and wait for its final answer."""
+        rid: str = request.request_id  # type: ignore[attr-defined]  # every request has one
+        self._mail[route, rid] = []
+        self._to_worker(p.encode(request.routed(route)))
+        box = self._mail[route, rid]
+
+        def final() -> bool:
+            return any(not isinstance(m, p.Chunks) for m in box)
+
+        if not self._wait(final):
+            raise self.fail(f"no answer to {request}", [self.daemon])
+        answer = next(m for m in box if not isinstance(m, p.Chunks))
+        if not any(isinstance(m, p.Chunks) for m in box):
+            del self._mail[route, rid]
+        if not isinstance(answer, kind):
+            raise self.fail(f"{type(request).__name__} got {answer}, expected {kind.__name__}", [self.daemon])
+        return answer
+
+    def _good_round(self, stream: bool) -> tuple[list[int], list[int]]:
+        """Fork the good session, generate from the fork, close it: (final tokens, streamed tokens)."""
+        child = uuid.uuid4().hex
+        self._call(p.Fork(request_id=self._rid(), session_id=self.good_session, child_id=child), p.Forked)
+        rid = self._rid()
+        params = p.Sampling(max_tokens=GOOD_TOKENS, ignore_eos=True)
+        answer = self._call(p.Generate(request_id=rid, session_id=child, params=params, stream=stream), p.Generated)
+        streamed = [t for m in self._mail.pop((self.GOOD_ROUTE, rid), []) if isinstance(m, p.Chunks)
+                    for c in m.chunks if c.request_id == rid for t in c.token_ids]
+        self._call(p.Close(request_id=self._rid(), session_id=child), p.Closed)
+        assert isinstance(answer, p.Generated)
+        return list(answer.token_ids), streamed
+
+    def _victims(self) -> list[str]:
+        fresh = [uuid.uuid4().hex for _ in range(VICTIMS)]
+        for sid in fresh:
+            self._call(p.CreateSession(request_id=self._rid(), session_id=sid), p.Created, self.JANITOR_ROUTE)
+            self._call(p.Append(request_id=self._rid(), session_id=sid, token_ids=GOOD_PROMPT), p.Appended,
+                       self.JANITOR_ROUTE)
+        return fresh
+
+    def _close_session(self, sid: str) -> None:
+        self._call(p.Close(request_id=self._rid(), session_id=sid), p.Message, self.JANITOR_ROUTE)
+
+    # -- checks --
+
+    def _check(self) -> None:
+        if not self._wait(lambda: not (self.expected - self.errors)):
+            missing = dict((self.expected - self.errors).most_common(5))
+            raise self.fail(f"errors never answered (route, code, request id, message): {missing}", [self.daemon])
+        self.errors.clear()  # the rest are refusals of valid requests
+        self.expected.clear()
+        if self.report.notes:
+            raise self.fail(self.report.notes[0], [self.daemon])
+        if not self.daemon.alive:
+            raise self.fail("the worker died", [self.daemon])
+        restored = time.monotonic()
+        self._welcome()  # a fuzzed WELCOME may have changed its heartbeat: set it back
+        final, streamed = self._good_round(stream=self.report.checkpoints % 2 == 1)
+        # The last step's token comes in the final answer only: the streamed ones are a prefix of it.
+        if final != self.expected_tokens or streamed != final[: len(streamed)]:
+            raise self.fail(f"good session: tokens {final}, streamed {streamed}, expected {self.expected_tokens}",
+                            [self.daemon])
+        self.report.good_rounds += 1
+        if not self._wait(lambda: self.last_beat > restored, 5.0):
+            raise self.fail("the worker stopped heartbeating", [self.daemon])
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._wait(lambda: False, 0.05)
+        self._close_created()
+        for sid in self.known.sessions:
+            self._close_session(sid)
+        self.known.sessions[:] = self._victims()
+
+    def finish(self) -> None:
+        """The victims closed, the good session must hold its prompt alone, idle."""
+        super().finish()
+        for sid in self.known.sessions:
+            self._close_session(sid)
+        info = self._call(p.Info(request_id=self._rid(), session_id=self.good_session), p.SessionInfo)
+        assert isinstance(info, p.SessionInfo)
+        if info.length != len(GOOD_PROMPT) or info.busy:
+            raise self.fail(f"the good session changed: {info}", [self.daemon])
+
+
+TARGETS: dict[str, type[Target]] = {"client": ClientSocket, "worker-socket": WorkerSocket, "worker-link": WorkerLink}

@@ -1,0 +1,81 @@
+"""What the GPU's numbers are compared with: the same model on the CPU in fp32 (the package's docstring says why
+only prompts with safe margins), and the helpers that drive an engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.model.llama import Llama
+
+MODEL = "random:smollm2-135m"
+CONTEXT = 1024
+TOKENS = 8  # greedy tokens per reference
+SAFE_MARGIN = 0.06
+CANDIDATES = 48  # random prompts tried, 8 at a time, until 8 have safe margins
+
+
+@dataclass(frozen=True)
+class Reference:
+    prompt: list[int]
+    tokens: list[int]  # CPU fp32 greedy continuation
+    margins: list[float]  # CPU top-1 minus top-2 logit at each generated token
+
+
+def cpu_greedy(engine: object, prompts: list[list[int]], n: int) -> list[Reference]:
+    """Greedy continuations of all prompts at once through the CPU engine's executor, with margins."""
+    from worker.engine import Engine
+
+    assert isinstance(engine, Engine)
+    table, executor = engine.table, engine.executor
+    slots = [table.create() for _ in prompts]
+    try:
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        last: list[int] = []
+        for slot, prompt in zip(slots, prompts, strict=True):
+            tokens += prompt
+            positions += range(len(prompt))
+            rows += [slot] * len(prompt)
+            last.append(len(tokens) - 1)
+        logits = executor.execute(tokens, positions, rows, last)
+        out: list[list[int]] = [[] for _ in prompts]
+        margins: list[list[float]] = [[] for _ in prompts]
+        for step in range(n):
+            top = logits.topk(2, dim=-1)
+            for i in range(len(prompts)):
+                out[i].append(int(top.indices[i, 0]))
+                margins[i].append(float(top.values[i, 0] - top.values[i, 1]))
+            if step < n - 1:
+                steps = [len(p) + step for p in prompts]
+                logits = executor.execute([o[-1] for o in out], steps, slots, list(range(len(prompts))))
+    finally:
+        for slot in slots:
+            table.free(slot)
+    return [Reference(p, o, m) for p, o, m in zip(prompts, out, margins, strict=True)]
+
+
+def tiny_llama(max_context: int) -> Llama:
+    from worker.model.loader import load_model
+
+    loaded = load_model("random:tiny")
+    return Llama(loaded.config, loaded.weights, torch.device("cpu"), torch.float32, max_context)
+
+
+def open_with(engine: object, prompt: list[int]) -> str:
+    from worker.engine import Engine
+
+    assert isinstance(engine, Engine)
+    sid = engine.create_session()
+    engine.append(sid, token_ids=prompt)
+    return sid
+
+
+def greedy(n: int) -> dict[str, object]:
+    return {"max_tokens": n, "ignore_eos": True}
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.double() - expected.double()).norm() / expected.double().norm())
