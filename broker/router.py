@@ -2,7 +2,7 @@
 
 - A client request is validated, then placed (CREATE), answered here (STATUS) or forwarded to the
   worker holding its session with the client's routing id added as `route`.
-- A worker's answer (REPLY, CHUNKS, CHUNK, ERROR) is forwarded to its route unchanged; the broker only
+- A worker's answer (REPLY, CHUNKS, ERROR) is forwarded to its route unchanged; the broker only
   reads the header to find the route and to keep its tables (session created, forked, closed; request
   finished). CHUNKS, the streamed tokens of one engine step for one client, is checked no further than
   its route and the type of its list: the client checks the chunks, so nothing is done here per token.
@@ -34,7 +34,7 @@ from broker.registry import Registry, WorkerRecord
 log = structlog.get_logger()
 
 MAX_HELD = 100_000  # requests held while recovering; past this they are refused
-ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNKS, p.Command.CHUNK, p.Command.ERROR, p.Command.FANOUT})
+ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNKS, p.Command.ERROR, p.Command.FANOUT})
 
 RequestKey = tuple[bytes, str]  # (client route, request id)
 
@@ -419,7 +419,7 @@ class Router:
             self.counters.error(envelope.header.get("code"))
         request_id = p.request_id_of(envelope.header)
         key = None if request_id is None else (route, request_id)
-        if key is not None and envelope.command is not p.Command.CHUNK:
+        if key is not None:
             flight = self.inflight.pop(key, None)
             self._account(identity, flight, envelope)
         self._out.append(Send(Peer.CLIENT, route, frames, key))

@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 # What a call's mailbox holds: a whole message, or one request's chunk split out of a CHUNKS message.
 Answer = p.Message | p.StreamChunk
-ANSWER_TYPES: tuple[type[p.Message], ...] = (*p.REPLY_KINDS.values(), p.Chunks, p.Chunk, p.Error)
+ANSWER_TYPES: tuple[type[p.Message], ...] = (*p.REPLY_KINDS.values(), p.Chunks, p.Error)
 
 
 def new_request_id() -> str:
@@ -159,7 +159,7 @@ class StreamState:
         return "".join(self._text)
 
     def take(self, message: Answer) -> Chunk:
-        if isinstance(message, (p.StreamChunk, p.Chunk)):  # per token: nothing here but bookkeeping
+        if isinstance(message, p.StreamChunk):  # per token: nothing here but bookkeeping
             self.tokens += len(message.token_ids)
             self._text.append(message.text)
             return Chunk(list(message.token_ids), message.text)

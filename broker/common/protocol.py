@@ -14,8 +14,7 @@ Legs:
     client -> broker:          CREATE APPEND CHAT GENERATE FORK CLOSE INFO CANCEL STATUS
     broker -> worker:          the same requests plus `route` (the client's routing id), and for
                                CREATE and FORK the session id the broker made
-    worker -> broker -> client REPLY (final; `kind` names the result), CHUNKS (streamed), ERROR (final);
-                               CHUNK (one request's streamed tokens) is still understood, no longer sent
+    worker -> broker -> client REPLY (final; `kind` names the result), CHUNKS (streamed), ERROR (final)
     worker -> broker:          FANOUT (a step's CHUNKS for several clients, sent on by the broker)
     worker <-> broker:         READY WELCOME HEARTBEAT RECONNECT DISCONNECT
 
@@ -97,7 +96,6 @@ class Command(Enum):
     STATUS = b"STATUS"  # answered by the broker itself
     # answers (worker -> broker -> client, or broker -> client)
     REPLY = b"REPLY"
-    CHUNK = b"CHUNK"
     CHUNKS = b"CHUNKS"
     ERROR = b"ERROR"
     FANOUT = b"FANOUT"  # worker -> broker: one step's CHUNKS for several clients
@@ -340,7 +338,7 @@ class Generate(Message):
     request_id: RequestId
     session_id: SessionId
     params: Annotated[Sampling, nested(Sampling)] = Sampling()
-    stream: Annotated[bool, boolean] = False  # CHUNK messages before the final REPLY
+    stream: Annotated[bool, boolean] = False  # CHUNKS messages before the final REPLY
     # A prompt appended first, as by APPEND, in the same request (one round trip for a turn): both or neither.
     prompt_ids: Annotated[tuple[int, ...] | None, int_list(MAX_TOKENS, optional=True)] = None
     prompt: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
@@ -489,18 +487,6 @@ class StatusReport(Message):
     request_id: RequestId
     broker_id: RequestId
     workers: Annotated[tuple[WorkerStatus, ...], nested_list(WorkerStatus, 1 << 16)] = ()
-    route: Route = b""
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk(Message):
-    """Tokens of a streamed generation, in order. The final REPLY (Generated) carries them all again."""
-
-    COMMAND: ClassVar[Command] = Command.CHUNK
-    request_id: RequestId
-    session_id: SessionId
-    token_ids: TokenIds
-    text: Text
     route: Route = b""
 
 
@@ -700,7 +686,7 @@ _BY_COMMAND: Final[dict[Command, type[Message]]] = {
     c.COMMAND: c
     for c in (
         CreateSession, Append, Chat, Generate, Fork, Close, Info, Cancel, Status,
-        Chunk, Chunks, Fanout, Error, Ready, Welcome, Heartbeat, Reconnect, Disconnect,
+        Chunks, Fanout, Error, Ready, Welcome, Heartbeat, Reconnect, Disconnect,
     )
 }
 

@@ -154,25 +154,20 @@ def memory_check(sessions: int, max_context: int = 2048) -> dict[str, float]:
     sid = warm.create_session()
     warm.append(sid, token_ids=list(range(1000, 1300)))
     warm.generate(sid, max_tokens=4, ignore_eos=True)
-    warm.table.close()
-    del warm
+    warm.unload()
     gc.collect()  # the graphs and their pool go now, not during the measurement
-    torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free0, _ = torch.cuda.mem_get_info()
     engine = Engine.load(MODEL, device="cuda", max_sessions=sessions, max_context=max_context)
-    sids = [engine.create_session() for _ in range(sessions)]
+    for _ in range(sessions):
+        engine.create_session()
     torch.cuda.synchronize()
     free1, _ = torch.cuda.mem_get_info()
     used = free0 - free1
     budget = engine.model.weight_bytes() + sessions * engine.bytes_per_session
     result = {"used_bytes": used, "weights_plus_sessions_bytes": budget, "ratio": used / budget, "max_context": max_context,
               "slot_bytes": engine.table.slot_bytes, "bytes_per_session": engine.bytes_per_session}
-    for sid in sids:
-        engine.close(sid)
-    engine.table.close()
-    del engine
-    torch.cuda.empty_cache()
+    engine.unload()
     return result
 
 
@@ -224,9 +219,7 @@ def main() -> None:
 
     for n in args.sessions:
         results["runs"][n] = {"engine": median_run(in_process(n, engine), reps)}
-    engine.table.close()
-    del engine
-    torch.cuda.empty_cache()
+    engine.unload()
     for n in args.sessions:
         rates = bench_hf_apart(n, args.prompt_tokens, args.new_tokens, args.seed, reps)
         results["runs"][n]["hf_tokens_per_s"] = rates[len(rates) // 2]

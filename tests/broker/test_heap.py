@@ -10,13 +10,13 @@ from broker.common import heap
 
 def test_settle_freezes_what_is_alive_and_sets_the_switch_interval() -> None:
     before = sys.getswitchinterval()
-    alive = [[] for _ in range(1000)]  # lists are tracked by the collector
+    alive: list[list[object]] = [[] for _ in range(1000)]  # lists are tracked by the collector
     try:
         heap.settle(heap.SWITCH_INTERVAL_S)
         assert gc.get_freeze_count() >= len(alive)
         assert abs(sys.getswitchinterval() - heap.SWITCH_INTERVAL_S) < 1e-9
         frozen = gc.get_freeze_count()
-        later = [[] for _ in range(1000)]
+        later: list[list[object]] = [[] for _ in range(1000)]
         assert all(gc.is_tracked(x) for x in later) and gc.get_freeze_count() == frozen  # new objects are not frozen
     finally:
         gc.unfreeze()

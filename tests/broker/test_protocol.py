@@ -38,7 +38,6 @@ EXAMPLES: list[p.Message] = [
     p.Closed(request_id="r6", session_id=SID),
     p.SessionInfo(request_id="r7", session_id=SID, length=5, model="m", worker="w", max_context=64, busy=True),
     p.StatusReport(request_id="r9", broker_id="b1", workers=(p.WorkerStatus("w", "m", 4, 3, 1, True, "cpu"),)),
-    p.Chunk(request_id="r4", session_id=SID, token_ids=(4,), text="a", route=b"c1"),
     p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"), p.StreamChunk("r5", (), "é"), p.StreamChunk("r6", (1, 2), "")),
              route=b"c1"),
     p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"),)),
@@ -214,7 +213,7 @@ def test_the_fanout_flag_of_an_older_broker_s_welcome_is_ignored() -> None:
 
 
 def test_unchecked_answers_equal_checked_ones_and_take_defaults() -> None:
-    fields = dict(request_id="r1", session_id="a" * 32, token_ids=(1, 2, 3), text="abc", finish_reason="length",
+    fields: dict[str, Any] = dict(request_id="r1", session_id="a" * 32, token_ids=(1, 2, 3), text="abc", finish_reason="length",
                   length=7)
     fast = p.Generated.unchecked(**fields)
     assert fast == p.Generated(**fields)
@@ -234,7 +233,8 @@ def test_messages_built_in_python_are_checked_too() -> None:
         p.Sampling(max_tokens=-1)
     with pytest.raises(p.ProtocolError, match="session_id"):
         p.Info(request_id="r", session_id="ABC")
-    assert p.Chunk(request_id="r", session_id=SID, token_ids=[1, 2], text="").token_ids == (1, 2)  # type: ignore[arg-type]
+    assert p.Generated(request_id="r", session_id=SID, token_ids=[1, 2], text="", finish_reason="stop",  # type: ignore[arg-type]
+                       length=2).token_ids == (1, 2)
 
 
 msgpack_values = st.recursive(

@@ -72,7 +72,7 @@ def test_session_requests_go_to_the_session_s_worker() -> None:
     gen = p.Generate(request_id="g1", session_id=sid, stream=True)
     peer, identity, forwarded = one(router.client_message(C1, p.encode(gen), 2.0))
     assert (peer, identity, forwarded) == (Peer.WORKER, W2, gen.routed(C1))
-    chunk = p.Chunk(request_id="g1", session_id=sid, token_ids=(1,), text="a", route=C1)
+    chunk = p.Chunks(chunks=(p.StreamChunk("g1", (1,), "a"),), route=C1)
     assert router.worker_message(W2, p.encode(chunk), 2.1)[0].frames == p.encode(chunk)  # forwarded unchanged
     assert (C1, "g1") in router.inflight
     done = p.Generated(request_id="g1", session_id=sid, token_ids=(1, 2), text="ab", finish_reason="length",
@@ -183,8 +183,7 @@ def test_a_client_that_went_away_has_its_generation_cancelled() -> None:
     sid = "a" * 32
     router = running((W1, ready("w1", sessions=(sid,))))
     router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id=sid, stream=True)), 2.0)
-    chunk = router.worker_message(W1, p.encode(p.Chunk(request_id="g1", session_id=sid, token_ids=(1,), text="",
-                                                       route=C1)), 2.1)
+    chunk = router.worker_message(W1, p.encode(p.Chunks(chunks=(p.StreamChunk("g1", (1,), ""),), route=C1)), 2.1)
     peer, identity, cancel = one(router.undeliverable(chunk[0], Failure.UNREACHABLE, 2.1))
     assert (peer, identity) == (Peer.WORKER, W1)
     assert isinstance(cancel, p.Cancel) and cancel.target == "g1" and cancel.session_id == sid

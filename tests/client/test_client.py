@@ -38,9 +38,13 @@ def generated(request: p.Generate, ids: tuple[int, ...], reason: str = "length")
                        text="".join(chr(97 + i) for i in ids), finish_reason=reason, length=10 + len(ids))
 
 
-def chunk(request: p.Generate, ids: tuple[int, ...]) -> p.Chunk:
-    return p.Chunk(request_id=request.request_id, session_id=request.session_id, token_ids=ids,
-                   text="".join(chr(97 + i) for i in ids))
+def stream_chunk(request: p.Generate, ids: tuple[int, ...]) -> p.StreamChunk:
+    return p.StreamChunk(request.request_id, ids, "".join(chr(97 + i) for i in ids))
+
+
+def chunk(request: p.Generate, ids: tuple[int, ...]) -> p.Chunks:
+    """The CHUNKS message of one engine step that moved only this request."""
+    return p.Chunks(chunks=(stream_chunk(request, ids),))
 
 
 def test_every_error_class_is_importable_from_client_with_its_code() -> None:
@@ -211,7 +215,7 @@ def test_resend_schedule_backs_off_and_resets_when_an_answer_comes() -> None:
 def test_stream_state_keeps_only_text_that_was_not_yielded() -> None:
     state = StreamState()
     request = p.Generate(request_id="g", session_id=SID)
-    assert state.take(chunk(request, (0, 1))) == Chunk([0, 1], "ab")
+    assert state.take(stream_chunk(request, (0, 1))) == Chunk([0, 1], "ab")
     assert state.take(p.StreamChunk("g", (2,), "c")) == Chunk([2], "c")
     assert state.take(generated(request, (0, 1, 2, 3), reason="stop")) == Chunk([3], "d", "stop")
     assert state.text == "abcd" and state.tokens == 4

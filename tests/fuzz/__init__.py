@@ -10,7 +10,7 @@ Three targets, each a real process on 127.0.0.1:
   every command (bytes flipped in the msgpack header, fields replaced by values of other types, huge numbers,
   unicode, nesting, frames dropped or repeated, wrong version, payload frames, live sessions of another client).
 - `WorkerSocket`: DEALERs posing as workers send mutated control messages (READY, HEARTBEAT, DISCONNECT...)
-  and answers (REPLY, CHUNKS, CHUNK, ERROR) addressed to real clients.
+  and answers (REPLY, CHUNKS, ERROR) addressed to real clients.
 - `WorkerLink`: a ROUTER posing as the broker drives a real `worker start` with mutated routed requests and
   control messages, answering its READY and heartbeating like a broker.
 

@@ -15,8 +15,8 @@ import zmq
 
 from broker.common import protocol as p
 from client import Client, Session
+from client.stack import Daemon
 
-from ..integration.cluster import Daemon
 from .strategies import Frames
 
 T = TypeVar("T")
@@ -65,7 +65,7 @@ def forwarded_to(frames: Frames) -> bytes | None:
         envelope = strict(p.decode_envelope, frames)
     except p.ProtocolError:
         return None
-    if envelope.command not in (p.Command.REPLY, p.Command.CHUNKS, p.Command.CHUNK, p.Command.ERROR):
+    if envelope.command not in (p.Command.REPLY, p.Command.CHUNKS, p.Command.ERROR):
         return None
     if envelope.command is p.Command.CHUNKS:
         chunks = envelope.header.get("chunks")

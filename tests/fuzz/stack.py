@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ..integration.cluster import Cluster, Daemon, free_port
+from client.stack import Daemon
+
+from ..integration.cluster import Cluster, free_port
+from ..integration.cluster import Daemon as TestDaemon
 from .checks import ANSWER_WAIT_S, GoodSession
 from .strategies import Known
 
@@ -47,7 +50,7 @@ class FuzzStack:
             self.cluster.start_broker()
             self.cluster.start_worker(self.worker_name, model=self.MODEL, max_sessions=self.MAX_SESSIONS,
                                       max_context=self.MAX_CONTEXT)
-            self.lone = Daemon(
+            self.lone = TestDaemon(
                 "worker.cli",
                 ["--broker", f"tcp://127.0.0.1:{self.lone_port}", "--model", self.MODEL, "--device", "cpu",
                  "--name", self.lone_name, "--max-sessions", str(self.MAX_SESSIONS), "--max-context",

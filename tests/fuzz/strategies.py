@@ -149,7 +149,7 @@ def requests(known: Known, routed: bool) -> st.SearchStrategy[p.Message]:
 
 
 def answers(known: Known) -> st.SearchStrategy[p.Message]:
-    """Valid worker answers (REPLY of every kind, CHUNK, CHUNKS, ERROR) addressed to real clients' routes."""
+    """Valid worker answers (REPLY of every kind, CHUNKS, ERROR) addressed to real clients' routes."""
     rid = request_ids()
     sid = session_ids(known)
     route = routes(known)
@@ -169,7 +169,6 @@ def answers(known: Known) -> st.SearchStrategy[p.Message]:
                   worker=names(known), max_context=counts(), busy=st.booleans(), route=route),
         st.builds(p.StatusReport, request_id=rid, broker_id=rid, workers=st.lists(worker_status, max_size=2).map(tuple),
                   route=route),
-        st.builds(p.Chunk, request_id=rid, session_id=sid, token_ids=ids, text=text, route=route),
         st.builds(p.Chunks, chunks=st.lists(chunk, min_size=1, max_size=4).map(tuple), route=route),
         st.builds(p.Error, request_id=st.none() | rid, code=st.sampled_from(list(p.ErrorCode)), message=text, route=route),
     )
@@ -207,7 +206,7 @@ FIELD_NAMES = sorted(
     {"kind"}
     | {
         name
-        for cls in (*p.REQUEST_TYPES, *p.REPLY_KINDS.values(), p.Chunk, p.Chunks, p.Error, p.Ready, p.Welcome,
+        for cls in (*p.REQUEST_TYPES, *p.REPLY_KINDS.values(), p.Chunks, p.Error, p.Ready, p.Welcome,
                     p.Heartbeat, p.Reconnect, p.Disconnect, p.Sampling, p.WorkerStatus)
         for name in field_names(cls)
     }

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from broker.common import protocol as p
 from client import ClientError
+from client.stack import Daemon
 
-from ..integration.cluster import Daemon
 from .checks import (
     ANSWER_WAIT_S,
     GOOD_PROMPT,

@@ -14,6 +14,7 @@ SmolLM2-135M-shaped engine with and without the fused stack, and its launch coun
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 from collections.abc import Iterator
@@ -225,24 +226,25 @@ def eager_steps(engine: object, prompt: list[int], n: int, fused: bool,
                 forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
     """Eager prefill, then decode steps: n tokens, greedy or `forced`, and the logits (n, vocab) that chose them."""
     from worker.engine import Engine
-    from worker.engine.executor import EagerExecutor
+    from worker.engine.executor import EagerExecutor, StepRows
     from worker.kernels.layers import fused_layers
 
     assert isinstance(engine, Engine)
     executor = EagerExecutor(engine.model, engine.table)
-    engine.model.fused_layers = fused_layers if fused else None
+    kernels = engine.model.kernels
+    engine.model.kernels = dataclasses.replace(kernels, fused_layers=fused_layers if fused else None)
     slot = engine.table.create()
     try:
         p = len(prompt)
-        rows = [executor.execute(prompt, list(range(p)), [slot] * p, [p - 1])[0]]
+        rows = [executor.execute(StepRows(prompt, list(range(p)), [slot] * p, [p - 1]))[0]]
         tokens: list[int] = []
         for i in range(n):
             tokens.append(forced[i] if forced is not None else int(rows[-1].argmax()))
             if i + 1 < n:
-                rows.append(executor.execute([tokens[-1]], [p + i], [slot], [0])[0])
+                rows.append(executor.execute(StepRows([tokens[-1]], [p + i], [slot], [0]))[0])
         return tokens, torch.stack(rows).float().cpu()
     finally:
-        engine.model.fused_layers = fused_layers
+        engine.model.kernels = kernels
         engine.table.free(slot)
 
 
@@ -253,7 +255,7 @@ def test_gpu_engine_uses_the_fused_stack(fused_engine: object) -> None:
     from worker.kernels.layers import fused_layers
 
     assert isinstance(fused_engine, Engine)
-    assert fused_engine.model.fused_layers is fused_layers
+    assert fused_engine.model.kernels.fused_layers is fused_layers
 
 
 @pytest.mark.gpu
@@ -304,7 +306,8 @@ def kernels_in_decode_step(engine: object, fused: bool, row_products: bool = Fal
     batch = Batch(runs=[], decode_only=True, lengths=torch.ones(rows, dtype=torch.int32, device="cuda"),
                   attention_splits=splits or engine.executor.attention_splits,  # type: ignore[attr-defined]
                   row_products=row_products)
-    model.fused_layers = fused_layers if fused else None
+    kernels = model.kernels
+    model.kernels = dataclasses.replace(kernels, fused_layers=fused_layers if fused else None)
     try:
         model.forward(zeros, zeros, slots, engine.table.views(), batch)  # compiled and warm
         torch.cuda.synchronize()
@@ -312,7 +315,7 @@ def kernels_in_decode_step(engine: object, fused: bool, row_products: bool = Fal
             model.forward(zeros, zeros, slots, engine.table.views(), batch)
             torch.cuda.synchronize()
     finally:
-        model.fused_layers = fused_layers
+        model.kernels = kernels
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len([n for n in names if not n.startswith(("Memcpy", "Memset"))])
 

@@ -74,20 +74,18 @@ def test_row_matmul_refuses_shapes_it_cannot_serve() -> None:
         row_matmul(square, torch.zeros(3, 3), out=square)
 
 
-def test_row_products_and_the_norm_fold_follow_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_row_products_and_the_norm_fold_follow_the_switches() -> None:
     """WORKER_ROW_PRODUCTS=0 (or WORKER_FUSED_KERNELS=0) turns both off: cuBLAS's speed and its numbers."""
     pytest.importorskip("triton")
-    from worker.engine.graphs import ATTENTION_SPLITS_ENV, _pinned_splits, row_products_wanted
+    from worker.engine.options import ATTENTION_SPLITS_ENV, EngineOptions, pinned_splits
 
-    assert row_products_wanted()
+    assert EngineOptions.from_env({}).folds_norms
     for env in ("WORKER_ROW_PRODUCTS", "WORKER_FUSED_KERNELS"):
-        with monkeypatch.context() as m:
-            m.setenv(env, "0")
-            assert not row_products_wanted()
-    assert _pinned_splits("3") == 3
+        assert not EngineOptions.from_env({env: "0"}).folds_norms
+    assert pinned_splits("3") == 3 and EngineOptions.from_env({ATTENTION_SPLITS_ENV: "3"}).attention_splits == 3
     for bad in ("0", "-1", "two", "1000"):
         with pytest.raises(ValueError, match=ATTENTION_SPLITS_ENV):
-            _pinned_splits(bad)
+            pinned_splits(bad)
 
 
 # -- GPU -------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.executor import StepRows
 from worker.model.llama import Llama
 
 MODEL = "random:smollm2-135m"
@@ -40,7 +41,7 @@ def cpu_greedy(engine: object, prompts: list[list[int]], n: int) -> list[Referen
             positions += range(len(prompt))
             rows += [slot] * len(prompt)
             last.append(len(tokens) - 1)
-        logits = executor.execute(tokens, positions, rows, last)
+        logits = executor.execute(StepRows(tokens, positions, rows, last))
         out: list[list[int]] = [[] for _ in prompts]
         margins: list[list[float]] = [[] for _ in prompts]
         for step in range(n):
@@ -50,7 +51,7 @@ def cpu_greedy(engine: object, prompts: list[list[int]], n: int) -> list[Referen
                 margins[i].append(float(top.values[i, 0] - top.values[i, 1]))
             if step < n - 1:
                 steps = [len(p) + step for p in prompts]
-                logits = executor.execute([o[-1] for o in out], steps, slots, list(range(len(prompts))))
+                logits = executor.execute(StepRows([o[-1] for o in out], steps, slots, list(range(len(prompts)))))
     finally:
         for slot in slots:
             table.free(slot)

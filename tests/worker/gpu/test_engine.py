@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from worker.engine.executor import StepRows
+
 from .device import needs_cuda
 from .references import TOKENS, Reference, greedy, open_with, relative_error
 
@@ -23,7 +25,7 @@ def test_gpu_engine_runs_bf16_on_the_vmm_slab_with_graphs(gpu_engine: object) ->
     from worker.engine.graphs import GraphExecutor
 
     assert isinstance(gpu_engine, Engine)
-    assert gpu_engine.model.dtype == torch.bfloat16 and gpu_engine.model.decode_attention is not None
+    assert gpu_engine.model.dtype == torch.bfloat16 and gpu_engine.model.kernels.decode_attention is not None
     assert isinstance(gpu_engine.table.backend, VmmBackend)
     assert isinstance(gpu_engine.executor, GraphExecutor)
     assert gpu_engine.executor.buckets == [1, 4, 8] and gpu_engine.capacity == 8  # every bucket row-invariant
@@ -64,13 +66,13 @@ def test_gpu_logits_match_the_cpu_within_bf16_tolerance(
         seq = ref.prompt + ref.tokens
         n = len(ref.prompt)
         cpu_slot = cpu_engine.table.create()
-        cpu = cpu_engine.executor.execute(seq, list(range(len(seq))), [cpu_slot] * len(seq), list(range(n - 1, len(seq))))
+        cpu = cpu_engine.executor.execute(StepRows(seq, list(range(len(seq))), [cpu_slot] * len(seq), list(range(n - 1, len(seq)))))
         cpu_engine.table.free(cpu_slot)
         slot = gpu_engine.table.create()
         try:
-            rows = [gpu_engine.executor.execute(ref.prompt, list(range(n)), [slot] * n, [n - 1])]
+            rows = [gpu_engine.executor.execute(StepRows(ref.prompt, list(range(n)), [slot] * n, [n - 1]))]
             for i, token in enumerate(ref.tokens):
-                rows.append(gpu_engine.executor.execute([token], [n + i], [slot], [0]))
+                rows.append(gpu_engine.executor.execute(StepRows([token], [n + i], [slot], [0])))
             gpu = torch.cat(rows).cpu()
         finally:
             gpu_engine.table.free(slot)
@@ -167,9 +169,9 @@ def test_batch_invariant_tokens_for_any_prompt(gpu_engine: object) -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_requests_taken_while_a_prefill_step_runs_change_no_tokens(gpu_engine: object) -> None:
-    """The worker takes requests while step() waits for a step with prompt tokens (Engine.while_prefilling):
-    sessions opened, generations started and a generating session closed from inside step() leave every
-    session's tokens exactly as when each runs alone."""
+    """The worker takes requests while a step with prompt tokens runs (step(wait=False) returns without reading it,
+    Engine.prefill_running): sessions opened, generations started and a generating session closed between those
+    calls leave every session's tokens exactly as when each runs alone."""
     from worker.engine import Engine
     from worker.engine.sampling import SamplingParams
 
@@ -204,16 +206,14 @@ def test_requests_taken_while_a_prefill_step_runs_change_no_tokens(gpu_engine: o
 
     for i in range(4):
         names[gpu_engine.start_generate(open_with(gpu_engine, prompts[i]), SamplingParams(**greedy(10)))] = i  # type: ignore[arg-type]
-    gpu_engine.while_prefilling = meanwhile
-    try:
-        while gpu_engine.has_work():
-            for chunk in gpu_engine.step():
-                if chunk.request_id in names:
-                    out[names[chunk.request_id]] += chunk.token_ids
-                if chunk.finish_reason is not None:
-                    reasons[chunk.request_id] = chunk.finish_reason
-    finally:
-        gpu_engine.while_prefilling = None
+    while gpu_engine.has_work():
+        for chunk in gpu_engine.step(wait=False):
+            if chunk.request_id in names:
+                out[names[chunk.request_id]] += chunk.token_ids
+            if chunk.finish_reason is not None:
+                reasons[chunk.request_id] = chunk.finish_reason
+        if gpu_engine.prefill_running:  # the worker takes the requests that came meanwhile
+            meanwhile()
     assert calls >= 4 and not waiting and doomed not in gpu_engine.sessions()
     assert [out[i] for i in range(len(prompts))] == solo
     assert reasons[doomed_rid] == "cancelled"

@@ -10,8 +10,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from worker.engine.graphs import BUCKETS, buckets_for, pick_bucket, split_step, workspace_bytes
+from worker.engine.budget import GPU_STEP_TOKENS
+from worker.engine.executor import StepRows
+from worker.engine.graphs import BUCKETS, buckets_for, pick_bucket, split_step
+from worker.engine.workspace import workspace_bytes
 from worker.kernels.tiles import TILE_ROWS
+from worker.model.batch import Kernels
 from worker.model.config import PRESETS
 from worker.model.llama import Llama
 
@@ -47,8 +51,6 @@ def test_split_step_separates_decode_rows_from_prefill_chunks() -> None:
 
 
 def test_workspace_covers_prefill_attention_and_graph_outputs() -> None:
-    from worker.engine.core import GPU_STEP_TOKENS
-
     small, large = tiny_llama(256), tiny_llama(4096)
     c = PRESETS["tiny"]
     assert workspace_bytes(large) > workspace_bytes(small) > 0
@@ -122,9 +124,8 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     from worker.model.loader import load_model
 
     loaded = load_model("random:tiny")
-    model = Llama(loaded.config, loaded.weights, torch.device("cpu"), torch.float32, 64)
-    monkeypatch.setattr(model, "decode_attention", torch_decode_attention)
-    monkeypatch.setattr(model, "prefill_attention", torch_prefill_attention)
+    model = Llama(loaded.config, loaded.weights, torch.device("cpu"), torch.float32, 64,
+                  kernels=Kernels(decode_attention=torch_decode_attention, prefill_attention=torch_prefill_attention))
     graph_table = SessionTable(HostBackend(model.state_spec(), 6))
     eager_table = SessionTable(HostBackend(model.state_spec(), 6))
     marked: list[list[int]] = []
@@ -143,35 +144,35 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     positions = [i for p in prompts for i in range(len(p))]
     rows = [s for s, p in zip(slots, prompts, strict=True) for _ in p]
     last = (torch.tensor(lengths).cumsum(0) - 1).tolist()
-    prefilled = [executor.execute(tokens, positions, rows, last) for executor in (graphs, eager)]
+    prefilled = [executor.execute(StepRows(tokens, positions, rows, last)) for executor in (graphs, eager)]
     torch.testing.assert_close(prefilled[0], prefilled[1], atol=1e-4, rtol=1e-4)  # slab attention = per-run SDPA
     assert graphs.replays == 0 and graphs.prefill_replays == 1
-    assert replayed == [("_prefill_step", 128)]  # 34 prompt tokens: the smallest prefill graph
+    assert replayed == [("_prefill_forward", 128)]  # 34 prompt tokens: the smallest prefill graph
     # Two chunk ends per replay: three replays of the one output, each replay's logits kept before the next.
     few = GraphExecutor(model, graph_table, prefill_logits=2)
     replayed.clear()
-    torch.testing.assert_close(few.execute(tokens, positions, rows, last), prefilled[1], atol=1e-4, rtol=1e-4)
-    assert replayed == [("_prefill_step", 128)] * 3
+    torch.testing.assert_close(few.execute(StepRows(tokens, positions, rows, last)), prefilled[1], atol=1e-4, rtol=1e-4)
+    assert replayed == [("_prefill_forward", 128)] * 3
     _, chunks = split_step(tokens, positions, rows)
     with pytest.raises(ValueError, match="one prefill replay takes 2 chunks"):  # more than its tiles' grid holds
-        few._prefill(chunks[:3], tokens, positions, set())
+        few.replay_prefill(chunks[:3], tokens, positions, set())
     pos = list(lengths)
     history: list[tuple[torch.Tensor, torch.Tensor]] = []
     for chosen in ([3, 0, 5], [1], [0, 1, 2, 3, 4, 5], [5, 4], [2, 0, 1], [2, 0, 1, 4]):
         step_tokens = torch.randint(0, 512, (len(chosen),), generator=gen).tolist()
         args = (step_tokens, [pos[i] for i in chosen], [slots[i] for i in chosen])
         want = list(range(len(chosen)))
-        got, expected = graphs.execute(*args, want), eager.execute(*args, want)
+        got, expected = graphs.execute(StepRows(*args, want)), eager.execute(StepRows(*args, want))
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         history.append((got, expected))
         assert sorted(marked[-1]) == sorted(slots[i] for i in chosen)
         assert (graphs._decode_in.host[:, len(chosen) :] == graphs._padding).all()  # no stale rows: padding only
-        picked = graphs.execute(*args, [len(chosen) - 1])  # the same step again: only the last row
+        picked = graphs.execute(StepRows(*args, [len(chosen) - 1]))  # the same step again: only the last row
         torch.testing.assert_close(picked, expected[-1:], atol=1e-4, rtol=1e-4)
         for i in chosen:
             pos[i] += 1
     assert graphs.replays == 12
-    assert replayed[-1] == ("_step", 4)  # [2, 0, 1, 4]: a 4-row bucket
+    assert replayed[-1] == ("_decode_forward", 4)  # [2, 0, 1, 4]: a 4-row bucket
     for got, expected in history:  # returned logits are copies: later replays did not overwrite them
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     # A step launched ahead: its first rows read their ids from a device tensor (the last step's samples),
@@ -183,26 +184,27 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
         step_slots = [slots[0], slots[3], slots[1]] + [slots[4]] * chunk
         want = [0, 1, 2] + ([5] if chunk else [])
         ahead = (step_tokens, step_positions, step_slots, want)
-        got, expected = graphs.execute(*ahead, source=(samples, [2, 0])), eager.execute(*ahead, source=(samples, [2, 0]))
+        rows_ahead = StepRows(*ahead, source=(samples, [2, 0]))
+        got, expected = graphs.execute(rows_ahead), eager.execute(rows_ahead)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-        assert replayed[-1 - bool(chunk)] == ("_step", 4)
+        assert replayed[-1 - bool(chunk)] == ("_decode_forward", 4)
         for i in (0, 3, 1):
             pos[i] += 1
         pos[4] += chunk
     # The host ids of the rows it reads from the device are placeholders: they change nothing.
     placeholders = ([1, 2, 3], [pos[0], pos[3], pos[1]], [slots[0], slots[3], slots[1]], [0, 1, 2])
-    torch.testing.assert_close(graphs.execute(*placeholders, source=(samples, [2, 0, 1])),
-                               eager.execute([11, 7, 300], *placeholders[1:]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graphs.execute(StepRows(*placeholders, source=(samples, [2, 0, 1]))),
+                               eager.execute(StepRows([11, 7, 300], *placeholders[1:])), atol=1e-4, rtol=1e-4)
     # In order (steady decoding: row i takes the last step's i-th sample): the ids are copied as they are.
-    torch.testing.assert_close(graphs.execute(*placeholders, source=(samples, [0, 1, 2])),
-                               eager.execute([7, 300, 11], *placeholders[1:]), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(graphs.execute(*placeholders, source=(samples, [0, 1])),
-                               eager.execute([7, 300, 3], *placeholders[1:]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graphs.execute(StepRows(*placeholders, source=(samples, [0, 1, 2]))),
+                               eager.execute(StepRows([7, 300, 11], *placeholders[1:])), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(graphs.execute(StepRows(*placeholders, source=(samples, [0, 1]))),
+                               eager.execute(StepRows([7, 300, 3], *placeholders[1:])), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="first rows"):  # a device row after a host one: refused, not misread
-        graphs.execute([0, 0, 0, 0], [pos[4], pos[4] + 1, pos[0], pos[2]], [slots[4], slots[4], slots[0], slots[2]],
-                       [1, 2, 3], source=(samples, [0]))
+        graphs.execute(StepRows([0, 0, 0, 0], [pos[4], pos[4] + 1, pos[0], pos[2]], [slots[4], slots[4], slots[0], slots[2]],
+                                [1, 2, 3], source=(samples, [0])))
     graphs.long_rows_from = 2  # a step with no rows has no long row either
-    assert graphs.execute([], [], [], []).shape == (0, loaded.config.vocab_size)
+    assert graphs.execute(StepRows([], [], [], [])).shape == (0, loaded.config.vocab_size)
     spare = graph_table.views()["k"][graph_table.spare_slot]
     assert torch.count_nonzero(spare[:, :, 1:]) == 0  # padding rows wrote position 0 of the spare only
 
@@ -216,7 +218,7 @@ def test_a_bucket_whose_rows_differ_from_the_largest_is_dropped_at_start(monkeyp
     from worker.engine import Engine
     from worker.engine.graphs import GraphExecutor
 
-    step, prefill_step = GraphExecutor._step, GraphExecutor._prefill_step
+    step, prefill_step = GraphExecutor._decode_forward, GraphExecutor._prefill_forward
 
     def skewed(self: GraphExecutor, b: int) -> torch.Tensor:
         logits = step(self, b)
@@ -229,8 +231,8 @@ def test_a_bucket_whose_rows_differ_from_the_largest_is_dropped_at_start(monkeyp
                 logits.mul_(1 + 2**-7)
         return logits
 
-    monkeypatch.setattr(GraphExecutor, "_step", skewed)
-    monkeypatch.setattr(GraphExecutor, "_prefill_step", skewed_prefill)
+    monkeypatch.setattr(GraphExecutor, "_decode_forward", skewed)
+    monkeypatch.setattr(GraphExecutor, "_prefill_forward", skewed_prefill)
     engine = Engine.load("random:smollm2-135m", device="cuda", max_sessions=8, max_context=256)
     try:
         executor = engine.executor
@@ -322,8 +324,8 @@ def test_graph_replay_matches_eager(gpu_engine: object, references: list[Referen
     gpu_engine.generate_many([(s, greedy(1)) for s in sids])  # prompts in; one pending token each
     sessions = [gpu_engine._sessions[s] for s in sids]
     step = ([s.tokens[s.computed] for s in sessions], [s.computed for s in sessions], [s.slot for s in sessions])
-    from_graph = graphs.execute(*step, list(range(8)))
-    from_eager = eager.execute(*step, list(range(8)))
+    from_graph = graphs.execute(StepRows(*step, list(range(8))))
+    from_eager = eager.execute(StepRows(*step, list(range(8))))
     err = relative_error(from_graph, from_eager)
     assert err < 4e-2, f"relative error {err:.4f}"
     assert from_graph.argmax(-1).tolist() == from_eager.argmax(-1).tolist()

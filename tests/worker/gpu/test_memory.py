@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from cuda_state import CapacityExhausted
-from worker.engine.graphs import workspace_bytes
+from worker.engine.executor import StepRows
+from worker.engine.workspace import workspace_bytes
 
 from .device import PAGE_TABLE_SLACK, UNDER_SANITIZER, Loaded, device_free_bytes, needs_cuda
 from .references import CONTEXT, TOKENS, Reference, greedy, open_with, tiny_llama
@@ -132,7 +133,7 @@ def test_closing_a_session_inflight_waits_for_the_step(gpu_engine: object, refer
     step = ([sa.tokens[sa.computed], sb.tokens[sb.computed]], [sa.computed, sb.computed], [sa.slot, sb.slot], [0, 1])
     torch.cuda.synchronize()
     torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time ahead of the step
-    logits = gpu_engine.executor.execute(*step)  # queued: reads and writes slot a after the sleep
+    logits = gpu_engine.executor.execute(StepRows(*step))  # queued: reads and writes slot a after the sleep
     gpu_engine.close(a)  # kept mapped: nothing to wait for
     c = gpu_engine.create_session()
     assert gpu_engine._sessions[c].slot == sa.slot  # slot a again, its zeroing queued behind the step
@@ -142,7 +143,7 @@ def test_closing_a_session_inflight_waits_for_the_step(gpu_engine: object, refer
     assert logits[1].argmax().item() == references[1].tokens[1]
 
     torch.cuda._sleep(400_000_000)
-    gpu_engine.executor.execute([1], [0], [sa.slot], [0])  # queued: writes slot a after the sleep
+    gpu_engine.executor.execute(StepRows([1], [0], [sa.slot], [0]))  # queued: writes slot a after the sleep
     gpu_engine.close(c)
     start = time.perf_counter()
     assert gpu_engine.release_idle_slots(0.0) == 1  # must not give slot a's memory back under the running step

@@ -9,6 +9,7 @@ import os
 import torch
 
 from cuda_state import HostBackend, SessionTable
+from worker.model.batch import NO_KERNELS, Kernels
 from worker.model.llama import Llama
 from worker.model.loader import load_model
 
@@ -23,7 +24,7 @@ def main() -> None:
     loaded = load_model("random:tiny")
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
         llama = Llama(loaded.config, loaded.weights, torch.device("cpu"), dtype, 64)
-        assert llama.fused_layers is None  # the CPU path stays the torch loop
+        assert llama.kernels == NO_KERNELS  # the CPU path stays the torch loop
         tables = [SessionTable(HostBackend(llama.state_spec(), 3)) for _ in range(2)]
         for table in tables:
             assert [table.create() for _ in range(3)] == [0, 1, 2]
@@ -32,14 +33,14 @@ def main() -> None:
             tokens = torch.randint(0, 512, (len(slots),), generator=gen)
             logits = []
             for fused, table in zip((None, fused_layers), tables, strict=True):
-                llama.fused_layers = fused
+                llama.kernels = Kernels(fused_layers=fused)
                 args = (tokens, torch.tensor(positions), torch.tensor(slots), table.views())
                 logits.append(llama.forward(*args, batch=llama.plan(slots, positions)))
             torch.testing.assert_close(logits[1], logits[0], rtol=tol, atol=tol)
             for name in ("k", "v"):
                 a, b = (t.views()[name][:3] for t in tables)  # session slots; the spare is never touched
                 torch.testing.assert_close(b, a, rtol=tol, atol=tol)
-        llama.fused_layers = None
+        llama.kernels = NO_KERNELS
     print("ok")
 
 

@@ -10,6 +10,7 @@ import torch
 
 from cuda_state import HostBackend, SessionTable
 from tests.worker.tensors import random_norms
+from worker.model.batch import Kernels
 from worker.model.llama import Llama
 from worker.model.loader import load_model
 
@@ -25,8 +26,8 @@ def main() -> None:
     weights = random_norms(loaded.weights)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
         plain = Llama(loaded.config, weights, torch.device("cpu"), dtype, 64)
-        folded = Llama(loaded.config, weights, torch.device("cpu"), dtype, 64, fold_norms=True)
-        folded.fused_layers, folded.fused_head = fused_layers, fused_head
+        folded = Llama(loaded.config, weights, torch.device("cpu"), dtype, 64, fold_norms=True,
+                       kernels=Kernels(fused_layers=fused_layers, fused_head=fused_head))
         tables = [SessionTable(HostBackend(plain.state_spec(), 3)) for _ in range(2)]
         for table in tables:
             assert [table.create() for _ in range(3)] == [0, 1, 2]
@@ -46,7 +47,7 @@ def main() -> None:
                 torch.testing.assert_close(b, a, rtol=tol, atol=tol)
         batch = plain.plan([0], [11])
         batch.row_products = True
-        plain.fused_layers = fused_layers
+        plain.kernels = Kernels(fused_layers=fused_layers)
         try:
             plain.forward(torch.tensor([1]), torch.tensor([11]), torch.tensor([0]), tables[0].views(), batch=batch)
             raise AssertionError("row products ran with the norms not folded")
