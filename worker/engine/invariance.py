@@ -103,6 +103,7 @@ def keep_row_invariant_buckets(ex: Replays) -> None:
     log.info("buckets_checked", buckets=ex.buckets, prefill_buckets=ex.prefill_buckets,
              seconds=round(time.perf_counter() - start, 3))
 
+
 def _decode_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: torch.Generator, long: bool = False) -> bool:
     """b decode rows (b <= len(slots)) at positions below `span` give the same logits in bucket b as in the
     largest bucket (long: in the split attention's graphs)."""
@@ -115,6 +116,7 @@ def _decode_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: tor
     own = ex.replay_decode(tokens, positions, slots[:b], bucket=b, long=long)
     return torch.equal(wide, own)
 
+
 def _split_graphs_agree(ex: Replays, slots: list[int], gen: torch.Generator) -> bool:
     """Rows shorter than long_rows_from give the same logits in the split attention's graph as in the other
     (what lets a step's longest row pick the graph without moving the others' numbers)."""
@@ -125,6 +127,7 @@ def _split_graphs_agree(ex: Replays, slots: list[int], gen: torch.Generator) -> 
     positions = torch.randint(1, ex.long_rows_from - 1, (rows,), generator=gen, device=device).tolist()
     split = ex.replay_decode(tokens, positions, slots[:rows], bucket=ex.buckets[-1], long=True)
     return torch.equal(split, ex.replay_decode(tokens, positions, slots[:rows], bucket=ex.buckets[-1], long=False))
+
 
 def _prefill_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: torch.Generator) -> bool:
     """Prompt chunks filling most of b rows, one per slot from a random offset, give the same logits at
