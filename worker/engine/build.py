@@ -16,6 +16,7 @@ from worker.engine.budget import CPU_STEP_TOKENS, GPU_STEP_TOKENS
 from worker.engine.executor import EagerExecutor, Executor
 from worker.engine.options import EngineOptions
 from worker.model.batch import NO_KERNELS
+from worker.model.families import model_class
 from worker.model.llama import Llama
 from worker.model.loader import LoadedModel, load_model
 from worker.model.tokenizer import Tokenizer
@@ -69,7 +70,8 @@ def configure_gpu(options: EngineOptions) -> None:
 
 
 def build_model(loaded: LoadedModel, device: torch.device, max_context: int, options: EngineOptions) -> Llama:
-    """The model on `device`: bf16 with the GPU kernels on a GPU, fp32 in plain torch on the CPU. On the GPU the
+    """The model of the config's family on `device`: bf16 with the GPU kernels on a GPU, fp32 in plain torch on the
+    CPU. On the GPU the
     norms' weights ride in the products when decode steps use row products (worker.model.llama.Layer)."""
     on_gpu = device.type == "cuda"
     kernels = NO_KERNELS
@@ -78,8 +80,8 @@ def build_model(loaded: LoadedModel, device: torch.device, max_context: int, opt
 
         kernels = gpu_kernels(prefill_tiles=options.prefill_tiles, fused=options.fused_kernels)
     context = min(max_context, loaded.config.context_length)
-    llama = Llama(loaded.config, loaded.weights, device, torch.bfloat16 if on_gpu else torch.float32, context,
-                  fold_norms=on_gpu and options.folds_norms, kernels=kernels)
+    llama = model_class(loaded.config)(loaded.config, loaded.weights, device, torch.bfloat16 if on_gpu else torch.float32,
+                                       context, fold_norms=on_gpu and options.folds_norms, kernels=kernels)
     loaded.weights.clear()  # the model holds its own copies: the loader's go now, not at the caller's leisure
     return llama
 

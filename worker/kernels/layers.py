@@ -35,7 +35,7 @@ from worker.kernels.fused import add_rms_norm, rms_norm, rope_and_store, silu_mu
 from worker.kernels.matmul import row_matmul, row_squares, squares_tiles, tiles_for
 
 if TYPE_CHECKING:
-    from worker.model.llama import Batch, Llama
+    from worker.model.llama import Batch, Layer, Llama
 
 
 def fused_layers(
@@ -57,7 +57,7 @@ def fused_layers(
     x = rms_norm(h, layers[0].input_norm, eps)
     for li, layer in enumerate(layers):
         k_cache, v_cache = state["k"][:, li], state["v"][:, li]  # (num_slots, kv_heads, max_context, hd)
-        attn = layer.wo(_attend(model, layer.wqkv(x), cos, sin, positions, slots, k_cache, v_cache, batch))  # (T, dim)
+        attn = layer.wo(_attend(model, layer, layer.wqkv(x), cos, sin, positions, slots, k_cache, v_cache, batch))
         x, h = add_rms_norm(attn, h, layer.post_norm, eps)
         mlp = layer.w_down(silu_mul(layer.w_gate_up(x)))  # (T, dim)
         if li + 1 < len(layers):
@@ -69,6 +69,7 @@ def fused_layers(
 
 def _attend(
     model: Llama,
+    layer: Layer,
     qkv: torch.Tensor,  # (T, (H + 2 KV) * hd): the qkv product
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -78,8 +79,10 @@ def _attend(
     v_cache: torch.Tensor,
     batch: Batch,
 ) -> torch.Tensor:
-    """RoPE, this layer's K/V of the batch stored, then attention: (T, H * hd), the o product's input."""
+    """The family's step before RoPE (worker.model.llama.Llama.before_rope), RoPE, this layer's K/V of the batch
+    stored, then attention: (T, H * hd), the o product's input."""
     c = model.config
+    qkv = model.before_rope(layer, qkv)
     q = rope_and_store(qkv, cos, sin, k_cache, v_cache, slots, positions, c.n_heads, c.n_kv_heads, c.head_dim)
     attn = model.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
     return attn.reshape(-1, c.n_heads * c.head_dim)
@@ -110,8 +113,8 @@ def _row_layers(
     row_squares(h, after_mlp, block_n=tiles_for(c.dim, c.ffn_dim).block_n)  # the first layer's input: the embeddings
     for li, layer in enumerate(model.layers):
         k_cache, v_cache = state["k"][:, li], state["v"][:, li]
-        qkv = row_matmul(h, layer.wqkv.weight, norm_squares=after_mlp, eps=eps)
-        attn = _attend(model, qkv, cos, sin, positions, slots, k_cache, v_cache, batch)
+        qkv = layer.wqkv.add_bias(row_matmul(h, layer.wqkv.weight, norm_squares=after_mlp, eps=eps))
+        attn = _attend(model, layer, qkv, cos, sin, positions, slots, k_cache, v_cache, batch)
         row_matmul(attn, layer.wo.weight, residual=h, out=h, squares_out=after_attention)
         act = row_matmul(h, layer.w_gate_up.weight, norm_squares=after_attention, eps=eps, silu=True)
         row_matmul(act, layer.w_down.weight, residual=h, out=h, squares_out=after_mlp)

