@@ -5,6 +5,7 @@ Engine.load chains them; Engine.close frees the same parts in reverse order.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import structlog
@@ -80,9 +81,14 @@ def build_model(loaded: LoadedModel, device: torch.device, max_context: int, opt
 
         kernels = gpu_kernels(prefill_tiles=options.prefill_tiles, fused=options.fused_kernels)
     context = min(max_context, loaded.config.context_length)
-    llama = model_class(loaded.config)(loaded.config, loaded.weights, device, torch.bfloat16 if on_gpu else torch.float32,
-                                       context, fold_norms=on_gpu and options.folds_norms, kernels=kernels)
-    loaded.weights.clear()  # the model holds its own copies: the loader's go now, not at the caller's leisure
+    start = time.perf_counter()
+    llama = model_class(loaded.config)(loaded.config, loaded.read(device), device,
+                                       torch.bfloat16 if on_gpu else torch.float32, context,
+                                       fold_norms=on_gpu and options.folds_norms, kernels=kernels)
+    if on_gpu:
+        torch.cuda.synchronize(device)
+    log.info("weights_loaded", model=loaded.config.name, gib=round(llama.weight_bytes() / 2**30, 2),
+             seconds=round(time.perf_counter() - start, 2))
     return llama
 
 

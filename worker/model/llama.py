@@ -11,7 +11,7 @@ token each), mixed freely. Nothing here knows about sessions, sampling or schedu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -19,18 +19,16 @@ import torch.nn.functional as F
 
 from cuda_state import BufferSpec, StateSpec
 from worker.model.batch import NO_KERNELS, Batch, Kernels, Run, runs_of
-from worker.model.config import ModelConfig
+from worker.model.config import ModelConfig, ModelLoadError
 from worker.model.hf_config import read_common, refuse, refuse_unknown
 from worker.model.layers import Linear, apply_rope, rms_norm
+from worker.model.packing import PACK_ALIGN, Pack, Place
 from worker.model.rope import rope_tables
 
 __all__ = ["PACK_ALIGN", "Batch", "Layer", "Llama", "Run", "apply_rope", "rms_norm", "rope_tables", "runs_of"]
 
-PACK_ALIGN = 512  # bytes: every packed weight starts at a multiple (cuBLAS and Triton want 16 at least)
-
-
 class Layer:
-    """One transformer block's weights, fused for fewer launches: qkv and gate|up.
+    """One transformer block's weights, fused for fewer launches: qkv and gate|up (views of the model's pack).
 
     With fold_norms, each RMSNorm's weight is multiplied into the columns of the product after it
     (in fp32, before the cast) and the norm keeps a weight of ones: w @ (g * n) = (w * g) @ n. The
@@ -39,36 +37,58 @@ class Layer:
     the per-head norms of q and k (Qwen3) come after the product and are not folded.
     """
 
-    def __init__(self, w: dict[str, torch.Tensor], i: int, device: torch.device, dtype: torch.dtype,
-                 fold_norms: bool = False, qkv_bias: bool = False, qk_norm: bool = False) -> None:
-        def get(name: str) -> torch.Tensor:
-            return w[f"layers.{i}.{name}"]
+    def __init__(self, views: Mapping[str, torch.Tensor], i: int, qkv_bias: bool = False, qk_norm: bool = False) -> None:
+        def view(name: str) -> torch.Tensor:
+            return views[f"layers.{i}.{name}"]
 
-        input_norm, post_norm = get("input_norm").float(), get("post_norm").float()
-        qkv = torch.cat([get("q_proj"), get("k_proj"), get("v_proj")]).float()
-        gate_up = torch.cat([get("gate_proj"), get("up_proj")]).float()
+        self.input_norm = view("input_norm")  # (dim,)
+        self.wqkv = Linear(view("wqkv"), bias=view("wqkv_bias") if qkv_bias else None)  # ((H+2KV)*hd, dim)
+        self.wo = Linear(view("wo"))  # (dim, H * hd)
+        self.post_norm = view("post_norm")  # (dim,)
+        self.w_gate_up = Linear(view("w_gate_up"))  # (2 * ffn, dim)
+        self.w_down = Linear(view("w_down"))  # (dim, ffn)
+        self.q_norm = view("q_norm") if qk_norm else None  # (hd,)
+        self.k_norm = view("k_norm") if qk_norm else None  # (hd,)
+
+    @staticmethod
+    def declare(pack: Pack, c: ModelConfig, i: int, dtype: torch.dtype, fold_norms: bool, qkv_bias: bool,
+                qk_norm: bool) -> None:
+        """Layer i's packed tensors and where each source tensor ("layers.i.q_proj", ...) goes."""
+        hd, q, kv, f = c.head_dim, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.ffn_dim
+        p = f"layers.{i}."
+        for name, shape in (("input_norm", (c.dim,)), ("post_norm", (c.dim,)), ("wqkv", (q + 2 * kv, c.dim)),
+                            ("wo", (c.dim, q)), ("w_gate_up", (2 * f, c.dim)), ("w_down", (c.dim, f))):
+            pack.add(p + name, shape, dtype)
+        before_qkv = p + "input_norm" if fold_norms else None
+        before_mlp = p + "post_norm" if fold_norms else None
+        for name, start, stop in (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)):
+            pack.route(p + name, Place(p + "wqkv", start, stop, fold=before_qkv))
+        pack.route(p + "gate_proj", Place(p + "w_gate_up", 0, f, fold=before_mlp))
+        pack.route(p + "up_proj", Place(p + "w_gate_up", f, 2 * f, fold=before_mlp))
+        pack.route(p + "o_proj", Place(p + "wo"))
+        pack.route(p + "down_proj", Place(p + "w_down"))
         if fold_norms:
-            qkv, gate_up = qkv * input_norm, gate_up * post_norm
-            input_norm, post_norm = torch.ones_like(input_norm), torch.ones_like(post_norm)
-        bias = torch.cat([get("q_bias"), get("k_bias"), get("v_bias")]) if qkv_bias else None
-        self.input_norm = input_norm.to(device=device, dtype=dtype)  # (dim,)
-        self.wqkv = Linear(qkv, device, dtype, bias=bias)  # ((H+2KV)*hd, dim), bias ((H+2KV)*hd,)
-        self.wo = Linear(get("o_proj"), device, dtype)  # (dim, H * hd)
-        self.post_norm = post_norm.to(device=device, dtype=dtype)  # (dim,)
-        self.w_gate_up = Linear(gate_up, device, dtype)  # (2 * ffn, dim)
-        self.w_down = Linear(get("down_proj"), device, dtype)  # (dim, ffn)
-        self.q_norm = get("q_norm").to(device=device, dtype=dtype) if qk_norm else None  # (hd,)
-        self.k_norm = get("k_norm").to(device=device, dtype=dtype) if qk_norm else None  # (hd,)
+            pack.folded(p + "input_norm")
+            pack.folded(p + "post_norm")
+        else:
+            pack.route(p + "input_norm", Place(p + "input_norm"))
+            pack.route(p + "post_norm", Place(p + "post_norm"))
+        if qkv_bias:
+            pack.add(p + "wqkv_bias", (q + 2 * kv,), dtype)
+            for name, start, stop in (("q_bias", 0, q), ("k_bias", q, q + kv), ("v_bias", q + kv, q + 2 * kv)):
+                pack.route(p + name, Place(p + "wqkv_bias", start, stop))
+        if qk_norm:
+            for name in ("q_norm", "k_norm"):
+                pack.add(p + name, (hd,), dtype)
+                pack.route(p + name, Place(p + name))
 
     def linears(self) -> list[Linear]:
         return [self.wqkv, self.wo, self.w_gate_up, self.w_down]
 
-    def tensors(self) -> list[tuple[object, str]]:
-        """(owner, attribute) of every tensor of the layer: what pack_weights moves."""
-        held: list[tuple[object, str]] = [(self, "input_norm"), (self, "post_norm")]
-        held += [(linear, "weight") for linear in self.linears()]
-        held += [(self.wqkv, "bias")] if self.wqkv.bias is not None else []
-        held += [(self, "q_norm"), (self, "k_norm")] if self.q_norm is not None else []
+    def tensors(self) -> list[torch.Tensor]:
+        held = [self.input_norm, self.post_norm] + [linear.weight for linear in self.linears()]
+        held += [self.wqkv.bias] if self.wqkv.bias is not None else []
+        held += [self.q_norm, self.k_norm] if self.q_norm is not None and self.k_norm is not None else []
         return held
 
 
@@ -81,7 +101,7 @@ class Llama:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],  # source tensors, our names
         device: torch.device,
         dtype: torch.dtype,
         max_context: int,
@@ -94,45 +114,33 @@ class Llama:
         self.device = device
         self.dtype = dtype
         self.max_context = max_context
-        # On the GPU the tensors are built in host memory, then moved in one block (pack_weights): the device holds
-        # the weights once, never twice.
-        build = torch.device("cpu") if device.type == "cuda" else device
-        head = weights["embed"] if config.tie_embeddings else weights["lm_head"]
-        self.lm_head = Linear(head, build, dtype, transposed=device.type == "cpu")  # (vocab, dim)
+        c = config
+        cpu = device.type == "cpu"
+        pack = Pack()
+        pack.add("lm_head", (c.dim, c.vocab_size) if cpu else (c.vocab_size, c.dim), dtype)
+        pack.route("embed" if c.tie_embeddings else "lm_head", Place("lm_head", transposed=cpu))
+        if not c.tie_embeddings:
+            pack.add("embed", (c.vocab_size, c.dim), dtype)
+            pack.route("embed", Place("embed"))
+        pack.add("norm", (c.dim,), dtype)
+        pack.route("norm", Place("norm"))
+        for i in range(c.n_layers):
+            Layer.declare(pack, c, i, dtype, fold_norms, self.qkv_bias, self.qk_norm)
+        pack.add("cos", (max_context, c.head_dim), torch.float32)
+        pack.add("sin", (max_context, c.head_dim), torch.float32)
+        views = pack.allocate(device)
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        extra = pack.fill(items, where=c.name)
+        unknown = sorted(set(extra) - {"rope_freqs"})
+        if unknown:
+            raise ModelLoadError(f"{c.name}: tensors that are not part of a {c.family} model: {', '.join(unknown[:8])}")
+        self.lm_head = Linear(views["lm_head"], transposed=cpu)  # (vocab, dim)
         # With tied weights the head is the embedding, stored once.
-        self.embed = self.lm_head if config.tie_embeddings else Linear(weights["embed"], build, dtype)
-        self.norm = weights["norm"].to(device=build, dtype=dtype)
-        self.layers = [Layer(weights, i, build, dtype, fold_norms, self.qkv_bias, self.qk_norm)
-                       for i in range(config.n_layers)]
-        self.cos, self.sin = rope_tables(config, max_context, build, weights.get("rope_freqs"))
-        if device.type == "cuda":
-            self.pack_weights(device)
-
-    def pack_weights(self, device: torch.device | None = None) -> None:
-        """Move every weight and table into one allocation on `device` (default: where they are), as views at
-        PACK_ALIGN-aligned offsets.
-
-        Allocated one by one on the GPU, the ~200 tensors of a small model leave the caching allocator's 20 MiB
-        segments part empty: on SmolLM2-135M 280 MiB reserved for 257 MiB of weights. One block costs its size
-        rounded to 2 MiB."""
-        holders: list[tuple[object, str]] = [(self.lm_head, "weight"), (self, "norm"), (self, "cos"), (self, "sin")]
-        if self.embed is not self.lm_head:
-            holders.append((self.embed, "weight"))
-        for layer in self.layers:
-            holders += layer.tensors()
-        tensors = [getattr(owner, name) for owner, name in holders]
-        places: list[tuple[int, int, torch.dtype, torch.Size]] = []  # (offset, bytes, dtype, shape) of each
-        total = 0
-        for t in tensors:
-            places.append((total, t.numel() * t.element_size(), t.dtype, t.shape))
-            total += -(-places[-1][1] // PACK_ALIGN) * PACK_ALIGN
-        flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
-        for t, (offset, nbytes, dtype, shape) in zip(tensors, places, strict=True):
-            flat[offset : offset + nbytes].view(dtype).view(shape).copy_(t)
-        if device is not None:
-            flat = flat.to(device)
-        for (owner, name), (offset, nbytes, dtype, shape) in zip(holders, places, strict=True):
-            setattr(owner, name, flat[offset : offset + nbytes].view(dtype).view(shape))
+        self.embed = self.lm_head if c.tie_embeddings else Linear(views["embed"])
+        self.norm = views["norm"]
+        self.layers = [Layer(views, i, self.qkv_bias, self.qk_norm) for i in range(c.n_layers)]
+        cos, sin = rope_tables(c, max_context, device, extra.get("rope_freqs"))
+        self.cos, self.sin = views["cos"].copy_(cos), views["sin"].copy_(sin)
 
     def state_spec(self) -> StateSpec:
         """Per session: K and V for every layer, (layers, kv_heads, max_context, head_dim)."""
@@ -142,10 +150,9 @@ class Llama:
 
     def weight_bytes(self) -> int:
         """Bytes of every weight (not the RoPE tables)."""
-        held = [(self.lm_head, "weight"), (self, "norm")] + [t for layer in self.layers for t in layer.tensors()]
+        tensors = [self.lm_head.weight, self.norm] + [t for layer in self.layers for t in layer.tensors()]
         if self.embed is not self.lm_head:
-            held.append((self.embed, "weight"))
-        tensors = [getattr(owner, name) for owner, name in held]
+            tensors.append(self.embed.weight)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def before_rope(self, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:

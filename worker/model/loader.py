@@ -9,9 +9,11 @@ back here, so one RoPE convention (rotate-half) serves every source.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +35,23 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 __all__ = ["LoadedModel", "ModelLoadError", "bundled_gguf_path", "load_gguf", "load_model"]
 
 
+Tensors = Iterator[tuple[str, torch.Tensor]]
+
+
 @dataclass
 class LoadedModel:
+    """A model found and its config read; its weights are read when `read` streams them (one tensor at a time, in
+    the stored dtype, named as ours: "embed", "layers.0.q_proj", ...), straight into the model's pack."""
+
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names ("layers.0.q_proj", ...), fp32 on CPU
+    read: Callable[[torch.device], Tensors]  # the device random weights are drawn on (files ignore it)
     tokenizer: Tokenizer
     source: str
+
+    @functools.cached_property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every weight at once, fp32 on the CPU (tests and comparisons; serving streams `read` instead)."""
+        return {name: t.float().contiguous() for name, t in self.read(torch.device("cpu"))}
 
 
 def bundled_gguf_path() -> Path:
@@ -149,23 +162,23 @@ def load_gguf(path: Path) -> LoadedModel:
             [int(d) for d in reversed(t.shape.tolist())]
         )
 
-    weights: dict[str, torch.Tensor] = {
-        "embed": torch.from_numpy(tensor("token_embd.weight")),
-        "norm": torch.from_numpy(tensor("output_norm.weight")),
-    }
-    if not config.tie_embeddings:
-        weights["lm_head"] = torch.from_numpy(tensor("output.weight"))
-    if "rope_freqs.weight" in tensors:  # Llama 3's frequency scaling, as llama.cpp's converter stores it
-        weights["rope_freqs"] = torch.from_numpy(tensor("rope_freqs.weight"))
-    for i in range(config.n_layers):
-        for gguf_name, ours in GGUF_LAYER_NAMES.items():
-            w = tensor(f"blk.{i}.{gguf_name}")
-            if ours == "q_proj":
-                w = _unpermute_rope(w, config.n_heads)
-            elif ours == "k_proj":
-                w = _unpermute_rope(w, config.n_kv_heads)
-            weights[f"layers.{i}.{ours}"] = torch.from_numpy(np.ascontiguousarray(w))
-    return LoadedModel(config, weights, Tokenizer.from_gguf_fields(fields), str(path))
+    def read(device: torch.device) -> Tensors:
+        yield "embed", torch.from_numpy(tensor("token_embd.weight"))
+        yield "norm", torch.from_numpy(tensor("output_norm.weight"))
+        if not config.tie_embeddings:
+            yield "lm_head", torch.from_numpy(tensor("output.weight"))
+        if "rope_freqs.weight" in tensors:  # Llama 3's frequency scaling, as llama.cpp's converter stores it
+            yield "rope_freqs", torch.from_numpy(tensor("rope_freqs.weight"))
+        for i in range(config.n_layers):
+            for gguf_name, ours in GGUF_LAYER_NAMES.items():
+                w = tensor(f"blk.{i}.{gguf_name}")
+                if ours == "q_proj":
+                    w = _unpermute_rope(w, config.n_heads)
+                elif ours == "k_proj":
+                    w = _unpermute_rope(w, config.n_kv_heads)
+                yield f"layers.{i}.{ours}", torch.from_numpy(np.ascontiguousarray(w))
+
+    return LoadedModel(config, read, Tokenizer.from_gguf_fields(fields), str(path))
 
 
 def _gguf_rope_scaling(meta: Any, path: Path) -> RopeScaling:
@@ -202,24 +215,29 @@ def load_safetensors_folder(folder: Path) -> LoadedModel:
     ours = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
     for i in range(config.n_layers):
         ours |= {f"model.layers.{i}.{hf}": f"layers.{i}.{name}" for hf, name in family.hf_layer_names.items()}
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as shard:
-            for hf_name in shard.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
-                name = ours.get(hf_name)
-                if name is None:
-                    raise ModelLoadError(f"{f}: tensor {hf_name} is not part of a {family.name} model as implemented")
-                weights[name] = shard.get_tensor(hf_name).float().contiguous()
-    if "lm_head" not in weights and not config.tie_embeddings:
+    head_stored = any("lm_head.weight" in _tensor_names(f) for f in files)
+    if not head_stored and not config.tie_embeddings:
         raise ModelLoadError(f"{folder}: tensor lm_head.weight is missing and tie_word_embeddings is false")
-    wanted = {"embed", "norm", *(["lm_head"] if not config.tie_embeddings else []), *(
-        f"layers.{i}.{name}" for i in range(config.n_layers) for name in family.hf_layer_names.values())}
-    missing = sorted(wanted - weights.keys())
-    if missing:
-        raise ModelLoadError(f"{folder}: tensors missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    if config.tie_embeddings:
-        weights.pop("lm_head", None)
-    return LoadedModel(config, weights, Tokenizer.from_hf_folder(folder), str(folder))
+
+    def read(device: torch.device) -> Tensors:
+        for f in files:
+            with safe_open(str(f), framework="pt") as shard:
+                for hf_name in shard.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                    name = ours.get(hf_name)
+                    if name is None:
+                        raise ModelLoadError(f"{f}: tensor {hf_name} is not part of a {family.name} model as implemented")
+                    if name == "lm_head" and config.tie_embeddings:
+                        continue  # tied: the embedding is the head
+                    yield name, shard.get_tensor(hf_name)
+
+    return LoadedModel(config, read, Tokenizer.from_hf_folder(folder), str(folder))
+
+
+def _tensor_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -237,8 +255,22 @@ def _safetensors_files(folder: Path) -> list[Path]:
 # -- seeded random weights ------------------------------------------------------------------------------
 
 
+# Presets of more parameters than this draw their random weights on the device they will be served from, in
+# seconds (an 8B model's ~8e9 draws take minutes on a host); smaller ones draw on the CPU, the same on every machine.
+DRAW_ON_DEVICE_PARAMS = 1_000_000_000
+
+
+def parameters(config: ModelConfig) -> int:
+    d, q, kv, f = config.dim, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.ffn_dim
+    per_layer = d * (q + 2 * kv) + q * d + 3 * d * f
+    return config.vocab_size * d * (1 if config.tie_embeddings else 2) + config.n_layers * per_layer
+
+
 def load_random(spec: str) -> LoadedModel:
-    """"random:PRESET" or "random:PRESET:SEED": a known architecture with reproducible random weights."""
+    """"random:PRESET" or "random:PRESET:SEED": a known architecture with reproducible random weights (normal, std
+    0.02; norms of ones). Drawn tensor by tensor as the model reads them: on the CPU for presets up to
+    DRAW_ON_DEVICE_PARAMS parameters, on the serving device above (the same seed gives the same weights on the same
+    kind of device)."""
     parts = spec.split(":")
     preset = parts[1] if len(parts) > 1 else ""
     if preset not in PRESETS or len(parts) > 3:
@@ -248,30 +280,38 @@ def load_random(spec: str) -> LoadedModel:
     except ValueError as e:
         raise ModelLoadError(f"model {spec!r}: seed must be an integer") from e
     config = PRESETS[preset]
-    gen = torch.Generator().manual_seed(seed)
-    d, hd, f = config.dim, config.head_dim, config.ffn_dim
+    big = parameters(config) > DRAW_ON_DEVICE_PARAMS
 
-    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * std
+    def read(device: torch.device) -> Tensors:
+        on = device if big else torch.device("cpu")
+        gen = torch.Generator(device=on).manual_seed(seed)
+        d, hd, f = config.dim, config.head_dim, config.ffn_dim
+        q, kv = config.n_heads * hd, config.n_kv_heads * hd
 
-    weights = {"embed": normal(config.vocab_size, d), "norm": torch.ones(d)}
-    if not config.tie_embeddings:
-        weights["lm_head"] = normal(config.vocab_size, d)
-    for i in range(config.n_layers):
-        if config.qkv_bias:
-            weights |= {f"layers.{i}.q_bias": normal(config.n_heads * hd), f"layers.{i}.k_bias": normal(config.n_kv_heads * hd),
-                        f"layers.{i}.v_bias": normal(config.n_kv_heads * hd)}
-        if config.qk_norm:
-            weights |= {f"layers.{i}.q_norm": torch.ones(hd), f"layers.{i}.k_norm": torch.ones(hd)}
-        weights |= {
-            f"layers.{i}.input_norm": torch.ones(d),
-            f"layers.{i}.q_proj": normal(config.n_heads * hd, d),
-            f"layers.{i}.k_proj": normal(config.n_kv_heads * hd, d),
-            f"layers.{i}.v_proj": normal(config.n_kv_heads * hd, d),
-            f"layers.{i}.o_proj": normal(d, config.n_heads * hd),
-            f"layers.{i}.post_norm": torch.ones(d),
-            f"layers.{i}.gate_proj": normal(f, d),
-            f"layers.{i}.up_proj": normal(f, d),
-            f"layers.{i}.down_proj": normal(d, f),
-        }
-    return LoadedModel(config, weights, Tokenizer.bytes_only(), spec)
+        def normal(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=on).mul_(0.02)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, device=on)
+
+        yield "embed", normal(config.vocab_size, d)
+        yield "norm", ones(d)
+        if not config.tie_embeddings:
+            yield "lm_head", normal(config.vocab_size, d)
+        for i in range(config.n_layers):
+            p = f"layers.{i}."
+            if config.qkv_bias:
+                yield from ((p + "q_bias", normal(q)), (p + "k_bias", normal(kv)), (p + "v_bias", normal(kv)))
+            if config.qk_norm:
+                yield from ((p + "q_norm", ones(hd)), (p + "k_norm", ones(hd)))
+            yield p + "input_norm", ones(d)
+            yield p + "q_proj", normal(q, d)
+            yield p + "k_proj", normal(kv, d)
+            yield p + "v_proj", normal(kv, d)
+            yield p + "o_proj", normal(d, q)
+            yield p + "post_norm", ones(d)
+            yield p + "gate_proj", normal(f, d)
+            yield p + "up_proj", normal(f, d)
+            yield p + "down_proj", normal(d, f)
+
+    return LoadedModel(config, read, Tokenizer.bytes_only(), spec)

@@ -14,32 +14,40 @@ from cuda_state import CapacityExhausted
 from worker.engine.executor import StepRows
 from worker.engine.workspace import workspace_bytes
 
+from ..tensors import random_norms
 from .device import PAGE_TABLE_SLACK, UNDER_SANITIZER, Loaded, device_free_bytes, needs_cuda
-from .references import CONTEXT, TOKENS, Reference, greedy, open_with, tiny_llama
+from .references import CONTEXT, TOKENS, Reference, greedy, open_with
 
 # Warnings are errors in this project; a deprecation inside Triton's own code is not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
 
 
-def test_packed_weights_are_views_of_one_block_and_give_the_same_logits() -> None:
-    """On the GPU Llama packs its weights into one allocation (Llama.pack_weights); the same packing on the CPU."""
-    from worker.model.llama import PACK_ALIGN
+def test_packed_weights_are_views_of_one_block_whatever_order_the_tensors_come_in() -> None:
+    """Llama packs its weights into one allocation (worker.model.packing), filled tensor by tensor as a loader
+    streams them: the same model whatever the order, norms folded or not (a product that comes before its norm
+    waits for it)."""
+    from worker.model.llama import PACK_ALIGN, Llama
+    from worker.model.loader import load_model
 
-    llama = tiny_llama(64)
-    spec = llama.state_spec()
-    state = {b.name: torch.zeros((2, *b.shape), dtype=b.dtype) for b in spec.buffers}
+    loaded = load_model("random:tiny")
+    weights = random_norms(loaded.weights)
     ids, positions, slots = torch.tensor([5, 9, 3, 7]), torch.tensor([0, 1, 2, 0]), torch.tensor([0, 0, 0, 1])
-    before = llama.forward(ids, positions, slots, {k: v.clone() for k, v in state.items()})
-    llama.pack_weights()
-    tensors = [llama.lm_head.weight, llama.norm, llama.cos, llama.sin]
-    for layer in llama.layers:
-        tensors += [layer.input_norm, layer.post_norm, *(linear.weight for linear in layer.linears())]
-    bases = {t.untyped_storage().data_ptr() for t in tensors}
-    assert len(bases) == 1
-    assert all((t.data_ptr() - min(bases)) % PACK_ALIGN == 0 and t.is_contiguous() for t in tensors)
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # no two share a byte
-    assert torch.equal(llama.forward(ids, positions, slots, state), before)
+    for fold in (False, True):
+        llama = Llama(loaded.config, weights, torch.device("cpu"), torch.float32, 64, fold_norms=fold)
+        backwards = Llama(loaded.config, reversed(list(weights.items())), torch.device("cpu"), torch.float32, 64,
+                          fold_norms=fold)
+        tensors = [backwards.lm_head.weight, backwards.norm, backwards.cos, backwards.sin]
+        for layer in backwards.layers:
+            tensors += layer.tensors()
+        bases = {t.untyped_storage().data_ptr() for t in tensors}
+        assert len(bases) == 1
+        assert all((t.data_ptr() - min(bases)) % PACK_ALIGN == 0 and t.is_contiguous() for t in tensors)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # no shared byte
+        spec = llama.state_spec()
+        state = {b.name: torch.zeros((2, *b.shape), dtype=b.dtype) for b in spec.buffers}
+        before = llama.forward(ids, positions, slots, {k: v.clone() for k, v in state.items()})
+        assert torch.equal(backwards.forward(ids, positions, slots, state), before)
 
 
 @pytest.mark.gpu
