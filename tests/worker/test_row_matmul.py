@@ -102,7 +102,8 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.double() - expected.double()).norm() / expected.double().norm())
 
 
-SHAPES = [(960, 576), (576, 576), (1536, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate|up (per half), down
+SHAPES = [(960, 576), (576, 576), (1536, 576), (576, 1536),  # SmolLM2-135M: qkv, o, gate|up (per half), down
+          (6144, 4096), (4096, 14336)]  # Llama-3-8B: qkv, down (the 64-row tiles)
 
 
 @pytest.mark.gpu

@@ -57,7 +57,15 @@ def main() -> None:
     ap.add_argument("--model", default="random:smollm2-135m")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--sweep", action="store_true")
+    grid = ap.add_argument_group("the sweep's grid (every combination)")
+    grid.add_argument("--block-m", type=int, nargs="+", default=[16, 64])
+    grid.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    grid.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
+    grid.add_argument("--warps", type=int, nargs="+", default=[2, 4])
+    grid.add_argument("--stages", type=int, nargs="+", default=[3])
     args = ap.parse_args()
+    sweep_grid = [Tiles(*combo) for combo in itertools.product(args.block_m, args.block_n, args.block_k, args.warps,
+                                                                args.stages)]
     from worker.model.loader import load_model
 
     c = load_model(args.model).config
@@ -76,7 +84,7 @@ def main() -> None:
     print(f"{'product':>8} {'rows':>4} {'before us':>10} {'row_matmul us':>14} {'ratio':>6}")
     swept: dict[tuple[str, Tiles], list[float]] = {}
     for rows in args.rows:
-        bench_rows(rows, c, weights, norm_w, rand, swept if args.sweep else None)
+        bench_rows(rows, c, weights, norm_w, rand, swept if args.sweep else None, sweep_grid)
     if swept:
         print(f"tile configurations by their time summed over {args.rows} rows:")
         for name in ("qkv", "o", "gate_up", "down"):
@@ -86,7 +94,8 @@ def main() -> None:
 
 
 def bench_rows(rows: int, c: ModelConfig, weights: dict[str, torch.Tensor], norm_w: torch.Tensor,
-               rand: Callable[..., torch.Tensor], swept: dict[tuple[str, Tiles], list[float]] | None) -> None:
+               rand: Callable[..., torch.Tensor], swept: dict[tuple[str, Tiles], list[float]] | None,
+               grid: list[Tiles]) -> None:
     """One row count: every product, before and fused (see the module docstring)."""
     eps = c.norm_eps
     h = rand(rows, c.dim)
@@ -121,8 +130,7 @@ def bench_rows(rows: int, c: ModelConfig, weights: dict[str, torch.Tensor], norm
         print(f"{name:>8} {rows:4d} {b:10.2f} {f:14.2f} {f / b:6.2f}   default {tiles_for(n, k, name == 'gate_up')}", flush=True)
         if swept is not None:
             results = []
-            for bm, bn, bk, warps in itertools.product((16, 64), (16, 32, 64), (128, 256), (2, 4)):
-                tiles = Tiles(bm, bn, bk, warps, 3)
+            for tiles in grid:
                 try:
                     us = graph_us(functools.partial(fused, tiles), rounds=3)
                 except Exception:  # a configuration the compiler refuses (shared memory): skip it

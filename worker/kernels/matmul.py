@@ -66,6 +66,12 @@ def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
     rows, with the weights streaming from device memory as in a step (qkv 7.02 us, o 6.22,
     gate|up 12.86, down 9.82, against 6.43, 9.82, 14.86 and 14.08 for cuBLAS with the kernels after it).
     """
+    if n >= 2048 and k >= 2048:
+        # Real-size models (8B: 4096-14336 wide): one program covers 64 rows, so a step of up to 64 rows reads each
+        # weight once (with 16-row programs a 64-row step read it four times: 3.6x cuBLAS's time for gate|up at 64
+        # rows on the H100). At one row these tiles stream the weight as fast as the 16-row ones (qkv 22.3 us
+        # against 21.3, o 15.2 against 14.2, H100, Llama-3-8B's shapes: python -m worker.bench.matmul --sweep).
+        return Tiles(block_m=64, block_n=32, block_k=128, warps=4, stages=4)
     if k >= 1024:
         return Tiles(block_m=16, block_n=16, block_k=256, warps=2, stages=3)
     if silu:
@@ -108,11 +114,12 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     x_rows = X + rm[:, None] * stride_xm
     w_rows = W + rn[:, None].to(tl.int64) * stride_wn
     if NORMED:  # the rows' rms from the partial sums the producer of X left
-        # Added tile after tile, unrolled: a tl.sum over a loaded block would sum in an order that follows the
+        # Added tile after tile, in order: a tl.sum over a loaded block would sum in an order that follows the
         # block's register layout, which the compiler picks from what it knows of the strides (here the row
-        # count), and rows would come out differently in different buckets.
+        # count), and rows would come out differently in different buckets. A loop, not unrolled: an 8B model's
+        # 128 tiles unrolled made every normed product's compile take seconds.
         squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for t in tl.static_range(SQ_TILES):
+        for t in range(SQ_TILES):
             squares += tl.load(SqIn + t * stride_sq_in + rm, mask=row_ok, other=0.0)
         rstd = tl.math.rsqrt(squares * inv_k + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
