@@ -25,7 +25,13 @@ class Linear:
         self.in_features, self.out_features = weight.shape if transposed else weight.shape[::-1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight if self.transposed else F.linear(x, self.weight, self.bias)
+        if self.transposed:
+            return x @ self.weight
+        if self.bias is not None and x.is_cuda:
+            # The product rounded to the dtype, then the bias, as the decode steps' row products do it; cuBLASLt's
+            # bias epilogue would also want more workspace than the worker gives cuBLAS (worker.engine.workspace).
+            return self.add_bias(F.linear(x, self.weight))
+        return F.linear(x, self.weight, self.bias)  # on the CPU as transformers computes it
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         """y (rows, out) from a product of the weight alone, with the bias added (y itself when there is none)."""

@@ -53,7 +53,9 @@ def test_gpu_logits_follow_the_cpu_within_bf16_tolerance(served: tuple[Folder, E
             gpu.table.free(slot)
         for step in range(len(tokens) + 1):
             err = relative_error(got[step], expected[step])
-            assert err < 6e-2, f"step {step}: relative error {err:.4f}"  # sharp random weights: bf16 errors grow
+            # bf16 against fp32 on these sharp random weights: at most 0.08 measured on the H100; a broken path is
+            # far off (Llama 3's RoPE scaling left out: 0.26 to 1.66 at each step, median 1.23).
+            assert err < 0.15, f"step {step}: relative error {err:.4f}"
 
 
 def test_gpu_tokens_alone_batched_and_forked_agree(served: tuple[Folder, Engine, Engine]) -> None:
