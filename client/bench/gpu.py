@@ -1,13 +1,15 @@
 """The GPU benchmark: our full stack, our engine in-process, and Hugging Face transformers, one run.
 
-    python -m client.bench.gpu [--sessions 1 64] [--prompt-tokens 128] [--new-tokens 256] [--repeats 3] [--json FILE]
+    python -m client.bench.gpu [--model random:PRESET] [--sessions 1 64] [--prompt-tokens 128] [--new-tokens 256]
+        [--repeats 3] [--json FILE]
 
-All three run a SmolLM2-135M-shaped Llama with the same seeded random bf16 weights
-(`random:smollm2-135m`) on the same GPU:
+All three run the same architecture (default `random:smollm2-135m`, the SmolLM2-135M shape; also
+`random:llama3-8b`, `random:qwen2.5-7b`, `random:qwen3-8b`) in bf16 on the same GPU:
   (a) stack:     a broker and one worker as processes on loopback, driven by `loadtest`
   (b) engine:    the same workload through `worker.engine.Engine` in-process (no broker), with the
                  worker's configuration (capacity max(--sessions), so the same decode graph)
-  (c) hf:        `LlamaForCausalLM.generate` with a static cache, greedy, one batch of all sessions, in a child
+  (c) hf:        transformers' model of the same family and shape (its own random init: speed does not depend on
+                 the values) and `generate` with a static cache, greedy, one batch of all sessions, in a child
                  process with torch's defaults (the engine's process sets a small cuBLAS workspace)
 Each session appends a prompt of --prompt-tokens random ids and generates --new-tokens (EOS ignored,
 so every system makes exactly the same number of tokens). Prints output tokens/s, the ratios, and the
@@ -37,6 +39,7 @@ from broker.common import logs
 from client.bench.loadtest import LoadConfig, run
 from client.bench.loadtest.report import Report
 from client.stack import LocalStack
+from worker.model.config import ModelConfig
 
 MODEL = "random:smollm2-135m"
 TARGET_STACK_64 = 40_000.0  # output tokens/s, full stack, 64 sessions
@@ -54,18 +57,23 @@ START_TIMEOUT_S = 300.0  # model load and CUDA graph capture
 STOP_TIMEOUT_S = 60.0
 
 
-def hf_state_dict(weights: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
-    """Our loader's names -> transformers' LlamaForCausalLM names (same layout: rotate-half RoPE)."""
-    names = {
-        "input_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-        "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj", "post_norm": "post_attention_layernorm",
-        "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
-    }
-    sd = {"model.embed_tokens.weight": weights["embed"], "model.norm.weight": weights["norm"], "lm_head.weight": weights["embed"]}
-    for i in range(n_layers):
-        for ours, theirs in names.items():
-            sd[f"model.layers.{i}.{theirs}.weight"] = weights[f"layers.{i}.{ours}"]
-    return sd
+def hf_config(c: ModelConfig) -> Any:
+    """transformers' config of our model's family and shape (transformers is optional here: not type-checked)."""
+    import transformers
+
+    rope: dict[str, Any] = {"rope_type": c.rope_scaling.kind, "rope_theta": c.rope_theta}
+    if c.rope_scaling.kind != "default":
+        r = c.rope_scaling
+        rope |= {"factor": r.factor, "original_max_position_embeddings": r.original_context,
+                 "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
+    fields: dict[str, Any] = dict(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.norm_eps,
+        rope_parameters=rope, max_position_embeddings=c.context_length, tie_word_embeddings=c.tie_embeddings,
+        head_dim=c.head_dim,
+    )
+    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    return getattr(transformers, classes[c.family])(**fields)
 
 
 def median_run(measure: Callable[[], Report], repeats: int, show: bool = False) -> dict[str, Any]:
@@ -80,25 +88,18 @@ def median_run(measure: Callable[[], Report], repeats: int, show: bool = False) 
     return median
 
 
-def bench_hf(batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int = 1) -> list[float]:
+def bench_hf(model_name: str, batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int = 1) -> list[float]:
     """transformers' greedy generate with a static cache: output tokens/s for one batch, per timed run."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from worker.model.loader import load_model
 
-    loaded = load_model(MODEL)
-    c = loaded.config
-    fields: dict[str, Any] = dict(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.context_length, tie_word_embeddings=True,
-    )
-    model: Any = LlamaForCausalLM(LlamaConfig(**fields))  # transformers is optional here: not type-checked
-    model.load_state_dict(hf_state_dict(loaded.weights, c.n_layers))
-    model.to(device="cuda", dtype=torch.bfloat16)
+    c = load_model(model_name).config
+    with torch.device("cuda"):
+        model: Any = AutoModelForCausalLM.from_config(hf_config(c), dtype=torch.bfloat16)
     model.eval()
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(300, 49000, (batch, prompt_tokens), generator=gen).cuda()
+    ids = torch.randint(300, min(49000, c.vocab_size), (batch, prompt_tokens), generator=gen).cuda()
     kwargs: dict[str, Any] = dict(do_sample=False, cache_implementation="static", pad_token_id=0, attention_mask=torch.ones_like(ids))
     with torch.inference_mode():
         # Warm-up with the timed shapes: with a static cache, transformers compiles the forward
@@ -117,9 +118,9 @@ def bench_hf(batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats
     return sorted(rates)
 
 
-def bench_hf_apart(batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int) -> list[float]:
+def bench_hf_apart(model: str, batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int) -> list[float]:
     """bench_hf in a child process started with this process's starting environment."""
-    args = ["--hf-batch", str(batch), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
+    args = ["--model", model, "--hf-batch", str(batch), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
             "--seed", str(seed), "--repeats", str(repeats)]
     done = subprocess.run([sys.executable, "-m", "client.bench.gpu", *args], env=_STARTING_ENV, capture_output=True,
                           text=True, check=False, timeout=HF_TIMEOUT_S)
@@ -130,16 +131,17 @@ def bench_hf_apart(batch: int, prompt_tokens: int, new_tokens: int, seed: int, r
     return rates
 
 
-def workload(sessions: int, prompt_tokens: int, new_tokens: int, seed: int, **kw: Any) -> LoadConfig:
-    rounds = 8  # each session makes `rounds` generations of new_tokens (64 sessions: ~3 s a run)
+def workload(sessions: int, prompt_tokens: int, new_tokens: int, seed: int, rounds: int, vocab_size: int,
+             max_context: int, **kw: Any) -> LoadConfig:
+    """Each session makes `rounds` generations of new_tokens (SmolLM2 at 64 sessions, 8 rounds: ~3 s a run)."""
     return LoadConfig(
         sessions=sessions, prompt_tokens=prompt_tokens, max_tokens=new_tokens, turns=1, requests=sessions * rounds,
-        ignore_eos=True, temperature=0.0, seed=seed, progress=False, max_context=1024,
-        warmup=sessions, vocab_size=49152, **kw,
+        ignore_eos=True, temperature=0.0, seed=seed, progress=False, max_context=max_context,
+        warmup=sessions, vocab_size=min(vocab_size, 49152), **kw,
     )
 
 
-def memory_check(sessions: int, max_context: int = 2048) -> dict[str, float]:
+def memory_check(model: str, sessions: int, max_context: int = 2048) -> dict[str, float]:
     """Device memory used by an engine with `sessions` live sessions against weights + sessions x bytes.
 
     At the default 2048-token context a session is 45 MiB, its slot 46 MiB (2 MiB granularity).
@@ -150,7 +152,7 @@ def memory_check(sessions: int, max_context: int = 2048) -> dict[str, float]:
     """
     from worker.engine import Engine
 
-    warm = Engine.load(MODEL, device="cuda", max_sessions=sessions, max_context=max_context)
+    warm = Engine.load(model, device="cuda", max_sessions=sessions, max_context=max_context)
     sid = warm.create_session()
     warm.append(sid, token_ids=list(range(1000, 1300)))
     warm.generate(sid, max_tokens=4, ignore_eos=True)
@@ -158,7 +160,7 @@ def memory_check(sessions: int, max_context: int = 2048) -> dict[str, float]:
     gc.collect()  # the graphs and their pool go now, not during the measurement
     torch.cuda.empty_cache()
     free0, _ = torch.cuda.mem_get_info()
-    engine = Engine.load(MODEL, device="cuda", max_sessions=sessions, max_context=max_context)
+    engine = Engine.load(model, device="cuda", max_sessions=sessions, max_context=max_context)
     for _ in range(sessions):
         engine.create_session()
     torch.cuda.synchronize()
@@ -171,13 +173,13 @@ def memory_check(sessions: int, max_context: int = 2048) -> dict[str, float]:
     return result
 
 
-def gpu_stack(max_sessions: int) -> LocalStack:
+def gpu_stack(model: str, max_sessions: int, max_context: int) -> LocalStack:
     """A broker and one GPU worker as processes on loopback (the daemons' own heartbeats), the worker registered.
     Stop it with `stop(STOP_TIMEOUT_S)`."""
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="bench-gpu-")), heartbeats=None)
     try:
         stack.start_broker()
-        stack.start_worker(WORKER, model=MODEL, device="cuda", max_sessions=max_sessions, max_context=1024)
+        stack.start_worker(WORKER, model=model, device="cuda", max_sessions=max_sessions, max_context=max_context)
         stack.wait_for_workers({WORKER}, timeout=START_TIMEOUT_S)
     except BaseException:
         stack.stop(STOP_TIMEOUT_S)
@@ -185,8 +187,44 @@ def gpu_stack(max_sessions: int) -> LocalStack:
     return stack
 
 
+# The real-size models' targets (Llama-3-8B's shape on the H100): the engine near the bandwidth floor at 64 sessions,
+# the stack close to the engine, one session near its floor, both well ahead of transformers.
+TARGET_8B_ENGINE_64 = 9_000.0
+TARGET_8B_STACK_VS_ENGINE = 0.95
+TARGET_8B_STACK_1 = 170.0
+TARGET_8B_VS_HF = 2.5
+
+
+def targets(model: str, runs: dict[int, Any]) -> list[tuple[str, float, float]]:
+    """(what, measured, target at least) for the runs made: SmolLM2's targets for it, the real-size ones else."""
+    checks: list[tuple[str, float, float]] = []
+    small = model == MODEL
+    if 64 in runs:
+        r = runs[64]
+        if small:
+            checks += [("64 sessions, stack output tokens/s", r["stack"]["output_tokens_per_s"], TARGET_STACK_64),
+                       ("64 sessions, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_VS_HF),
+                       ("64 sessions, stack / engine in-process", r["ratios"]["stack_over_engine"], TARGET_STACK_VS_ENGINE)]
+        else:
+            checks += [("64 sessions, engine output tokens/s", r["engine"]["output_tokens_per_s"], TARGET_8B_ENGINE_64),
+                       ("64 sessions, stack / engine in-process", r["ratios"]["stack_over_engine"], TARGET_8B_STACK_VS_ENGINE),
+                       ("64 sessions, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_8B_VS_HF)]
+    if 1 in runs:
+        r = runs[1]
+        one = TARGET_STACK_1 if small else TARGET_8B_STACK_1
+        checks.append(("1 session, stack output tokens/s", r["stack"]["output_tokens_per_s"], one))
+        if "stack_sized" in r:
+            checks.append(("1 session, stack, worker --max-sessions 1", r["stack_sized"]["output_tokens_per_s"], one))
+        if not small:
+            checks.append(("1 session, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_8B_VS_HF))
+    return checks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=MODEL, help="random:PRESET (default %(default)s)")
+    ap.add_argument("--max-context", type=int, default=1024, help="the worker's and the engine's context")
+    ap.add_argument("--rounds", type=int, default=8, help="generations per session in a run")
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -198,48 +236,50 @@ def main() -> None:
     args = ap.parse_args()
     logs.configure("warning")
     if args.hf_batch is not None:
-        rates = bench_hf(args.hf_batch, args.prompt_tokens, args.new_tokens, args.seed, args.repeats)
+        rates = bench_hf(args.model, args.hf_batch, args.prompt_tokens, args.new_tokens, args.seed, args.repeats)
         sys.stdout.write(HF_RESULT + json.dumps(rates) + "\n")
         return
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "model": MODEL, "runs": {}}
+    model, context = args.model, args.max_context
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "model": model, "runs": {}}
 
     from worker.engine import Engine
 
     capacity = max(args.sessions)
-    engine = Engine.load(MODEL, device="cuda", max_sessions=capacity, max_context=1024)  # as the stack's worker
+    engine = Engine.load(model, device="cuda", max_sessions=capacity, max_context=context)  # as the stack's worker
+    shape = dict(rounds=args.rounds, vocab_size=engine.model.config.vocab_size, max_context=context)
     reps = args.repeats
 
     def on_stack(n: int, clients: str) -> Callable[[], Report]:
         return lambda: run(workload(n, args.prompt_tokens, args.new_tokens, args.seed, broker=clients, model=None,
-                                    processes=min(args.processes, n)))
+                                    processes=min(args.processes, n), **shape))
 
     def in_process(n: int, engine: Engine) -> Callable[[], Report]:
         return lambda: run(workload(n, args.prompt_tokens, args.new_tokens, args.seed, in_process=True, device="cuda",
-                                    model=MODEL), engine=engine)
+                                    model=model, **shape), engine=engine)
 
     for n in args.sessions:
         results["runs"][n] = {"engine": median_run(in_process(n, engine), reps)}
     engine.unload()
     for n in args.sessions:
-        rates = bench_hf_apart(n, args.prompt_tokens, args.new_tokens, args.seed, reps)
+        rates = bench_hf_apart(model, n, args.prompt_tokens, args.new_tokens, args.seed, reps)
         results["runs"][n]["hf_tokens_per_s"] = rates[len(rates) // 2]
         results["runs"][n]["hf_runs_tokens_per_s"] = rates
     for n in sorted(set(args.sessions) - {capacity}):
-        sized = gpu_stack(n)
+        sized = gpu_stack(model, n, context)
         try:
             results["runs"][n]["stack_sized"] = median_run(on_stack(n, sized.clients), reps)
         finally:
             sized.stop(STOP_TIMEOUT_S)
-    stack = gpu_stack(capacity)
+    stack = gpu_stack(model, capacity, context)
     try:
         for n in args.sessions:
             results["runs"][n]["stack"] = median_run(on_stack(n, stack.clients), reps, show=True)
     finally:
         stack.stop(STOP_TIMEOUT_S)
-    results["memory_64"] = memory_check(64)
+    results["memory_64"] = memory_check(model, 64, max(context, 2048) if model == MODEL else context)
 
-    print(f"\n{results['device']}, {MODEL} (bf16), prompts of {args.prompt_tokens}, {args.new_tokens} new tokens each")
-    print(f"worker and in-process engine: capacity {capacity} sessions, context 1024")
+    print(f"\n{results['device']}, {model} (bf16), prompts of {args.prompt_tokens}, {args.new_tokens} new tokens each")
+    print(f"worker and in-process engine: capacity {capacity} sessions, context {context}")
     print(f"{'sessions':>8} {'stack tok/s':>12} {'engine tok/s':>13} {'hf tok/s':>10} {'stack/engine':>13} {'stack/hf':>9}")
     for n, r in results["runs"].items():
         s, e, h = r["stack"]["output_tokens_per_s"], r["engine"]["output_tokens_per_s"], r["hf_tokens_per_s"]
@@ -255,19 +295,7 @@ def main() -> None:
         print(f"{n:8d} " + "  ".join(f"{name} {' / '.join(f'{v:.0f}' for v in values)}" for name, values in runs.items()))
     mem = results["memory_64"]
     print("\ntargets:")
-    checks: list[tuple[str, float, float]] = []
-    if 64 in results["runs"]:
-        r = results["runs"][64]
-        checks += [
-            ("64 sessions, stack output tokens/s", r["stack"]["output_tokens_per_s"], TARGET_STACK_64),
-            ("64 sessions, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_VS_HF),
-            ("64 sessions, stack / engine in-process", r["ratios"]["stack_over_engine"], TARGET_STACK_VS_ENGINE),
-        ]
-    if 1 in results["runs"]:
-        checks.append(("1 session, stack output tokens/s", results["runs"][1]["stack"]["output_tokens_per_s"], TARGET_STACK_1))
-        if "stack_sized" in results["runs"][1]:
-            checks.append(("1 session, stack, worker --max-sessions 1", results["runs"][1]["stack_sized"]["output_tokens_per_s"],
-                           TARGET_STACK_1))
+    checks = targets(model, results["runs"])
     for name, value, target in checks:
         print(f"  {name:42s} {value:10.2f}  target >= {target:<8g} {'met' if value >= target else 'MISSED'}")
     limit = 1 + TARGET_MEMORY_SLACK
