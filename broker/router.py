@@ -2,41 +2,29 @@
 
 - A client request is validated, then placed (CREATE), answered here (STATUS) or forwarded to the
   worker holding its session with the client's routing id added as `route`.
-- A registered worker's answer (REPLY, CHUNKS, ERROR, FANOUT) is forwarded to its route unchanged; the broker
-  only reads the header to find the route and to keep its tables (session created, forked, closed; request
-  finished), and only an answer to a request in flight on that very worker changes them. CHUNKS, the streamed
-  tokens of one engine step for one client, is checked no further than its route and the type of its list: the
-  client checks the chunks, so nothing is done here per token. A peer that is not registered gets nothing
-  forwarded: its answers are dropped (counted) and it is asked to register. Its control messages go through
-  broker.admission (READY size limits, per-peer rates).
-- A worker is gone when it disconnects, when a send to it fails (its connection dropped: ZMTP heartbeats close a
-  frozen or cut-off peer's connection within `liveness` heartbeats), or when it sends nothing at all for
-  `silence_s` (broker.liveness): every request in flight on it fails at once with session_lost, except creates,
-  which are placed again on another worker; later requests for its sessions get session_lost. session_lost is
-  final: should that worker come back, the sessions are not taken back but dropped there (DROP).
-- A freshly started broker is "recovering": requests for sessions it does not know yet are held until
-  `recovery_s` has passed and every worker it heard from meanwhile has re-registered (or stayed silent for a
-  heartbeat window since it was first heard), then answered.
+- A worker's answer (REPLY, CHUNKS, ERROR) is forwarded to its route unchanged; the broker only
+  reads the header to find the route and to keep its tables (session created, forked, closed; request
+  finished). CHUNKS, the streamed tokens of one engine step for one client, is checked no further than
+  its route and the type of its list: the client checks the chunks, so nothing is done here per token.
+- A worker that misses `liveness` heartbeats, disconnects, or cannot be reached is gone: every request
+  in flight on it fails at once with session_lost, and later requests for its sessions get session_lost.
+- A freshly started broker is "recovering" for a while: requests for sessions it does not know yet
+  are held until the workers have re-registered (they send the sessions they hold), then answered.
 - Sessions have owners. With authentication on, a session belongs to the client key that created it
   (forks to the key that forked) and any other key gets `unauthorized`; without it, to the client's
   routing id, used only to count sessions against the per-client cap.
-- A request on which nothing reaches its client (no answer, and for a stream no tokens from its worker to its
-  route) for `request_timeout_s` fails with `timeout`, checked once per heartbeat; the worker and its other
-  sessions stay. What a worker says about its own progress is not taken into account.
+- A request whose worker makes no progress (no answer, no engine step) for `request_timeout_s` fails with
+  `timeout`, checked once per heartbeat; the worker and its other sessions stay.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any
 
 import structlog
 
-from broker.admission import DEFAULT_MAX_WORKER_SESSIONS, Admission
 from broker.common import protocol as p
 from broker.counters import RouterCounters
 from broker.liveness import Liveness
@@ -46,11 +34,7 @@ from broker.registry import Registry, WorkerRecord
 log = structlog.get_logger()
 
 MAX_HELD = 100_000  # requests held while recovering; past this they are refused
-MAX_AWAITED = 4096  # unregistered peers a recovering broker waits for
-MAX_LOST_SESSIONS = 1 << 16  # sessions declared lost, remembered (per worker) to be dropped should it come back
-DROP_LOG_S = 10.0  # dropped messages are logged at most this often per reason (a flood is counted, not logged)
 ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNKS, p.Command.ERROR, p.Command.FANOUT})
-CONTROL = frozenset({p.Command.READY, p.Command.HEARTBEAT, p.Command.DISCONNECT})  # what else a worker sends
 
 RequestKey = tuple[bytes, str]  # (client route, request id)
 
@@ -81,8 +65,6 @@ class Settings:
     authenticated: bool = False  # clients carry CURVE keys: sessions are owned by them
     max_sessions_per_client: int = 0  # 0: no cap
     request_timeout_s: float = 0.0  # 0: requests wait for their worker as long as it lives
-    silence_s: float | None = None  # a connected worker silent this long is gone (None: heartbeat x liveness)
-    max_worker_sessions: int = DEFAULT_MAX_WORKER_SESSIONS  # session slots one worker may offer (READY limits)
 
 
 MAX_SESSIONS_FLAG = "--max-sessions-per-client"
@@ -95,8 +77,6 @@ class InFlight:
     session_id: str  # the session addressed; for CREATE and FORK the new session
     sent_at: float = 0.0
     owner: str = ""  # CREATE and FORK: whose the new session will be
-    create: p.CreateSession | None = None  # CREATE: the client's request, placed again should its worker vanish
-    user: str = ""  # CREATE: the client's key
 
 
 @dataclass(slots=True)
@@ -111,23 +91,15 @@ class Router:
         self.settings = settings
         self.broker_id = broker_id or secrets.token_hex(8)
         self.registry = Registry()
-        self.liveness = Liveness(settings.heartbeat_s, settings.liveness, now, settings.silence_s)
-        self.admission = Admission(settings.heartbeat_s, settings.max_worker_sessions)
+        self.liveness = Liveness(settings.heartbeat_s, settings.liveness, now)
         self.inflight: dict[RequestKey, InFlight] = {}
         self.held: list[Held] = []
         self.recover_until = now + settings.recovery_s
-        # Unregistered peers heard from while recovering -> until when they are waited for (a heartbeat window).
-        self._awaited: dict[bytes, float] = {}
         self._asked_to_register: dict[bytes, float] = {}
         self._pending_by_owner: dict[str, int] = {}  # creates and forks in flight per owner
-        # Sessions declared lost with their worker (and the new sessions of creates and forks in flight on it), by
-        # worker identity: should it come back (it was only stopped or cut off), they are dropped there, not taken back.
-        self._lost: OrderedDict[bytes, set[str]] = OrderedDict()
-        self._lost_count = 0
-        # (worker, client route) -> when that worker's streamed tokens last reached that client: request progress.
-        self._delivered: dict[tuple[bytes, bytes], float] = {}
-        self._drops_logged: dict[str, float] = {}
-        self._now = now
+        # Generations failed with session_lost when their worker was declared dead: should that worker come
+        # back (it was only stopped or cut off), they are cancelled rather than left generating for nobody.
+        self._orphans: dict[bytes, list[p.Cancel]] = {}
         self._out: list[Send] = []
         self.counters = RouterCounters()  # read by broker.metrics at scrape time
 
@@ -157,44 +129,26 @@ class Router:
         return self._flush()
 
     def worker_message(self, identity: bytes, frames: list[bytes], now: float) -> list[Send]:
-        self._now = now  # for the drop log's rate
-        command = _command_of(frames)
+        try:
+            envelope = p.decode_envelope(frames)
+        except p.ProtocolError as e:
+            log.warning("worker_message_invalid", code=e.code.value, error=e.message, identity=identity.hex())
+            return []
         record = self.registry.workers.get(identity)
         if record is not None:
             self.liveness.seen(identity, now)
             record.seen_at = now
-        else:
-            self._await(identity, now)
-        if command is None:
-            self._drop("malformed", identity, "not a message of this protocol (version, command or frames)")
-            return []
-        if command in ANSWERS:
-            if record is None:  # nothing is forwarded for a peer that is not registered
-                self._drop("unregistered", identity, f"{command.name} from a peer that is not registered")
+        if envelope.command in ANSWERS:
+            if record is not None:
+                record.progress_at = now
+            self._answer(identity, envelope, frames)
+            if record is None:
                 self._ask_to_register(identity, now)
-                return self._flush()
-            try:
-                envelope = p.decode_envelope(frames)
-            except p.ProtocolError as e:
-                self._drop("malformed", identity, e.message)
-                return []
-            self._answer(record, envelope, frames, now)
             return self._flush()
-        if command not in CONTROL:  # a request, WELCOME, RECONNECT...: nothing a worker sends; dropped unread
-            self._drop("unexpected", identity, f"{command.name} is not a worker's message")
-            return []
-        if not self.admission.allow(identity, command, now):
-            self._drop("rate_limited", identity, f"{command.name} over this peer's rate")
-            return []
-        if command is p.Command.READY:
-            too_large = self.admission.ready_too_large(len(frames[2]))
-            if too_large is not None:
-                self._refuse_ready(identity, too_large)
-                return self._flush()
         try:
-            message = p.decode(frames)
+            message = p.parse(envelope)
         except p.ProtocolError as e:
-            self._drop("malformed", identity, e.message)
+            log.warning("worker_message_invalid", code=e.code.value, error=e.message, identity=identity.hex())
             return []
         if isinstance(message, p.Ready):
             self._register(identity, message, now)
@@ -202,24 +156,23 @@ class Router:
             if record is None:
                 self._ask_to_register(identity, now)
             else:
-                self._heartbeat(record, message)
+                self._heartbeat(record, message, now)
         elif isinstance(message, p.Disconnect):
-            self._worker_gone(identity, f"disconnected: {message.reason}" if message.reason else "disconnected", now)
+            self._worker_gone(identity, f"disconnected: {message.reason}" if message.reason else "disconnected")
+        else:
+            log.warning("worker_message_unexpected", command=message.COMMAND.name, identity=identity.hex())
         return self._flush()
 
     def tick(self, now: float) -> list[Send]:
         """Time passes: expire silent workers, send heartbeats, answer what was held past recovery."""
-        live = self.liveness
-        silent = "missed heartbeats" if live.silence_s <= live.timeout_s else f"silent: no message for {live.silence_s:g} s"
-        for identity in live.expired(now):
-            self._worker_gone(identity, silent, now)
+        for identity in self.liveness.expired(now):
+            self._worker_gone(identity, "missed heartbeats")
         if self.liveness.heartbeat_due(now):
             beat = p.encode(p.Heartbeat(broker_id=self.broker_id))
             self._out.extend(Send(Peer.WORKER, identity, beat) for identity in self.registry.workers)
             self._asked_to_register = {
                 i: t for i, t in self._asked_to_register.items() if now - t < 10 * self.settings.heartbeat_s
             }
-            self._awaited = {i: until for i, until in self._awaited.items() if until > now}
             if self.settings.request_timeout_s > 0:
                 self._time_out(now)
         if self.held and not self.recovering(now):
@@ -230,9 +183,7 @@ class Router:
         """A send failed. A worker that cannot be reached is gone; a client that is gone stops its generation."""
         if send.peer is Peer.WORKER:
             if failure is Failure.UNREACHABLE:
-                # Its connection dropped: after a silence of a heartbeat window, ZMTP heartbeats closed it.
-                missing = self.liveness.missing(send.identity, now)
-                self._worker_gone(send.identity, "missed heartbeats" if missing else "unreachable", now)
+                self._worker_gone(send.identity, "unreachable")
             elif send.key is not None:
                 flight = self.inflight.pop(send.key, None)
                 self._settle_pending(flight)
@@ -243,7 +194,7 @@ class Router:
             keys = [send.key]
         elif len(send.frames) > 2 and send.frames[1] == p.Command.CHUNKS.value:
             # A stream batch: the client of every generation in it is gone. Read its request ids only now.
-            keys = [(send.identity, rid) for rid in _chunk_request_ids(send.frames)]
+            keys = [(send.identity, rid) for rid in p.chunk_request_ids(p.decode_envelope(send.frames).header)]
         else:
             log.debug("client_send_failed", failure=failure.value)
             return self._flush()
@@ -255,20 +206,10 @@ class Router:
 
     def next_tick(self) -> float:
         deadline = self.liveness.next_event()
-        return min(deadline, self._recovery_ends()) if self.held else deadline
+        return min(deadline, self.recover_until) if self.held else deadline
 
     def recovering(self, now: float) -> bool:
-        """A restarted broker's window: `recovery_s` from the start, and until every worker heard from meanwhile has
-        registered or stayed silent a heartbeat window since (its reconnect)."""
-        return now < self._recovery_ends()
-
-    def _recovery_ends(self) -> float:
-        return max(self.recover_until, *self._awaited.values()) if self._awaited else self.recover_until
-
-    def _await(self, identity: bytes, now: float) -> None:
-        """An unregistered peer spoke while recovering: it may be a worker about to re-register with sessions."""
-        if now < self.recover_until and identity not in self._awaited and len(self._awaited) < MAX_AWAITED:
-            self._awaited[identity] = now + self.liveness.timeout_s
+        return now < self.recover_until
 
     # -- client requests -------------------------------------------------------------------------
 
@@ -314,7 +255,7 @@ class Router:
             return
         session_id = secrets.token_hex(16)
         self._promise(worker, owner)
-        self.inflight[key] = InFlight(worker.identity, p.Command.CREATE, session_id, now, owner, request, user)
+        self.inflight[key] = InFlight(worker.identity, p.Command.CREATE, session_id, now, owner)
         self._to_worker(worker, replace(request, session_id=session_id, owner=user, route=route), key)
 
     def _route(self, route: bytes, request: p.SessionRequest, now: float, user: str) -> None:
@@ -393,16 +334,13 @@ class Router:
         return p.StatusReport(request_id=request_id, broker_id=self.broker_id, workers=workers)
 
     def _time_out(self, now: float) -> None:
-        """Fail the requests on which nothing reached their client for request_timeout_s: no answer, and (streams) no
-        tokens from their worker to their route."""
+        """Fail the requests whose worker has made no progress for request_timeout_s."""
         limit = self.settings.request_timeout_s
-        self._delivered = {k: t for k, t in self._delivered.items() if now - t <= limit}
         stale: list[tuple[RequestKey, InFlight]] = []
         for key, flight in self.inflight.items():
-            if flight.worker in self.registry.workers:
-                progress = max(flight.sent_at, self._delivered.get((flight.worker, key[0]), 0.0))
-                if now - progress > limit:
-                    stale.append((key, flight))
+            record = self.registry.workers.get(flight.worker)
+            if record is not None and now - max(flight.sent_at, record.progress_at) > limit:
+                stale.append((key, flight))
         for key, flight in stale:
             del self.inflight[key]
             self._settle_pending(flight)
@@ -418,11 +356,6 @@ class Router:
     # -- worker messages -------------------------------------------------------------------------
 
     def _register(self, identity: bytes, ready: p.Ready, now: float) -> None:
-        problem = self.admission.ready_problem(ready)
-        if problem is not None:
-            self._refuse_ready(identity, problem)
-            return
-        ready, dropped = self._without_lost(identity, ready)
         before = self.registry.workers.get(identity)
         again = before is not None
         # A worker cut off for a while re-sends READY on its backoff; they all arrive when the link is back.
@@ -432,11 +365,10 @@ class Router:
         self.counters.worker_registered(again)
         self.liveness.seen(identity, now)
         self._asked_to_register.pop(identity, None)
-        self._awaited.pop(identity, None)
-        (log.debug if unchanged and not dropped else log.info)(
+        (log.debug if unchanged else log.info)(
             "worker_reregistered" if again else "worker_registered",
             worker=ready.name, model=ready.model, capacity=ready.capacity, sessions=len(ready.sessions),
-            draining=ready.draining, device=ready.device, dropped=len(dropped),
+            draining=ready.draining, device=ready.device,
         )
         welcome = p.Welcome(
             broker_id=self.broker_id,
@@ -444,110 +376,72 @@ class Router:
             liveness=self.settings.liveness,
         )
         self._out.append(Send(Peer.WORKER, identity, p.encode(welcome)))
-        if dropped:
-            self._out.append(Send(Peer.WORKER, identity, p.encode(p.Drop(sessions=dropped))))
+        for cancel in self._orphans.pop(identity, ()):
+            self._out.append(Send(Peer.WORKER, identity, p.encode(cancel)))
         if self.held:
             self._release_held(now)
 
-    def _without_lost(self, identity: bytes, ready: p.Ready) -> tuple[p.Ready, tuple[str, ...]]:
-        """The READY without the sessions declared lost with this worker, and those (to be dropped there)."""
-        lost = self._lost.get(identity)
-        if not lost:
-            return ready, ()
-        dropped = tuple(sid for sid in ready.sessions if sid in lost)
-        if not dropped:
-            return ready, ()
-        kept = [i for i, sid in enumerate(ready.sessions) if sid not in lost]
-        sessions = tuple(ready.sessions[i] for i in kept)
-        owners = tuple(ready.owners[i] for i in kept) if ready.owners else ()
-        log.warning("lost_sessions_dropped", worker=ready.name, sessions=len(dropped))
-        return replace(ready, sessions=sessions, owners=owners), dropped
-
-    def _refuse_ready(self, identity: bytes, why: str) -> None:
-        """A READY this broker does not take: counted, logged, and the peer told why."""
-        self._drop("ready_refused", identity, why)
-        self._out.append(Send(Peer.WORKER, identity, p.encode(p.Error(request_id=None, code=p.ErrorCode.BAD_REQUEST,
-                                                                        message=why))))
-
-    def _heartbeat(self, record: WorkerRecord, beat: p.Heartbeat) -> None:
+    def _heartbeat(self, record: WorkerRecord, beat: p.Heartbeat, now: float) -> None:
         record.draining = beat.draining
         if beat.free_slots is not None:
             record.free_slots = beat.free_slots
+        if beat.steps is not None and beat.steps != record.steps:
+            record.steps = beat.steps
+            record.progress_at = now
         expired = [sid for sid in beat.expired if self.registry.worker_of(sid) is record]
         for sid in expired:
             self.registry.drop_session(sid, p.ErrorCode.SESSION_EXPIRED)
         if expired:
             log.info("sessions_expired", worker=record.name, sessions=len(expired))
 
-    def _answer(self, record: WorkerRecord, envelope: p.Envelope, frames: list[bytes], now: float) -> None:
-        """A registered worker's answer: forwarded to its client; only an answer to a request in flight on this very
-        worker changes the tables."""
-        identity = record.identity
-        track = self.settings.request_timeout_s > 0
+    def _answer(self, identity: bytes, envelope: p.Envelope, frames: list[bytes]) -> None:
         if envelope.command is p.Command.FANOUT:  # the hot path: one per engine step, for all streaming clients
             try:
                 fanout = p.parse(envelope)
             except p.ProtocolError as e:
-                self._drop("malformed", identity, f"FANOUT: {e.message}")
+                log.warning("worker_fanout_invalid", error=e.message, worker=self._name(identity))
                 return
             assert isinstance(fanout, p.Fanout)
-            for route, part in fanout.sends():
-                self._out.append(Send(Peer.CLIENT, route, part))
-                if track:
-                    self._delivered[identity, route] = now
+            self._out.extend(Send(Peer.CLIENT, route, chunks) for route, chunks in fanout.sends())
             return
         route = p.route_of(envelope.header)
         if not route:
-            self._drop("malformed", identity, f"{envelope.command.name} without a route")
+            log.warning("worker_answer_without_route", command=envelope.command.name, worker=self._name(identity))
             return
-        if envelope.command is p.Command.CHUNKS:  # one client's tokens of one engine step
-            listed = envelope.header.get("chunks")
-            if not isinstance(listed, list) or not listed or envelope.payload:
-                self._drop("malformed", identity, "CHUNKS without a list of chunks")
+        if envelope.command is p.Command.CHUNKS:  # the hot path: one per client per engine step
+            chunks = envelope.header.get("chunks")
+            if not isinstance(chunks, list) or not chunks or envelope.payload:
+                log.warning("worker_chunks_invalid", worker=self._name(identity))
                 return
             self._out.append(Send(Peer.CLIENT, route, frames))
-            if track:
-                self._delivered[identity, route] = now
             return
-        lost = self._lost.get(identity)
-        if lost:
-            named = _named_sessions(envelope.header) & lost
-            if named:  # declared lost: it answers nothing more for them, and is told (again) to drop them
-                self._drop("lost_session", identity, f"{envelope.command.name} for a session declared lost")
-                self._out.append(Send(Peer.WORKER, identity, p.encode(p.Drop(sessions=tuple(sorted(named))))))
-                return
+        if envelope.command is p.Command.ERROR:
+            self.counters.error(envelope.header.get("code"))
         request_id = p.request_id_of(envelope.header)
         key = None if request_id is None else (route, request_id)
         if key is not None:
-            flight = self.inflight.get(key)
-            if flight is not None and flight.worker != identity:
-                self._drop("not_its_request", identity, "an answer to a request in flight on another worker")
-                return
-            if flight is not None:
-                del self.inflight[key]
-                self._account(identity, flight, envelope)
-        if envelope.command is p.Command.ERROR:
-            self.counters.error(envelope.header.get("code"))
+            flight = self.inflight.pop(key, None)
+            self._account(identity, flight, envelope)
         self._out.append(Send(Peer.CLIENT, route, frames, key))
 
-    def _account(self, identity: bytes, flight: InFlight, envelope: p.Envelope) -> None:
-        """Keep the session table in step with a final answer to `flight`, a request in flight on this worker."""
+    def _account(self, identity: bytes, flight: InFlight | None, envelope: p.Envelope) -> None:
+        """Keep the session table in step with a final answer."""
         self._settle_pending(flight)
         kind = envelope.header.get("kind")
         if envelope.command is p.Command.REPLY and kind in ("created", "forked", "closed"):
             try:
                 reply = p.parse(envelope)
             except p.ProtocolError as e:
-                self._drop("malformed", identity, f"REPLY: {e.message}")
+                log.warning("worker_reply_invalid", error=e.message, worker=self._name(identity))
                 return
-            if isinstance(reply, p.Created) and reply.session_id == flight.session_id:
-                self.registry.add_session(identity, reply.session_id, flight.owner)
-            elif isinstance(reply, p.Forked) and reply.child_id == flight.session_id:
-                self.registry.add_session(identity, reply.child_id, flight.owner)
-            elif (isinstance(reply, p.Closed) and reply.session_id == flight.session_id
-                  and self.registry.worker_of(reply.session_id) is self.registry.workers.get(identity)):
+            owner = flight.owner if flight is not None else ""
+            if isinstance(reply, p.Created):
+                self.registry.add_session(identity, reply.session_id, owner)
+            elif isinstance(reply, p.Forked):
+                self.registry.add_session(identity, reply.child_id, owner)
+            elif isinstance(reply, p.Closed) and self.registry.worker_of(reply.session_id) is self.registry.workers.get(identity):
                 self.registry.drop_session(reply.session_id)  # only the worker holding a session closes it
-        elif envelope.command is p.Command.ERROR and self.registry.worker_of(flight.session_id) is self.registry.workers.get(identity):
+        elif envelope.command is p.Command.ERROR and flight is not None:
             code = envelope.header.get("code")
             if code == p.ErrorCode.SESSION_EXPIRED.value:
                 self.registry.drop_session(flight.session_id, p.ErrorCode.SESSION_EXPIRED)
@@ -583,7 +477,7 @@ class Router:
             else:
                 self._pending_by_owner.pop(flight.owner, None)
 
-    def _worker_gone(self, identity: bytes, reason: str, now: float) -> None:
+    def _worker_gone(self, identity: bytes, reason: str) -> None:
         self.liveness.forget(identity)
         record = self.registry.remove(identity)
         if record is None:
@@ -593,33 +487,16 @@ class Router:
         planned = reason == "disconnected: drained" and not record.sessions and not failed  # a clean shutdown
         (log.info if planned else log.warning)(
             "worker_lost", worker=record.name, reason=reason, sessions=len(record.sessions), failed=len(failed))
-        lost = set(record.sessions)
-        replace_: list[tuple[RequestKey, p.CreateSession, str]] = []
+        orphans = self._orphans.setdefault(identity, [])
         for key in failed:
             flight = self.inflight.pop(key)
             self._settle_pending(flight)
-            if flight.command in (p.Command.CREATE, p.Command.FORK):
-                lost.add(flight.session_id)  # it may have been made there before the worker vanished
-            if flight.create is not None:
-                replace_.append((key, flight.create, flight.user))
-                continue
             self._error(*key, p.ErrorCode.SESSION_LOST, f"worker {record.name} is gone ({reason})")
-        self._remember_lost(identity, lost)
-        for (route, request_id), request, user in replace_:
-            log.info("create_placed_again", request=request_id, lost_worker=record.name)
-            self._create(route, request, now, user)
-
-    def _remember_lost(self, identity: bytes, sessions: Iterable[str]) -> None:
-        known = self._lost.setdefault(identity, set())
-        before = len(known)
-        known.update(sessions)
-        self._lost_count += len(known) - before
-        self._lost.move_to_end(identity)
-        if not known:
-            del self._lost[identity]
-        while self._lost_count > MAX_LOST_SESSIONS and len(self._lost) > 1:
-            _, oldest = self._lost.popitem(last=False)
-            self._lost_count -= len(oldest)
+            if flight.command is p.Command.GENERATE and len(orphans) < MAX_HELD:
+                orphans.append(p.Cancel(request_id=secrets.token_hex(8), session_id=flight.session_id, target=key[1],
+                                        route=key[0]))
+        if not orphans:
+            del self._orphans[identity]
 
     def _ask_to_register(self, identity: bytes, now: float) -> None:
         """An unknown worker (this broker restarted, or it was declared dead): ask it for READY, once a beat."""
@@ -641,17 +518,6 @@ class Router:
         self.counters.error(code)
         self._reply(route, p.Error(request_id=request_id, code=code, message=message))
 
-    def _drop(self, reason: str, identity: bytes, detail: str) -> None:
-        """A worker-socket message not used: counted by reason, logged at warning at most every DROP_LOG_S per reason
-        (a flood is counted, not logged), each one at debug."""
-        self.counters.dropped(reason)
-        now = self._now
-        loud = now - self._drops_logged.get(reason, -DROP_LOG_S) >= DROP_LOG_S
-        if loud:
-            self._drops_logged[reason] = now
-        (log.warning if loud else log.debug)("worker_message_dropped", reason=reason, peer=identity.hex()[:64],
-                                             detail=detail[:256], dropped=self.counters.messages_dropped.get(reason, 0))
-
     def _name(self, identity: bytes) -> str:
         record = self.registry.workers.get(identity)
         return record.name if record is not None else identity.hex()
@@ -659,24 +525,3 @@ class Router:
     def _flush(self) -> list[Send]:
         out, self._out = self._out, []
         return out
-
-
-def _command_of(frames: list[bytes]) -> p.Command | None:
-    """The command of a message whose version and frame count are right, read without unpacking its header."""
-    if len(frames) < 3 or frames[0] != p.VERSION:
-        return None
-    return p.COMMANDS.get(bytes(frames[1]))
-
-
-def _named_sessions(header: dict[str, Any]) -> set[str]:
-    """The session ids an answer's header names (its session, and a fork's child)."""
-    return {v for v in (header.get("session_id"), header.get("child_id")) if isinstance(v, str)}
-
-
-def _chunk_request_ids(frames: list[bytes]) -> list[str]:
-    """The request ids of a CHUNKS message the broker forwarded without reading it (a FANOUT part); none if its header
-    is not valid (the client it was for would have dropped it)."""
-    try:
-        return p.chunk_request_ids(p.decode_envelope(frames).header)
-    except p.ProtocolError:
-        return []
