@@ -52,6 +52,22 @@ def graph_us(fn: Callable[[int], object], rounds: int = 5) -> float:
     return best
 
 
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and written (best of 5)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return nbytes / best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:smollm2-135m")
@@ -81,7 +97,9 @@ def main() -> None:
     weights = {"qkv": rand(layers, qkv, c.dim, scale=0.05), "o": rand(layers, c.dim, c.n_heads * c.head_dim, scale=0.05),
                "gate_up": rand(layers, 2 * c.ffn_dim, c.dim, scale=0.05), "down": rand(layers, c.dim, c.ffn_dim, scale=0.05)}
     norm_w = 1 + rand(c.dim, scale=0.1)
-    print(f"{'product':>8} {'rows':>4} {'before us':>10} {'row_matmul us':>14} {'ratio':>6}")
+    print(f"device-to-device copy: {copy_bandwidth() / 1e12:.2f} TB/s (bytes read + written); the products' TB/s below "
+          "count their weight's bytes")
+    print(f"{'product':>8} {'rows':>4} {'before us':>10} {'row_matmul us':>14} {'ratio':>6} {'TB/s':>5}")
     swept: dict[tuple[str, Tiles], list[float]] = {}
     for rows in args.rows:
         bench_rows(rows, c, weights, norm_w, rand, swept if args.sweep else None, sweep_grid)
@@ -127,7 +145,9 @@ def bench_rows(rows: int, c: ModelConfig, weights: dict[str, torch.Tensor], norm
         b, f = graph_us(before), graph_us(functools.partial(fused, None))
         _, width, k = weights[name].shape
         n = width // 2 if name == "gate_up" else width
-        print(f"{name:>8} {rows:4d} {b:10.2f} {f:14.2f} {f / b:6.2f}   default {tiles_for(n, k, name == 'gate_up')}", flush=True)
+        tbs = width * k * 2 / (f * 1e-6) / 1e12
+        print(f"{name:>8} {rows:4d} {b:10.2f} {f:14.2f} {f / b:6.2f} {tbs:5.2f}   default {tiles_for(n, k, name == 'gate_up')}",
+              flush=True)
         if swept is not None:
             results = []
             for tiles in grid:
