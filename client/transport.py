@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from broker.common import protocol as p
+from broker.common.arguments import address_problem
 from broker.common.keys import HANDSHAKE_FAILED, HANDSHAKE_REFUSED, CurveClient
 from client.calls import CONNECT_TIMEOUT_S, Answer, Call, addressed, decode_answer
 from client.errors import BadRequest, BrokerUnreachable, ClientError, Timeout, Unauthorized
@@ -105,6 +106,10 @@ def connect_client(context: zmq.Context[Any], sock: zmq.Socket[Any], address: st
     """Set up and connect a DEALER with a stable routing id (after a broker restart it reconnects as the same
     peer); returns the watch on its handshakes. A malformed address is a BadRequest, after the socket and
     the context are freed (a context with an open socket would wait forever in term())."""
+    problem = address_problem(address)
+    if problem is not None:
+        context.destroy(linger=0)
+        raise BadRequest(f"the broker's address: {problem}")
     watch = HandshakeWatch(sock)
     try:
         _connect(sock, address, curve)

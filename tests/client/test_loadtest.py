@@ -289,7 +289,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def test_full_stack_cli_with_two_client_processes(stack: Cluster, tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "run.json", tmp_path / "run.png"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "WORKER_THREADS": "1"}
     args = ["--broker", stack.clients, "--model", "random-tiny", "--sessions", "4", "--processes", "2", "--prompt-tokens", "16",
             "--max-tokens", "8", "--turns", "2", "--fork-every", "2", "--requests", "12", "--ignore-eos", "--no-progress",
             "--json", str(out_json), "--plot", str(out_png)]
