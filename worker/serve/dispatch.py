@@ -202,7 +202,10 @@ class Dispatch:
             active.route = route
             resume = request.resume if isinstance(request, p.Generate) else None
             missing = None if resume is None else active.since(resume)
-            return [] if missing is None else [missing]
+            if missing is None:
+                return []
+            log.debug("stream_resumed", request=key[1], offset=resume, tokens=len(active.token_ids) - (resume or 0))
+            return [missing]
         return None
 
     def _execute(self, request: p.Message) -> p.Message | None:
