@@ -144,7 +144,7 @@ def test_each_chunk_carries_its_offset_and_held_text_goes_with_a_later_token() -
     ]
     streamed = [c for step in steps for c in fanned(dispatch.step_answers(step, 0.0)[0])]
     assert streamed == [piece(0, (10,), "a"), piece(1, (11,), ""), piece(2, (12,), "?\u00e9")]
-    assert active.text_ends == [1, 1, 3]
+    assert active.texts == ["a", "", "?\u00e9"]
     resend = p.Generate(request_id="g", session_id=SID, stream=True, resume=1, route=b"c2")
     assert dispatch.handle(resend) == [p.Chunks(chunks=(piece(1, (11, 12), "?\u00e9"),), route=b"c2")]
     assert active.route == b"c2"  # the rest goes to the route of the resend

@@ -90,7 +90,7 @@ class GenerationForgotten(Exception):
     code = "internal"
 
 
-@dataclass
+@dataclass(slots=True)
 class Active:
     """A generation in flight."""
 
@@ -100,34 +100,22 @@ class Active:
     stream: bool
     appended: int = 0  # prompt tokens the request appended first
     token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)  # the pieces let out so far, each with its tokens
-    text_ends: list[int] = field(default_factory=list)  # per token: the length of the text let out with it and before
-    text_len: int = 0
-    held: str = ""  # text let out by a step that made no token: it goes with the next token (never seen so far)
+    texts: list[str] = field(default_factory=list)  # per token, the text let out with it ("" while held back)
+    held: str = ""  # text let out by a step that made no token: it goes with the next token (no engine does that now)
 
-    def add(self, ids: list[int], text: str) -> tuple[int, str]:
-        """Keep a step's tokens (at least one) and text: the chunk's offset and its text."""
-        offset = len(self.token_ids)
-        if self.held:
-            text, self.held = self.held + text, ""
+    def add(self, ids: list[int], text: str) -> None:
+        """Keep a step's tokens (at least one) and text, the text with the last of them (Dispatch.step_answers
+        does the same, inlined, for the usual step of one token)."""
         self.token_ids += ids
-        if text:
-            self.text.append(text)
-            self.text_len += len(text)
-        ends = self.text_ends
-        if len(ids) == 1:
-            ends.append(self.text_len)
-        else:
-            ends += [self.text_len] * len(ids)
-        return offset, text
+        self.texts += [""] * (len(ids) - 1)
+        self.texts.append(text)
 
     def since(self, offset: int) -> p.Chunks | None:
         """What the generation made from token `offset` on, as one CHUNKS to its route (None: nothing)."""
         ids = self.token_ids[offset:]
         if not ids:
             return None
-        start = self.text_ends[offset - 1] if offset else 0
-        chunk = p.StreamChunk(self.request_id, tuple(ids), "".join(self.text)[start:], offset)
+        chunk = p.StreamChunk(self.request_id, tuple(ids), "".join(self.texts[offset:]), offset)
         return p.Chunks(chunks=(chunk,), route=self.route)
 
 
@@ -295,9 +283,17 @@ class Dispatch:
                 continue
             ids = chunk.token_ids
             if ids:
-                if not active.token_ids:
+                offset = len(active.token_ids)
+                if not offset:
                     self.metrics.first_token(chunk.request_id, end)
-                offset, text = active.add(ids, chunk.text)
+                text = chunk.text
+                if active.held:
+                    text, active.held = active.held + text, ""
+                if len(ids) == 1:  # the usual step, inlined: this runs for every token
+                    active.token_ids.append(ids[0])
+                    active.texts.append(text)
+                else:
+                    active.add(ids, text)
                 new_tokens += len(ids)
                 if chunk.finish_reason is None and active.stream:
                     batch = batches.get(active.route)
@@ -323,7 +319,7 @@ class Dispatch:
         except Exception:  # closed while generating
             length = 0
         answer = p.Generated.unchecked(request_id=active.request_id, session_id=active.session_id,
-                                       token_ids=tuple(active.token_ids), text="".join(active.text) + active.held,
+                                       token_ids=tuple(active.token_ids), text="".join(active.texts) + active.held,
                                        finish_reason=finish_reason, length=length, appended=active.appended,
                                        route=active.route)
         self._remember((active.session_id, active.request_id), answer)
