@@ -6,10 +6,10 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from client.stack import LocalStack
 from worker.engine import Engine
@@ -40,25 +40,15 @@ def in_order(wanted: list[str], lines: list[str]) -> bool:
     return all(any(line == w for line in rest) for w in wanted)
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[LocalStack]:
-    """A broker and one worker with the bundled model on the CPU (one torch thread: the tests share two cores)."""
-    with LocalStack(heartbeats=None, env={"WORKER_THREADS": "1", "OMP_NUM_THREADS": "1"}) as stack:
-        stack.start_broker()
-        stack.start_worker("readme", device="cpu", max_sessions=4)
-        stack.wait_for_workers({"readme"}, timeout=300)
-        yield stack
-
-
 def test_the_readme_has_client_examples_with_what_they_print() -> None:
     clients = [e for e in examples() if ADDRESS in e]
     assert len(clients) == 2 and all(expected(e) for e in clients)
 
 
 @pytest.mark.parametrize("index", [i for i, e in enumerate(examples()) if ADDRESS in e])
-def test_a_readme_client_example_prints_what_it_shows(stack: LocalStack, index: int) -> None:
+def test_a_readme_client_example_prints_what_it_shows(smol_stack: LocalStack, index: int) -> None:
     example = examples()[index]
-    lines = printed_by(example.replace(ADDRESS, stack.clients), {"__name__": "__readme__"})
+    lines = printed_by(example.replace(ADDRESS, smol_stack.clients), {"__name__": "__readme__"})
     assert in_order(expected(example), lines), f"printed {lines}, the README shows {expected(example)}"
 
 
@@ -72,6 +62,11 @@ def test_the_readme_engine_example_prints_what_it_shows(smol_engine: Engine, mon
 
     monkeypatch.setattr(Engine, "load", staticmethod(load))
     assert smol_engine.sessions() == []
-    lines = printed_by(example, {"__name__": "__readme__"})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two cores shared with the daemons of other tests (docs/tuning.md#cpu-threads)
+    try:
+        lines = printed_by(example, {"__name__": "__readme__"})
+    finally:
+        torch.set_num_threads(threads)
     assert in_order(expected(example), lines) and len(lines) == 2, f"printed {lines}"
     assert smol_engine.sessions() == []  # the example closes what it opens
