@@ -29,7 +29,7 @@ def test_a_refused_chat_turn_leaves_the_session_as_it_was(smol_stack: LocalStack
         with pytest.raises(BadRequest, match="exceed max_context"):
             s.chat("more " * 3000, max_tokens=16)  # the turn itself does not fit
         with pytest.raises(BadRequest, match="stop must be a list"):
-            s.chat("And of Italy?", stop=5)  # type: ignore[arg-type]
+            s.chat("And of Italy?", stop=5)  # type: ignore[call-overload]
         assert s.info().length == first.session_length
         again = s.chat("And of Italy?", max_tokens=16, stop_token_ids=[], ignore_eos=False)
         assert again.text == "The capital of Italy is Rome."
