@@ -2,8 +2,7 @@
 
     async with AsyncClient("tcp://127.0.0.1:5555") as client:
         async with client.session() as s:
-            await s.append(text="Once upon a time")
-            stream = await s.generate(max_tokens=32, stream=True)
+            stream = await s.chat("Tell me a story.", max_tokens=32, stream=True)
             async for chunk in stream:
                 print(chunk.text, end="")
 

@@ -1,12 +1,13 @@
 """The blocking client: Client -> Session -> append / chat / generate / fork / close.
 
     with Client("tcp://127.0.0.1:5555") as client, client.session() as s:
-        s.append(text="The capital of France is")
-        print(s.generate(max_tokens=8).text)
-        for chunk in s.generate(max_tokens=32, stream=True):
+        print(s.chat("What is the capital of France?", max_tokens=24).text)
+        for chunk in s.chat("And of Italy?", max_tokens=24, stream=True):
             print(chunk.text, end="")
 
-Timeouts: `timeout` (seconds) bounds the wait for an answer; for a stream, the wait for each chunk.
+(`chat` renders the model's chat template; `append(text=...)` and `generate()` take raw text and tokens.)
+Timeouts: `timeout` (seconds) bounds the wait for an answer; for a stream, the wait for each chunk; a client
+that never reached a broker raises BrokerUnreachable after `connect_timeout`.
 A Client and its sessions belong to one thread; use AsyncClient, or one Client per thread, for more.
 """
 

@@ -6,9 +6,9 @@ so a resent request is answered again, never run twice; a resent generation that
 rest of its stream to the new route.
 
 Streams: each streamed chunk carries its offset (the generation's tokens before it) and the text the engine let
-out with its tokens. A generation keeps every token and where its text stood after each, until it ends; then
-its final answer, which carries them all, is kept with the other answers. So a client that saw a gap resends
-the GENERATE with `resume` and gets the missing range in one CHUNKS, or the final answer.
+out with its tokens. A generation keeps every token and the text let out with each until it ends; then its final
+answer, which carries them all, is kept with the other answers. So a client that saw a gap resends the GENERATE
+with `resume` and gets everything from there in one CHUNKS, or the final answer.
 """
 
 from __future__ import annotations
