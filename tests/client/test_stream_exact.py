@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import msgpack
 import pytest
+import torch
 
 from broker.common import protocol as p
 from client import AsyncClient, Chunk, Client, Generation, InternalError
@@ -170,9 +171,15 @@ def test_a_resume_of_a_generation_the_worker_forgot_is_refused_never_run_again()
 
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[Engine]:
+    """random:tiny on one torch thread (two cores shared with other tests' daemons: docs/tuning.md#cpu-threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     engine = Engine.load("random:tiny", device="cpu", max_sessions=STREAMS, max_context=512)
-    yield engine
-    engine.unload()
+    try:
+        yield engine
+    finally:
+        engine.unload()
+        torch.set_num_threads(threads)
 
 
 STREAMS = 8
