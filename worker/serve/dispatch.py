@@ -164,7 +164,7 @@ class Dispatch:
             answer = self._execute(request)
         except Exception as e:
             code = error_code(e)
-            if code is p.ErrorCode.INTERNAL:
+            if code is p.ErrorCode.INTERNAL and not isinstance(e, GenerationForgotten):  # a bug: its traceback
                 log.exception("request_failed", command=request.COMMAND.name, request=rid, session=key[0] or None)
             else:
                 log.info("request_refused", command=request.COMMAND.name, code=code.value, error=str(e), request=rid,
