@@ -1,8 +1,8 @@
 """`broker start`: run the broker until SIGTERM or SIGINT (SIGHUP re-reads the allowed keys).
 `broker keygen DIR NAME`: make a CURVE key pair. Every flag of `start` falls back to an environment variable.
 
-Exit codes: 0 after a clean shutdown, 2 for bad arguments, 3 when the broker cannot start (e.g. an
-address is already in use, or a key directory is incomplete).
+Exit codes: 0 after a clean shutdown, 2 for bad arguments (e.g. an address that is not tcp://HOST:PORT), 3
+when the broker cannot start (e.g. an address is already in use, or a key directory is incomplete).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import structlog
 
 from broker import status_cmd
 from broker.common import heap, keys, logs
-from broker.common.arguments import env_int, non_negative_int, positive_int
+from broker.common.arguments import env_int, non_negative_int, positive_int, zmq_address
 from broker.common.metrics_http import MetricsServer
 from broker.metrics import BrokerMetrics
 from broker.router import MAX_SESSIONS_FLAG
@@ -33,9 +33,9 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="broker", description="Route sessions between clients and workers.")
     sub = top.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="run the broker in the foreground")
-    start.add_argument("--clients", default=os.environ.get("BROKER_CLIENTS", defaults.clients),
+    start.add_argument("--clients", type=zmq_address, default=os.environ.get("BROKER_CLIENTS", defaults.clients),
                        help="address clients connect to [env BROKER_CLIENTS] (default %(default)s)")
-    start.add_argument("--workers", default=os.environ.get("BROKER_WORKERS", defaults.workers),
+    start.add_argument("--workers", type=zmq_address, default=os.environ.get("BROKER_WORKERS", defaults.workers),
                        help="address workers connect to [env BROKER_WORKERS] (default %(default)s)")
     start.add_argument("--heartbeat-ms", type=positive_int, default=env_int("broker", "BROKER_HEARTBEAT_MS", defaults.heartbeat_ms),
                        help="heartbeat interval sent to workers [env BROKER_HEARTBEAT_MS] (default %(default)s)")

@@ -7,9 +7,10 @@
 Errors are typed (ClientError and its subclasses, each with a stable `.code`).
 """
 
-from client.aio import AsyncClient, AsyncSession, AsyncStream
+from client.aio import AsyncClient, AsyncSession, AsyncStream, SessionOpening
 from client.errors import (
     BadRequest,
+    BrokerUnreachable,
     CapacityExhausted,
     ClientError,
     InternalError,
@@ -30,6 +31,7 @@ __all__ = [
     "AsyncSession",
     "AsyncStream",
     "BadRequest",
+    "BrokerUnreachable",
     "CapacityExhausted",
     "Chunk",
     "Client",
@@ -43,6 +45,7 @@ __all__ = [
     "SessionInfo",
     "SessionLost",
     "SessionNotFound",
+    "SessionOpening",
     "Stream",
     "Timeout",
     "Unauthorized",

@@ -1,9 +1,8 @@
 """The asyncio client: the same API as Client, with coroutines.
 
     async with AsyncClient("tcp://127.0.0.1:5555") as client:
-        async with await client.session() as s:
-            await s.append(text="Once upon a time")
-            stream = await s.generate(max_tokens=32, stream=True)
+        async with client.session() as s:
+            stream = await s.chat("Tell me a story.", max_tokens=32, stream=True)
             async for chunk in stream:
                 print(chunk.text, end="")
 
@@ -16,24 +15,23 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Generator, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast, overload
 
-import structlog
 import zmq
 import zmq.asyncio
 
 from broker.common import protocol as p
 from broker.common.keys import CurveClient
 from client import calls
-from client.calls import Answer, Call, addressed, build, decode_answer, new_request_id
+from client.calls import Answer, Call, addressed, build, decode_answer, items, new_request_id
 from client.errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
+from client.logs import log
 from client.results import Chunk, Generation, SessionInfo, WorkerInfo
-from client.transport import connect_client, timed_out
-
-log = structlog.get_logger()
+from client.transport import connect_client, connect_wake_at, release, timed_out, unreachable
 
 M = TypeVar("M", bound=p.Message)
 
@@ -89,12 +87,15 @@ class Mailbox:
 
 
 class AsyncTransport:
-    def __init__(self, address: str, resend_after_s: float, curve: CurveClient | None = None) -> None:
+    def __init__(self, address: str, resend_after_s: float, curve: CurveClient | None = None,
+                 connect_timeout_s: float = calls.CONNECT_TIMEOUT_S) -> None:
         self.address = address
         self.resend_after_s = resend_after_s
+        self.connect_timeout_s = connect_timeout_s
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket = self._context.socket(zmq.DEALER)
         self._watch = connect_client(self._context, self._socket, address, curve)
+        self._release = weakref.finalize(self, release, self._context, [self._watch.pair, self._socket])
         self._mail: dict[str, Mailbox] = {}
         self._reader: asyncio.Task[None] | None = None
         self.closed = False
@@ -110,7 +111,8 @@ class AsyncTransport:
         return call
 
     async def next(self, call: Call, timeout_s: float) -> Answer:
-        """The call's next answer (one reader per call); resends on schedule; Timeout after timeout_s of silence."""
+        """The call's next answer (one reader per call); resends on schedule; Timeout after timeout_s of silence,
+        BrokerUnreachable when the client never reached a broker within connect_timeout_s."""
         box = self._mail[call.request_id]
         if not box.items:
             loop = asyncio.get_running_loop()
@@ -121,13 +123,21 @@ class AsyncTransport:
                 now = time.monotonic()
                 if now >= deadline:
                     raise timed_out(self._watch, self.address, timeout_s, call.request_id)
+                error = unreachable(self._watch, self.address, call, now, self.connect_timeout_s)
+                if error is not None:
+                    raise error
                 if call.resend_due(now):
-                    log.debug("request_resent", request=call.request_id)
-                    self._send(call.frames)
+                    self.resend(call)
                     call.resent(now)
-                await box.wait(loop, call.wake_at(deadline) - now)
+                wake_at = min(call.wake_at(deadline), connect_wake_at(self._watch, call, self.connect_timeout_s))
+                await box.wait(loop, wake_at - now)
         call.heard(time.monotonic())
         return box.items.popleft()
+
+    def resend(self, call: Call) -> None:
+        """Send the call's request again (a stream's says where to resume it)."""
+        log.debug("request_resent", request=call.request_id, resume=call.resume)
+        self._send(call.resend_frames())
 
     def finish(self, call: Call) -> None:
         box = self._mail.pop(call.request_id, None)
@@ -150,9 +160,7 @@ class AsyncTransport:
                 await self._reader
             except asyncio.CancelledError:
                 pass
-        self._watch.close()
-        self._socket.close(linger=0)
-        self._context.term()
+        self._release()
 
     def _send(self, frames: list[bytes]) -> None:
         # NOBLOCK sends now: the future is done already, and a full queue is its exception (zmq.Again), not a raise.
@@ -181,14 +189,24 @@ class AsyncClient:
         resend_after: float = calls.RESEND_AFTER_S,
         broker_key: str | os.PathLike[str] | None = None,
         key: str | os.PathLike[str] | None = None,
+        connect_timeout: float = calls.CONNECT_TIMEOUT_S,
     ) -> None:
         """`broker_key`, `key`: with a broker that authenticates (`broker start --keys`), the broker's public key
-        file and this client's key pair file (NAME.key_secret, from `broker keygen`)."""
+        file and this client's key pair file (NAME.key_secret, from `broker keygen`). `connect_timeout`: a call
+        raises BrokerUnreachable after this many seconds when the client has never reached a broker.
+
+        close() (or leaving the `async with` block) releases the socket; one dropped unclosed releases it too."""
         self.address = address
         self.timeout = timeout
-        self._transport = AsyncTransport(address, resend_after, CurveClient.from_files(broker_key, key))
+        self._transport = AsyncTransport(address, resend_after, CurveClient.from_files(broker_key, key),
+                                         connect_timeout)
 
-    async def session(self, model: str | None = None, *, timeout: float | None = None) -> AsyncSession:
+    def session(self, model: str | None = None, *, timeout: float | None = None) -> SessionOpening:
+        """A new session on the least-loaded worker serving `model` (None: any model): `await client.session()`,
+        or `async with client.session() as s:`, which closes it at the end of the block."""
+        return SessionOpening(self._open_session(model, timeout))
+
+    async def _open_session(self, model: str | None, timeout: float | None) -> AsyncSession:
         request = build(p.CreateSession, request_id=new_request_id(), model=model)
         created = await self._call(request, p.Created, timeout)
         return AsyncSession(self, created.session_id, model=created.model, worker=created.worker,
@@ -242,7 +260,7 @@ class AsyncSession:
         self, text: str | None = None, *, token_ids: Sequence[int] | None = None, timeout: float | None = None
     ) -> int:
         request = build(p.Append, request_id=new_request_id(), session_id=self.id,
-                        token_ids=None if token_ids is None else tuple(token_ids), text=text)
+                        token_ids=None if token_ids is None else items("token_ids", token_ids), text=text)
         return (await self.client._call(request, p.Appended, timeout)).length
 
     async def append_chat(self, content: str, *, role: str = "user", timeout: float | None = None) -> int:
@@ -252,22 +270,26 @@ class AsyncSession:
     @overload
     async def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
                    top_p: float = ..., top_k: int = ..., seed: int | None = ...,
-                   stop: str | Sequence[str] | None = ..., stream: Literal[False] = ...,
+                   stop: str | Sequence[str] | None = ..., stop_token_ids: Sequence[int] = ...,
+                   ignore_eos: bool = ..., stream: Literal[False] = ...,
                    timeout: float | None = ...) -> Generation: ...
     @overload
     async def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
                    top_p: float = ..., top_k: int = ..., seed: int | None = ...,
-                   stop: str | Sequence[str] | None = ..., stream: Literal[True],
+                   stop: str | Sequence[str] | None = ..., stop_token_ids: Sequence[int] = ...,
+                   ignore_eos: bool = ..., stream: Literal[True],
                    timeout: float | None = ...) -> AsyncStream: ...
 
     async def chat(
         self, content: str, *, role: str = "user", max_tokens: int = 256, temperature: float = 0.0,
         top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
-        stream: bool = False, timeout: float | None = None,
+        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, stream: bool = False,
+        timeout: float | None = None,
     ) -> Generation | AsyncStream:
-        await self.append_chat(content, role=role, timeout=timeout)
-        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, (), False)
-        return await self._generate(params, stream, timeout)
+        """One chat turn and the assistant's answer in one request: if any part is refused, nothing changes."""
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
+        return await self._send_generate(calls.generate_request(self.id, params, stream, chat=content, role=role),
+                                         timeout)
 
     @overload
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
@@ -289,15 +311,14 @@ class AsyncSession:
         prompt_ids: Sequence[int] | None = None, timeout: float | None = None,
     ) -> Generation | AsyncStream:
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        return await self._generate(params, stream, timeout, prompt, prompt_ids)
+        return await self._send_generate(calls.generate_request(self.id, params, stream, prompt, prompt_ids), timeout)
 
-    async def _generate(self, params: p.Sampling, stream: bool, timeout: float | None, prompt: str | None = None,
-                        prompt_ids: Sequence[int] | None = None) -> Generation | AsyncStream:
-        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids)
-        if not stream:
-            return calls.generation(await self.client._call(request, p.Generated, timeout))
+    async def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | AsyncStream:
+        chat = request.chat is not None
+        if not request.stream:
+            return calls.generation(await self.client._call(request, p.Generated, timeout), chat)
         transport = self.client._transport
-        return AsyncStream(transport, transport.start(request), self.id, self.client._timeout(timeout))
+        return AsyncStream(transport, transport.start(request), self.id, self.client._timeout(timeout), chat)
 
     async def fork(self, *, timeout: float | None = None) -> AsyncSession:
         request = build(p.Fork, request_id=new_request_id(), session_id=self.id)
@@ -346,15 +367,40 @@ class AsyncSession:
                 raise  # otherwise the error that ended the block matters more than a failed close
 
 
-class AsyncStream:
-    """An async iterator of Chunks; the last has finish_reason set. Closing it early cancels the generation."""
+class SessionOpening:
+    """What AsyncClient.session() returns: await it for the session, or `async with` it to close the session at
+    the end of the block."""
 
-    def __init__(self, transport: AsyncTransport, call: Call, session_id: str, timeout_s: float) -> None:
+    def __init__(self, opening: Coroutine[Any, Any, AsyncSession]) -> None:
+        self._opening = opening
+        self._session: AsyncSession | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncSession]:
+        return self._opening.__await__()
+
+    async def __aenter__(self) -> AsyncSession:
+        self._session = await self._opening
+        return self._session
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._session is not None
+        await self._session.__aexit__(exc_type, exc, tb)
+
+
+class AsyncStream:
+    """An async iterator of Chunks; the last has finish_reason set. Closing it early cancels the generation.
+
+    Each token comes once and in order, and the chunks' texts add up to `result.text` exactly (see Stream)."""
+
+    def __init__(self, transport: AsyncTransport, call: Call, session_id: str, timeout_s: float,
+                 chat: bool = False) -> None:
         self._transport = transport
         self._call = call
         self._session_id = session_id
         self._timeout_s = timeout_s
-        self._state = calls.StreamState()
+        self._state = calls.StreamState(call, chat)
         self._open = True
 
     def __aiter__(self) -> AsyncStream:
@@ -363,16 +409,21 @@ class AsyncStream:
     async def __anext__(self) -> Chunk:
         if not self._open:
             raise StopAsyncIteration
-        try:
-            message = await self._transport.next(self._call, self._timeout_s)
-        except (Timeout, asyncio.CancelledError):
-            self.close()
-            raise
-        try:
-            chunk = self._state.take(message)
-        except ClientError:
-            self._end()
-            raise
+        while True:
+            try:
+                message = await self._transport.next(self._call, self._timeout_s)
+            except (Timeout, asyncio.CancelledError):
+                self.close()
+                raise
+            try:
+                chunk = self._state.take(message)
+            except ClientError:
+                self._end()
+                raise
+            if chunk is not None:
+                break
+            if self._state.ask(time.monotonic(), self._transport.resend_after_s):  # a gap: ask for what is missing
+                self._transport.resend(self._call)
         if chunk.finish_reason is not None:
             self._end()
         return chunk

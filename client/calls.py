@@ -4,26 +4,31 @@ Resending: a request that has heard nothing for `resend_after` seconds is sent a
 request id (the broker may have restarted with it inside). The worker answers a repeated id from its
 cache, or redirects the running generation to us, so nothing runs twice. CREATE is not resent: after
 a broker restart a resend could be placed on another worker and leave a second session behind.
+
+Streams (StreamState): each chunk carries its offset in the generation. A chunk is applied only at the offset the
+stream has reached; a repeat is dropped; a gap (chunks lost while the broker restarted) makes the stream resend its
+GENERATE with `resume`, the offset it has reached, and the worker answers with everything from there. The final
+answer carries every token and the whole text, so the last chunk is exactly what the stream lacks: the streamed
+text always equals the result's text.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import structlog
-
 from broker.common import protocol as p
 from client.errors import BadRequest, InternalError, error_for
+from client.logs import log
 from client.results import Chunk, Generation, SessionInfo, WorkerInfo
-
-log = structlog.get_logger()
 
 DEFAULT_TIMEOUT_S = 60.0
 RESEND_AFTER_S = 1.0
 MAX_RESEND_S = 8.0
+CONNECT_TIMEOUT_S = 5.0  # a call on a client that never reached a broker gives up after this (BrokerUnreachable)
 
 M = TypeVar("M", bound=p.Message)
 T = TypeVar("T")
@@ -45,20 +50,30 @@ def build(make: Callable[..., T], **fields: Any) -> T:
         raise BadRequest(e.message) from e
 
 
-def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: str | None,
-                     prompt_ids: Sequence[int] | None) -> p.Generate:
+def items(name: str, value: Any) -> tuple[Any, ...]:
+    """A list argument as a tuple (its items are checked by the protocol); anything else is a BadRequest."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise BadRequest(f"{name} must be a list, got {type(value).__name__}")
+    return tuple(value)
+
+
+def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: str | None = None,
+                     prompt_ids: Sequence[int] | None = None, chat: str | None = None, role: str = "user") -> p.Generate:
+    """The whole GENERATE, checked before anything is sent: a turn (prompt, prompt ids or a chat message) and its
+    generation are one request, which the worker takes whole or refuses whole."""
     return build(p.Generate, request_id=new_request_id(), session_id=session_id, params=params, stream=stream,
-                 prompt=prompt, prompt_ids=None if prompt_ids is None else tuple(prompt_ids))
+                 prompt=prompt, prompt_ids=None if prompt_ids is None else items("prompt_ids", prompt_ids),
+                 chat=chat, role=role)
 
 
 def sampling(
     max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
     stop: str | Sequence[str] | None, stop_token_ids: Sequence[int], ignore_eos: bool,
 ) -> p.Sampling:
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stops = (stop,) if isinstance(stop, str) else () if stop is None else items("stop", stop)
     return build(
         p.Sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop=stops, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+        stop=stops, stop_token_ids=items("stop_token_ids", stop_token_ids), ignore_eos=ignore_eos,
     )
 
 
@@ -72,6 +87,9 @@ class Call:
     base_resend_s: float
     resend_s: float
     next_resend: float
+    request: p.Message | None = None
+    started: float = 0.0
+    resume: int | None = None  # a stream that heard its chunks: the offset of the first token it lacks
 
     @classmethod
     def of(cls, request: p.Message, now: float, resend_after_s: float) -> Call:
@@ -81,7 +99,13 @@ class Call:
         if len(frames[2]) > p.MAX_HEADER_BYTES:  # the broker could not even answer: ZeroMQ drops such a message
             raise BadRequest(f"the request is {len(frames[2])} bytes: the limit is {p.MAX_HEADER_BYTES} bytes per message",
                              request_id=request_id)
-        return cls(request_id, frames, resendable, resend_after_s, resend_after_s, now + resend_after_s)
+        return cls(request_id, frames, resendable, resend_after_s, resend_after_s, now + resend_after_s, request, now)
+
+    def resend_frames(self) -> list[bytes]:
+        """What to send again: the request, and for a stream that heard chunks, where to resume it."""
+        if self.resume is None or not isinstance(self.request, p.Generate):
+            return self.frames
+        return p.encode(dataclasses.replace(self.request, resume=self.resume))
 
     def heard(self, now: float) -> None:
         """An answer came: the peer is alive, so start the resend clock again."""
@@ -131,7 +155,12 @@ def expect(message: Answer, kind: type[M]) -> M:
     raise InternalError(f"expected a {kind.__name__} answer, got {type(message).__name__}")
 
 
-def generation(g: p.Generated) -> Generation:
+def generation(g: p.Generated, chat: bool = False) -> Generation:
+    """The result of a GENERATE; for one that carried a chat turn, checked to have appended it (a worker older
+    than this client ignores the turn: say so rather than hand back a continuation of the wrong history)."""
+    if chat and g.appended == 0:
+        raise InternalError("the worker generated without appending the chat turn: it is older than this client "
+                            "(upgrade the worker)", request_id=g.request_id)
     return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended)
 
 
@@ -147,27 +176,54 @@ def worker_infos(report: p.StatusReport) -> list[WorkerInfo]:
 
 
 class StreamState:
-    """Turns streamed chunks and the final REPLY into Chunks. The final one carries whatever the chunks missed."""
+    """Applies a stream's chunks at their offsets, then the final REPLY: each token is yielded once and in order, and
+    the texts yielded make the final answer's text exactly (the last chunk carries whatever the others lacked)."""
 
-    def __init__(self) -> None:
-        self.tokens = 0  # streamed so far
+    def __init__(self, call: Call | None = None, chat: bool = False) -> None:
+        self.tokens = 0  # tokens applied: the offset the next chunk must have
         self._text: list[str] = []
+        self._text_len = 0
         self.result: Generation | None = None
+        self.missing = False  # a chunk came from beyond `tokens`: the ones between are to be asked for
+        self._call = call
+        self._chat = chat
+        self._asked_for = -1
+        self._asked_at = 0.0
 
     @property
     def text(self) -> str:
         return "".join(self._text)
 
-    def take(self, message: Answer) -> Chunk:
+    def take(self, message: Answer) -> Chunk | None:
+        """The chunk to yield for an answer; None for a repeat or a chunk past a gap (then `missing` is set)."""
         if isinstance(message, p.StreamChunk):  # per token: nothing here but bookkeeping
-            self.tokens += len(message.token_ids)
-            self._text.append(message.text)
-            return Chunk(list(message.token_ids), message.text)
+            ids = message.token_ids
+            if message.offset == self.tokens and ids:
+                self.tokens += len(ids)
+                self._text.append(message.text)
+                self._text_len += len(message.text)
+                self.missing = False
+                if self._call is not None:
+                    self._call.resume = self.tokens
+                return Chunk(list(ids), message.text)
+            if self._call is not None:
+                self._call.resume = self.tokens  # the worker has started it: a resend must never run it again
+            if message.offset + len(ids) > self.tokens:
+                self.missing = True  # a gap (or a chunk that overlaps the end of what we have)
+            return None
         final = expect(message, p.Generated)
-        self.result = generation(final)
-        text = self.text
-        tail_ids = list(final.token_ids[self.tokens :])
-        tail_text = final.text[len(text) :] if final.text.startswith(text) else ""
+        self.result = generation(final, self._chat)
+        if final.text[: self._text_len] != self.text or len(final.token_ids) < self.tokens:
+            raise InternalError("the final answer does not continue the streamed chunks", request_id=final.request_id)
+        tail = Chunk(list(final.token_ids[self.tokens :]), final.text[self._text_len :], final.finish_reason)
         self.tokens = len(final.token_ids)
-        self._text = [final.text]
-        return Chunk(tail_ids, tail_text, final.finish_reason)
+        self._text, self._text_len = [final.text], len(final.text)
+        return tail
+
+    def ask(self, now: float, every_s: float) -> bool:
+        """Whether to ask the worker for the missing chunks now: at once for a new gap, again every `every_s` while
+        the same one lasts (an answer lost too)."""
+        if not self.missing or (self._asked_for == self.tokens and now - self._asked_at < every_s):
+            return False
+        self._asked_for, self._asked_at = self.tokens, now
+        return True

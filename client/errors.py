@@ -55,6 +55,12 @@ class Timeout(ClientError, TimeoutError):
     code = "timeout"
 
 
+class BrokerUnreachable(Timeout):
+    """Nothing accepted a connection at the client's address within its `connect_timeout` (the client never
+    reached a broker). Check the address (the broker's client address, e.g. tcp://HOST:5555) and that the broker
+    runs. A Timeout too: code `timeout`."""
+
+
 class WorkerDraining(ClientError):
     """The worker is shutting down and takes no new sessions or generations. Retry: others may take it."""
 

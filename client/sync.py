@@ -1,18 +1,20 @@
 """The blocking client: Client -> Session -> append / chat / generate / fork / close.
 
     with Client("tcp://127.0.0.1:5555") as client, client.session() as s:
-        s.append(text="The capital of France is")
-        print(s.generate(max_tokens=8).text)
-        for chunk in s.generate(max_tokens=32, stream=True):
+        print(s.chat("What is the capital of France?", max_tokens=24).text)
+        for chunk in s.chat("And of Italy?", max_tokens=24, stream=True):
             print(chunk.text, end="")
 
-Timeouts: `timeout` (seconds) bounds the wait for an answer; for a stream, the wait for each chunk.
+(`chat` renders the model's chat template; `append(text=...)` and `generate()` take raw text and tokens.)
+Timeouts: `timeout` (seconds) bounds the wait for an answer; for a stream, the wait for each chunk; a client
+that never reached a broker raises BrokerUnreachable after `connect_timeout`.
 A Client and its sessions belong to one thread; use AsyncClient, or one Client per thread, for more.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Literal, TypeVar, overload
@@ -20,7 +22,7 @@ from typing import Literal, TypeVar, overload
 from broker.common import protocol as p
 from broker.common.keys import CurveClient
 from client import calls
-from client.calls import build, new_request_id
+from client.calls import build, items, new_request_id
 from client.errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
 from client.results import Chunk, Generation, SessionInfo, WorkerInfo
 from client.transport import Transport
@@ -37,12 +39,16 @@ class Client:
         resend_after: float = calls.RESEND_AFTER_S,
         broker_key: str | os.PathLike[str] | None = None,
         key: str | os.PathLike[str] | None = None,
+        connect_timeout: float = calls.CONNECT_TIMEOUT_S,
     ) -> None:
         """`broker_key`, `key`: with a broker that authenticates (`broker start --keys`), the broker's public key
-        file and this client's key pair file (NAME.key_secret, from `broker keygen`)."""
+        file and this client's key pair file (NAME.key_secret, from `broker keygen`). `connect_timeout`: a call
+        raises BrokerUnreachable after this many seconds when the client has never reached a broker.
+
+        close() (or leaving the `with` block) releases the socket; a Client dropped unclosed releases it too."""
         self.address = address
         self.timeout = timeout
-        self._transport = Transport(address, resend_after, CurveClient.from_files(broker_key, key))
+        self._transport = Transport(address, resend_after, CurveClient.from_files(broker_key, key), connect_timeout)
 
     def session(self, model: str | None = None, *, timeout: float | None = None) -> Session:
         """A new session on the least-loaded worker serving `model` (None: any model)."""
@@ -101,7 +107,7 @@ class Session:
     ) -> int:
         """Add prompt text or token ids; returns the session's length in tokens."""
         request = build(p.Append, request_id=new_request_id(), session_id=self.id,
-                        token_ids=None if token_ids is None else tuple(token_ids), text=text)
+                        token_ids=None if token_ids is None else items("token_ids", token_ids), text=text)
         return self.client._call(request, p.Appended, timeout).length
 
     def append_chat(self, content: str, *, role: str = "user", timeout: float | None = None) -> int:
@@ -112,21 +118,24 @@ class Session:
     @overload
     def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
              top_p: float = ..., top_k: int = ..., seed: int | None = ..., stop: str | Sequence[str] | None = ...,
-             stream: Literal[False] = ..., timeout: float | None = ...) -> Generation: ...
+             stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., stream: Literal[False] = ...,
+             timeout: float | None = ...) -> Generation: ...
     @overload
     def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
              top_p: float = ..., top_k: int = ..., seed: int | None = ..., stop: str | Sequence[str] | None = ...,
-             stream: Literal[True], timeout: float | None = ...) -> Stream: ...
+             stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., stream: Literal[True],
+             timeout: float | None = ...) -> Stream: ...
 
     def chat(
         self, content: str, *, role: str = "user", max_tokens: int = 256, temperature: float = 0.0,
         top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
-        stream: bool = False, timeout: float | None = None,
+        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, stream: bool = False,
+        timeout: float | None = None,
     ) -> Generation | Stream:
-        """One chat turn: the templated message, then the assistant's answer (generated, or streamed)."""
-        self.append_chat(content, role=role, timeout=timeout)
-        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, (), False)
-        return self._generate(params, stream, timeout)
+        """One chat turn: the message rendered with the model's chat template, then the assistant's answer
+        (generated, or streamed), in one request: if any part is refused, the session is left as it was."""
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
+        return self._send_generate(calls.generate_request(self.id, params, stream, chat=content, role=role), timeout)
 
     @overload
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
@@ -151,15 +160,14 @@ class Session:
         in one round trip. If either part is refused, neither happens.
         """
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        return self._generate(params, stream, timeout, prompt, prompt_ids)
+        return self._send_generate(calls.generate_request(self.id, params, stream, prompt, prompt_ids), timeout)
 
-    def _generate(self, params: p.Sampling, stream: bool, timeout: float | None, prompt: str | None = None,
-                  prompt_ids: Sequence[int] | None = None) -> Generation | Stream:
-        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids)
-        if not stream:
-            return calls.generation(self.client._call(request, p.Generated, timeout))
+    def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | Stream:
+        chat = request.chat is not None
+        if not request.stream:
+            return calls.generation(self.client._call(request, p.Generated, timeout), chat)
         transport = self.client._transport
-        return Stream(transport, transport.start(request), self.id, self.client._timeout(timeout))
+        return Stream(transport, transport.start(request), self.id, self.client._timeout(timeout), chat)
 
     def fork(self, *, timeout: float | None = None) -> Session:
         """A new session on the same worker that continues exactly as this one would."""
@@ -235,15 +243,18 @@ class PendingClose:
 class Stream:
     """An iterator of Chunks; the last has finish_reason set. Closing it early cancels the generation.
 
-    `timeout` bounds the wait for each chunk; on Timeout the generation is cancelled.
+    Each token comes once and in order, and the chunks' texts add up to `result.text` exactly (chunks lost on the
+    way, e.g. while the broker restarted, are asked for again). `timeout` bounds the wait for each chunk; on Timeout
+    the generation is cancelled.
     """
 
-    def __init__(self, transport: Transport, call: calls.Call, session_id: str, timeout_s: float) -> None:
+    def __init__(self, transport: Transport, call: calls.Call, session_id: str, timeout_s: float,
+                 chat: bool = False) -> None:
         self._transport = transport
         self._call = call
         self._session_id = session_id
         self._timeout_s = timeout_s
-        self._state = calls.StreamState()
+        self._state = calls.StreamState(call, chat)
         self._open = True
 
     def __iter__(self) -> Stream:
@@ -252,16 +263,21 @@ class Stream:
     def __next__(self) -> Chunk:
         if not self._open:
             raise StopIteration
-        try:
-            message = self._transport.next(self._call, self._timeout_s)
-        except Timeout:
-            self.close()
-            raise
-        try:
-            chunk = self._state.take(message)
-        except ClientError:
-            self._end()  # the server ended the request with an error
-            raise
+        while True:
+            try:
+                message = self._transport.next(self._call, self._timeout_s)
+            except Timeout:
+                self.close()
+                raise
+            try:
+                chunk = self._state.take(message)
+            except ClientError:
+                self._end()  # the server ended the request with an error
+                raise
+            if chunk is not None:
+                break
+            if self._state.ask(time.monotonic(), self._transport.resend_after_s):  # a gap: ask for what is missing
+                self._transport.resend(self._call)
         if chunk.finish_reason is not None:
             self._end()
         return chunk

@@ -1,7 +1,8 @@
 """`worker start`: load the model once, register with the broker, serve until SIGTERM/SIGINT drains it.
 
 Every flag falls back to an environment variable. Exit codes: 0 after a clean drain, 1 when the engine
-failed while serving, 2 for bad arguments, 3 when the model or device cannot be loaded.
+failed while serving, 2 for bad arguments (checked before the model loads: e.g. a --broker that is not
+tcp://HOST:PORT), 3 when the model or device cannot be loaded.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from types import FrameType
 
@@ -18,13 +20,22 @@ import structlog
 
 from broker.common import heap, logs
 from broker.common import protocol as p
-from broker.common.arguments import env, env_int, non_negative_float, port, positive_int
+from broker.common.arguments import env, env_int, non_negative_float, port, positive_int, zmq_address
 from broker.common.keys import CurveClient, KeyFileError
 from broker.common.metrics_http import MetricsServer
 from worker.serve.loop import Serve, WorkerConfig
 from worker.serve.metrics import WorkerMetrics, worker_readiness
 
 EXIT_STARTUP_FAILED = 3
+WAITING_LOG_S = 5.0  # a worker that has not reached its broker says so this often
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), the default of --threads."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def device(value: str) -> str:
@@ -38,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="worker", description="Serve one model's sessions for a broker.")
     sub = top.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="run a worker in the foreground")
-    start.add_argument("--broker", default=env("WORKER_BROKER", defaults.broker),
+    start.add_argument("--broker", type=zmq_address, default=env("WORKER_BROKER", defaults.broker),
                        help="the broker's worker address [env WORKER_BROKER] (default %(default)s)")
     start.add_argument("--model", default=env("WORKER_MODEL", None),
                        help="a .gguf file, a Hugging Face folder, or random:PRESET[:SEED] (e.g. random:tiny) "
@@ -51,8 +62,13 @@ def parser() -> argparse.ArgumentParser:
                        help="tokens per session [env WORKER_MAX_CONTEXT] (default %(default)s)")
     start.add_argument("--name", default=env("WORKER_NAME", f"{socket.gethostname()}-{os.getpid()}"),
                        help="shown in logs and status [env WORKER_NAME] (default HOST-PID)")
-    start.add_argument("--drain-timeout", type=float, default=float(env("WORKER_DRAIN_TIMEOUT", "60") or 60),
-                       help="seconds in-flight generations get to finish after SIGTERM [env WORKER_DRAIN_TIMEOUT]")
+    start.add_argument("--drain-timeout", type=non_negative_float,
+                       default=env("WORKER_DRAIN_TIMEOUT", str(defaults.drain_timeout_s)),
+                       help="seconds in-flight generations get to finish after SIGTERM [env WORKER_DRAIN_TIMEOUT] "
+                            "(default %(default)s)")
+    start.add_argument("--threads", type=positive_int, default=env_int("worker", "WORKER_THREADS", usable_cores()),
+                       help="torch's intra-op threads on the CPU [env WORKER_THREADS] (default: the cores this "
+                            "process may run on, now %(default)s); on a host shared with other busy work, fewer")
     start.add_argument("--reconnect-max-ms", type=positive_int,
                        default=env_int("worker", "WORKER_RECONNECT_MAX_MS", defaults.reconnect_max_ms),
                        help="ceiling of the reconnect backoff [env WORKER_RECONNECT_MAX_MS] (default %(default)s)")
@@ -82,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"worker: --name: {e.message}") from None
     logs.configure(args.log_level, role="worker", worker=args.name)
     log = structlog.get_logger()
+    import torch  # here, not at the top: `worker --help` and bad arguments answer without loading torch
+
+    torch.set_num_threads(args.threads)
     try:
         curve = CurveClient.from_files(args.broker_key, args.key)
     except KeyFileError as e:
@@ -139,12 +158,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("worker_start_failed", error=str(e))
             return EXIT_STARTUP_FAILED
     heap.settle(heap.SWITCH_INTERVAL_S)  # the model is loaded and its graphs captured: freeze that heap
-    log.info("worker_serving", broker=args.broker, model=engine.model_name, capacity=engine.capacity)
+    log.info("worker_serving", broker=args.broker, model=engine.model_name, capacity=engine.capacity,
+             threads=torch.get_num_threads())
+    threading.Thread(target=announce_waiting, args=(serve.link.registered, args.broker), name="worker-waiting",
+                     daemon=True).start()
     try:
         return serve.run()
     finally:
         if metrics_server is not None:
             metrics_server.close()
+
+
+def announce_waiting(registered: threading.Event, broker: str) -> None:
+    """Until the worker first registers, say every WAITING_LOG_S that no broker has answered yet."""
+    waited = 0.0
+    while not registered.wait(WAITING_LOG_S):
+        waited += WAITING_LOG_S
+        log = structlog.get_logger()
+        log.warning("waiting_for_broker", broker=broker, waited_s=waited,
+                    hint="no broker has answered: is it running, and is this its worker address (broker start --workers)?")
 
 
 if __name__ == "__main__":

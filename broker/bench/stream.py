@@ -180,7 +180,8 @@ def through_stack(args: argparse.Namespace) -> list[Run]:
             return PYTHON
         return (sys.executable, "-m", "cProfile", "-o", str(Path(args.profile) / f"{name}.prof"))
 
-    stack = LocalStack(heartbeats=None, log_level="warning", env={"OMP_NUM_THREADS": str(args.torch_threads)})
+    stack = LocalStack(heartbeats=None, log_level="warning", env={"OMP_NUM_THREADS": str(args.torch_threads),
+                        "WORKER_THREADS": str(args.torch_threads)})
     clients = stack.clients
     runs: list[Run] = []
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import TypeVar
 
 D = TypeVar("D", int, None)
@@ -60,3 +61,27 @@ def port(value: str) -> int:
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {n}")
     return n
+
+
+_TCP_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
+_HOST_PORT = re.compile(r"[^\s:/\[\]]+:\d{1,5}")
+
+
+def address_problem(value: str) -> str | None:
+    """What is wrong with a ZeroMQ address (None: nothing): tcp://HOST:PORT, HOST a name, an IPv4 or [IPv6] address
+    (or, to bind, * or an interface name), or ipc://PATH."""
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return None
+    match = _TCP_ADDRESS.fullmatch(value)
+    if match is not None and 1 <= int(match[2]) <= 65535:
+        return None
+    hint = f" (did you mean tcp://{value}?)" if _HOST_PORT.fullmatch(value) else ""
+    return f"expected tcp://HOST:PORT (PORT 1-65535) or ipc://PATH, got {value!r}{hint}"
+
+
+def zmq_address(value: str) -> str:
+    """Argument type: a ZeroMQ address, checked before anything starts (see address_problem)."""
+    problem = address_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value

@@ -19,14 +19,14 @@ Legs:
     worker <-> broker:         READY WELCOME HEARTBEAT RECONNECT DISCONNECT
 
 Streaming: each client gets ONE CHUNKS message per engine step, whose `chunks` list holds a
-{request_id, token_ids, text} map for every streamed request of that client that moved in the step; the
-client splits it back into its streams. The worker sends the broker ONE FANOUT message per step for all
-its streaming clients, holding each client's CHUNKS header ready-made; the broker sends each its part
-without reading it. So a step costs the worker one message however many clients stream (64 clients of
-one session each: 64 messages a step were 0.9 ms of the worker's compute loop on an H100 host). A CHUNKS
-that a worker addresses to one client itself (with a `route`) is forwarded too, after checking the route. A
-request's final REPLY (or ERROR) stays a message of its own, sent after all of its chunks, and carries every
-token.
+{request_id, token_ids, text, offset} map for every streamed request of that client that moved in the step; the
+client splits it back into its streams and applies each chunk at its offset (StreamChunk says how). The
+worker sends the broker ONE FANOUT message per step for all its streaming clients, holding each client's
+CHUNKS header ready-made; the broker sends each its part without reading it. So a step costs the worker
+one message however many clients stream (64 clients of one session each: 64 messages a step were 0.9 ms of
+the worker's compute loop on an H100 host). A CHUNKS that a worker addresses to one client itself (with a
+`route`) is forwarded too, after checking the route. A request's final REPLY (or ERROR) stays a message of
+its own, sent after all of its chunks, and carries every token.
 
 CANCEL is one-way: nothing answers it; the generation it cancels ends with finish_reason "cancelled".
 Every request carries a client-made `request_id`; a worker answers a repeated id from its cache
@@ -342,11 +342,17 @@ class Generate(Message):
     # A prompt appended first, as by APPEND, in the same request (one round trip for a turn): both or neither.
     prompt_ids: Annotated[tuple[int, ...] | None, int_list(MAX_TOKENS, optional=True)] = None
     prompt: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
+    # Or a chat turn appended first, as by CHAT (`chat` the content, `role` its role): both or neither.
+    chat: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
+    role: Annotated[str, text(64, r"[a-z_]{1,64}")] = "user"
+    # Only on a resend of a streamed GENERATE whose chunks the client has seen: the offset of the first token it
+    # lacks. The worker sends what it made from there in one CHUNKS, and never runs an id it no longer knows again.
+    resume: Annotated[int | None, integer(0, MAX_TOKENS, optional=True)] = None
     route: Route = b""
 
     def _check(self) -> None:
-        if self.prompt_ids is not None and self.prompt is not None:
-            raise _bad("generate takes at most one of prompt_ids or prompt")
+        if sum(x is not None for x in (self.prompt_ids, self.prompt, self.chat)) > 1:
+            raise _bad("generate takes at most one of prompt_ids, prompt or chat")
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,24 +499,30 @@ class StatusReport(Message):
 class StreamChunk(NamedTuple):
     """One request's part of a CHUNKS message (a map with these keys on the wire).
 
-    A plain tuple rather than a checked dataclass: one is made per token on both ends, so its fields are
-    checked by the CHUNKS message's one pass over its list (`stream_chunks`), not one by one.
+    `offset` is where the chunk goes: how many of the generation's tokens come before its first. Its `text` is
+    what the worker's detokenizer let out while making those tokens (text held back, an unfinished UTF-8
+    character or a possible stop string, goes out with a later chunk or the final answer), so the texts of the
+    chunks from offset 0 on, then the rest of the final answer's text, make the final answer's text exactly.
+    A client applies a chunk only at the offset it has reached: it drops a repeat, and for a gap it resends the
+    GENERATE with `resume` (Generate.resume). A plain tuple rather than a checked dataclass: one is made per token on both
+    ends, so its fields are checked by the CHUNKS message's one pass over its list (`stream_chunks`).
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
+    offset: int = 0
 
 
 _MAX_TOKEN_ID = 2**31 - 1
 # StreamChunk(...) runs NamedTuple's __new__, a Python function: this builds one at C speed from a
-# (request_id, token_ids, text) tuple, for the paths that make one per streamed token (checks, the worker's step).
+# (request_id, token_ids, text, offset) tuple, for the paths that make one per streamed token (checks, the worker's step).
 new_stream_chunk: Final = partial(tuple.__new__, StreamChunk)
 
 
 def stream_chunks(name: str, value: Any) -> Any:
     """Field check of CHUNKS' `chunks`: 1..MAX_CHUNKS maps (or StreamChunks), each with a valid request_id,
-    token_ids and text. One loop with the checks inlined: this runs for every streamed token."""
+    token_ids, text and offset. One loop with the checks inlined: this runs for every streamed token."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise FieldError(f"{name} must be a list, got {type(value).__name__}")
     if not 0 < len(value) <= MAX_CHUNKS:
@@ -519,11 +531,12 @@ def stream_chunks(name: str, value: Any) -> Any:
     rid: Any
     ids: Any
     chunk_text: Any
+    offset: Any
     for item in value:
         if type(item) is dict:
-            rid, ids, chunk_text = item.get("request_id"), item.get("token_ids"), item.get("text")
+            rid, ids, chunk_text, offset = item.get("request_id"), item.get("token_ids"), item.get("text"), item.get("offset")
         elif isinstance(item, StreamChunk):
-            rid, ids, chunk_text = item
+            rid, ids, chunk_text, offset = item
         else:
             raise FieldError(f"{name} must hold maps, got {type(item).__name__}")
         if type(rid) is not str or _ID_RE.fullmatch(rid) is None:
@@ -535,7 +548,10 @@ def stream_chunks(name: str, value: Any) -> Any:
                 raise FieldError(f"{name}.token_ids must hold integers in [0, {_MAX_TOKEN_ID}], got {t!r}")
         if type(chunk_text) is not str or len(chunk_text) > MAX_TEXT_CHARS:
             raise FieldError(f"{name}.text must be a string of at most {MAX_TEXT_CHARS} characters")
-        out.append(new_stream_chunk((rid, tuple(ids), chunk_text)))
+        if type(offset) is not int or not 0 <= offset <= MAX_TOKENS:
+            raise FieldError(f"{name}.offset must be an integer in [0, {MAX_TOKENS}], got {str(offset)[:20]!r}"
+                             + (" (a worker older than this client sends none: upgrade it)" if offset is None else ""))
+        out.append(new_stream_chunk((rid, tuple(ids), chunk_text, offset)))
     return tuple(out)
 
 
@@ -543,8 +559,8 @@ def stream_chunks(name: str, value: Any) -> Any:
 class Chunks(Message):
     """Streamed tokens of one client's requests, in order per request: one message per route per engine step.
 
-    Each request's chunk holds the tokens (and text) it made since its previous chunk; the final REPLY
-    (Generated) carries them all again, so a client that missed a CHUNKS message loses nothing.
+    Each request's chunk holds the tokens (and text) it made since its previous chunk, at its `offset`; the final
+    REPLY (Generated) carries them all again, so a client that missed a CHUNKS message loses nothing.
     """
 
     COMMAND: ClassVar[Command] = Command.CHUNKS
@@ -559,7 +575,8 @@ class Chunks(Message):
 
 
 def _chunk_maps(chunks: Sequence[StreamChunk]) -> list[dict[str, Any]]:
-    return [{"request_id": rid, "token_ids": ids, "text": chunk_text} for rid, ids, chunk_text in chunks]
+    return [{"request_id": rid, "token_ids": ids, "text": chunk_text, "offset": offset}
+            for rid, ids, chunk_text, offset in chunks]
 
 
 def chunks_part(chunks: Sequence[StreamChunk]) -> bytes:

@@ -25,6 +25,7 @@ EXAMPLES: list[p.Message] = [
                stream=True, route=b"c1"),
     p.Generate(request_id="r4", session_id=SID, prompt_ids=(1, 2, 3)),
     p.Generate(request_id="r4", session_id=SID, prompt="héllo", stream=True),
+    p.Generate(request_id="r4", session_id=SID, chat="héllo", role="system", stream=True, resume=12),
     p.Fork(request_id="r5", session_id=SID, child_id=SID2),
     p.Close(request_id="r6", session_id=SID),
     p.Info(request_id="r7", session_id=SID),
@@ -38,7 +39,7 @@ EXAMPLES: list[p.Message] = [
     p.Closed(request_id="r6", session_id=SID),
     p.SessionInfo(request_id="r7", session_id=SID, length=5, model="m", worker="w", max_context=64, busy=True),
     p.StatusReport(request_id="r9", broker_id="b1", workers=(p.WorkerStatus("w", "m", 4, 3, 1, True, "cpu"),)),
-    p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"), p.StreamChunk("r5", (), "é"), p.StreamChunk("r6", (1, 2), "")),
+    p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a", 7), p.StreamChunk("r5", (), "é"), p.StreamChunk("r6", (1, 2), "")),
              route=b"c1"),
     p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"),)),
     p.Fanout(routes=(b"c1", b"c2"), parts=(p.chunks_part((p.StreamChunk("r4", (4,), "a"),)), b"\x80")),
@@ -120,8 +121,18 @@ def frames(command: bytes, header: Any) -> list[bytes]:
         (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [2**31], "text": "a"}]}, "token_ids must hold"),
         (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1]}]}, "chunks.text must be a string"),
         (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1], "text": b"a"}]}, "chunks.text must be"),
-        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [], "text": ""}, 7]}, "chunks must hold maps"),
-        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [], "text": ""}], "route": "c1"}, "route must be"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [], "text": "", "offset": 0}, 7]}, "chunks must hold maps"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [], "text": "", "offset": 0}], "route": "c1"},
+         "route must be"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1], "text": ""}]},
+         "chunks.offset must be an integer in [0, 1048576], got 'None' (a worker older than this client sends none"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1], "text": "", "offset": -1}]}, "chunks.offset must be"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1], "text": "", "offset": True}]}, "got 'True'"),
+        (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1], "text": "", "offset": 2**20 + 1}]}, "offset must"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "resume": -1}, "resume must be"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "chat": "hi", "prompt": "x"},
+         "at most one of prompt_ids, prompt or chat"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "chat": "hi", "role": "User!"}, "role is malformed"),
         (b"FANOUT", {"routes": [b"c1"]}, "missing field parts"),
         (b"FANOUT", {"routes": [b"c1", b"c2"], "parts": [b""]}, "one part per route and at least one: 2 routes, 1 parts"),
         (b"FANOUT", {"routes": [], "parts": []}, "at least one: 0 routes"),
@@ -177,10 +188,12 @@ def test_unknown_fields_are_ignored_and_unknown_error_codes_still_end_a_request(
 
 
 def test_chunks_ignores_unknown_fields_and_a_broken_one_keeps_no_request_id() -> None:
-    header = {"chunks": [{"request_id": "r1", "token_ids": [1], "text": "a", "logprobs": [0.5]}], "route": b"c", "x": 1}
-    assert p.decode(frames(b"CHUNKS", header)) == p.Chunks(chunks=(p.StreamChunk("r1", (1,), "a"),), route=b"c")
+    header = {"chunks": [{"request_id": "r1", "token_ids": [1], "text": "a", "offset": 3, "logprobs": [0.5]}],
+              "route": b"c", "x": 1}
+    assert p.decode(frames(b"CHUNKS", header)) == p.Chunks(chunks=(p.StreamChunk("r1", (1,), "a", 3),), route=b"c")
     with pytest.raises(p.ProtocolError) as e:
-        p.decode(frames(b"CHUNKS", {"chunks": [{"request_id": "r1", "token_ids": [-1], "text": ""}], "route": b"c9"}))
+        p.decode(frames(b"CHUNKS", {"chunks": [{"request_id": "r1", "token_ids": [-1], "text": "", "offset": 0}],
+                                    "route": b"c9"}))
     assert (e.value.code, e.value.request_id, e.value.route) == (p.ErrorCode.BAD_REQUEST, None, b"c9")
     with pytest.raises(p.ProtocolError, match="takes no payload"):
         p.decode([*p.encode(p.Chunks(chunks=(p.StreamChunk("r1", (1,), "a"),))), b"extra"])

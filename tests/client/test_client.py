@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -38,13 +39,13 @@ def generated(request: p.Generate, ids: tuple[int, ...], reason: str = "length")
                        text="".join(chr(97 + i) for i in ids), finish_reason=reason, length=10 + len(ids))
 
 
-def stream_chunk(request: p.Generate, ids: tuple[int, ...]) -> p.StreamChunk:
-    return p.StreamChunk(request.request_id, ids, "".join(chr(97 + i) for i in ids))
+def stream_chunk(request: p.Generate, ids: tuple[int, ...], offset: int = 0) -> p.StreamChunk:
+    return p.StreamChunk(request.request_id, ids, "".join(chr(97 + i) for i in ids), offset)
 
 
-def chunk(request: p.Generate, ids: tuple[int, ...]) -> p.Chunks:
-    """The CHUNKS message of one engine step that moved only this request."""
-    return p.Chunks(chunks=(stream_chunk(request, ids),))
+def chunk(request: p.Generate, ids: tuple[int, ...], offset: int = 0) -> p.Chunks:
+    """The CHUNKS message of one engine step that moved only this request, at `offset` in its generation."""
+    return p.Chunks(chunks=(stream_chunk(request, ids, offset),))
 
 
 def test_every_error_class_is_importable_from_client_with_its_code() -> None:
@@ -114,7 +115,7 @@ def test_a_stream_yields_chunks_then_the_rest_from_the_final_answer() -> None:
         if isinstance(request, p.Generate):
             assert request.stream
             reply(chunk(request, (1,)))
-            reply(chunk(request, (2, 3)))
+            reply(chunk(request, (2, 3), 1))
             # the chunk with (4,) was lost: the final answer carries every token
             reply(generated(request, (1, 2, 3, 4, 5)))
 
@@ -216,7 +217,7 @@ def test_stream_state_keeps_only_text_that_was_not_yielded() -> None:
     state = StreamState()
     request = p.Generate(request_id="g", session_id=SID)
     assert state.take(stream_chunk(request, (0, 1))) == Chunk([0, 1], "ab")
-    assert state.take(p.StreamChunk("g", (2,), "c")) == Chunk([2], "c")
+    assert state.take(p.StreamChunk("g", (2,), "c", 2)) == Chunk([2], "c")
     assert state.take(generated(request, (0, 1, 2, 3), reason="stop")) == Chunk([3], "d", "stop")
     assert state.text == "abcd" and state.tokens == 4
     with pytest.raises(SessionLost):
@@ -239,12 +240,12 @@ def batched_script(fake: list[FakeBroker]) -> Callable[[p.Message, Reply], None]
         a, b = requests
         assert isinstance(a, p.Generate) and isinstance(b, p.Generate)
 
-        def part(g: p.Generate, ids: tuple[int, ...]) -> p.StreamChunk:
-            return p.StreamChunk(g.request_id, ids, "".join(chr(97 + i) for i in ids))
+        def part(g: p.Generate, ids: tuple[int, ...], offset: int) -> p.StreamChunk:
+            return p.StreamChunk(g.request_id, ids, "".join(chr(97 + i) for i in ids), offset)
 
-        reply(p.Chunks(chunks=(part(a, (1,)), part(b, (10,)))))
-        reply(p.Chunks.unchecked(chunks=(part(a, (5,)), p.StreamChunk(b.request_id, (-1,), "?"))))  # one bad chunk
-        reply(p.Chunks(chunks=(part(b, (11,)), part(a, (2,)), p.StreamChunk("nobody-asked", (9,), "j"))))
+        reply(p.Chunks(chunks=(part(a, (1,), 0), part(b, (10,), 0))))
+        reply(p.Chunks.unchecked(chunks=(part(a, (5,), 1), p.StreamChunk(b.request_id, (-1,), "?", 1))))  # one bad
+        reply(p.Chunks(chunks=(part(b, (11,), 1), part(a, (2,), 1), p.StreamChunk("nobody-asked", (9,), "j"))))
         reply(generated(a, (1, 2, 3)))
         reply(generated(b, (10, 11, 12)))
 
@@ -311,7 +312,9 @@ def test_an_async_stream_times_out_and_resends_while_waiting() -> None:
     assert got == [Chunk([1], "b")]
     assert 0.35 < waited < 2.0
     generates = fake.of(p.Generate)
-    assert len(generates) >= 4 and all(g == generates[0] for g in generates)  # resent, same id, while waiting
+    assert len(generates) >= 4 and generates[1] == generates[0]  # resent, same id, while waiting
+    # once a chunk came, each resend also says where to resume the stream: after the one token it has
+    assert all(g == replace(generates[0], resume=1) for g in generates[3:])
     assert len(fake.of(p.Cancel)) == 1  # the timeout cancelled the generation
 
 

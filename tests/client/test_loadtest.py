@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from client.bench.loadtest import LoadConfig, LoadTestError, run
+from client.bench.loadtest.progress import Tally, requests_text
 from client.bench.loadtest.report import build_report
 from client.bench.loadtest.stats import RawRun, RequestSample, Summary, e2e, itls, merge, percentile, timeline, tpot, ttft
 from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, Opened, Turn, TurnDone, Workload, user
@@ -289,7 +290,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def test_full_stack_cli_with_two_client_processes(stack: Cluster, tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "run.json", tmp_path / "run.png"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "WORKER_THREADS": "1"}
     args = ["--broker", stack.clients, "--model", "random-tiny", "--sessions", "4", "--processes", "2", "--prompt-tokens", "16",
             "--max-tokens", "8", "--turns", "2", "--fork-every", "2", "--requests", "12", "--ignore-eos", "--no-progress",
             "--json", str(out_json), "--plot", str(out_png)]
@@ -337,3 +338,8 @@ def test_the_old_module_is_an_alias_for_one_release() -> None:
     done = subprocess.run([sys.executable, "-m", "client.loadtest", "--help"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("usage: loadtest")
+
+
+def test_the_progress_bar_counts_requests_then_failures() -> None:
+    assert requests_text(Tally(done=9, failed=3), 100) == "12/100 requests, 3 failed"
+    assert requests_text(Tally(), None) == "0 requests, 0 failed"

@@ -17,7 +17,7 @@ def test_fast_heartbeats_are_the_flags_each_daemon_takes() -> None:
 
 
 def test_a_worker_that_exits_is_reported_with_its_log_and_every_daemon_is_stopped(tmp_path: Path) -> None:
-    with LocalStack(tmp_path, env={"OMP_NUM_THREADS": "1"}) as stack:
+    with LocalStack(tmp_path, env={"OMP_NUM_THREADS": "1", "WORKER_THREADS": "1"}) as stack:
         broker = stack.start_broker()
         stack.start_worker("bad", model="/no/such/model.gguf", device="cpu")
         with pytest.raises(StackError, match=rf"^worker bad exited with code 3 \(log {tmp_path}/worker-bad.log\):\n"):

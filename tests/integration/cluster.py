@@ -23,7 +23,7 @@ __all__ = ["ROOT", "Cluster", "Daemon", "free_port", "one_session_on_each", "sec
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_MS = 100
 LIVENESS = 3
-TEST_ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+TEST_ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WORKER_THREADS": os.environ.get("WORKER_THREADS", "1")}
 
 
 def one_session_on_each(client: Client, prompt: list[int]) -> tuple[Session, Session]:

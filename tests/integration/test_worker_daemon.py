@@ -81,6 +81,9 @@ class FakeEngine:
     def chat(self, session_id: str, content: str, role: str = "user") -> int:
         raise NotImplementedError
 
+    def chat_ids(self, session_id: str, content: str, role: str = "user") -> list[int]:
+        raise NotImplementedError
+
     def sessions(self) -> list[str]:
         return list(self.lengths)
 
@@ -408,7 +411,7 @@ def test_a_resent_generate_moves_the_rest_of_its_stream_to_the_new_route(
     serve._step()
     batches = [c for messages in sent for m in messages for c in chunks_of(m)]
     assert [(m.route, m.chunks) for m in batches] == [
-        (b"old", (p.StreamChunk("g1", (2,), "x"),)), (b"new", (p.StreamChunk("g1", (3,), "x"),))
+        (b"old", (p.StreamChunk("g1", (2,), "x", 0),)), (b"new", (p.StreamChunk("g1", (3,), "x", 1),))
     ]
     final = sent[-1][-1]
     assert isinstance(final, p.Generated) and final.route == b"new" and final.token_ids == (2, 3, 4)

@@ -231,7 +231,12 @@ class Engine:
         return ids
 
     def chat(self, session_id: str, content: str, role: str = "user") -> int:
-        """Append one chat turn, rendered with the model's template, plus the assistant prompt.
+        """Append one chat turn, rendered with the model's template, plus the assistant prompt (chat_ids)."""
+        return self.append(session_id, token_ids=self.chat_ids(session_id, content, role))
+
+    def chat_ids(self, session_id: str, content: str, role: str = "user") -> list[int]:
+        """The tokens of one chat turn for this session, rendered with the model's template, plus the assistant
+        prompt; nothing changes (chat() appends them, start_generate(prompt_ids=...) too, checked as a whole).
 
         The first turn renders the template from the start (system prompt included). A later turn
         renders only what the template puts after the previous assistant answer: the EOS the model
@@ -242,11 +247,11 @@ class Engine:
             raise BadRequest("chat content and role must be strings")
         turn = {"role": role, "content": content}
         if not session.tokens:
-            return self.append(session_id, token_ids=self.chat_tokens([turn]))
+            return self.chat_tokens([turn])
         text = self._chat_continuation(turn)
         if session.tokens[-1] not in self.tokenizer.stop_ids:
             text = (self.tokenizer.token(self.tokenizer.eos_id) or "") + text
-        return self.append(session_id, token_ids=self.tokenizer.encode(text, add_bos=False))
+        return self.tokenizer.encode(text, add_bos=False)
 
     def _chat_continuation(self, turn: dict[str, str]) -> str:
         """Template text between an assistant answer's EOS and the next assistant prompt."""

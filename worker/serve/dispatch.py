@@ -4,6 +4,11 @@ The compute loop (worker.serve.loop) hands every decoded request to `Dispatch.ha
 to `Dispatch.step_answers`, and sends what they return. Every request id is remembered with its final answer,
 so a resent request is answered again, never run twice; a resent generation that is still running moves the
 rest of its stream to the new route.
+
+Streams: each streamed chunk carries its offset (the generation's tokens before it) and the text the engine let
+out with its tokens. A generation keeps every token and the text let out with each until it ends; then its final
+answer, which carries them all, is kept with the other answers. So a client that saw a gap resends the GENERATE
+with `resume` and gets everything from there in one CHUNKS, or the final answer.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class EngineAPI(Protocol):
     def close(self, session_id: str) -> None: ...
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int: ...
     def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
+    def chat_ids(self, session_id: str, content: str, role: str = "user") -> list[int]: ...
     def sessions(self) -> list[str]: ...
     def session_length(self, session_id: str) -> int: ...
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
@@ -77,7 +83,14 @@ def error_code(exc: BaseException) -> p.ErrorCode:
     return p.ErrorCode.INTERNAL
 
 
-@dataclass
+class GenerationForgotten(Exception):
+    """A resent GENERATE resumes a generation this worker no longer knows (it ended, and its answer left the
+    cache of answers): it is not run again."""
+
+    code = "internal"
+
+
+@dataclass(slots=True)
 class Active:
     """A generation in flight."""
 
@@ -87,7 +100,23 @@ class Active:
     stream: bool
     appended: int = 0  # prompt tokens the request appended first
     token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # per token, the text let out with it ("" while held back)
+    held: str = ""  # text let out by a step that made no token: it goes with the next token (no engine does that now)
+
+    def add(self, ids: list[int], text: str) -> None:
+        """Keep a step's tokens (at least one) and text, the text with the last of them (Dispatch.step_answers
+        does the same, inlined, for the usual step of one token)."""
+        self.token_ids += ids
+        self.texts += [""] * (len(ids) - 1)
+        self.texts.append(text)
+
+    def since(self, offset: int) -> p.Chunks | None:
+        """What the generation made from token `offset` on, as one CHUNKS to its route (None: nothing)."""
+        ids = self.token_ids[offset:]
+        if not ids:
+            return None
+        chunk = p.StreamChunk(self.request_id, tuple(ids), "".join(self.texts[offset:]), offset)
+        return p.Chunks(chunks=(chunk,), route=self.route)
 
 
 class Dispatch:
@@ -123,7 +152,7 @@ class Dispatch:
         rid: str = getattr(request, "request_id", "")
         route: bytes = getattr(request, "route", b"")
         key = (getattr(request, "session_id", None) or "", rid)
-        resent = self._resent(key, route)
+        resent = self._resent(key, route, request)
         if resent is not None:
             return resent
         try:
@@ -135,7 +164,7 @@ class Dispatch:
             answer = self._execute(request)
         except Exception as e:
             code = error_code(e)
-            if code is p.ErrorCode.INTERNAL:
+            if code is p.ErrorCode.INTERNAL and not isinstance(e, GenerationForgotten):  # a bug: its traceback
                 log.exception("request_failed", command=request.COMMAND.name, request=rid, session=key[0] or None)
             else:
                 log.info("request_refused", command=request.COMMAND.name, code=code.value, error=str(e), request=rid,
@@ -148,9 +177,10 @@ class Dispatch:
         self._remember(key, answer)
         return [answer]
 
-    def _resent(self, key: tuple[str, str], route: bytes) -> list[p.Message] | None:
-        """A request id seen before: its cached answer, or (a generation still running) nothing now, the rest of its
-        stream and its answer going to the new route. None for a request not seen before. Never a re-run."""
+    def _resent(self, key: tuple[str, str], route: bytes, request: p.Message) -> list[p.Message] | None:
+        """A request id seen before: its cached answer, or (a generation still running) the rest of its stream and its
+        answer going to the new route, and with `resume` what it made from there now. None for a request not seen
+        before. Never a re-run."""
         done = self._done.get(key)
         if done is not None:
             return [done.routed(route)]
@@ -158,7 +188,12 @@ class Dispatch:
         active = self.active.get(engine_id) if engine_id else None
         if active is not None and active.request_id == key[1]:
             active.route = route
-            return []
+            resume = request.resume if isinstance(request, p.Generate) else None
+            missing = None if resume is None else active.since(resume)
+            if missing is None:
+                return []
+            log.debug("stream_resumed", request=key[1], offset=resume, tokens=len(active.token_ids) - (resume or 0))
+            return [missing]
         return None
 
     def _execute(self, request: p.Message) -> p.Message | None:
@@ -185,10 +220,16 @@ class Dispatch:
             length = e.chat(request.session_id, request.content, role=request.role)
             return p.Appended(request_id=request.request_id, session_id=request.session_id, length=length)
         if isinstance(request, p.Generate):
+            if request.resume is not None:
+                raise GenerationForgotten(f"generation {request.request_id} ended and its answer is no longer kept "
+                                          f"(this worker keeps the last {self.config.request_cache}): not run again")
             self._refuse_if_draining("new generations")
             before = e.session_length(request.session_id)
+            prompt_ids: Sequence[int] | None = request.prompt_ids
+            if request.chat is not None:
+                prompt_ids = e.chat_ids(request.session_id, request.chat, request.role)
             engine_id = e.start_generate(request.session_id, self._sampling(request.params),
-                                         prompt_ids=request.prompt_ids, prompt=request.prompt)
+                                         prompt_ids=prompt_ids, prompt=request.prompt)
             appended = e.session_length(request.session_id) - before
             self.active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream,
                                             appended)
@@ -242,19 +283,27 @@ class Dispatch:
                 continue
             ids = chunk.token_ids
             if ids:
-                if not active.token_ids:
+                offset = len(active.token_ids)
+                if not offset:
                     self.metrics.first_token(chunk.request_id, end)
-                active.token_ids += ids
+                text = chunk.text
+                if active.held:
+                    text, active.held = active.held + text, ""
+                if len(ids) == 1:  # the usual step, inlined: this runs for every token
+                    active.token_ids.append(ids[0])
+                    active.texts.append(text)
+                else:
+                    active.add(ids, text)
                 new_tokens += len(ids)
-            if chunk.text:
-                active.text.append(chunk.text)
+                if chunk.finish_reason is None and active.stream:
+                    batch = batches.get(active.route)
+                    if batch is None:
+                        batch = batches[active.route] = []
+                    batch.append(p.new_stream_chunk((active.request_id, tuple(ids), text, offset)))
+            elif chunk.text:
+                active.held += chunk.text
             if chunk.finish_reason is not None:
                 finals.append(self._finish(chunk.request_id, active, chunk.finish_reason, end))
-            elif active.stream and (ids or chunk.text):
-                batch = batches.get(active.route)
-                if batch is None:
-                    batch = batches[active.route] = []
-                batch.append(p.new_stream_chunk((active.request_id, tuple(ids), chunk.text)))
         # Valid by construction (see Message.unchecked): no per-token checks here; the client checks them all.
         out: list[p.Message] = []
         if batches:
@@ -270,7 +319,7 @@ class Dispatch:
         except Exception:  # closed while generating
             length = 0
         answer = p.Generated.unchecked(request_id=active.request_id, session_id=active.session_id,
-                                       token_ids=tuple(active.token_ids), text="".join(active.text),
+                                       token_ids=tuple(active.token_ids), text="".join(active.texts) + active.held,
                                        finish_reason=finish_reason, length=length, appended=active.appended,
                                        route=active.route)
         self._remember((active.session_id, active.request_id), answer)

@@ -26,6 +26,13 @@ class Tally:
         self.output_tokens += other.output_tokens
 
 
+def requests_text(tally: Tally, requests: int | None) -> str:
+    """The bar's count: "12/100 requests, 0 failed" (of a total), or "12 requests, 0 failed" (for a duration)."""
+    ended = tally.done + tally.failed
+    return f"{ended}/{requests} requests, {tally.failed} failed" if requests is not None else \
+        f"{ended} requests, {tally.failed} failed"
+
+
 class ProgressView:
     """The bar: requests done of the total, or seconds of the duration; failures and output tokens/s."""
 
@@ -41,12 +48,13 @@ class ProgressView:
         if self.enabled:
             self._progress = Progress(
                 TextColumn("[bold]loadtest[/bold]"), BarColumn(), TextColumn("{task.fields[what]}"),
-                TextColumn("failed {task.fields[failed]}"), TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
+                TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
                 console=Console(stderr=True), transient=False, refresh_per_second=1 / REFRESH_S,
             )
             self._progress.start()
             total = self.requests if self.requests is not None else self.duration
-            self._task = self._progress.add_task("run", total=total, what="", failed=0, rate="0")
+            self._task = self._progress.add_task("run", total=total, what=requests_text(Tally(), self.requests),
+                                                 rate="0")
         return self
 
     def started(self) -> None:
@@ -57,13 +65,8 @@ class ProgressView:
         if self._progress is None or self._task is None:
             return
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        if self.requests is not None:
-            completed: float = tally.done + tally.failed
-            what = f"{completed:.0f}/{self.requests} requests"
-        else:
-            completed = min(elapsed, self.duration or elapsed)
-            what = f"{tally.done + tally.failed} requests"
-        self._progress.update(self._task, completed=completed, what=what, failed=tally.failed,
+        completed = tally.done + tally.failed if self.requests is not None else min(elapsed, self.duration or elapsed)
+        self._progress.update(self._task, completed=completed, what=requests_text(tally, self.requests),
                               rate=f"{tally.output_tokens / elapsed:,.0f}")
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
