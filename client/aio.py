@@ -17,7 +17,7 @@ import asyncio
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast, overload
 
@@ -274,26 +274,30 @@ class AsyncSession:
                        seed: int | None = ..., stop: str | Sequence[str] | None = ...,
                        stream: Literal[False] = ..., *, stop_token_ids: Sequence[int] = ...,
                        ignore_eos: bool = ..., prompt: str | None = ...,
-                       prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> Generation: ...
+                       prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                       logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ..., *,
                        stream: Literal[True], stop_token_ids: Sequence[int] = ...,
                        ignore_eos: bool = ..., prompt: str | None = ...,
-                       prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> AsyncStream: ...
+                       prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                       logprobs: int | None = ..., timeout: float | None = ...) -> AsyncStream: ...
 
     async def generate(
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
-        prompt_ids: Sequence[int] | None = None, timeout: float | None = None,
+        prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
+        logprobs: int | None = None, timeout: float | None = None,
     ) -> Generation | AsyncStream:
-        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        return await self._generate(params, stream, timeout, prompt, prompt_ids)
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
+        return await self._generate(params, stream, timeout, prompt, prompt_ids, messages)
 
     async def _generate(self, params: p.Sampling, stream: bool, timeout: float | None, prompt: str | None = None,
-                        prompt_ids: Sequence[int] | None = None) -> Generation | AsyncStream:
-        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids)
+                        prompt_ids: Sequence[int] | None = None,
+                        messages: Sequence[Mapping[str, str]] | None = None) -> Generation | AsyncStream:
+        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages)
         if not stream:
             return calls.generation(await self.client._call(request, p.Generated, timeout))
         transport = self.client._transport

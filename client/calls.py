@@ -9,7 +9,7 @@ a broker restart a resend could be placed on another worker and leave a second s
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -46,19 +46,27 @@ def build(make: Callable[..., T], **fields: Any) -> T:
 
 
 def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: str | None,
-                     prompt_ids: Sequence[int] | None) -> p.Generate:
+                     prompt_ids: Sequence[int] | None,
+                     messages: Sequence[Mapping[str, str]] | None = None) -> p.Generate:
+    turns = None if messages is None else tuple(chat_message(m) for m in messages)
     return build(p.Generate, request_id=new_request_id(), session_id=session_id, params=params, stream=stream,
-                 prompt=prompt, prompt_ids=None if prompt_ids is None else tuple(prompt_ids))
+                 prompt=prompt, prompt_ids=None if prompt_ids is None else tuple(prompt_ids), messages=turns)
+
+
+def chat_message(message: Mapping[str, str]) -> p.ChatMessage:
+    if not isinstance(message, Mapping):
+        raise BadRequest(f"a chat message is a map with role and content, got {type(message).__name__}")
+    return build(p.ChatMessage, role=message.get("role"), content=message.get("content"))
 
 
 def sampling(
     max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-    stop: str | Sequence[str] | None, stop_token_ids: Sequence[int], ignore_eos: bool,
+    stop: str | Sequence[str] | None, stop_token_ids: Sequence[int], ignore_eos: bool, logprobs: int | None = None,
 ) -> p.Sampling:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return build(
         p.Sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop=stops, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+        stop=stops, stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs,
     )
 
 
@@ -132,7 +140,7 @@ def expect(message: Answer, kind: type[M]) -> M:
 
 
 def generation(g: p.Generated) -> Generation:
-    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended)
+    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended, list(g.logprobs))
 
 
 def session_info(i: p.SessionInfo) -> SessionInfo:
@@ -162,12 +170,15 @@ class StreamState:
         if isinstance(message, p.StreamChunk):  # per token: nothing here but bookkeeping
             self.tokens += len(message.token_ids)
             self._text.append(message.text)
+            if message.logprobs:
+                return Chunk(list(message.token_ids), message.text, None, list(message.logprobs))
             return Chunk(list(message.token_ids), message.text)
         final = expect(message, p.Generated)
         self.result = generation(final)
         text = self.text
         tail_ids = list(final.token_ids[self.tokens :])
         tail_text = final.text[len(text) :] if final.text.startswith(text) else ""
+        tail_logprobs = list(final.logprobs[self.tokens :])
         self.tokens = len(final.token_ids)
         self._text = [final.text]
-        return Chunk(tail_ids, tail_text, final.finish_reason)
+        return Chunk(tail_ids, tail_text, final.finish_reason, tail_logprobs)

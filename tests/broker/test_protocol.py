@@ -87,7 +87,7 @@ def frames(command: bytes, header: Any) -> list[bytes]:
         (b"APPEND", {"request_id": "r", "session_id": SID, "token_ids": [*range(300), 2**31]}, "got 2147483648"),
         (b"GENERATE", {"request_id": "r", "session_id": SID, "prompt_ids": [5, -1, 7]}, "prompt_ids must hold integers"),
         (b"APPEND", {"request_id": "r", "session_id": SID, "token_ids": "123"}, "token_ids must be a list"),
-        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"max_tokens": 0}}, "max_tokens must be in"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"max_tokens": -1}}, "max_tokens must be in"),
         (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"max_tokens": True}}, "must be an integer"),
         (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"temperature": -1}}, "temperature must be"),
         (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"top_p": 0}}, "top_p must be in (0, 1]"),
@@ -177,7 +177,7 @@ def test_unknown_fields_are_ignored_and_unknown_error_codes_still_end_a_request(
 
 
 def test_chunks_ignores_unknown_fields_and_a_broken_one_keeps_no_request_id() -> None:
-    header = {"chunks": [{"request_id": "r1", "token_ids": [1], "text": "a", "logprobs": [0.5]}], "route": b"c", "x": 1}
+    header = {"chunks": [{"request_id": "r1", "token_ids": [1], "text": "a", "a_newer_field": [0.5]}], "route": b"c", "x": 1}
     assert p.decode(frames(b"CHUNKS", header)) == p.Chunks(chunks=(p.StreamChunk("r1", (1,), "a"),), route=b"c")
     with pytest.raises(p.ProtocolError) as e:
         p.decode(frames(b"CHUNKS", {"chunks": [{"request_id": "r1", "token_ids": [-1], "text": ""}], "route": b"c9"}))

@@ -49,6 +49,7 @@ class EngineAPI(Protocol):
     def close(self, session_id: str) -> None: ...
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int: ...
     def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]: ...
     def sessions(self) -> list[str]: ...
     def session_length(self, session_id: str) -> int: ...
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
@@ -88,6 +89,7 @@ class Active:
     appended: int = 0  # prompt tokens the request appended first
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    logprobs: list[Any] | None = None  # one entry per token, when the request asked for them
 
 
 class Dispatch:
@@ -187,11 +189,14 @@ class Dispatch:
         if isinstance(request, p.Generate):
             self._refuse_if_draining("new generations")
             before = e.session_length(request.session_id)
+            prompt_ids: Sequence[int] | None = request.prompt_ids
+            if request.messages is not None:
+                prompt_ids = e.chat_ids(request.session_id, [{"role": m.role, "content": m.content} for m in request.messages])
             engine_id = e.start_generate(request.session_id, self._sampling(request.params),
-                                         prompt_ids=request.prompt_ids, prompt=request.prompt)
+                                         prompt_ids=prompt_ids, prompt=request.prompt)
             appended = e.session_length(request.session_id) - before
             self.active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream,
-                                            appended)
+                                            appended, logprobs=None if request.params.logprobs is None else [])
             self._by_session[request.session_id] = engine_id
             self.metrics.generation_started(engine_id, time.perf_counter())
             return None  # answered when the generation finishes
@@ -241,11 +246,14 @@ class Dispatch:
             if active is None:
                 continue
             ids = chunk.token_ids
+            lps = getattr(chunk, "logprobs", None) or ()  # engines without log-probabilities have no such field
             if ids:
                 if not active.token_ids:
                     self.metrics.first_token(chunk.request_id, end)
                 active.token_ids += ids
                 new_tokens += len(ids)
+                if active.logprobs is not None:
+                    active.logprobs += lps
             if chunk.text:
                 active.text.append(chunk.text)
             if chunk.finish_reason is not None:
@@ -254,7 +262,7 @@ class Dispatch:
                 batch = batches.get(active.route)
                 if batch is None:
                     batch = batches[active.route] = []
-                batch.append(p.new_stream_chunk((active.request_id, tuple(ids), chunk.text)))
+                batch.append(p.new_stream_chunk((active.request_id, tuple(ids), chunk.text, lps)))
         # Valid by construction (see Message.unchecked): no per-token checks here; the client checks them all.
         out: list[p.Message] = []
         if batches:
@@ -272,7 +280,7 @@ class Dispatch:
         answer = p.Generated.unchecked(request_id=active.request_id, session_id=active.session_id,
                                        token_ids=tuple(active.token_ids), text="".join(active.text),
                                        finish_reason=finish_reason, length=length, appended=active.appended,
-                                       route=active.route)
+                                       route=active.route, logprobs=tuple(active.logprobs or ()))
         self._remember((active.session_id, active.request_id), answer)
         return answer
 
