@@ -468,6 +468,8 @@ class Engine:
                 results[i].token_ids += chunk.token_ids
                 results[i].text += chunk.text
                 results[i].finish_reason = chunk.finish_reason or results[i].finish_reason
+                if chunk.logprobs is not None:
+                    results[i].logprobs = (results[i].logprobs or []) + chunk.logprobs
         return results
 
     # -- internals ----------------------------------------------------------------------------
