@@ -197,6 +197,8 @@ class CompletionRequest(_Common):
     def prompt_value(self) -> str | tuple[int, ...]:
         """The one prompt: text or token ids (a batch of several prompts is refused)."""
         prompt = self.prompt
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
         if isinstance(prompt, str):
             value: str | tuple[int, ...] = prompt
         elif prompt and all(isinstance(x, int) for x in prompt):

@@ -389,10 +389,10 @@ class Service:
         for _ in range(MAX_EVICTIONS):
             try:
                 return await self.client.session(model)
-            except CapacityExhausted:
+            except CapacityExhausted as e:
                 victim = self.store.evict(model)
                 if victim is None:
-                    raise
+                    raise from_client_error(e) from e
                 self._close(victim, "evicted")
             except ClientError as e:
                 raise from_client_error(e) from e

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from client.errors import CapacityExhausted
-from client.sync import Client
+from client.sync import Client, Session
 
 from .conftest import API_KEYS, MODEL, SLOTS, Gateways, http_get
 
@@ -96,7 +96,8 @@ def test_n_choices_come_from_one_prefill(gateway: str, gateways: Gateways) -> No
     assert r.usage is not None
     # One prefill of the prompt but its last token; each of the three forks computed that one token as a decode row.
     assert gateways.prefilled() - before == r.usage.prompt_tokens - 1
-    assert r.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in r.choices)  # type: ignore[index]
+    token_ids: list[list[int]] = [c.model_extra["token_ids"] for c in r.choices]  # type: ignore[index]
+    assert r.usage.completion_tokens == sum(len(ids) for ids in token_ids)
 
 
 def _sse(url: str, body: dict[str, Any]) -> list[str]:
@@ -186,7 +187,7 @@ def test_completions_with_token_ids_resume_by_prefix(gateway: str, gateways: Gat
 
 
 def test_async_client_runs_conversations_concurrently(gateway: str) -> None:
-    async def main() -> list[str]:
+    async def main() -> tuple[str, str, str]:
         async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0, timeout=120) as c:
             async def ask(q: str) -> str:
                 stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
@@ -225,7 +226,7 @@ def test_errors_in_openais_shape(gateway: str) -> None:
 def test_capacity_is_429_with_retry_after(gateways: Gateways) -> None:
     fresh = gateways.start()  # a gateway holding no idle session it could close to make room
     with Client(gateways.stack.clients, timeout=60) as native:
-        held = []
+        held: list[Session] = []
         try:
             while len(held) < SLOTS:  # every slot the other gateways' idle sessions leave
                 try:

@@ -44,8 +44,9 @@ def test_greedy_tokens_come_with_their_logprobs_alone_and_batched(engine: Engine
         others = [engine.create_session() for _ in range(noise)]
         for i, o in enumerate(others):
             engine.append(o, text=f"Some other prompt {i}. " * (i + 2))
-        results = engine.generate_many([(sid, {"max_tokens": 6, "logprobs": 3}),
-                                        *((o, {"max_tokens": 6, "temperature": 1.0, "seed": i}) for i, o in enumerate(others))])
+        requests: list[tuple[str, dict[str, object]]] = [(sid, {"max_tokens": 6, "logprobs": 3})]
+        requests += [(o, {"max_tokens": 6, "temperature": 1.0, "seed": i}) for i, o in enumerate(others)]
+        results = engine.generate_many(requests)
         for s in [sid, *others]:
             engine.close(s)
         return results[0].token_ids, results[0].logprobs or []
