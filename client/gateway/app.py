@@ -107,6 +107,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             finally:
                 gw.metrics.running.dec()
             gw.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            gw.metrics.sync_sessions()
             if not isinstance(response, StreamingResponse):
                 gw.metrics.duration.labels(endpoint).observe(time.perf_counter() - start)
             return response

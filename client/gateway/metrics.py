@@ -48,11 +48,15 @@ class GatewayMetrics:
         self.closed = Counter(PREFIX + "sessions_closed", "Sessions the gateway closed.", ["why"], registry=r)
         self._sessions = sessions
 
-    def scrape(self) -> bytes:
+    def sync_sessions(self) -> None:
+        """The sessions gauge from the store (after each request: with several processes, each keeps its own)."""
         if self._sessions is not None:
             idle, busy = self._sessions()
             self.sessions.labels("idle").set(idle)
             self.sessions.labels("busy").set(busy)
+
+    def scrape(self) -> bytes:
+        self.sync_sessions()
         if multiprocess_dir() is None:
             return generate_latest(self.registry)
         merged = CollectorRegistry()

@@ -106,8 +106,8 @@ class LoadConfig:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
         if self.in_process and self.processes > 1:
             raise ValueError("in-process mode runs in one process: leave processes at 1")
-        if not self.in_process and not self.broker:
-            raise ValueError("give a broker address, or in_process=True")
+        if not self.in_process and not self.broker and not self.http:
+            raise ValueError("give a broker address, a gateway URL (http), or in_process=True")
         if (self.broker_key is None) != (self.key is None):
             raise ValueError("give both broker_key and key, or neither")
         if self.http is not None:
