@@ -385,6 +385,13 @@ class AsyncStream:
     def result(self) -> Generation | None:
         return self._state.result
 
+    @property
+    def ready(self) -> bool:
+        """Whether the next chunk has arrived already (the next read will not wait): a consumer that falls behind
+        may read on and pass several chunks on as one."""
+        box = self._transport._mail.get(self._call.request_id)
+        return self._open and box is not None and bool(box.items)
+
     def close(self) -> None:
         """Stop reading; a generation still running is cancelled (CANCEL is sent at once, no await needed)."""
         if self._open:

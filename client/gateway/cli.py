@@ -141,6 +141,10 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> int:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys)
         await server.serve(sockets=[sock])
 
+    # uvicorn takes SIGTERM and SIGINT while it serves, then raises the signal again for the handler it found: a
+    # handler that does nothing, so that a clean stop exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
     loop = _new_loop()
     try:
         asyncio.set_event_loop(loop)

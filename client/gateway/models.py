@@ -63,7 +63,13 @@ class Models:
         return self.last
 
     async def check(self, model: str) -> None:
-        """ApiError unless a live worker serves `model`: 404 when others are served, 503 when none is up."""
+        """ApiError unless a live worker serves `model`: 404 when others are served, 503 when none is up. A model the
+        last status lists passes at once (a stale status is asked again in the background, never on a request's path:
+        a worker that went away since answers its own error)."""
+        if model in self.last.models and not self.last.error:
+            if time.monotonic() - self.last.at >= FRESH_S and (self._asking is None or self._asking.done()):
+                self._asking = asyncio.get_running_loop().create_task(self._ask())
+            return
         served = await self.served()
         if model in served.models:
             return

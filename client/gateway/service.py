@@ -232,6 +232,12 @@ class Service:
     async def _one(self, live: Live, index: int, stream: AsyncStream, first: Chunk) -> AsyncIterator[Delta]:
         chunk = first
         while True:
+            # Chunks that arrived while the last was being sent go out as one: under load, fewer events to format,
+            # write and parse, and nothing waits longer for it.
+            while chunk.finish_reason is None and stream.ready:
+                more = await stream.__anext__()
+                chunk = Chunk(chunk.token_ids + more.token_ids, chunk.text + more.text, more.finish_reason,
+                              chunk.logprobs + more.logprobs)
             yield Delta(index, chunk)
             if chunk.finish_reason is not None:
                 live.results[index] = stream.result
