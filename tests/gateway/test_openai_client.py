@@ -292,3 +292,25 @@ def test_a_named_session_closes_on_delete_and_metrics_count(gateway: str) -> Non
     status, text = http_get(gateway + "/metrics")
     assert status == 200 and 'sessionserve:gateway_requests_total{endpoint="chat",status="200"}' in text
     assert "sessionserve:gateway_cached_tokens_total" in text and "sessionserve:gateway_time_to_first_token_seconds" in text
+
+
+def test_sigterm_closes_the_sessions_it_keeps_and_exits_0(gateways: Gateways) -> None:
+    url = gateways.start()
+    daemon = gateways.daemons[-1]
+    with Client(gateways.stack.clients, timeout=60) as native:
+        before = native.status()[0].sessions
+        sync_client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Bye."}], max_tokens=2,
+                                                 extra_body={"session_id": "kept"})
+        assert native.status()[0].sessions == before + 1
+        assert daemon.stop() == 0
+        assert native.status()[0].sessions == before
+
+
+def test_processes_share_the_port_and_sum_their_metrics(gateways: Gateways) -> None:
+    url = gateways.start(extra=["--processes", "2"])
+    c = sync_client(url)
+    for i in range(4):
+        c.completions.create(model=MODEL, prompt=f"Number {i}:", max_tokens=1, temperature=0)
+    _, text = http_get(url + "/metrics")
+    assert 'sessionserve:gateway_requests_total{endpoint="completions",status="200"} 4.0' in text
+    assert gateways.daemons[-1].stop() == 0
