@@ -7,9 +7,10 @@ Starts a broker, one worker and a gateway on loopback, then, one request at a ti
   through the gateway (POST /v1/completions, the conversation resent with its session_id, not streamed), one
   after the other: the median latency of each and the median of their differences, the gateway's overhead per
   request;
-- streamed turns of `--tokens` tokens through the gateway: the gateway process's CPU time per request and per
-  streamed token (user and system time from /proc: other load on the host does not count, but loopback TCP is
-  charged to the sender as system time).
+- streamed turns of `--tokens` tokens, `--sessions` conversations at once, through the gateway: the gateway
+  process's CPU time per request and per streamed token (user and system time from /proc: other load on the host
+  does not count, but loopback TCP is charged to the sender as system time); then the same through a native
+  AsyncClient in this process, and its CPU per token: what the gateway spends beyond a plain client.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import time
 import urllib.request
@@ -82,11 +84,28 @@ async def interleaved(address: str, url: str, model: str, turns: int) -> tuple[l
     return native, through
 
 
-async def streamed(url: str, model: str, turns: int, tokens: int) -> None:
-    conv = Conversation(url, model)
-    for i in range(turns):
-        await conv.turn(10 + i % 200, tokens, True)
-    await conv.conn.close()
+async def native_streamed(address: str, model: str, turns: int, tokens: int, sessions: int) -> None:
+    async with AsyncClient(address, timeout=60) as client:
+        async def one() -> None:
+            session = await client.session(model)
+            await session.generate(max_tokens=1, prompt_ids=[1, 2, 3], ignore_eos=True)
+            for i in range(turns):
+                stream = await session.generate(max_tokens=tokens, prompt_ids=[10 + i % 200], ignore_eos=True, stream=True)
+                async for _ in stream:
+                    pass
+            await session.close()
+
+        await asyncio.gather(*(one() for _ in range(sessions)))
+
+
+async def streamed(url: str, model: str, turns: int, tokens: int, sessions: int) -> None:
+    async def one() -> None:
+        conv = Conversation(url, model)
+        for i in range(turns):
+            await conv.turn(10 + i % 200, tokens, True)
+        await conv.conn.close()
+
+    await asyncio.gather(*(one() for _ in range(sessions)))
 
 
 def main() -> None:
@@ -95,10 +114,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--sessions", type=int, default=1, help="conversations streaming at once in the CPU measurement")
     args = ap.parse_args()
     with LocalStack(heartbeats=None) as stack:
         stack.start_broker()
-        stack.start_worker("w1", model=args.model, device=args.device, max_sessions=8, max_context=4096)
+        stack.start_worker("w1", model=args.model, device=args.device, max_sessions=max(8, args.sessions + 2),
+                           max_context=4096)
         stack.wait_for_workers({"w1"}, timeout=300)
         port = free_port()
         gw = Daemon("client.gateway.cli", ["--broker", stack.clients, "--port", str(port), "--log-level", "warning"],
@@ -117,16 +138,23 @@ def main() -> None:
         direct, through = asyncio.run(interleaved(stack.clients, url, model, args.turns))
         user0, sys0 = cpu_seconds(gw.pid)
         n = max(1, min(args.turns // 4, 3000 // (args.tokens + 1)))  # within one session's 4096 tokens
-        asyncio.run(streamed(url, model, n, args.tokens))
+        asyncio.run(streamed(url, model, n, args.tokens, args.sessions))
         user1, sys1 = cpu_seconds(gw.pid)
+        own0 = resource.getrusage(resource.RUSAGE_SELF)
+        asyncio.run(native_streamed(stack.clients, model, n, args.tokens, args.sessions))
+        own1 = resource.getrusage(resource.RUSAGE_SELF)
         gw.stop()
     d, h = statistics.median(direct) * 1e3, statistics.median(through) * 1e3
+    tokens = n * args.sessions * args.tokens
     print(json.dumps({
         "turns": args.turns, "native_turn_ms_p50": round(d, 3), "gateway_turn_ms_p50": round(h, 3),
         "gateway_added_ms_p50": round(statistics.median(b - a for a, b in zip(direct, through, strict=True)) * 1e3, 3),
-        "gateway_user_cpu_ms_per_streamed_request": round((user1 - user0) / n * 1e3, 3),
-        "gateway_user_cpu_us_per_streamed_token": round((user1 - user0) / (n * args.tokens) * 1e6, 1),
-        "gateway_system_cpu_us_per_streamed_token": round((sys1 - sys0) / (n * args.tokens) * 1e6, 1),
+        "streaming_sessions": args.sessions,
+        "gateway_user_cpu_ms_per_streamed_request": round((user1 - user0) / (n * args.sessions) * 1e3, 3),
+        "gateway_user_cpu_us_per_streamed_token": round((user1 - user0) / (n * args.sessions * args.tokens) * 1e6, 1),
+        "gateway_system_cpu_us_per_streamed_token": round((sys1 - sys0) / (n * args.sessions * args.tokens) * 1e6, 1),
+        "native_client_user_cpu_us_per_streamed_token": round((own1.ru_utime - own0.ru_utime) / tokens * 1e6, 1),
+        "native_client_system_cpu_us_per_streamed_token": round((own1.ru_stime - own0.ru_stime) / tokens * 1e6, 1),
     }, indent=2))
 
 if __name__ == "__main__":
