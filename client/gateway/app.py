@@ -175,6 +175,7 @@ def create_app(config: GatewayConfig) -> Starlette:
                     log.exception("stream_crashed")
                     yield writer.error(ApiError(500, "internal error (see the gateway's log)", kind="server_error").body())
             finally:
+                await deltas.aclose()  # a client gone mid-stream: the generation is cancelled, its sessions closed
                 gw.metrics.duration.labels(endpoint).observe(time.perf_counter() - start)
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -78,7 +78,7 @@ def from_client_error(e: ClientError) -> ApiError:
     if code == "capacity_exhausted":
         return ApiError(429, f"no session slot is free: {e.message}", kind="rate_limit_error", code="capacity_exhausted",
                         retry_after=RETRY_AFTER_S)
-    if code in ("worker_draining", "model_not_found", "session_lost"):
+    if code in ("worker_draining", "model_not_found", "session_lost", "session_expired", "session_not_found"):
         return ApiError(503, e.message, kind="service_unavailable", code=code, retry_after=RETRY_AFTER_S)
     if code == "timeout":
         return ApiError(504, e.message, kind="timeout", code="timeout")

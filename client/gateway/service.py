@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,15 +192,24 @@ class Service:
         live.finish()
         return live
 
-    async def stream(self, ask: Ask) -> tuple[Live, AsyncIterator[Delta]]:
+    async def stream(self, ask: Ask, replay: bool = True) -> tuple[Live, AsyncGenerator[Delta, None]]:
         """The turn streamed: every choice's first chunk is awaited here (so that errors come before the answer's
-        status is sent), then the iterator yields each choice's chunks as they come."""
+        status is sent), then the iterator yields each choice's chunks as they come. A resumed session found gone
+        (expired, its worker lost) is replaced once, as for a turn not streamed."""
         live = await self._start(ask)
         streams: list[AsyncStream] = []
         try:
             for i in range(len(live.entries)):
                 streams.append(await self._open_stream(live, i))
             firsts = [await s.__anext__() for s in streams]
+        except GONE as e:
+            for s in streams:
+                s.close()
+            live.fail()
+            if replay and live.resumed:
+                log.info("session_gone_replayed", code=e.code)
+                return await self.stream(ask, replay=False)
+            raise from_client_error(e) from e
         except ClientError as e:
             for s in streams:
                 s.close()
@@ -214,7 +223,7 @@ class Service:
         live.first_token()
         return live, self._deltas(live, streams, firsts)
 
-    async def _deltas(self, live: Live, streams: list[AsyncStream], firsts: list[Chunk]) -> AsyncIterator[Delta]:
+    async def _deltas(self, live: Live, streams: list[AsyncStream], firsts: list[Chunk]) -> AsyncGenerator[Delta, None]:
         try:
             if len(streams) == 1:
                 async for delta in self._one(live, 0, streams[0], firsts[0]):
