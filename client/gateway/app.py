@@ -28,7 +28,7 @@ from client.aio import AsyncClient
 from client.errors import ClientError
 from client.gateway import responses, schema
 from client.gateway.auth import ApiKeys
-from client.gateway.errors import ApiError, bad_request, from_client_error
+from client.gateway.errors import ApiError, bad_request, from_client_error, no_worker
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models
 from client.gateway.service import Service, chat_ask, completion_ask
@@ -118,6 +118,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         gw.keys.owner(request.headers.get("authorization"))
         assert gw.models is not None
         served = await gw.models.served()
+        if served.error:
+            raise no_worker(f"the broker does not answer: {served.error}")
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "sessionserve"} for m in served.models]
         return Response(responses.dumps({"object": "list", "data": data}), media_type=JSON)
 
