@@ -39,7 +39,7 @@ class Gateways:
     def start(self, broker: str | None = None, extra: Sequence[str] = (), ready: bool = True) -> str:
         """A gateway process for `broker` (default: the stack's); its base URL once it answers /healthz (and /readyz)."""
         port = free_port()
-        args = ["--broker", broker or self.stack.clients, "--port", str(port), "--timeout", "30", *extra]
+        args = ["--broker", broker or self.stack.clients, "--port", str(port), "--timeout", "120", *extra]
         log = self.stack.log_dir / f"gateway-{port}.log"
         daemon = Daemon("client.gateway.cli", args, log, env=self.stack.env)
         self.daemons.append(daemon)

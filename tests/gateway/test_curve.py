@@ -37,7 +37,7 @@ def test_the_gateway_reaches_a_curve_broker_with_its_client_key(tmp_path: Path) 
                                                          str(tmp_path / "outsiders" / "eve.key_secret")])
             status, why = http_get(outsider + "/readyz")
             assert status == 503 and "does not answer" in why
-            status, body = http_get(outsider + "/v1/models")
-            assert status == 503 and json.loads(body)["error"]["code"] == "no_worker"
+            status, answer = http_get(outsider + "/v1/models")
+            assert status == 503 and json.loads(answer)["error"]["code"] == "no_worker"
         finally:
             gateways.close()

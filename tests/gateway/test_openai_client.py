@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -20,8 +21,21 @@ QUESTION = "What is the capital of France?"
 FOLLOW_UPS = ["And of Spain?", "And of Italy?", "Which of the three is the largest city?"]
 
 
+_CLIENTS: list[openai.OpenAI] = []  # kept until the module ends: an unclosed client's sockets warn when collected
+
+
 def sync_client(url: str, key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=180)
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_clients() -> Iterator[None]:
+    yield
+    for client in _CLIENTS:
+        client.close()
+    _CLIENTS.clear()
 
 
 def test_models_lists_the_workers_model(gateway: str) -> None:
