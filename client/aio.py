@@ -17,7 +17,7 @@ import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Coroutine, Generator, Sequence
+from collections.abc import Coroutine, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast, overload
 
@@ -288,33 +288,37 @@ class AsyncSession:
     ) -> Generation | AsyncStream:
         """One chat turn and the assistant's answer in one request: if any part is refused, nothing changes."""
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        return await self._send_generate(calls.generate_request(self.id, params, stream, chat=content, role=role),
-                                         timeout)
+        request = calls.generate_request(self.id, params, stream, messages=[{"role": role, "content": content}])
+        return await self._send_generate(request, timeout)
 
     @overload
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ...,
                        stream: Literal[False] = ..., *, stop_token_ids: Sequence[int] = ...,
                        ignore_eos: bool = ..., prompt: str | None = ...,
-                       prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> Generation: ...
+                       prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                       logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ..., *,
                        stream: Literal[True], stop_token_ids: Sequence[int] = ...,
                        ignore_eos: bool = ..., prompt: str | None = ...,
-                       prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> AsyncStream: ...
+                       prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                       logprobs: int | None = ..., timeout: float | None = ...) -> AsyncStream: ...
 
     async def generate(
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
-        prompt_ids: Sequence[int] | None = None, timeout: float | None = None,
+        prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
+        logprobs: int | None = None, timeout: float | None = None,
     ) -> Generation | AsyncStream:
-        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        return await self._send_generate(calls.generate_request(self.id, params, stream, prompt, prompt_ids), timeout)
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
+        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages)
+        return await self._send_generate(request, timeout)
 
     async def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | AsyncStream:
-        chat = request.chat is not None
+        chat = bool(request.messages)
         if not request.stream:
             return calls.generation(await self.client._call(request, p.Generated, timeout), chat)
         transport = self.client._transport
@@ -431,6 +435,13 @@ class AsyncStream:
     @property
     def result(self) -> Generation | None:
         return self._state.result
+
+    @property
+    def ready(self) -> bool:
+        """Whether the next chunk has arrived already (the next read will not wait): a consumer that falls behind
+        may read on and pass several chunks on as one."""
+        box = self._transport._mail.get(self._call.request_id)
+        return self._open and box is not None and bool(box.items)
 
     def close(self) -> None:
         """Stop reading; a generation still running is cancelled (CANCEL is sent at once, no await needed)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -58,22 +58,30 @@ def items(name: str, value: Any) -> tuple[Any, ...]:
 
 
 def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: str | None = None,
-                     prompt_ids: Sequence[int] | None = None, chat: str | None = None, role: str = "user") -> p.Generate:
-    """The whole GENERATE, checked before anything is sent: a turn (prompt, prompt ids or a chat message) and its
+                     prompt_ids: Sequence[int] | None = None,
+                     messages: Sequence[Mapping[str, str]] | None = None) -> p.Generate:
+    """The whole GENERATE, checked before anything is sent: a turn (prompt, prompt ids or chat messages) and its
     generation are one request, which the worker takes whole or refuses whole."""
+    turns = None if messages is None else tuple(chat_message(m) for m in items("messages", messages))
     return build(p.Generate, request_id=new_request_id(), session_id=session_id, params=params, stream=stream,
                  prompt=prompt, prompt_ids=None if prompt_ids is None else items("prompt_ids", prompt_ids),
-                 chat=chat, role=role)
+                 messages=turns)
+
+
+def chat_message(message: Mapping[str, str]) -> p.ChatMessage:
+    if not isinstance(message, Mapping):
+        raise BadRequest(f"a chat message is a map with role and content, got {type(message).__name__}")
+    return build(p.ChatMessage, role=message.get("role"), content=message.get("content"))
 
 
 def sampling(
     max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-    stop: str | Sequence[str] | None, stop_token_ids: Sequence[int], ignore_eos: bool,
+    stop: str | Sequence[str] | None, stop_token_ids: Sequence[int], ignore_eos: bool, logprobs: int | None = None,
 ) -> p.Sampling:
     stops = (stop,) if isinstance(stop, str) else () if stop is None else items("stop", stop)
     return build(
         p.Sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop=stops, stop_token_ids=items("stop_token_ids", stop_token_ids), ignore_eos=ignore_eos,
+        stop=stops, stop_token_ids=items("stop_token_ids", stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs,
     )
 
 
@@ -156,12 +164,12 @@ def expect(message: Answer, kind: type[M]) -> M:
 
 
 def generation(g: p.Generated, chat: bool = False) -> Generation:
-    """The result of a GENERATE; for one that carried a chat turn, checked to have appended it (a worker older
-    than this client ignores the turn: say so rather than hand back a continuation of the wrong history)."""
+    """The result of a GENERATE; for one that carried chat turns, checked to have appended them (a worker older
+    than this client ignores the turns: say so rather than hand back a continuation of the wrong history)."""
     if chat and g.appended == 0:
         raise InternalError("the worker generated without appending the chat turn: it is older than this client "
                             "(upgrade the worker)", request_id=g.request_id)
-    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended)
+    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended, list(g.logprobs))
 
 
 def session_info(i: p.SessionInfo) -> SessionInfo:
@@ -205,6 +213,8 @@ class StreamState:
                 self.missing = False
                 if self._call is not None:
                     self._call.resume = self.tokens
+                if message.logprobs:
+                    return Chunk(list(ids), message.text, None, list(message.logprobs))
                 return Chunk(list(ids), message.text)
             if self._call is not None:
                 self._call.resume = self.tokens  # the worker has started it: a resend must never run it again
@@ -215,7 +225,8 @@ class StreamState:
         self.result = generation(final, self._chat)
         if final.text[: self._text_len] != self.text or len(final.token_ids) < self.tokens:
             raise InternalError("the final answer does not continue the streamed chunks", request_id=final.request_id)
-        tail = Chunk(list(final.token_ids[self.tokens :]), final.text[self._text_len :], final.finish_reason)
+        tail = Chunk(list(final.token_ids[self.tokens :]), final.text[self._text_len :], final.finish_reason,
+                     list(final.logprobs[self.tokens :]))
         self.tokens = len(final.token_ids)
         self._text, self._text_len = [final.text], len(final.text)
         return tail

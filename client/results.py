@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from broker.common.protocol import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -12,6 +14,8 @@ class Generation:
     finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
     session_length: int  # tokens in the session afterwards
     appended: int = 0  # prompt tokens the call appended before generating (generate(prompt=...))
+    # generate(logprobs=k): one per token id, (logprob, token bytes, the top k as (id, logprob, bytes))
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, with generate(logprobs=k)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Literal, TypeVar, overload
 
@@ -135,35 +135,44 @@ class Session:
         """One chat turn: the message rendered with the model's chat template, then the assistant's answer
         (generated, or streamed), in one request: if any part is refused, the session is left as it was."""
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        return self._send_generate(calls.generate_request(self.id, params, stream, chat=content, role=role), timeout)
+        request = calls.generate_request(self.id, params, stream, messages=[{"role": role, "content": content}])
+        return self._send_generate(request, timeout)
 
     @overload
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., stream: Literal[False] = ..., *,
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
-                 prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> Generation: ...
+                 prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                 logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., *, stream: Literal[True],
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
-                 prompt_ids: Sequence[int] | None = ..., timeout: float | None = ...) -> Stream: ...
+                 prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                 logprobs: int | None = ..., timeout: float | None = ...) -> Stream: ...
 
     def generate(
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
-        prompt_ids: Sequence[int] | None = None, timeout: float | None = None,
+        prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
+        logprobs: int | None = None, timeout: float | None = None,
     ) -> Generation | Stream:
         """Continue the session. The generated tokens become part of it, so the next turn follows on.
 
         `prompt` (text) or `prompt_ids` is appended first in the same request, as `append` would: a turn
-        in one round trip. If either part is refused, neither happens.
+        in one round trip. If either part is refused, neither happens. Or `messages`, chat turns
+        ({"role", "content"} maps) rendered by the worker with the model's chat template, then the assistant
+        prompt (on a session holding a conversation: what the template puts after its last answer).
+        `logprobs=k`: each token's log-probability and the k most likely (0 <= k <= 20) in the result's
+        `logprobs`. max_tokens 0 only computes the prompt (then fork it: each child computes one token).
         """
-        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        return self._send_generate(calls.generate_request(self.id, params, stream, prompt, prompt_ids), timeout)
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
+        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages)
+        return self._send_generate(request, timeout)
 
     def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | Stream:
-        chat = request.chat is not None
+        chat = bool(request.messages)
         if not request.stream:
             return calls.generation(self.client._call(request, p.Generated, timeout), chat)
         transport = self.client._transport

@@ -1,12 +1,12 @@
 """The deploy files against the real CLIs: every command, flag and variable they use must exist.
 
 Every file under deploy/ is read: YAML with yaml.safe_load_all (compose and Kubernetes), systemd units
-and Dockerfiles line by line, env files as VAR=value lines. Each `broker`, `worker` or `loadtest`
-command found in them (a Dockerfile ENTRYPOINT/CMD, a compose service, a Kubernetes container, a unit's
+and Dockerfiles line by line, env files as VAR=value lines. Each `broker`, `worker`, `gateway` or
+`loadtest` command found in them (a Dockerfile ENTRYPOINT/CMD, a compose service, a Kubernetes container, a unit's
 ExecStart, a `docker run` of our images, or an example in a comment written `# $ COMMAND`) is checked
 against the argparse parsers the console scripts use: the subcommand exists, every flag exists (spelled
 out, no abbreviations) with a value its type and choices accept, the positionals are all there.
-Variables named BROKER_*, WORKER_* or LOADTEST_* must appear in the packages' source (that is how the
+Variables named BROKER_*, WORKER_*, GATEWAY_* or LOADTEST_* must appear in the packages' source (that is how the
 CLIs read them), and a value must suit the flag it stands for. Then the facts that span files: probe and
 scrape ports equal the metrics port, stop timeouts exceed the drain timeout, key paths are mounted,
 workers reach the broker's worker port, each worker gets its GPU.
@@ -34,7 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 LOCAL_KEYS = DEPLOY / "keys"  # made by `broker keygen` for compose.yaml: secrets, never read here
 PACKAGES = ("broker", "worker", "client", "cuda_state")
-ENV_PREFIXES = {"BROKER_": "broker", "WORKER_": "worker", "LOADTEST_": "loadtest"}
+ENV_PREFIXES = {"BROKER_": "broker", "WORKER_": "worker", "GATEWAY_": "gateway", "LOADTEST_": "loadtest"}
+# Where an image's /healthz and /metrics listen: the daemons' own metrics port, the gateway's API port.
+HEALTH_PORT = {"BROKER": ("BROKER_METRICS_PORT", "BROKER_METRICS_HOST"), "WORKER": ("WORKER_METRICS_PORT", "WORKER_METRICS_HOST"),
+               "GATEWAY": ("GATEWAY_PORT", "GATEWAY_HOST")}
 # Variables the deploy files may set although no sessionserve code reads them, each for its reason.
 FOREIGN_ENV = {
     "PATH": "the worker image's virtual environment comes first",
@@ -60,12 +63,14 @@ HARDENING = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome":
 
 @cache
 def parsers() -> dict[str, argparse.ArgumentParser]:
-    """The parsers behind the console scripts `broker`, `worker` and `loadtest` (pyproject.toml)."""
+    """The parsers behind the console scripts `broker`, `worker`, `gateway` and `loadtest` (pyproject.toml)."""
     from broker import cli as broker_cli
     from client.bench.loadtest import cli as loadtest_cli
+    from client.gateway import cli as gateway_cli
     from worker import cli as worker_cli
 
-    return {"broker": broker_cli.parser(), "worker": worker_cli.parser(), "loadtest": loadtest_cli.parser()}
+    return {"broker": broker_cli.parser(), "worker": worker_cli.parser(), "gateway": gateway_cli.parser(),
+            "loadtest": loadtest_cli.parser()}
 
 
 def subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction[argparse.ArgumentParser] | None:
@@ -189,8 +194,8 @@ def effective(parsed: Parsed, flag: str, env: Mapping[str, str]) -> str | None:
 
 @cache
 def code_env_names() -> frozenset[str]:
-    """Every BROKER_*/WORKER_*/LOADTEST_* string literal in the packages' source: the variables they read."""
-    pattern = re.compile(r"""["']((?:BROKER|WORKER|LOADTEST)_[A-Z0-9_]+)["']""")
+    """Every BROKER_*/WORKER_*/GATEWAY_*/LOADTEST_* string literal in the packages' source: the variables they read."""
+    pattern = re.compile(r"""["']((?:BROKER|WORKER|GATEWAY|LOADTEST)_[A-Z0-9_]+)["']""")
     return frozenset(m for pkg in PACKAGES for f in (ROOT / pkg).rglob("*.py") for m in pattern.findall(f.read_text()))
 
 
@@ -615,7 +620,7 @@ def findings(name: str, text: str) -> Findings:
 
 
 def command_problems(found: Findings) -> list[str]:
-    problems = [f"{c.where}: runs {c.program!r}, not broker, worker or loadtest"
+    problems = [f"{c.where}: runs {c.program!r}, not broker, worker, gateway or loadtest"
                 for c in found.commands if c.program not in parsers()]
     for c in found.commands + found.examples:
         if c.program in parsers():
@@ -647,7 +652,8 @@ def test_each_kind_of_deploy_file_is_there_and_runs_our_commands() -> None:
     runs = {n: sorted({" ".join(parse_command(c.argv).path.split()[:2]) for c in findings(*read(DEPLOY / n)).commands})
             for n in names if file_kind(n) in ("dockerfile", "systemd")}
     assert runs == {"Dockerfile.broker": ["broker start"], "Dockerfile.worker": ["worker start"],
-                    "systemd/broker.service": ["broker start"], "systemd/worker@.service": ["worker start"]}
+                    "Dockerfile.gateway": ["gateway start"], "systemd/broker.service": ["broker start"],
+                    "systemd/worker@.service": ["worker start"], "systemd/gateway.service": ["gateway start"]}
 
 
 def test_env_file_documents_every_variable_as_plain_var_value() -> None:
@@ -655,7 +661,8 @@ def test_env_file_documents_every_variable_as_plain_var_value() -> None:
     assert found.problems == []
     names = {v.name for v in found.env}
     assert {"BROKER_KEYS", "BROKER_METRICS_PORT", "WORKER_BROKER", "WORKER_BROKER_KEY", "WORKER_KEY",
-            "WORKER_SESSION_IDLE_TIMEOUT", "WORKER_DRAIN_TIMEOUT"} <= names
+            "WORKER_SESSION_IDLE_TIMEOUT", "WORKER_DRAIN_TIMEOUT", "GATEWAY_BROKER", "GATEWAY_API_KEYS",
+            "GATEWAY_BROKER_KEY", "GATEWAY_KEY", "GATEWAY_DRAIN_TIMEOUT"} <= names
 
 
 # ---- Dockerfiles ----------------------------------------------------------------------------------
@@ -663,11 +670,10 @@ def test_env_file_documents_every_variable_as_plain_var_value() -> None:
 
 def test_images_run_as_non_root_with_a_healthcheck_on_their_metrics_port() -> None:
     for df in dockerfiles().values():
-        prefix = PurePosixPath(df.entrypoint[0]).name.upper()
-        port_var = f"{prefix}_METRICS_PORT"
+        port_var, host_var = HEALTH_PORT[PurePosixPath(df.entrypoint[0]).name.upper()]
         assert df.user not in (None, "root", "0", "0:0") and 0 < df.user_line < df.entrypoint_line, df.name
         assert "/healthz" in df.healthcheck and f"os.environ['{port_var}']" in df.healthcheck, df.name
-        assert int(df.env[port_var]) in df.expose and df.env[f"{prefix}_METRICS_HOST"] == "0.0.0.0", df.name
+        assert int(df.env[port_var]) in df.expose and df.env[host_var] == "0.0.0.0", df.name
     broker = dockerfiles()["Dockerfile.broker"]
     assert [port_of(broker.env["BROKER_CLIENTS"]), port_of(broker.env["BROKER_WORKERS"])] == broker.expose[:2]
 
@@ -675,7 +681,8 @@ def test_images_run_as_non_root_with_a_healthcheck_on_their_metrics_port() -> No
 def test_base_images() -> None:
     worker, broker = dockerfiles()["Dockerfile.worker"].base, dockerfiles()["Dockerfile.broker"].base
     assert len(worker) == 1 and re.fullmatch(r"(nvidia/cuda:12\.[\d.]+-runtime-ubuntu[\d.]+|pytorch/pytorch:.+-runtime)", worker[0])
-    assert len(broker) == 1 and re.fullmatch(r"python:3\.\d+-slim", broker[0])
+    for light in (broker, dockerfiles()["Dockerfile.gateway"].base):
+        assert len(light) == 1 and re.fullmatch(r"python:3\.\d+-slim", light[0])
 
 
 def pip_installs(runs: Sequence[str]) -> list[list[str]]:
@@ -735,15 +742,21 @@ def local_files(module: str) -> list[Path]:
     return [f for f in (path.with_suffix(".py"), path / "__init__.py") if f.is_file()]
 
 
-def test_broker_image_installs_what_the_broker_imports_as_pyproject_spells_it() -> None:
-    """The broker image skips torch: it installs the package --no-deps, then the broker's own dependencies."""
+@pytest.mark.parametrize(("image", "entry"), [("Dockerfile.broker", ROOT / "broker" / "cli.py"),
+                                              ("Dockerfile.gateway", ROOT / "client" / "gateway" / "app.py")])
+def test_light_images_install_what_their_program_imports_as_pyproject_spells_it(image: str, entry: Path) -> None:
+    """The broker and gateway images skip torch: they install the package --no-deps, then their own dependencies
+    (the gateway's: what its app imports, and uvicorn, which its cli.py imports when it serves)."""
     tomllib = pytest.importorskip("tomllib")
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    installs = pip_installs(dockerfiles()["Dockerfile.broker"].runs)
+    installs = pip_installs(dockerfiles()[image].runs)
     assert installs[0] == ["--no-deps", "."]
     extra = [a for a in installs[1] if not a.startswith("-")]
     assert set(extra) <= set(declared), "spell each requirement exactly as pyproject.toml does"
-    assert imported_distributions(ROOT / "broker" / "cli.py") <= {requirement_name(r) for r in extra}
+    needed = imported_distributions(entry)
+    if image == "Dockerfile.gateway":
+        needed |= {"uvicorn"}
+    assert needed <= {requirement_name(r) for r in extra}
 
 
 # ---- systemd --------------------------------------------------------------------------------------
@@ -759,7 +772,7 @@ def drain_timeout(command: Command) -> float:
     return float(value)
 
 
-@pytest.mark.parametrize("unit", ["broker.service", "worker@.service"])
+@pytest.mark.parametrize("unit", ["broker.service", "worker@.service", "gateway.service"])
 def test_units_restart_on_failure_stop_with_sigterm_and_are_hardened(unit: str) -> None:
     values = unit_values(unit_text(unit))
     assert values["Restart"] == ["on-failure"] and values["KillSignal"] == ["SIGTERM"]
@@ -782,6 +795,11 @@ def test_worker_unit_instance_is_the_gpu_index() -> None:
     (command,) = unit_findings("worker@.service", unit_text("worker@.service")).commands
     stop = float(unit_values(unit_text("worker@.service"))["TimeoutStopSec"][0])
     assert stop > drain_timeout(command)
+
+
+def test_gateway_unit_stops_no_sooner_than_its_drain_allows() -> None:
+    (command,) = unit_findings("gateway.service", unit_text("gateway.service")).commands
+    assert float(unit_values(unit_text("gateway.service"))["TimeoutStopSec"][0]) > drain_timeout(command)
 
 
 # ---- compose --------------------------------------------------------------------------------------
@@ -811,7 +829,8 @@ def host_of(address: str) -> str:
 def key_paths(parsed: Parsed, env: Mapping[str, str]) -> list[str]:
     """The files a command's key flags need: --keys DIR's three entries, --broker-key and --key files."""
     paths = []
-    for flag, inside in (("--keys", ("broker.key_secret", "workers", "clients")), ("--broker-key", ("",)), ("--key", ("",))):
+    for flag, inside in (("--keys", ("broker.key_secret", "workers", "clients")), ("--broker-key", ("",)), ("--key", ("",)),
+                         ("--api-keys", ("",))):
         value = effective(parsed, flag, env)
         if value and value != "None":
             paths += [str(PurePosixPath(value) / sub) if sub else value for sub in inside]
@@ -841,8 +860,10 @@ def test_compose_runs_a_broker_and_two_gpu_workers_that_reach_it() -> None:
         address = effective(parsed[n], "--broker", commands[n].env) or ""
         assert (host_of(address), port_of(address)) == (broker, worker_port), n
         assert seconds(services[n]["stop_grace_period"]) > drain_timeout(commands[n]), n
-    for n in by_path.get("loadtest", []):
+    for n in by_path.get("loadtest", []) + by_path.get("gateway start", []):
         assert port_of(effective(parsed[n], "--broker", commands[n].env) or "") == clients, n
+    for n in by_path.get("gateway start", []):
+        assert host_of(effective(parsed[n], "--broker", commands[n].env) or "") == broker, n
     published = {n: {int(str(p).rsplit(":", 1)[1]) for p in services[n].get("ports", [])} for n in services}
     assert {clients, worker_port} <= published[broker]
 
@@ -850,18 +871,24 @@ def test_compose_runs_a_broker_and_two_gpu_workers_that_reach_it() -> None:
 def metrics_problems(where: str, parsed: Parsed, env: Mapping[str, str], published: set[int]) -> list[str]:
     """The metrics endpoint is reachable from outside the container, on a port that is exposed, and the
     image's healthcheck (which reads the variable) looks at the same port as the flag."""
-    port, host = effective(parsed, "--metrics-port", env), effective(parsed, "--metrics-host", env)
+    port_flag, host_flag = metrics_flags(parsed)
+    port, host = effective(parsed, port_flag, env), effective(parsed, host_flag, env)
     problems = []
     if port is None or not port.isdigit() or port == "0":
-        return [f"{where}: no fixed --metrics-port (got {port!r})"]
+        return [f"{where}: no fixed {port_flag} (got {port!r})"]
     if host not in ("0.0.0.0", "::"):
-        problems.append(f"{where}: --metrics-host {host!r} cannot be reached from outside the container")
+        problems.append(f"{where}: {host_flag} {host!r} cannot be reached from outside the container")
     if int(port) not in published:
         problems.append(f"{where}: metrics port {port} is not among the container ports {sorted(published)}")
-    var = env_name(parsed.path, "--metrics-port")
+    var = env_name(parsed.path, port_flag)
     if env.get(var, port) != port:
-        problems.append(f"{where}: {var}={env[var]} (the image's healthcheck) but --metrics-port {port}")
+        problems.append(f"{where}: {var}={env[var]} (the image's healthcheck) but {port_flag} {port}")
     return problems
+
+
+def metrics_flags(parsed: Parsed) -> tuple[str, str]:
+    """The flags of the port and interface /metrics and /healthz listen on: the gateway serves them on its API port."""
+    return ("--port", "--host") if parsed.path == "gateway start" else ("--metrics-port", "--metrics-host")
 
 
 def test_compose_metrics_ports_are_published_and_keys_mounted() -> None:
@@ -879,7 +906,7 @@ def test_compose_metrics_ports_are_published_and_keys_mounted() -> None:
 # ---- Kubernetes -----------------------------------------------------------------------------------
 
 
-def probe_problems(c: Container, port: int) -> list[str]:
+def probe_problems(c: Container, port: int, port_name: str = "metrics") -> list[str]:
     """Liveness and startup GET /healthz, readiness GET /readyz, all on the metrics port; scrape annotations."""
     named = {p["name"]: p["containerPort"] for p in c.spec.get("ports", []) if "name" in p}
     problems = []
@@ -893,8 +920,8 @@ def probe_problems(c: Container, port: int) -> list[str]:
         if (get.get("path"), target) != (path, port):
             problems.append(f"{c.where}: {key} GET {get.get('path')} on port {get.get('port')!r} ({target}), "
                             f"wanted {path} on the metrics port {port}")
-    if named.get("metrics") != port:
-        problems.append(f"{c.where}: container port 'metrics' is {named.get('metrics')}, --metrics-port is {port}")
+    if named.get(port_name) != port:
+        problems.append(f"{c.where}: container port {port_name!r} is {named.get(port_name)}, the metrics port is {port}")
     annotations = c.template["metadata"].get("annotations", {})
     wanted = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
     if {k: annotations.get(k) for k in wanted} != wanted:
@@ -908,8 +935,9 @@ def k8s_metrics_problems(found: Sequence[Container]) -> list[str]:
         parsed = parse_command(c.command.argv)
         ports = {int(p["containerPort"]) for p in c.spec.get("ports", [])}
         metrics = metrics_problems(c.where, parsed, c.command.env, ports)
-        port = effective(parsed, "--metrics-port", c.command.env)
-        problems += metrics + (probe_problems(c, int(port)) if port and port.isdigit() else [])
+        port = effective(parsed, metrics_flags(parsed)[0], c.command.env)
+        name = "http" if parsed.path == "gateway start" else "metrics"
+        problems += metrics + (probe_problems(c, int(port), name) if port and port.isdigit() else [])
         secrets = {v["name"] for v in c.template["spec"].get("volumes", []) if "secret" in v or "projected" in v}
         mounts = [str(m["mountPath"]) for m in c.spec.get("volumeMounts", []) if m["name"] in secrets]
         problems += [f"{c.where}: {p} is not mounted" for p in unmounted(key_paths(parsed, c.command.env), mounts)]
@@ -922,7 +950,7 @@ def k8s_containers() -> list[Container]:
 
 def test_k8s_probes_scrapes_and_keys_match_the_flags() -> None:
     found = k8s_containers()
-    assert sorted(parse_command(c.command.argv).path for c in found) == ["broker start", "worker start"]
+    assert sorted(parse_command(c.command.argv).path for c in found) == ["broker start", "gateway start", "worker start"]
     assert k8s_metrics_problems(found) == []
 
 
@@ -932,14 +960,16 @@ def test_k8s_workers_get_one_gpu_and_time_to_drain() -> None:
         if parsed.path == "worker start":
             assert int(c.spec["resources"]["limits"]["nvidia.com/gpu"]) == 1
             assert c.template["spec"]["terminationGracePeriodSeconds"] > drain_timeout(c.command)
+        elif parsed.path == "gateway start":
+            assert c.template["spec"]["terminationGracePeriodSeconds"] > drain_timeout(c.command)
         else:
             assert (c.workload["spec"]["replicas"], c.workload["spec"]["strategy"]["type"]) == (1, "Recreate")
 
 
 def test_k8s_service_exposes_the_broker_where_workers_look_for_it() -> None:
     found = {parse_command(c.command.argv).path: c for c in k8s_containers()}
-    broker, worker = found["broker start"], found["worker start"]
-    (service,) = [d for d in all_k8s_docs() if d["kind"] == "Service"]
+    broker, worker, gateway = found["broker start"], found["worker start"], found["gateway start"]
+    (service,) = [d for d in all_k8s_docs() if d["kind"] == "Service" and d["metadata"]["name"] == "sessionserve-broker"]
     labels = broker.template["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     named = {p["name"]: p["containerPort"] for p in broker.spec["ports"]}
@@ -949,6 +979,10 @@ def test_k8s_service_exposes_the_broker_where_workers_look_for_it() -> None:
     assert ports["clients"][1] == listen["clients"] and ports["workers"][1] == listen["workers"]
     address = effective(parse_command(worker.command.argv), "--broker", worker.command.env) or ""
     assert host_of(address).split(".")[0] == service["metadata"]["name"] and port_of(address) == ports["workers"][0]
+    address = effective(parse_command(gateway.command.argv), "--broker", gateway.command.env) or ""
+    assert host_of(address).split(".")[0] == service["metadata"]["name"] and port_of(address) == ports["clients"][0]
+    (front,) = [d for d in all_k8s_docs() if d["kind"] == "Service" and d["metadata"]["name"] == "sessionserve-gateway"]
+    assert front["spec"]["selector"].items() <= gateway.template["metadata"]["labels"].items()
 
 
 def test_kustomization_lists_every_manifest() -> None:

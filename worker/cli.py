@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def sampling(s: p.Sampling) -> SamplingParams:
         return SamplingParams(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
-            stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+            stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logprobs=s.logprobs,
         )
 
     serve = Serve(engine, config, sampling)

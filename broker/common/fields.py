@@ -157,10 +157,12 @@ def nested(cls: type[Any], optional: bool = False) -> Check:
     return check
 
 
-def nested_list(cls: type[Any], max_items: int) -> Check:
+def nested_list(cls: type[Any], max_items: int, optional: bool = False) -> Check:
     one = nested(cls)
 
     def check(name: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
         return tuple(one(name, v) for v in _sequence(name, value, max_items))
 
     return check

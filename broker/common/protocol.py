@@ -39,6 +39,7 @@ is built, from a peer's header or from Python, so a bad value is a `ProtocolErro
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
@@ -81,6 +82,10 @@ MAX_STOP_CHARS: Final = 256
 MAX_SESSIONS_LISTED: Final = 1 << 20
 MAX_ROUTE_BYTES: Final = 255  # ZeroMQ routing ids are 1..255 bytes
 MAX_CHUNKS: Final = 1 << 16  # requests in one CHUNKS message
+MAX_LOGPROBS: Final = 20  # top log-probabilities per token (Sampling.logprobs)
+_MAX_TOKEN_ID: Final = 2**31 - 1
+MAX_TOKEN_BYTES: Final = 256  # bytes of one token in a log-probability entry
+MAX_MESSAGES: Final = 1 << 16  # chat turns in one GENERATE
 
 
 class Command(Enum):
@@ -263,7 +268,7 @@ class Message:
 class Sampling:
     """How to generate. Mirrors worker.engine.sampling.SamplingParams; the engine checks the vocabulary."""
 
-    max_tokens: Annotated[int, integer(1, MAX_TOKENS)] = 16
+    max_tokens: Annotated[int, integer(0, MAX_TOKENS)] = 16  # 0: prefill only (the prompt is computed, no token)
     temperature: Annotated[float, number(0.0, 100.0)] = 0.0  # 0 = greedy
     top_p: Annotated[float, number(0.0, 1.0)] = 1.0
     top_k: Annotated[int, integer(0, 2**31 - 1)] = 0  # 0 = whole vocabulary
@@ -271,11 +276,69 @@ class Sampling:
     stop: Annotated[tuple[str, ...], str_list(MAX_STOP_STRINGS, text(MAX_STOP_CHARS, r"(?s).+"))] = ()
     stop_token_ids: Annotated[tuple[int, ...], int_list(MAX_STOP_STRINGS)] = ()
     ignore_eos: Annotated[bool, boolean] = False
+    # None: no log-probabilities; k: each generated token's and the k most likely ones (answers' `logprobs`)
+    logprobs: Annotated[int | None, integer(0, MAX_LOGPROBS, optional=True)] = None
 
     def __post_init__(self) -> None:
         _checked(self)
         if self.top_p <= 0.0:
             raise _bad("top_p must be in (0, 1]")
+
+
+class TokenLogprob(NamedTuple):
+    """One generated token's log-probability (a [logprob, token, top] list on the wire): its value, the token's
+    bytes (a token may hold part of a UTF-8 character) and the most likely tokens at that step as (id, value, bytes),
+    the best first. Values are the model's (before temperature, top-k and top-p)."""
+
+    logprob: float
+    token: bytes
+    top: tuple[tuple[int, float, bytes], ...] = ()
+
+
+def _logprob_value(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value > 0.001:
+        raise FieldError(f"{name} must hold log-probabilities (numbers <= 0), got {repr(value)[:40]}")
+    return float(value)
+
+
+def _token_bytes(name: str, value: Any) -> bytes:
+    if type(value) is not bytes or len(value) > MAX_TOKEN_BYTES:
+        raise FieldError(f"{name} must hold tokens as at most {MAX_TOKEN_BYTES} bytes, got {type(value).__name__}")
+    return value
+
+
+def token_logprobs(name: str, value: Any) -> Any:
+    """Field check: a list of TokenLogprob (one per generated token)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) > MAX_TOKENS:
+        raise FieldError(f"{name} must be a list of at most {MAX_TOKENS} log-probability entries")
+    out = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise FieldError(f"{name} entries must be [logprob, token, top], got {repr(item)[:80]}")
+        top = item[2]
+        if isinstance(top, (str, bytes)) or not isinstance(top, Sequence) or len(top) > MAX_LOGPROBS:
+            raise FieldError(f"{name}: top must be a list of at most {MAX_LOGPROBS} [id, logprob, token] entries")
+        checked = []
+        for entry in top:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise FieldError(f"{name}: top entries must be [id, logprob, token], got {repr(entry)[:80]}")
+            tid = entry[0]
+            if type(tid) is not int or not 0 <= tid <= _MAX_TOKEN_ID:
+                raise FieldError(f"{name}: top ids must be token ids, got {repr(tid)[:40]}")
+            checked.append((tid, _logprob_value(name, entry[1]), _token_bytes(name, entry[2])))
+        out.append(TokenLogprob(_logprob_value(name, item[0]), _token_bytes(name, item[1]), tuple(checked)))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat turn of a GENERATE's `messages`, rendered with the model's chat template."""
+
+    role: Annotated[str, text(64, r"[a-z_]{1,64}")]
+    content: Text
+
+    def __post_init__(self) -> None:
+        _checked(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,17 +405,18 @@ class Generate(Message):
     # A prompt appended first, as by APPEND, in the same request (one round trip for a turn): both or neither.
     prompt_ids: Annotated[tuple[int, ...] | None, int_list(MAX_TOKENS, optional=True)] = None
     prompt: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
-    # Or a chat turn appended first, as by CHAT (`chat` the content, `role` its role): both or neither.
-    chat: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
-    role: Annotated[str, text(64, r"[a-z_]{1,64}")] = "user"
+    # Or chat turns, appended as CHAT appends one (the model's template, then the assistant prompt), in the same
+    # request: a turn is done whole or refused whole. On a session that holds a conversation, an empty list appends
+    # the assistant prompt alone.
+    messages: Annotated[tuple[ChatMessage, ...] | None, nested_list(ChatMessage, MAX_MESSAGES, optional=True)] = None
     # Only on a resend of a streamed GENERATE whose chunks the client has seen: the offset of the first token it
     # lacks. The worker sends what it made from there in one CHUNKS, and never runs an id it no longer knows again.
     resume: Annotated[int | None, integer(0, MAX_TOKENS, optional=True)] = None
     route: Route = b""
 
     def _check(self) -> None:
-        if sum(x is not None for x in (self.prompt_ids, self.prompt, self.chat)) > 1:
-            raise _bad("generate takes at most one of prompt_ids, prompt or chat")
+        if sum(x is not None for x in (self.prompt_ids, self.prompt, self.messages)) > 1:
+            raise _bad("generate takes at most one of prompt_ids, prompt or messages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,6 +513,11 @@ class Generated(Message):
     length: Count
     appended: Count = 0  # prompt tokens the GENERATE appended before generating
     route: Route = b""
+    logprobs: Annotated[tuple[TokenLogprob, ...], token_logprobs] = ()  # one per token id, when Sampling asked
+
+    def _check(self) -> None:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise _bad(f"logprobs has {len(self.logprobs)} entries for {len(self.token_ids)} tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,11 +581,12 @@ class StreamChunk(NamedTuple):
     token_ids: tuple[int, ...]
     text: str
     offset: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for them ("logprobs" key)
 
 
-_MAX_TOKEN_ID = 2**31 - 1
 # StreamChunk(...) runs NamedTuple's __new__, a Python function: this builds one at C speed from a
-# (request_id, token_ids, text, offset) tuple, for the paths that make one per streamed token (checks, the worker's step).
+# (request_id, token_ids, text, offset, logprobs) tuple, for the paths that make one per streamed token (checks, the
+# worker's step).
 new_stream_chunk: Final = partial(tuple.__new__, StreamChunk)
 
 
@@ -532,11 +602,13 @@ def stream_chunks(name: str, value: Any) -> Any:
     ids: Any
     chunk_text: Any
     offset: Any
+    logprobs: Any
     for item in value:
         if type(item) is dict:
-            rid, ids, chunk_text, offset = item.get("request_id"), item.get("token_ids"), item.get("text"), item.get("offset")
+            rid, ids, chunk_text = item.get("request_id"), item.get("token_ids"), item.get("text")
+            offset, logprobs = item.get("offset"), item.get("logprobs")
         elif isinstance(item, StreamChunk):
-            rid, ids, chunk_text, offset = item
+            rid, ids, chunk_text, offset, logprobs = item
         else:
             raise FieldError(f"{name} must hold maps, got {type(item).__name__}")
         if type(rid) is not str or _ID_RE.fullmatch(rid) is None:
@@ -551,7 +623,13 @@ def stream_chunks(name: str, value: Any) -> Any:
         if type(offset) is not int or not 0 <= offset <= MAX_TOKENS:
             raise FieldError(f"{name}.offset must be an integer in [0, {MAX_TOKENS}], got {str(offset)[:20]!r}"
                              + (" (a worker older than this client sends none: upgrade it)" if offset is None else ""))
-        out.append(new_stream_chunk((rid, tuple(ids), chunk_text, offset)))
+        if logprobs:
+            logprobs = token_logprobs(f"{name}.logprobs", logprobs)
+            if len(logprobs) != len(ids):
+                raise FieldError(f"{name}.logprobs has {len(logprobs)} entries for {len(ids)} tokens")
+        else:
+            logprobs = ()
+        out.append(new_stream_chunk((rid, tuple(ids), chunk_text, offset, logprobs)))
     return tuple(out)
 
 
@@ -575,8 +653,14 @@ class Chunks(Message):
 
 
 def _chunk_maps(chunks: Sequence[StreamChunk]) -> list[dict[str, Any]]:
-    return [{"request_id": rid, "token_ids": ids, "text": chunk_text, "offset": offset}
-            for rid, ids, chunk_text, offset in chunks]
+    # "logprobs" only for the requests that asked: the common stream pays nothing more on the wire.
+    return [{"request_id": rid, "token_ids": ids, "text": chunk_text, "offset": offset} if not lps else
+            {"request_id": rid, "token_ids": ids, "text": chunk_text, "offset": offset, "logprobs": _logprob_lists(lps)}
+            for rid, ids, chunk_text, offset, lps in chunks]
+
+
+def _logprob_lists(logprobs: Sequence[TokenLogprob]) -> list[Any]:
+    return [[lp[0], lp[1], [list(t) for t in lp[2]]] for lp in logprobs]  # plain tuples too (the worker's)
 
 
 def chunks_part(chunks: Sequence[StreamChunk]) -> bytes:

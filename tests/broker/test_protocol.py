@@ -25,7 +25,8 @@ EXAMPLES: list[p.Message] = [
                stream=True, route=b"c1"),
     p.Generate(request_id="r4", session_id=SID, prompt_ids=(1, 2, 3)),
     p.Generate(request_id="r4", session_id=SID, prompt="héllo", stream=True),
-    p.Generate(request_id="r4", session_id=SID, chat="héllo", role="system", stream=True, resume=12),
+    p.Generate(request_id="r4", session_id=SID, messages=(p.ChatMessage(role="system", content="héllo"),), stream=True,
+               resume=12),
     p.Fork(request_id="r5", session_id=SID, child_id=SID2),
     p.Close(request_id="r6", session_id=SID),
     p.Info(request_id="r7", session_id=SID),
@@ -88,7 +89,7 @@ def frames(command: bytes, header: Any) -> list[bytes]:
         (b"APPEND", {"request_id": "r", "session_id": SID, "token_ids": [*range(300), 2**31]}, "got 2147483648"),
         (b"GENERATE", {"request_id": "r", "session_id": SID, "prompt_ids": [5, -1, 7]}, "prompt_ids must hold integers"),
         (b"APPEND", {"request_id": "r", "session_id": SID, "token_ids": "123"}, "token_ids must be a list"),
-        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"max_tokens": 0}}, "max_tokens must be in"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"max_tokens": -1}}, "max_tokens must be in"),
         (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"max_tokens": True}}, "must be an integer"),
         (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"temperature": -1}}, "temperature must be"),
         (b"GENERATE", {"request_id": "r", "session_id": SID, "params": {"top_p": 0}}, "top_p must be in (0, 1]"),
@@ -130,9 +131,10 @@ def frames(command: bytes, header: Any) -> list[bytes]:
         (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1], "text": "", "offset": True}]}, "got 'True'"),
         (b"CHUNKS", {"chunks": [{"request_id": "r", "token_ids": [1], "text": "", "offset": 2**20 + 1}]}, "offset must"),
         (b"GENERATE", {"request_id": "r", "session_id": SID, "resume": -1}, "resume must be"),
-        (b"GENERATE", {"request_id": "r", "session_id": SID, "chat": "hi", "prompt": "x"},
-         "at most one of prompt_ids, prompt or chat"),
-        (b"GENERATE", {"request_id": "r", "session_id": SID, "chat": "hi", "role": "User!"}, "role is malformed"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "messages": [{"role": "user", "content": "hi"}], "prompt": "x"},
+         "at most one of prompt_ids, prompt or messages"),
+        (b"GENERATE", {"request_id": "r", "session_id": SID, "messages": [{"role": "User!", "content": "hi"}]},
+         "role is malformed"),
         (b"FANOUT", {"routes": [b"c1"]}, "missing field parts"),
         (b"FANOUT", {"routes": [b"c1", b"c2"], "parts": [b""]}, "one part per route and at least one: 2 routes, 1 parts"),
         (b"FANOUT", {"routes": [], "parts": []}, "at least one: 0 routes"),
@@ -188,7 +190,7 @@ def test_unknown_fields_are_ignored_and_unknown_error_codes_still_end_a_request(
 
 
 def test_chunks_ignores_unknown_fields_and_a_broken_one_keeps_no_request_id() -> None:
-    header = {"chunks": [{"request_id": "r1", "token_ids": [1], "text": "a", "offset": 3, "logprobs": [0.5]}],
+    header = {"chunks": [{"request_id": "r1", "token_ids": [1], "text": "a", "offset": 3, "a_newer_field": [0.5]}],
               "route": b"c", "x": 1}
     assert p.decode(frames(b"CHUNKS", header)) == p.Chunks(chunks=(p.StreamChunk("r1", (1,), "a", 3),), route=b"c")
     with pytest.raises(p.ProtocolError) as e:

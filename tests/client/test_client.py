@@ -98,7 +98,7 @@ def test_bad_arguments_are_refused_before_anything_is_sent() -> None:
     with FakeBroker(lambda request, reply: None) as fake, Client(fake.address) as c:
         s = c.attach(SID)
         with pytest.raises(BadRequest, match="max_tokens"):
-            s.generate(max_tokens=0)
+            s.generate(max_tokens=-1)
         with pytest.raises(BadRequest, match="top_p"):
             s.generate(top_p=1.5)
         with pytest.raises(BadRequest, match="exactly one"):

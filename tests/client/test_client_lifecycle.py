@@ -191,7 +191,7 @@ def test_a_chat_turn_and_its_generation_are_one_request() -> None:
         with pytest.raises(Exception, match="older than this client"):  # this stand-in appends nothing, like an old worker
             c.attach(SID).chat("hi", max_tokens=3, stop_token_ids=[7], ignore_eos=True)
     [request] = fake.received
-    assert isinstance(request, p.Generate) and (request.chat, request.role) == ("hi", "user")
+    assert isinstance(request, p.Generate) and request.messages == (p.ChatMessage(role="user", content="hi"),)
     assert (request.params.max_tokens, request.params.stop_token_ids, request.params.ignore_eos) == (3, (7,), True)
 
 

@@ -155,7 +155,8 @@ def answers(known: Known) -> st.SearchStrategy[p.Message]:
     route = routes(known)
     text = st.text(max_size=24)
     ids = st.lists(token_ids(known), max_size=8).map(tuple)
-    chunk = st.builds(p.StreamChunk, rid, ids, text, st.integers(0, p.MAX_TOKENS))
+    # no log-probabilities (valid ones need one per token)
+    chunk = st.builds(p.StreamChunk, rid, ids, text, st.integers(0, p.MAX_TOKENS), st.just(()))
     worker_status = st.builds(p.WorkerStatus, names(known), names(known), counts(), counts(), counts(), st.booleans(), text)
     return st.one_of(
         st.builds(p.Created, request_id=rid, session_id=sid, model=names(known), worker=names(known),

@@ -43,7 +43,7 @@ def test_each_limit_breached_is_a_bad_request_naming_it(limited: Cluster) -> Non
             "exceed max_context 64": lambda: s.append(token_ids=[1] * 61),
             f"stop has more than {p.MAX_STOP_STRINGS} items": lambda: s.generate(stop=["x"] * (p.MAX_STOP_STRINGS + 1)),
             f"longer than {p.MAX_STOP_CHARS} characters": lambda: s.generate(stop="x" * (p.MAX_STOP_CHARS + 1)),
-            f"max_tokens must be in [1, {p.MAX_TOKENS}]": lambda: s.generate(max_tokens=p.MAX_TOKENS + 1),
+            f"max_tokens must be in [0, {p.MAX_TOKENS}]": lambda: s.generate(max_tokens=p.MAX_TOKENS + 1),
             f"token_ids has more than {p.MAX_TOKENS} items": lambda: s.append(token_ids=[1] * (p.MAX_TOKENS + 1)),
         }
         for limit, breach in breaches.items():

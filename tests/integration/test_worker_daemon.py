@@ -81,7 +81,7 @@ class FakeEngine:
     def chat(self, session_id: str, content: str, role: str = "user") -> int:
         raise NotImplementedError
 
-    def chat_ids(self, session_id: str, content: str, role: str = "user") -> list[int]:
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]:
         raise NotImplementedError
 
     def sessions(self) -> list[str]:

@@ -38,9 +38,9 @@ from worker.engine.build import build_parts
 from worker.engine.detokenizer import Detokenizer
 from worker.engine.executor import Executor
 from worker.engine.options import EngineOptions
-from worker.engine.sampling import RowRandom, SamplingParams, sample_ids
+from worker.engine.sampling import RowRandom, SamplingParams, sample_ids, step_logprobs
 from worker.engine.scheduler import StepPlan, schedule
-from worker.engine.session import Chunk, Generation, Launched, Request, Session
+from worker.engine.session import Chunk, Generation, Launched, Request, Session, TokenLogprob
 from worker.errors import BadRequest, ContextOverflow, EngineError, SessionBusy, SessionExists, SessionNotFound
 from worker.model.llama import Llama
 from worker.model.tokenizer import Tokenizer
@@ -231,35 +231,44 @@ class Engine:
         return ids
 
     def chat(self, session_id: str, content: str, role: str = "user") -> int:
-        """Append one chat turn, rendered with the model's template, plus the assistant prompt (chat_ids)."""
-        return self.append(session_id, token_ids=self.chat_ids(session_id, content, role))
-
-    def chat_ids(self, session_id: str, content: str, role: str = "user") -> list[int]:
-        """The tokens of one chat turn for this session, rendered with the model's template, plus the assistant
-        prompt; nothing changes (chat() appends them, start_generate(prompt_ids=...) too, checked as a whole).
-
-        The first turn renders the template from the start (system prompt included). A later turn
-        renders only what the template puts after the previous assistant answer: the EOS the model
-        ended with is already in the history, so only the text after it is added.
-        """
-        session = self._session(session_id)
+        """Append one chat turn, rendered with the model's template, plus the assistant prompt (see chat_ids)."""
         if not isinstance(content, str) or not isinstance(role, str):
             raise BadRequest("chat content and role must be strings")
-        turn = {"role": role, "content": content}
+        return self.append(session_id, token_ids=self.chat_ids(session_id, [{"role": role, "content": content}]))
+
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The token ids that appending these chat turns, rendered with the model's template, plus the assistant
+        prompt, adds to the session (nothing is changed).
+
+        On an empty session the template is rendered from the start (system prompt included). On a session that
+        holds a conversation, only what the template puts after the last assistant answer is rendered: the EOS the
+        model ended with is already in the history (one is added when the answer was cut short), so the session's
+        tokens stay exactly those of its turns, one after the other. No turns on such a session: just the assistant
+        prompt."""
+        session = self._session(session_id)
+        if isinstance(messages, (str, bytes)) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+            raise BadRequest("chat messages must be maps with string role and content")
+        turns = [{"role": m["role"], "content": m["content"]} for m in messages]
         if not session.tokens:
-            return self.chat_tokens([turn])
-        text = self._chat_continuation(turn)
+            if not turns:
+                raise BadRequest(f"session {session_id} is empty: its first chat turn needs a message")
+            return self.chat_tokens(turns)
+        text = self._chat_continuation(turns)
         if session.tokens[-1] not in self.tokenizer.stop_ids:
             text = (self.tokenizer.token(self.tokenizer.eos_id) or "") + text
-        return self.tokenizer.encode(text, add_bos=False)
+        try:
+            return self.tokenizer.encode(text, add_bos=False)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
 
-    def _chat_continuation(self, turn: dict[str, str]) -> str:
-        """Template text between an assistant answer's EOS and the next assistant prompt."""
+    def _chat_continuation(self, turns: list[dict[str, str]]) -> str:
+        """Template text between an assistant answer's EOS and the next assistant prompt, these turns between."""
         tpl = self.tokenizer.apply_chat_template
         history = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00"}]
         try:
             before = tpl(history, add_generation_prompt=False)
-            full = tpl([*history, turn], add_generation_prompt=True)
+            full = tpl([*history, *turns], add_generation_prompt=True)
         except ValueError as e:
             raise BadRequest(str(e)) from e
         eos = self.tokenizer.token(self.tokenizer.eos_id) or ""
@@ -277,7 +286,9 @@ class Engine:
         """Queue a generation; it runs in the following steps. Validates everything now.
 
         With `prompt_ids` or `prompt` (text), that prompt is appended first, as by `append`: one call for a
-        turn. Either both happen or, when anything is refused, neither.
+        turn. Either both happen or, when anything is refused, neither. max_tokens 0 only prefills: the prompt is
+        computed but for its last token, which stays pending as after a generation (so forks of the session then
+        each compute one token, not the prompt), and the request ends "length" with no tokens.
         """
         session = self._session(session_id)
         params.validate(self.tokenizer.vocab_size)
@@ -298,6 +309,9 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids)
         request = Request(rid, session, params, RowRandom.for_params(params), Detokenizer(self.tokenizer, params.stop), stop_ids)
         session.tokens.extend(ids)
+        if params.max_tokens == 0 and session.computed >= len(session.tokens) - 1:
+            self._finished.append(Chunk(rid, session.id, [], "", "length"))  # nothing to prefill
+            return rid
         session.request = request
         self._active[rid] = request
         return rid
@@ -369,32 +383,38 @@ class Engine:
             return None
         logits = self.executor.execute(plan.rows(), copy_logits=False)
         sampled, positions = plan.sampled()
-        ids = sample_ids(logits, [r.params for r in sampled], [r.random for r in sampled])
+        params = [r.params for r in sampled]
+        ids = sample_ids(logits, params, [r.random for r in sampled])
+        logprobs = step_logprobs(logits, ids, params)  # None unless a request asked: nothing more per step
         step, self.steps = self.steps, self.steps + 1
         if ids.device.type != "cuda":
-            return Launched(plan.partial, sampled, positions, ids, ids, None, plan.prefill_tokens)
+            return Launched(plan.partial, sampled, positions, ids, ids, None, plan.prefill_tokens, logprobs)
         if self._id_copies is None:  # pinned memory and events made once, not per step
             self._id_copies = [(torch.empty(self.table.capacity, dtype=torch.long, pin_memory=True), torch.cuda.Event())
                                for _ in range(ID_COPIES)]
         buffer, copied = self._id_copies[step % ID_COPIES]
         host = buffer[: len(sampled)]
         host.copy_(ids, non_blocking=True)
+        host_logprobs = None if logprobs is None else logprobs.to_host()  # queued before the event: it covers them
         copied.record(torch.cuda.current_stream(ids.device))  # named: current_stream() alone looks the device up
-        return Launched(plan.partial, sampled, positions, ids, host, copied, plan.prefill_tokens)
+        return Launched(plan.partial, sampled, positions, ids, host, copied, plan.prefill_tokens, host_logprobs)
 
     def _update(self, launched: Launched) -> list[Chunk]:
         """Read a launched step's tokens and apply them to the requests still running (only once the step has
         succeeded: a failed one runs again). A request that ended meanwhile keeps its `computed`: the K/V the
         step wrote past it are simply rewritten."""
         new_ids = launched.read()
+        chunks = []
         for request, position, n in launched.partial:
             if request.finish_reason is None:
                 request.session.computed = position + n
-        chunks = []
-        for request, position, token in zip(launched.sampled, launched.positions, new_ids, strict=True):
+                if request.params.max_tokens == 0 and request.session.computed >= len(request.session.tokens) - 1:
+                    chunks.append(self._prefilled(request))
+        logprobs = launched.read_logprobs()
+        for row, (request, position, token) in enumerate(zip(launched.sampled, launched.positions, new_ids, strict=True)):
             if request.finish_reason is None:
                 request.session.computed = position + 1
-                chunks.append(self._accept(request, token))
+                chunks.append(self._accept(request, token, logprobs.get(row)))
         return chunks
 
     # -- generation: sync helpers -------------------------------------------------------------
@@ -423,12 +443,15 @@ class Engine:
         """Generate to the end and return everything (token_ids, text, finish_reason)."""
         ids: list[int] = []
         text: list[str] = []
+        logprobs: list[TokenLogprob] | None = None
         reason = "length"
         for chunk in self.stream(session_id, **kwargs):
             ids += chunk.token_ids
             text.append(chunk.text)
+            if chunk.logprobs is not None:
+                logprobs = (logprobs or []) + chunk.logprobs
             reason = chunk.finish_reason or reason
-        return Generation(ids, "".join(text), reason)
+        return Generation(ids, "".join(text), reason, logprobs)
 
     def generate_many(self, requests: Sequence[tuple[str, dict[str, object]]]) -> list[Generation]:
         """Run several sessions' generations together, batched; results in the order given."""
@@ -445,20 +468,26 @@ class Engine:
                 results[i].token_ids += chunk.token_ids
                 results[i].text += chunk.text
                 results[i].finish_reason = chunk.finish_reason or results[i].finish_reason
+                if chunk.logprobs is not None:
+                    results[i].logprobs = (results[i].logprobs or []) + chunk.logprobs
         return results
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _accept(self, request: Request, token: int) -> Chunk:
+    def _accept(self, request: Request, token: int,
+                logprob: tuple[float, list[int], list[float]] | None = None) -> Chunk:
         """Append a sampled token to the session and decide whether the request is done."""
         session = request.session
         session.tokens.append(token)
         request.generated += 1
         new_ids: list[int] = []
+        logprobs: list[TokenLogprob] | None = None if request.params.logprobs is None else []
         if token in request.stop_ids:
             request.finish_reason = "stop"
         else:
             new_ids.append(token)
+            if logprobs is not None and logprob is not None:
+                logprobs.append(self._token_logprob(token, logprob, request.params.logprobs or 0))
             request.token_ids.append(token)
             request.detok.add(token)
             if request.detok.stopped:
@@ -468,7 +497,26 @@ class Engine:
         if request.finish_reason is not None:
             request.detok.flush()
             self._retire(request)
-        return Chunk(request.id, session.id, new_ids, request.detok.take(request.finish_reason is not None), request.finish_reason)
+        return Chunk(request.id, session.id, new_ids, request.detok.take(request.finish_reason is not None),
+                     request.finish_reason, logprobs)
+
+    def _token_logprob(self, token: int, logprob: tuple[float, list[int], list[float]], k: int) -> TokenLogprob:
+        value, top_ids, top_values = logprob
+        top = tuple((i, v, self._token_bytes(i)) for i, v in zip(top_ids[:k], top_values[:k], strict=True))
+        return value, self._token_bytes(token), top
+
+    def _token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a special token: its name, e.g. b"<|im_end|>")."""
+        table = self.tokenizer.token_bytes
+        if table is not None and 0 <= token < len(table) and table[token]:
+            return table[token]
+        return self.tokenizer.decode([token]).encode("utf-8", "replace")
+
+    def _prefilled(self, request: Request) -> Chunk:
+        """A prefill-only request (max_tokens 0) whose prompt is computed: it ends, with no tokens."""
+        request.finish_reason = "length"
+        self._retire(request)
+        return Chunk(request.id, request.session.id, [], "", "length")
 
     def _cancel(self, request: Request) -> None:
         request.finish_reason = "cancelled"

@@ -1,8 +1,14 @@
-"""Sampling parameters and the batched sampler.
+"""Sampling parameters, the batched sampler and the log-probabilities a request asks for.
 
 Each request draws its randomness from its own generator (one uniform number per token, on the CPU),
 and each row's token depends only on that row's logits and that number. So the same seed and inputs
 give the same tokens whatever else is in the batch.
+
+Log-probabilities (`SamplingParams.logprobs`) are computed on the logits' device right after sampling,
+outside any CUDA graph: a row's log-softmax in float64 (its reductions run within the row, so the numbers do
+not depend on the batch), the sampled token's value and the row's top k (a stable sort: ties in id order).
+They are the model's distribution (raw logits, before temperature, top-k and top-p), as vLLM and OpenAI
+report them.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ MAX_STOP_STRING_CHARS = 256
 
 
 MIN_TEMPERATURE = 1e-5  # sampling below this is greedy
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: prefill only (compute the prompt but its last token, generate nothing)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 = whole vocabulary
@@ -31,10 +38,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # generation ends when the text contains one; it is cut from the text
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, like EOS (not returned)
     ignore_eos: bool = False  # keep going past EOS (benchmarks that need a fixed length)
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (k <= 20)
 
     def validate(self, vocab_size: int) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise BadRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise BadRequest(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             raise BadRequest(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -51,6 +59,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise BadRequest(f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}")
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
+            raise BadRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {lp!r}")
 
 
 @dataclass
@@ -134,3 +145,51 @@ def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top
     last_kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
     pick = torch.minimum(pick, last_kept)
     return ids.gather(-1, pick)[:, 0]
+
+
+@dataclass
+class StepLogprobs:
+    """The log-probabilities one step computed, for the sampled rows that asked (`rows`, in row order): the sampled
+    token's (n,), and the top `k` ids and values (n, k) of each row, k the most any of them asked for. On the logits'
+    device until `to_host` queues their copy."""
+
+    rows: list[int]
+    chosen: torch.Tensor  # float32 (n,)
+    top_ids: torch.Tensor  # int64 (n, k)
+    top_values: torch.Tensor  # float32 (n, k)
+
+    def to_host(self) -> StepLogprobs:
+        """Their copy in pinned host memory, queued on the current stream (valid once the stream has passed it)."""
+        if self.chosen.device.type != "cuda":
+            return self
+        return StepLogprobs(self.rows, *(_pinned_copy(t) for t in (self.chosen, self.top_ids, self.top_values)))
+
+    def by_row(self) -> dict[int, tuple[float, list[int], list[float]]]:
+        """Host values: sampled row -> (the sampled token's log-probability, top ids, top values)."""
+        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        return {row: (chosen[i], ids[i], values[i]) for i, row in enumerate(self.rows)}
+
+
+def step_logprobs(logits: torch.Tensor, ids: torch.Tensor, params: list[SamplingParams]) -> StepLogprobs | None:
+    """The log-probabilities of the rows whose request asked for them (None when none did), queued on the logits'
+    device without a host sync: the sampled id's (`ids`, from sample_ids) and the top k of the row."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    k = max(params[i].logprobs or 0 for i in rows)
+    picked = _upload(rows, torch.long, logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, picked).double(), dim=-1)  # (n, V) float64
+    chosen = logprobs.gather(1, ids.index_select(0, picked)[:, None])[:, 0].float()
+    if k:
+        values, top = logprobs.sort(dim=-1, descending=True, stable=True)
+        top_ids, top_values = top[:, :k].contiguous(), values[:, :k].float()
+    else:
+        top_ids = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
+        top_values = torch.empty((len(rows), 0), dtype=torch.float32, device=logits.device)
+    return StepLogprobs(rows, chosen, top_ids, top_values)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

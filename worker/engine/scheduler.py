@@ -1,7 +1,8 @@
 """The scheduler: which rows the next step runs.
 
 A step holds a decode row for every generating session, then whole prompt chunks in arrival order while
-they fit the step's token budget (worker.engine.budget). When the step before has been launched but not
+they fit the step's token budget (worker.engine.budget). A prefill-only request (max_tokens 0) takes chunks of
+its prompt up to, not including, its last token, and samples nothing. When the step before has been launched but not
 read (the GPU runs one step ahead), its generating sessions decode the ids it samples, read on the device,
 and its prompt chunks count as computed.
 """
@@ -79,6 +80,15 @@ class StepPlan:
         else:
             self.partial.append((request, start, n))
 
+    def prefill(self, request: Request, start: int, n: int) -> None:
+        """`n` prompt tokens from position `start` that sample nothing, even one alone (a prefill-only request)."""
+        s = request.session
+        self._tokens += s.tokens[start : start + n]
+        self._positions += range(start, start + n)
+        self._slots += [s.slot] * n
+        self.prefill_tokens += n
+        self.partial.append((request, start, n))
+
     def rows(self) -> StepRows:
         """The step as the executor takes it."""
         d = self.decode_rows
@@ -114,6 +124,15 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
             continue
         start = computed.get(id(request), request.session.computed)
         pending = len(request.session.tokens) - start
+        if request.params.max_tokens == 0:  # prefill only: every prompt token but the last, never sampling
+            n = min(pending - 1, prefill_chunk)
+            if n > 0 and budget > 0:
+                if n > budget:
+                    budget = 0
+                    continue
+                plan.prefill(request, start, n)
+                budget -= n
+            continue
         if pending == 1:
             plan.add(request, start, 1)
         elif budget > 0:

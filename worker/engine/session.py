@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.engine.detokenizer import Detokenizer
-from worker.engine.sampling import RowRandom, SamplingParams
+from worker.engine.sampling import RowRandom, SamplingParams, StepLogprobs
+
+# One returned token's log-probability: (its value, the token's bytes, the top candidates as (id, value, bytes)),
+# for requests with SamplingParams.logprobs set. Bytes, not text: a token may hold part of a UTF-8 character.
+TokenLogprob = tuple[float, bytes, tuple[tuple[int, float, bytes], ...]]
 
 
 @dataclass(slots=True)
@@ -20,6 +24,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass
@@ -29,6 +34,7 @@ class Generation:
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -77,6 +83,7 @@ class Launched:
     host: torch.Tensor  # their copy in host memory: valid once `copied` has passed
     copied: torch.cuda.Event | None  # None: `host` is already valid (no device)
     prefill_tokens: int = 0  # prompt tokens the step computes
+    logprobs: StepLogprobs | None = None  # of the sampled rows that asked, in host memory once `copied` has passed
 
     def done(self) -> bool:
         """Whether the device has made the ids (reading them will not wait)."""
@@ -88,3 +95,7 @@ class Launched:
             self.copied.synchronize()
         ids: list[int] = self.host.tolist()
         return ids
+
+    def read_logprobs(self) -> dict[int, tuple[float, list[int], list[float]]]:
+        """Sampled row -> (its token's log-probability, top ids, top values), for the rows that asked; after read()."""
+        return {} if self.logprobs is None else self.logprobs.by_row()

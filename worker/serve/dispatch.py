@@ -54,7 +54,7 @@ class EngineAPI(Protocol):
     def close(self, session_id: str) -> None: ...
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int: ...
     def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
-    def chat_ids(self, session_id: str, content: str, role: str = "user") -> list[int]: ...
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]: ...
     def sessions(self) -> list[str]: ...
     def session_length(self, session_id: str) -> int: ...
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
@@ -102,6 +102,7 @@ class Active:
     token_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # per token, the text let out with it ("" while held back)
     held: str = ""  # text let out by a step that made no token: it goes with the next token (no engine does that now)
+    logprobs: list[Any] | None = None  # one entry per token, when the request asked for them
 
     def add(self, ids: list[int], text: str) -> None:
         """Keep a step's tokens (at least one) and text, the text with the last of them (Dispatch.step_answers
@@ -115,7 +116,8 @@ class Active:
         ids = self.token_ids[offset:]
         if not ids:
             return None
-        chunk = p.StreamChunk(self.request_id, tuple(ids), "".join(self.texts[offset:]), offset)
+        lps = tuple(self.logprobs[offset:]) if self.logprobs is not None else ()
+        chunk = p.StreamChunk(self.request_id, tuple(ids), "".join(self.texts[offset:]), offset, lps)
         return p.Chunks(chunks=(chunk,), route=self.route)
 
 
@@ -226,13 +228,13 @@ class Dispatch:
             self._refuse_if_draining("new generations")
             before = e.session_length(request.session_id)
             prompt_ids: Sequence[int] | None = request.prompt_ids
-            if request.chat is not None:
-                prompt_ids = e.chat_ids(request.session_id, request.chat, request.role)
+            if request.messages is not None:
+                prompt_ids = e.chat_ids(request.session_id, [{"role": m.role, "content": m.content} for m in request.messages])
             engine_id = e.start_generate(request.session_id, self._sampling(request.params),
                                          prompt_ids=prompt_ids, prompt=request.prompt)
             appended = e.session_length(request.session_id) - before
             self.active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream,
-                                            appended)
+                                            appended, logprobs=None if request.params.logprobs is None else [])
             self._by_session[request.session_id] = engine_id
             self.metrics.generation_started(engine_id, time.perf_counter())
             return None  # answered when the generation finishes
@@ -282,6 +284,7 @@ class Dispatch:
             if active is None:
                 continue
             ids = chunk.token_ids
+            lps = getattr(chunk, "logprobs", None) or ()  # engines without log-probabilities have no such field
             if ids:
                 offset = len(active.token_ids)
                 if not offset:
@@ -295,11 +298,13 @@ class Dispatch:
                 else:
                     active.add(ids, text)
                 new_tokens += len(ids)
+                if active.logprobs is not None:
+                    active.logprobs += lps
                 if chunk.finish_reason is None and active.stream:
                     batch = batches.get(active.route)
                     if batch is None:
                         batch = batches[active.route] = []
-                    batch.append(p.new_stream_chunk((active.request_id, tuple(ids), text, offset)))
+                    batch.append(p.new_stream_chunk((active.request_id, tuple(ids), text, offset, lps)))
             elif chunk.text:
                 active.held += chunk.text
             if chunk.finish_reason is not None:
@@ -321,7 +326,7 @@ class Dispatch:
         answer = p.Generated.unchecked(request_id=active.request_id, session_id=active.session_id,
                                        token_ids=tuple(active.token_ids), text="".join(active.texts) + active.held,
                                        finish_reason=finish_reason, length=length, appended=active.appended,
-                                       route=active.route)
+                                       route=active.route, logprobs=tuple(active.logprobs or ()))
         self._remember((active.session_id, active.request_id), answer)
         return answer
 

@@ -3,6 +3,8 @@
     loadtest --broker tcp://127.0.0.1:5555 --sessions 64 --prompt-tokens 128 --max-tokens 256 \\
              --ignore-eos --requests 1024 --processes 4 --json out.json --plot out.png
     loadtest --in-process --model random:smollm2-135m --device cuda --sessions 64 ...
+    loadtest --http http://127.0.0.1:8000 --sessions 64 ...         (through the gateway's OpenAI API)
+    loadtest --http http://127.0.0.1:8000 --broker tcp://127.0.0.1:5555 --compare ...  (native, then HTTP)
 
 Each turn of a session appends a prompt of P tokens (seeded random token ids, or text from a seeded
 word list) and generates M tokens streamed, in one request (`generate(prompt=...)`), for T turns;
@@ -29,9 +31,9 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -83,6 +85,8 @@ class LoadConfig:
     warmup: int = 0  # generate requests run first and not measured (compilation, CUDA-graph capture)
     broker_key: str | None = None  # a broker with --keys: its public key file ...
     key: str | None = None  # ... and this client's key pair file (NAME.key_secret)
+    http: str | None = None  # the gateway's URL: drive its OpenAI API (client.bench.loadtest.http) instead
+    api_key: str | None = None  # the gateway's API key (with --http)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -102,10 +106,17 @@ class LoadConfig:
             raise ValueError(f"timeout must be > 0, got {self.timeout}")
         if self.in_process and self.processes > 1:
             raise ValueError("in-process mode runs in one process: leave processes at 1")
-        if not self.in_process and not self.broker:
-            raise ValueError("give a broker address, or in_process=True")
+        if not self.in_process and not self.broker and not self.http:
+            raise ValueError("give a broker address, a gateway URL (http), or in_process=True")
         if (self.broker_key is None) != (self.key is None):
             raise ValueError("give both broker_key and key, or neither")
+        if self.http is not None:
+            if self.in_process:
+                raise ValueError("--http drives the gateway: leave out --in-process")
+            if self.fork_every:
+                raise ValueError("the OpenAI API has no fork: leave fork_every at 0 with --http")
+            if not self.http.startswith("http://"):
+                raise ValueError(f"--http takes http://HOST:PORT, got {self.http!r}")
         if self.workload().prompt_room + self.max_tokens > self.max_context:
             raise ValueError(f"one turn ({self.prompt_tokens} prompt + {self.max_tokens} generated tokens) "
                              f"does not fit max_context {self.max_context}")
@@ -118,7 +129,7 @@ class LoadConfig:
 
     @property
     def mode(self) -> str:
-        return "in-process" if self.in_process else "full-stack"
+        return "in-process" if self.in_process else "http" if self.http else "full-stack"
 
     def workload(self, warmup: bool = False) -> Workload:
         """What each user does; the warm-up draws other prompts (another seed) of the same shape."""
@@ -137,7 +148,12 @@ def run(config: LoadConfig, *, engine: Engine | None = None, log_level: str = "w
     calling script again: a script that calls run() needs the `if __name__ == "__main__":` guard.
     """
     config.validate()
-    raw = _run_in_process(config, engine) if config.in_process else _run_stack(config, log_level)
+    if config.in_process:
+        raw = _run_in_process(config, engine)
+    elif config.http:
+        raw = _run_http(config, log_level)
+    else:
+        raw = _run_stack(config, log_level)
     report = build_report(raw, config.mode, asdict(config))
     log.info("loadtest_done", mode=config.mode, completed=report.completed, failed=report.failed,
              output_tokens_per_s=round(report.output_tokens_per_s, 1))
@@ -194,6 +210,39 @@ def _run_stack(config: LoadConfig, log_level: str) -> RawRun:
     return raw
 
 
+def _run_http(config: LoadConfig, log_level: str) -> RawRun:
+    from client.bench.loadtest.http import served_model
+    from client.bench.loadtest.stack import run_processes, split
+
+    assert config.http is not None
+    model = config.model or served_model(config.http, config.api_key, min(config.timeout, REACH_TIMEOUT_S))
+    def parts(workload: Workload, sessions: int, processes: int, requests: int | None,
+              duration: float | None) -> list[Any]:
+        return split("", model, config.timeout, workload, sessions, processes, requests, duration,
+                     http=config.http, api_key=config.api_key)
+
+    if config.warmup:
+        run_processes(parts(config.workload(warmup=True), min(config.sessions, config.warmup), 1, config.warmup, None),
+                      Tally(), _nothing, _nothing)
+    tally = Tally()
+    with ProgressView(config.request_limit, config.duration, config.progress) as view:
+        raw = run_processes(parts(config.workload(), config.sessions, config.processes, config.request_limit,
+                                  config.duration), tally, view.started, lambda: view.update(tally), log_level)
+        view.update(tally)
+    return raw
+
+
+def compare(native: Report, http: Report) -> dict[str, float | None]:
+    """The gateway's run against the native one: throughput ratio, TTFT p50 and p99 added (ms)."""
+    def added(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else a - b
+
+    return {"output_throughput_ratio": http.output_tokens_per_s / native.output_tokens_per_s if native.output_tokens_per_s else None,
+            "ttft_p50_added_ms": added(http.ttft.p50, native.ttft.p50),
+            "ttft_p99_added_ms": added(http.ttft.p99, native.ttft.p99),
+            "tpot_p50_added_ms": added(http.tpot.p50, native.tpot.p50)}
+
+
 def _nothing() -> None:
     pass
 
@@ -216,6 +265,14 @@ def parser() -> argparse.ArgumentParser:
                         help="a broker with --keys: its public key file [env LOADTEST_BROKER_KEY]")
     target.add_argument("--key", default=_env("LOADTEST_KEY", None),
                         help="a broker with --keys: this client's key pair file, NAME.key_secret [env LOADTEST_KEY]")
+    target.add_argument("--http", default=_env("LOADTEST_HTTP", None), metavar="URL",
+                        help="drive the gateway's OpenAI API at URL (http://HOST:PORT) instead of the broker "
+                             "[env LOADTEST_HTTP]")
+    target.add_argument("--api-key", default=_env("LOADTEST_API_KEY", None),
+                        help="with --http: the gateway's API key [env LOADTEST_API_KEY]")
+    target.add_argument("--compare", action="store_true",
+                        help="with --http: run the workload through the broker (--broker) first, then through the "
+                             "gateway, and report both and how they compare")
     target.add_argument("--in-process", action="store_true",
                         help="drive worker.engine.Engine in this process instead of the stack (no broker)")
     target.add_argument("--model", default=_env("LOADTEST_MODEL", None),
@@ -263,7 +320,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         duration=args.duration, ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
         processes=args.processes, fork_every=args.fork_every, prompt_kind=args.prompt_kind, max_context=args.max_context,
         progress=not args.no_progress and sys.stderr.isatty(), timeout=args.timeout, vocab_size=args.vocab_size,
-        warmup=args.warmup, broker_key=args.broker_key, key=args.key,
+        warmup=args.warmup, broker_key=args.broker_key, key=args.key, http=args.http, api_key=args.api_key,
     )
 
 
@@ -278,7 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.validate()
     except ValueError as e:
         ap.error(str(e))
+    if args.compare and not config.http:
+        ap.error("--compare needs --http (and --broker for the native run)")
     try:
+        native = run(replace(config, http=None), log_level=args.log_level) if args.compare else None
         report = run(config, log_level=args.log_level)
     except LoadTestError as e:
         log.error("loadtest_failed", error=str(e))
@@ -288,9 +348,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     from rich.console import Console
 
-    Console().print(report.table())
+    console = Console()
+    if native is not None:
+        console.print(native.table())
+    console.print(report.table())
+    out: dict[str, Any] = report.to_dict()
+    if native is not None:
+        figures = compare(native, report)
+        console.print("gateway against native: " + ", ".join(
+            f"{k} {v:.3f}" if v is not None else f"{k} n/a" for k, v in figures.items()))
+        out = {"native": native.to_dict(), "http": out, "comparison": figures}
     if args.json is not None:
-        args.json.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
     if args.plot is not None:
         from client.bench.loadtest.plot import plot
 

@@ -54,11 +54,13 @@ class Part:
     duration: float | None
     broker_key: str | None = None  # CURVE: the broker's public key file and this client's key pair file
     key: str | None = None
+    http: str | None = None  # the gateway's URL: the users go through its OpenAI API instead (client.bench.loadtest.http)
+    api_key: str | None = None  # the gateway's API key
 
 
 def split(address: str, model: str | None, timeout: float, workload: Workload, sessions: int, processes: int,
           requests: int | None, duration: float | None, broker_key: str | None = None,
-          key: str | None = None) -> list[Part]:
+          key: str | None = None, http: str | None = None, api_key: str | None = None) -> list[Part]:
     """Users and requests shared as evenly as possible (the first parts get the remainders)."""
     processes = max(1, min(processes, sessions))
     parts = []
@@ -66,7 +68,7 @@ def split(address: str, model: str | None, timeout: float, workload: Workload, s
     for i in range(processes):
         count = sessions // processes + (i < sessions % processes)
         share = None if requests is None else requests // processes + (i < requests % processes)
-        parts.append(Part(address, model, timeout, workload, first, count, share, duration, broker_key, key))
+        parts.append(Part(address, model, timeout, workload, first, count, share, duration, broker_key, key, http, api_key))
         first += count
     return parts
 
@@ -170,6 +172,11 @@ class StackDriver:
 
 async def run_part(part: Part, start: float | None, tally: Tally, on_progress: Callable[[], None]) -> RawRun:
     """Run one part's users to the end of the budget; `start` is the shared start (None: now)."""
+    if part.http is not None:
+        from client.bench.loadtest.http import run_http_part
+
+        return await run_http_part(part.http, part.model, part.api_key, part.timeout, part.workload, part.first,
+                                   part.count, part.requests, part.duration, start, tally, on_progress)
     raw = RawRun(start=time.perf_counter() if start is None else start)
     budget = Budget(part.requests, part.duration)
     budget.begin(raw.start)

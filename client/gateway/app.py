@@ -1,0 +1,240 @@
+"""The HTTP routes (Starlette): OpenAI's API on top of the broker, and the daemons' health endpoints.
+
+    GET    /v1/models                 the models the broker's live workers serve
+    POST   /v1/chat/completions       chat, streamed or not, n choices, log-probabilities, sessions
+    POST   /v1/completions            the same for a text or token-id prompt
+    DELETE /v1/sessions/{session_id}  close a named session now
+    GET    /metrics /healthz /readyz  as the broker's and the workers' (no API key needed)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from broker.common.keys import CurveClient
+from client.aio import AsyncClient
+from client.errors import ClientError
+from client.gateway import responses, schema
+from client.gateway.auth import ApiKeys
+from client.gateway.errors import ApiError, bad_request, from_client_error, no_worker
+from client.gateway.metrics import GatewayMetrics
+from client.gateway.models import Models
+from client.gateway.service import Service, chat_ask, completion_ask
+from client.gateway.sessions import SessionStore
+
+log = structlog.get_logger()
+
+JSON = "application/json"
+MAX_BODY_BYTES = 16 << 20
+SHUTDOWN_CLOSE_S = 5.0
+
+
+@dataclass
+class GatewayConfig:
+    broker: str = "tcp://127.0.0.1:5555"
+    timeout: float = 60.0  # seconds to wait for each answer or streamed chunk from the broker
+    broker_key: str | None = None
+    key: str | None = None
+    api_keys: ApiKeys | None = None
+    max_idle_sessions: int = 0
+
+
+class Gateway:
+    """What the routes share: the broker client, the sessions, the models, the keys, the metrics."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.keys = config.api_keys or ApiKeys.open()
+        self.store = SessionStore(config.max_idle_sessions)
+        self.metrics = GatewayMetrics(lambda: (self.store.idle, self.store.busy))
+        self.client: AsyncClient | None = None
+        self.service: Service | None = None
+        self.models: Models | None = None
+        self.loop_beat = time.monotonic()
+
+    async def start(self) -> None:
+        CurveClient.from_files(self.config.broker_key, self.config.key)  # a bad key file fails here, not per request
+        self.client = AsyncClient(self.config.broker, timeout=self.config.timeout, broker_key=self.config.broker_key,
+                                  key=self.config.key)
+        self.models = Models(self.client)
+        self.service = Service(self.client, self.store, self.models, self.metrics)
+        served = await self.models.served(fresh=True)
+        log.info("gateway_connected", broker=self.config.broker, ready=served.ready()[1])
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            await self.service.shutdown(SHUTDOWN_CLOSE_S)
+        if self.client is not None:
+            await self.client.close()
+        log.info("gateway_stopped")
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    gw = Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gw.start()
+        yield
+        await gw.stop()
+
+    def handler(endpoint: str, fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            start = time.perf_counter()
+            gw.metrics.running.inc()
+            try:
+                response = await fn(request)
+            except ApiError as e:
+                if e.status >= 500:
+                    log.warning("request_failed", endpoint=endpoint, status=e.status, error=e.message)
+                response = Response(e.json(), e.status, headers=e.headers(), media_type=JSON)
+            except Exception:
+                log.exception("request_crashed", endpoint=endpoint)
+                response = Response(ApiError(500, "internal error (see the gateway's log)", kind="server_error").json(),
+                                    500, media_type=JSON)
+            finally:
+                gw.metrics.running.dec()
+            gw.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            gw.metrics.sync_sessions()
+            if not isinstance(response, StreamingResponse):
+                gw.metrics.duration.labels(endpoint).observe(time.perf_counter() - start)
+            return response
+
+        return handle
+
+    async def models(request: Request) -> Response:
+        gw.keys.owner(request.headers.get("authorization"))
+        assert gw.models is not None
+        served = await gw.models.served()
+        if served.error:
+            raise no_worker(f"the broker does not answer: {served.error}")
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "sessionserve"} for m in served.models]
+        return Response(responses.dumps({"object": "list", "data": data}), media_type=JSON)
+
+    async def chat(request: Request) -> Response:
+        owner = gw.keys.owner(request.headers.get("authorization"))
+        body = schema.parse(schema.ChatRequest, await _json(request))
+        assert isinstance(body, schema.ChatRequest)
+        name = _session_name(request, body)
+        ask = chat_ask(body, owner, name)
+        if ask.stream:
+            return await _streamed(ask, True, body.logprobs, body.return_token_ids, body.include_usage(), "chat")
+        assert gw.service is not None
+        live = await gw.service.complete(ask)
+        out = responses.chat_completion(responses.new_id("chatcmpl"), ask.model, live.answers(), live.usage(),
+                                        body.logprobs, body.return_token_ids, name)
+        return Response(responses.dumps(out), media_type=JSON)
+
+    async def completions(request: Request) -> Response:
+        owner = gw.keys.owner(request.headers.get("authorization"))
+        body = schema.parse(schema.CompletionRequest, await _json(request))
+        assert isinstance(body, schema.CompletionRequest)
+        name = _session_name(request, body)
+        ask = completion_ask(body, owner, name)
+        want_logprobs = body.logprobs is not None
+        if ask.stream:
+            return await _streamed(ask, False, want_logprobs, body.return_token_ids, body.include_usage(), "completions")
+        assert gw.service is not None
+        live = await gw.service.complete(ask)
+        out = responses.completion(responses.new_id("cmpl"), ask.model, live.answers(), live.usage(), want_logprobs,
+                                   body.return_token_ids, name)
+        return Response(responses.dumps(out), media_type=JSON)
+
+    async def _streamed(ask: Any, chat: bool, want_logprobs: bool, token_ids: bool, include_usage: bool,
+                        endpoint: str) -> Response:
+        assert gw.service is not None
+        start = time.perf_counter()
+        live, deltas = await gw.service.stream(ask)
+        writer = responses.ChunkWriter(chat, ask.model, want_logprobs, token_ids, include_usage)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for d in deltas:
+                    c = d.chunk
+                    finish = None if c.finish_reason is None else ("length" if c.finish_reason == "length" else "stop")
+                    yield writer.delta(d.index, c.token_ids, c.text, c.logprobs, finish)
+                if include_usage:
+                    yield writer.usage(live.usage())
+                yield responses.DONE
+            except ApiError as e:
+                yield writer.error(e.body())
+            except Exception as e:  # after the status went out, an error can only be an event
+                if isinstance(e, ClientError):
+                    yield writer.error(from_client_error(e).body())
+                else:
+                    log.exception("stream_crashed")
+                    yield writer.error(ApiError(500, "internal error (see the gateway's log)", kind="server_error").body())
+            finally:
+                await deltas.aclose()  # a client gone mid-stream: the generation is cancelled, its sessions closed
+                gw.metrics.duration.labels(endpoint).observe(time.perf_counter() - start)
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if ask.name is not None:
+            headers["X-Session-ID"] = ask.name
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def close_session(request: Request) -> Response:
+        owner = gw.keys.owner(request.headers.get("authorization"))
+        name = request.path_params["session_id"]
+        assert gw.service is not None
+        if not await gw.service.close_named(owner, name):
+            raise ApiError(404, f"no session {name!r}", param="session_id", code="session_not_found")
+        return Response(responses.dumps({"id": name, "object": "session", "deleted": True}), media_type=JSON)
+
+    async def metrics(request: Request) -> Response:
+        return Response(gw.metrics.scrape(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+    async def healthz(request: Request) -> Response:
+        return Response(b"ok\n", media_type="text/plain; charset=utf-8")  # answering at all means the loop turns
+
+    async def readyz(request: Request) -> Response:
+        if gw.models is None:
+            return Response(b"starting\n", 503, media_type="text/plain; charset=utf-8")
+        ready, why = (await gw.models.served()).ready()
+        return Response(f"{why}\n".encode(), 200 if ready else 503, media_type="text/plain; charset=utf-8")
+
+    routes = [
+        Route("/v1/models", handler("models", models), methods=["GET"]),
+        Route("/v1/chat/completions", handler("chat", chat), methods=["POST"]),
+        Route("/v1/completions", handler("completions", completions), methods=["POST"]),
+        Route("/v1/sessions/{session_id}", handler("sessions", close_session), methods=["DELETE"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gw
+    return app
+
+
+async def _json(request: Request) -> Any:
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise bad_request(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def _session_name(request: Request, body: schema.ChatRequest | schema.CompletionRequest) -> str | None:
+    header = request.headers.get("x-session-id")
+    if header is not None and body.session_id is not None and header != body.session_id:
+        raise bad_request("X-Session-ID and session_id differ", "session_id")
+    name = body.session_id if body.session_id is not None else header
+    if name is not None and not schema._SESSION_ID.fullmatch(name):
+        raise bad_request(f"session_id must match {schema.SESSION_ID_PATTERN}", "session_id")
+    return name
+

@@ -1,0 +1,83 @@
+"""Which models the broker's workers serve, asked with STATUS at most once a second and shared by every request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from client.aio import AsyncClient
+from client.errors import ClientError
+from client.gateway.errors import model_not_found, no_worker
+from client.results import WorkerInfo
+
+log = structlog.get_logger()
+
+FRESH_S = 1.0  # a status this recent answers without asking again
+STATUS_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Served:
+    workers: tuple[WorkerInfo, ...]
+    at: float  # time.monotonic() of the answer
+    error: str = ""  # the broker did not answer: why
+
+    @property
+    def models(self) -> list[str]:
+        return sorted({w.model for w in self.workers})
+
+    def ready(self) -> tuple[bool, str]:
+        if self.error:
+            return False, f"the broker does not answer: {self.error}"
+        live = [w for w in self.workers if not w.draining]
+        if not live:
+            return False, "no worker is registered with the broker" if not self.workers else "every worker is draining"
+        return True, f"ready: {len(live)} worker(s) serving {', '.join(sorted({w.model for w in live}))}"
+
+
+class Models:
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+        self.last = Served((), 0.0, "not asked yet")
+        self._asking: asyncio.Task[Served] | None = None
+
+    async def served(self, fresh: bool = False) -> Served:
+        """The broker's workers, from a status at most FRESH_S old (fresh: asked now); concurrent callers share one
+        question."""
+        if not fresh and time.monotonic() - self.last.at < FRESH_S and not self.last.error:
+            return self.last
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.get_running_loop().create_task(self._ask())
+        return await asyncio.shield(self._asking)
+
+    async def _ask(self) -> Served:
+        try:
+            workers = await self.client.status(timeout=STATUS_TIMEOUT_S)
+            self.last = Served(tuple(workers), time.monotonic())
+        except ClientError as e:
+            log.warning("broker_status_failed", error=str(e), code=e.code)
+            self.last = Served((), time.monotonic(), str(e))
+        return self.last
+
+    async def check(self, model: str) -> None:
+        """ApiError unless a live worker serves `model`: 404 when others are served, 503 when none is up. A model the
+        last status lists passes at once (a stale status is asked again in the background, never on a request's path:
+        a worker that went away since answers its own error)."""
+        if model in self.last.models and not self.last.error:
+            if time.monotonic() - self.last.at >= FRESH_S and (self._asking is None or self._asking.done()):
+                self._asking = asyncio.get_running_loop().create_task(self._ask())
+            return
+        served = await self.served()
+        if model in served.models:
+            return
+        served = await self.served(fresh=True)
+        if model in served.models:
+            return
+        if served.error:
+            raise no_worker(f"the broker does not answer: {served.error}")
+        if not served.workers:
+            raise no_worker("no worker is registered with the broker")
+        raise model_not_found(model, served.models)

@@ -1,0 +1,272 @@
+"""The OpenAI request bodies the gateway takes, validated: what it can honour, and a 400 for anything else.
+
+Every field OpenAI defines is listed. Those the gateway honours are checked for type and range; the others are
+accepted only at the value that means "not used" (tools empty, penalties 0, response_format text, ...), so a
+request is never answered as if a parameter it set had been applied. A field OpenAI does not define is refused
+too, except the extensions below.
+
+Extensions (the openai package sends them with `extra_body`, or as a header):
+    session_id        (or the X-Session-ID header) binds the conversation to one live session
+    return_token_ids  each choice carries its `token_ids`
+    top_k, ignore_eos, stop_token_ids  as vLLM takes them
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from broker.common import protocol as p
+from client.gateway.errors import ApiError, bad_request
+
+MAX_N = 16  # choices per request: each is a session (a fork of the prompt's)
+MAX_STOP = p.MAX_STOP_STRINGS
+SESSION_ID_PATTERN = r"[A-Za-z0-9._:-]{1,128}"
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+NonNegativeInt = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: str
+    content: str | list[TextPart]
+    name: None = None  # the chat templates here have no place for a name: refused rather than dropped
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)} (tools are not supported), got {role!r}")
+        return role
+
+    def turn(self) -> tuple[str, str]:
+        """(role as the template takes it, text): developer is OpenAI's newer name for system."""
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return ROLES[self.role], text
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+def _unused(name: str, value: Any, allowed: Sequence[Any] = ()) -> None:
+    if value is not None and value not in allowed:
+        raise ValueError(f"{name} is not supported by this server (got {str(value)[:80]})")
+
+
+class _Common(_Strict):
+    """What both endpoints take."""
+
+    model: str = Field(min_length=1, max_length=p.MAX_NAME_CHARS)
+    max_tokens: int | None = Field(default=None, ge=1, le=p.MAX_TOKENS)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    seed: NonNegativeInt | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = Field(default=None, max_length=256)
+    # extensions
+    session_id: str | None = None
+    return_token_ids: bool = False
+    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(default=None, max_length=p.MAX_STOP_STRINGS)
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: Any) -> float | None:
+        if value not in (None, 0, 0.0):
+            raise ValueError("not supported by this server: only 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError("not supported by this server")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP or not all(0 < len(s) <= p.MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings of at most {p.MAX_STOP_CHARS} characters")
+        return value
+
+    @field_validator("session_id")
+    @classmethod
+    def _session_id(cls, value: str | None) -> str | None:
+        if value is not None and not _SESSION_ID.fullmatch(value):
+            raise ValueError(f"session_id must match {SESSION_ID_PATTERN}")
+        return value
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1, max_length=p.MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=p.MAX_TOKENS)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=p.MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    store: bool | None = None
+    metadata: Any = None
+    service_tier: str | None = None
+
+    def model_post_init(self, context: Any) -> None:
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        _unused("tool_choice", self.tool_choice, ("none",))
+        for name in ("parallel_tool_calls", "functions", "function_call", "audio", "prediction", "reasoning_effort",
+                     "web_search_options", "metadata"):
+            _unused(name, getattr(self, name))
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format is not supported by this server: only {\"type\": \"text\"}")
+        if self.modalities not in (None, ["text"]):
+            raise ValueError("modalities: only [\"text\"] is supported")
+        _unused("store", self.store, (False,))
+        _unused("service_tier", self.service_tier, ("auto", "default"))
+
+    def turns(self) -> tuple[tuple[str, str], ...]:
+        return tuple(m.turn() for m in self.messages)
+
+    def token_limit(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise bad_request("max_tokens and max_completion_tokens differ: give one", "max_completion_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=p.MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def model_post_init(self, context: Any) -> None:
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        _unused("suffix", self.suffix)
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported by this server (only equal to n)")
+
+    def prompt_value(self) -> str | tuple[int, ...]:
+        """The one prompt: text or token ids (a batch of several prompts is refused)."""
+        prompt = self.prompt
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt")
+        if isinstance(prompt, str):
+            value: str | tuple[int, ...] = prompt
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            value = tuple(prompt)  # type: ignore[arg-type]
+        elif len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            one = prompt[0]
+            value = one if isinstance(one, str) else tuple(one)
+        else:
+            raise bad_request("a batch of several prompts is not supported: send one prompt a request", "prompt")
+        if not value:
+            raise bad_request("prompt is empty", "prompt")
+        if isinstance(value, tuple) and not all(0 <= t <= 2**31 - 1 for t in value):
+            raise bad_request("prompt token ids must be non-negative integers", "prompt")
+        return value
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What both endpoints turn into the protocol's sampling parameters (max_tokens None: the session's room)."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int | None
+
+    def params(self, max_context: int, index: int = 0) -> p.Sampling:
+        """Choice `index` of n: its own seed (seed + index), so that n seeded choices differ."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        try:
+            return p.Sampling(max_tokens=self.max_tokens or max_context, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+        except p.ProtocolError as e:
+            raise bad_request(e.message) from e
+
+
+def sampling(request: ChatRequest | CompletionRequest) -> Sampling:
+    if isinstance(request, ChatRequest):
+        limit, logprobs = request.token_limit(), request.logprob_count()
+    else:
+        limit, logprobs = request.max_tokens, request.logprobs
+    request.check_stream_options()
+    return Sampling(limit, 1.0 if request.temperature is None else request.temperature,
+                    1.0 if request.top_p is None else request.top_p, request.top_k or 0, request.seed, request.stops(),
+                    tuple(request.stop_token_ids or ()), request.ignore_eos, logprobs)
+
+
+def parse(kind: type[ChatRequest] | type[CompletionRequest], body: Any) -> Any:
+    """The validated request, or ApiError 400 naming the first bad field (OpenAI's wording for unknown ones)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return kind.model_validate(body)
+    except ValidationError as e:
+        raise _first_error(e) from None
+    except ValueError as e:  # model_post_init's refusals
+        raise bad_request(str(e)) from None
+
+
+def _first_error(e: ValidationError) -> ApiError:
+    error = e.errors(include_url=False)[0]
+    loc = ".".join(str(x) for x in error["loc"] if not str(x).startswith("function-"))
+    if error["type"] == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {loc}", loc)
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return bad_request(f"{loc}: {message}" if loc else message, loc or None)

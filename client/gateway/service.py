@@ -1,0 +1,507 @@
+"""A request's turn on the broker: find or open its session, append only what the session lacks, generate.
+
+One AsyncClient for the whole gateway (one asyncio client of the broker). A turn is one GENERATE that appends the
+new part of the conversation (chat messages rendered by the worker, text or token ids) and generates, streamed or
+not. n > 1 choices are forks of the prompt's session: a prefill-only GENERATE (max_tokens 0) computes the prompt
+once, then n - 1 forks and the session itself each generate one choice, each computing one token of the prompt.
+
+Token accounting (usage): a session's tokens after a turn are the prompt's (`session_length` before + `appended`),
+the generated ones, and the stop token when one ended it. The last token of a generation stays uncomputed until
+the next turn (worker.engine), so a resumed session had `length - 1` tokens computed: `cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from broker.common.protocol import TokenLogprob
+from client.aio import AsyncClient, AsyncSession, AsyncStream
+from client.errors import CapacityExhausted, ClientError, SessionExpired, SessionLost, SessionNotFound
+from client.gateway import schema
+from client.gateway.errors import from_client_error, session_busy
+from client.gateway.metrics import GatewayMetrics
+from client.gateway.models import Models
+from client.gateway.sessions import EMPTY, Entry, Kind, SessionStore, Turn, chain
+from client.results import Chunk, Generation
+
+log = structlog.get_logger()
+
+MAX_EVICTIONS = 8  # idle sessions closed to make room for one new session before answering 429
+GONE = (SessionLost, SessionNotFound, SessionExpired)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a request asks, whichever endpoint: its whole conversation and how to answer it."""
+
+    owner: str
+    model: str
+    kind: Kind
+    history: tuple[Turn, ...] | str | tuple[int, ...]  # the whole conversation (chat) or prompt (completions)
+    sampling: schema.Sampling
+    n: int = 1
+    name: str | None = None  # session_id
+    stream: bool = False
+    digests: tuple[bytes, ...] = ()  # chat: chain(history)
+
+
+@dataclass
+class Answer:
+    """One choice, finished."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Streamed: choice `index` moved (chunk), or ended (chunk.finish_reason set)."""
+
+    index: int
+    chunk: Chunk
+
+
+class Live:
+    """A turn in progress: its sessions, what they held before, and (streamed) the choices' streams."""
+
+    def __init__(self, service: Service, ask: Ask, entries: list[Entry], before: int, resumed: bool,
+                 appended: int | None, started: float, pending: NewPart = None) -> None:
+        self.service = service
+        self.pending = pending  # what choice 0's GENERATE appends first (n == 1; n > 1: the prefill did)
+        self.ask = ask
+        self.entries = entries
+        self.before = before  # the session's tokens before the turn
+        self.resumed = resumed
+        self.appended = appended  # the prompt tokens appended (known once a generation or the prefill answered)
+        self.started = started
+        self.results: list[Generation | None] = [None] * len(entries)
+        self.first_token_at: float | None = None
+        self.settled = False
+
+    @property
+    def cached(self) -> int:
+        return max(0, self.before - 1) if self.resumed else 0
+
+    def usage(self) -> Usage:
+        completion = sum(len(r.token_ids) for r in self.results if r is not None)
+        return Usage(self.before + (self.appended or 0), completion, self.cached)
+
+    def answers(self) -> list[Answer]:
+        return [Answer(i, list(r.token_ids), r.text, _finish(r.finish_reason), list(r.logprobs))
+                for i, r in enumerate(self.results) if r is not None]
+
+    def finish(self) -> None:
+        """Every choice answered: keep the sessions whose tokens match their new history, close the others."""
+        if self.settled:
+            return
+        self.settled = True
+        service, ask = self.service, self.ask
+        usage = self.usage()
+        for entry, result in zip(self.entries, self.results, strict=True):
+            if result is None:
+                service.discard(entry, "ended")
+                continue
+            stop_token = result.session_length - usage.prompt_tokens - len(result.token_ids)
+            cut = result.finish_reason == "cancelled" or (result.finish_reason == "stop" and stop_token == 0)
+            if ask.kind != "chat" and stop_token:
+                cut = True  # the text the client holds has no stop token: it no longer starts with the session's
+            if cut:
+                service.discard(entry, "ended")
+                continue
+            entry.length = result.session_length
+            entry.model = ask.model
+            if ask.kind == "chat":
+                assert isinstance(ask.history, tuple)
+                turn = ("assistant", result.text)
+                entry.history = (*ask.history, turn)
+                entry.digest = chain([turn], ask.digests[-1] if ask.digests else EMPTY)[-1]
+            elif ask.kind == "text":
+                assert isinstance(ask.history, str)
+                entry.history = ask.history + result.text
+            else:
+                assert isinstance(ask.history, tuple)
+                entry.history = (*ask.history, *result.token_ids)
+            service.keep(entry)
+        m = service.metrics
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        m.cached_tokens.inc(usage.cached_tokens)
+        m.generation_tokens.inc(usage.completion_tokens)
+
+    def fail(self) -> None:
+        """The turn did not finish: its sessions hold something the client never saw. Close them."""
+        if not self.settled:
+            self.settled = True
+            for entry in self.entries:
+                self.service.discard(entry, "ended")
+
+    def first_token(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+            self.service.metrics.ttft.observe(self.first_token_at - self.started)
+
+
+class Service:
+    def __init__(self, client: AsyncClient, store: SessionStore, models: Models, metrics: GatewayMetrics) -> None:
+        self.client = client
+        self.store = store
+        self.models = models
+        self.metrics = metrics
+        self._closing: set[asyncio.Task[None]] = set()
+
+    # -- a turn ------------------------------------------------------------------------------------------
+
+    async def complete(self, ask: Ask) -> Live:
+        """The whole turn, not streamed."""
+        live = await self._start(ask)
+        try:
+            if len(live.entries) == 1 and live.results[0] is not None:
+                pass  # answered by the turn's own GENERATE
+            else:
+                gens = await asyncio.gather(*(self._generate(live, i) for i in range(len(live.entries))))
+                live.results = list(gens)
+        except ClientError as e:
+            live.fail()
+            raise from_client_error(e) from e
+        except BaseException:
+            live.fail()
+            raise
+        if live.results:
+            live.first_token()
+        live.finish()
+        return live
+
+    async def stream(self, ask: Ask, replay: bool = True) -> tuple[Live, AsyncGenerator[Delta, None]]:
+        """The turn streamed: every choice's first chunk is awaited here (so that errors come before the answer's
+        status is sent), then the iterator yields each choice's chunks as they come. A resumed session found gone
+        (expired, its worker lost) is replaced once, as for a turn not streamed."""
+        live = await self._start(ask)
+        streams: list[AsyncStream] = []
+        try:
+            for i in range(len(live.entries)):
+                streams.append(await self._open_stream(live, i))
+            firsts = [await s.__anext__() for s in streams]
+        except GONE as e:
+            for s in streams:
+                s.close()
+            live.fail()
+            if replay and live.resumed:
+                log.info("session_gone_replayed", code=e.code)
+                return await self.stream(ask, replay=False)
+            raise from_client_error(e) from e
+        except ClientError as e:
+            for s in streams:
+                s.close()
+            live.fail()
+            raise from_client_error(e) from e
+        except BaseException:
+            for s in streams:
+                s.close()
+            live.fail()
+            raise
+        live.first_token()
+        return live, self._deltas(live, streams, firsts)
+
+    async def _deltas(self, live: Live, streams: list[AsyncStream], firsts: list[Chunk]) -> AsyncGenerator[Delta, None]:
+        try:
+            if len(streams) == 1:
+                async for delta in self._one(live, 0, streams[0], firsts[0]):
+                    yield delta
+            else:
+                async for delta in self._merged(live, streams, firsts):
+                    yield delta
+        except BaseException:
+            for s in streams:
+                s.close()
+            live.fail()
+            raise
+        live.finish()
+
+    async def _one(self, live: Live, index: int, stream: AsyncStream, first: Chunk) -> AsyncIterator[Delta]:
+        chunk = first
+        while True:
+            # Chunks that arrived while the last was being sent go out as one: under load, fewer events to format,
+            # write and parse, and nothing waits longer for it.
+            while chunk.finish_reason is None and stream.ready:
+                more = await stream.__anext__()
+                chunk = Chunk(chunk.token_ids + more.token_ids, chunk.text + more.text, more.finish_reason,
+                              chunk.logprobs + more.logprobs)
+            yield Delta(index, chunk)
+            if chunk.finish_reason is not None:
+                live.results[index] = stream.result
+                if live.appended is None and stream.result is not None:
+                    live.appended = stream.result.appended
+                return
+            chunk = await stream.__anext__()
+
+    async def _merged(self, live: Live, streams: list[AsyncStream], firsts: list[Chunk]) -> AsyncIterator[Delta]:
+        queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for delta in self._one(live, i, streams[i], firsts[i]):
+                    queue.put_nowait(delta)
+                queue.put_nowait(None)
+            except BaseException as e:  # handed to the reader, which raises it
+                queue.put_nowait(e)
+
+        tasks = [asyncio.get_running_loop().create_task(pump(i)) for i in range(len(streams))]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- starting a turn -----------------------------------------------------------------------------------
+
+    async def _start(self, ask: Ask) -> Live:
+        """The turn's session found or opened, and (n > 1) its prompt computed and forked; n == 1 not streamed: the
+        turn's GENERATE answered too."""
+        await self.models.check(ask.model)
+        started = time.perf_counter()
+        entry, resumed = await self._session_for(ask)
+        try:
+            return await self._begin(ask, entry, resumed, started)
+        except GONE as e:
+            if not resumed:
+                self.discard(entry, "gone")
+                raise from_client_error(e) from e
+            # The session expired or its worker is gone: the request holds the whole conversation, so start over.
+            log.info("session_gone_replayed", session=entry.session.id, code=e.code)
+            self.discard(entry, "gone")
+            fresh = await self._new_entry(ask)
+            try:
+                return await self._begin(ask, fresh, False, started)
+            except ClientError as e2:
+                self.discard(fresh, "ended")
+                raise from_client_error(e2) from e2
+        except ClientError as e:
+            self.discard(entry, "ended")
+            raise from_client_error(e) from e
+        except BaseException:
+            self.discard(entry, "ended")
+            raise
+
+    async def _begin(self, ask: Ask, entry: Entry, resumed: bool, started: float) -> Live:
+        before = entry.length if resumed else 0
+        new_part = self._new_part(ask, entry, resumed)
+        if ask.n == 1:
+            live = Live(self, ask, [entry], before, resumed, None, started, new_part)
+            if not ask.stream:
+                result = await self._generate(live, 0)
+                live.results[0] = result
+            return live
+        prefill = await self._generate_on(entry.session, ask.sampling, entry.max_context, 0, new_part, max_tokens=0)
+        children: list[Entry] = []
+        try:
+            for _ in range(ask.n - 1):
+                child = await self._fork(entry)
+                children.append(Entry(child, ask.owner, ask.model, ask.kind, entry.max_context))
+        except BaseException:
+            for c in children:
+                self.discard(c, "ended")
+            raise
+        for c in children:
+            self.store.take(c)
+        return Live(self, ask, [entry, *children], before, resumed, prefill.appended, started)
+
+    async def _generate(self, live: Live, index: int) -> Generation:
+        entry = live.entries[index]
+        new_part = live.pending if index == 0 else None
+        result = await self._generate_on(entry.session, live.ask.sampling, entry.max_context, index, new_part)
+        if index == 0 and live.appended is None:
+            live.appended = result.appended
+        return result
+
+    async def _open_stream(self, live: Live, index: int) -> AsyncStream:
+        entry = live.entries[index]
+        new_part = live.pending if index == 0 else None
+        params = live.ask.sampling.params(entry.max_context, index)
+        return await entry.session.generate(
+            stream=True, **_call_args(params, new_part))
+
+    async def _generate_on(self, session: AsyncSession, sampling: schema.Sampling, max_context: int, index: int,
+                           new_part: NewPart, max_tokens: int | None = None) -> Generation:
+        params = sampling.params(max_context, index)
+        if max_tokens is not None:
+            params = _with_max_tokens(params, max_tokens)
+        return await session.generate(stream=False, **_call_args(params, new_part))
+
+    def _new_part(self, ask: Ask, entry: Entry, resumed: bool) -> NewPart:
+        held = entry.history if resumed else _empty(ask.kind)
+        if ask.kind == "chat":
+            assert isinstance(ask.history, tuple)
+            return ("messages", [{"role": r, "content": c} for r, c in ask.history[len(held):]])  # type: ignore[misc]
+        if ask.kind == "text":
+            assert isinstance(ask.history, str)
+            return ("prompt", ask.history[len(held):])
+        assert isinstance(ask.history, tuple)
+        return ("prompt_ids", list(ask.history[len(held):]))
+
+    # -- sessions ------------------------------------------------------------------------------------------
+
+    async def _session_for(self, ask: Ask) -> tuple[Entry, bool]:
+        """(the session to use, taken; whether it is resumed)."""
+        store = self.store
+        if ask.name is not None:
+            entry = store.named(ask.owner, ask.name)
+            if entry is not None:
+                if entry.busy:
+                    raise session_busy(ask.name)
+                if entry.model == ask.model and entry.kind == ask.kind and entry.extended_by(ask.history, ask.digests):
+                    store.take(entry)
+                    self.metrics.opened.labels("session_id").inc()
+                    return entry, True
+                store.forget_named(ask.owner, ask.name)
+                self._close(entry, "replaced")
+        else:
+            found = (store.find_chat(ask.owner, ask.model, ask.history, ask.digests)  # type: ignore[arg-type]
+                     if ask.kind == "chat" else store.find_completion(ask.owner, ask.model, ask.history))  # type: ignore[arg-type]
+            if found is not None:
+                store.take(found)
+                self.metrics.opened.labels("prefix").inc()
+                return found, True
+        return await self._new_entry(ask), False
+
+    async def _new_entry(self, ask: Ask) -> Entry:
+        session = await self._open(ask.model)
+        entry = Entry(session, ask.owner, ask.model, ask.kind, session.max_context, name=ask.name)
+        self.store.take(entry)
+        self.metrics.opened.labels("new").inc()
+        return entry
+
+    async def _open(self, model: str) -> AsyncSession:
+        """A new session; when no slot is free, close our least recently used idle session of the model and retry."""
+        for _ in range(MAX_EVICTIONS):
+            try:
+                return await self.client.session(model)
+            except CapacityExhausted as e:
+                victim = self.store.evict(model)
+                if victim is None:
+                    raise from_client_error(e) from e
+                self._close(victim, "evicted")
+            except ClientError as e:
+                raise from_client_error(e) from e
+        try:
+            return await self.client.session(model)
+        except ClientError as e:
+            raise from_client_error(e) from e
+
+    async def _fork(self, entry: Entry) -> AsyncSession:
+        for _ in range(MAX_EVICTIONS):
+            try:
+                return await entry.session.fork()
+            except CapacityExhausted:
+                victim = self.store.evict(entry.model)
+                if victim is None:
+                    raise
+                self._close(victim, "evicted")
+        return await entry.session.fork()
+
+    def keep(self, entry: Entry) -> None:
+        for old in self.store.put(entry):
+            self._close(old, "evicted" if old.name is None or old.name != entry.name else "replaced")
+
+    def discard(self, entry: Entry, why: str) -> None:
+        self.store.release(entry)
+        self._close(entry, why)
+
+    def _close(self, entry: Entry, why: str) -> None:
+        self.metrics.closed.labels(why).inc()
+        if self.client._transport.closed:
+            return
+        task = entry.session.close_soon()
+        self._closing.add(task)
+        task.add_done_callback(self._closed)
+
+    def _closed(self, task: asyncio.Task[None]) -> None:
+        self._closing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("session_close_failed", error=str(task.exception()))
+
+    async def close_named(self, owner: str, name: str) -> bool:
+        entry = self.store.named(owner, name)
+        if entry is None:
+            return False
+        if entry.busy:
+            raise session_busy(name)
+        self.store.forget_named(owner, name)
+        self._close(entry, "ended")
+        return True
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Close every idle session and wait (a while) for the answers."""
+        for entry in list(self.store.drain()):
+            self._close(entry, "ended")
+        if self._closing:
+            await asyncio.wait(list(self._closing), timeout=timeout)
+
+
+NewPart = tuple[str, Any] | None  # ("messages" | "prompt" | "prompt_ids", value) or None (nothing to append)
+
+
+def _empty(kind: Kind) -> tuple[Turn, ...] | str | tuple[int, ...]:
+    return "" if kind == "text" else ()
+
+
+def _call_args(params: Any, new_part: NewPart) -> dict[str, Any]:
+    args: dict[str, Any] = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+                            "top_k": params.top_k, "seed": params.seed, "stop": list(params.stop),
+                            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
+                            "logprobs": params.logprobs}
+    if new_part is not None:
+        key, value = new_part
+        if key != "messages" and not value:
+            return args
+        args[key] = value
+    return args
+
+
+def _with_max_tokens(params: Any, max_tokens: int) -> Any:
+    return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def _finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def chat_ask(request: schema.ChatRequest, owner: str, name: str | None) -> Ask:
+    turns = request.turns()
+    return Ask(owner, request.model, "chat", turns, schema.sampling(request), request.n, name, request.stream,
+               tuple(chain(turns)))
+
+
+def completion_ask(request: schema.CompletionRequest, owner: str, name: str | None) -> Ask:
+    prompt = request.prompt_value()
+    kind: Kind = "text" if isinstance(prompt, str) else "ids"
+    return Ask(owner, request.model, kind, prompt, schema.sampling(request), request.n, name, request.stream)
+

@@ -1,0 +1,186 @@
+"""The gateway's live sessions: which conversation each holds, found by name or by prefix.
+
+A session's `history` is exactly what its tokens are made of: for chat, its messages (the worker renders them turn
+by turn, and the assistant turns are the tokens it generated); for completions, its prompt and completions as text,
+or as token ids. A request resumes a session when its own history starts with the session's: then the session's
+tokens are a prefix of the request's, and only the rest is sent and computed.
+
+- Named sessions (`session_id`, per API key) are found by name. A request whose history does not continue the
+  named session's (the client edited or cut the conversation) gets a new session under that name.
+- Other sessions are found by prefix: chat histories by a chain of digests over their messages (the longest
+  prefix of the request that ends with an assistant message and belongs to an idle session of the same key and
+  model), completions by comparing the prompt's start with each idle session's text or ids.
+- A session serves one request at a time: it is taken out of the indexes while it works, and put back with its
+  new history (or closed, when the answer ended in a way its tokens no longer match: cut at a stop string, or
+  cancelled).
+- Idle sessions are kept in least-recently-used order: when a new session finds no free slot, the least recently
+  used idle session of the same model is closed and the create tried again; `max_idle` caps them too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from client.aio import AsyncSession
+
+Turn = tuple[str, str]  # (role, content)
+Kind = Literal["chat", "text", "ids"]
+EMPTY = b""
+
+
+def chain(turns: Sequence[Turn], start: bytes = EMPTY) -> list[bytes]:
+    """The digest of every prefix of `turns`: out[i] covers turns[:i + 1], each from the one before."""
+    out = []
+    digest = start
+    for role, content in turns:
+        h = hashlib.blake2b(digest, digest_size=16)
+        h.update(role.encode())
+        h.update(b"\x00")
+        h.update(content.encode("utf-8", "surrogatepass"))
+        digest = h.digest()
+        out.append(digest)
+    return out
+
+
+@dataclass(eq=False)
+class Entry:
+    """One live session and the conversation it holds."""
+
+    session: AsyncSession
+    owner: str
+    model: str
+    kind: Kind
+    max_context: int
+    history: tuple[Turn, ...] | str | tuple[int, ...] = ()
+    digest: bytes = EMPTY  # chat: chain(history)[-1]
+    length: int = 0  # the session's tokens
+    name: str | None = None
+    busy: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+    def extended_by(self, history: tuple[Turn, ...] | str | tuple[int, ...], digests: Sequence[bytes] = ()) -> bool:
+        """Whether `history` starts with this session's (for chat, `digests` = chain(history))."""
+        if self.kind == "chat":
+            n = len(self.history)
+            return n == 0 or (len(digests) >= n and digests[n - 1] == self.digest)
+        assert isinstance(history, (str, tuple)) and isinstance(self.history, (str, tuple))
+        return type(history) is type(self.history) and len(history) > len(self.history) and history[: len(self.history)] == self.history
+
+
+class SessionStore:
+    def __init__(self, max_idle: int = 0) -> None:
+        self.max_idle = max_idle  # 0: no cap but the slots
+        self._named: dict[tuple[str, str], Entry] = {}
+        self._chat: dict[tuple[str, str, bytes], list[Entry]] = {}
+        self._text: dict[tuple[str, str], list[Entry]] = {}
+        self._idle: OrderedDict[Entry, None] = OrderedDict()
+        self.busy = 0
+
+    def __len__(self) -> int:
+        return len(self._idle) + self.busy
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    def named(self, owner: str, name: str) -> Entry | None:
+        return self._named.get((owner, name))
+
+    def find_chat(self, owner: str, model: str, turns: Sequence[Turn], digests: Sequence[bytes]) -> Entry | None:
+        """The idle anonymous session whose conversation is the longest prefix of `turns` ending with an answer."""
+        for i in range(len(turns), 0, -1):
+            if turns[i - 1][0] != "assistant":
+                continue
+            for entry in self._chat.get((owner, model, digests[i - 1]), ()):
+                if not entry.busy:
+                    return entry
+        return None
+
+    def find_completion(self, owner: str, model: str, prompt: str | tuple[int, ...]) -> Entry | None:
+        """The idle anonymous completion session whose text (or ids) the prompt extends the most."""
+        best: Entry | None = None
+        for entry in self._text.get((owner, model), ()):
+            if not entry.busy and entry.extended_by(prompt) and (best is None or len(entry.history) > len(best.history)):
+                best = entry
+        return best
+
+    def take(self, entry: Entry) -> None:
+        """The entry serves a request now: out of the indexes until put back (a named one stays under its name, busy)."""
+        self._unindex(entry, keep_name=True)
+        entry.busy = True
+        self.busy += 1
+
+    def put(self, entry: Entry) -> list[Entry]:
+        """A request is done with the entry: indexed with its history, idle. Returns the entries to close (over the
+        idle cap, or one its name now replaces)."""
+        if entry.busy:
+            entry.busy = False
+            self.busy -= 1
+        entry.last_used = time.monotonic()
+        closing: list[Entry] = []
+        if entry.name is not None:
+            old = self._named.get((entry.owner, entry.name))
+            if old is not None and old is not entry:
+                self._unindex(old)
+                if not old.busy:
+                    closing.append(old)
+            self._named[(entry.owner, entry.name)] = entry
+        elif entry.kind == "chat":
+            self._chat.setdefault((entry.owner, entry.model, entry.digest), []).append(entry)
+        else:
+            self._text.setdefault((entry.owner, entry.model), []).append(entry)
+        self._idle[entry] = None
+        while self.max_idle and len(self._idle) > self.max_idle:
+            oldest = next(iter(self._idle))
+            self._unindex(oldest)
+            closing.append(oldest)
+        return closing
+
+    def release(self, entry: Entry) -> None:
+        """The entry's request failed or its session is to be closed: forget it (the caller closes the session)."""
+        if entry.busy:
+            entry.busy = False
+            self.busy -= 1
+        self._unindex(entry)
+
+    def evict(self, model: str) -> Entry | None:
+        """The least recently used idle session of `model`, forgotten (for the caller to close), or None."""
+        for entry in self._idle:
+            if entry.model == model:
+                self._unindex(entry)
+                return entry
+        return None
+
+    def forget_named(self, owner: str, name: str) -> Entry | None:
+        entry = self._named.get((owner, name))
+        if entry is not None:
+            self._unindex(entry)
+        return entry
+
+    def drain(self) -> Iterator[Entry]:
+        """Every idle entry, forgotten (shutdown)."""
+        while self._idle:
+            entry = next(iter(self._idle))
+            self._unindex(entry)
+            yield entry
+
+    def _unindex(self, entry: Entry, keep_name: bool = False) -> None:
+        self._idle.pop(entry, None)
+        if entry.name is not None:
+            if not keep_name and self._named.get((entry.owner, entry.name)) is entry:
+                del self._named[(entry.owner, entry.name)]
+            return
+        key_entries = (self._chat.get((entry.owner, entry.model, entry.digest)) if entry.kind == "chat"
+                       else self._text.get((entry.owner, entry.model)))
+        if key_entries and entry in key_entries:
+            key_entries.remove(entry)
+            if not key_entries:
+                if entry.kind == "chat":
+                    del self._chat[(entry.owner, entry.model, entry.digest)]
+                else:
+                    del self._text[(entry.owner, entry.model)]

@@ -1,0 +1,53 @@
+"""`loadtest --http`: the load test's users through the gateway, their conversations resumed turn after turn, and
+`--compare` against the native client in the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client.bench.loadtest import LoadConfig, run
+from client.bench.loadtest.cli import main
+
+from .conftest import Gateways, http_get
+
+
+def opened(url: str) -> dict[str, float]:
+    _, text = http_get(url + "/metrics")
+    return {s.labels["how"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "sessionserve:gateway_sessions_opened_total"}
+
+
+def test_http_users_resume_their_sessions_every_turn(gateways: Gateways) -> None:
+    url = gateways.start(extra=["--max-idle-sessions", "2"])
+    for kind in ("tokens", "text"):
+        before = opened(url)
+        report = run(LoadConfig(broker=None, http=url, sessions=2, prompt_tokens=8, max_tokens=4, turns=3,
+                                ignore_eos=True, prompt_kind=kind, timeout=60))
+        assert (report.completed, report.failed, report.mode) == (6, 0, "http")
+        assert report.total_output_tokens == 24 and report.ttft.count == 6
+        after = opened(url)
+        assert after.get("new", 0) - before.get("new", 0) == 2  # one session per conversation ...
+        assert after.get("session_id", 0) - before.get("session_id", 0) == 4  # ... resumed on each later turn
+
+
+def test_http_refuses_what_the_openai_api_cannot_do() -> None:
+    with pytest.raises(ValueError, match="no fork"):
+        LoadConfig(http="http://127.0.0.1:1", fork_every=2).validate()
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        LoadConfig(http="tcp://127.0.0.1:1").validate()
+
+
+def test_compare_runs_native_then_http_and_reports_both(gateways: Gateways, tmp_path: Path) -> None:
+    url = gateways.start(extra=["--max-idle-sessions", "2"])
+    out = tmp_path / "compare.json"
+    code = main(["--http", url, "--broker", gateways.stack.clients, "--compare", "--sessions", "2", "--prompt-tokens",
+                 "8", "--max-tokens", "3", "--turns", "2", "--ignore-eos", "--no-progress", "--json", str(out)])
+    assert code == 0
+    figures = json.loads(out.read_text())
+    assert figures["native"]["completed"] == figures["http"]["completed"] == 4
+    assert figures["native"]["mode"] == "full-stack" and figures["http"]["mode"] == "http"
+    assert figures["comparison"]["output_throughput_ratio"] > 0 and figures["comparison"]["ttft_p50_added_ms"] is not None
