@@ -149,6 +149,12 @@ class Llama:
         shape = (c.n_layers, c.n_kv_heads, self.max_context, c.head_dim)
         return StateSpec((BufferSpec("k", shape, self.dtype, seq_axis=2), BufferSpec("v", shape, self.dtype, seq_axis=2)))
 
+    @property
+    def takes_row_products(self) -> bool:
+        """Decode steps may run the products in worker.kernels.matmul's row-invariant kernels: with the fused layer
+        stack, its norms folded into the products (see Layer)."""
+        return self.kernels.fused_layers is not None and self.norms_folded
+
     def weight_bytes(self) -> int:
         """Bytes of every weight (not the RoPE tables)."""
         tensors = [self.lm_head.weight, self.norm] + [t for layer in self.layers for t in layer.tensors()]

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from cuda_state import BufferSpec, StateSpec
 from worker.model import delta_rule
-from worker.model.batch import NO_KERNELS, Batch, Kernels, Run
+from worker.model.batch import NO_KERNELS, Batch, HybridKernels, Kernels, Run
 from worker.model.config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttention, ModelConfig, ModelLoadError
 from worker.model.draw import Draw
 from worker.model.hf_config import read_common, refuse, refuse_unknown, rope_params
@@ -277,6 +277,11 @@ class Qwen3_5(Llama):
             tensors.append(self.embed.weight)
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def takes_row_products(self) -> bool:
+        """Decode steps may run the products in the row-invariant kernels (its own norms stay apart)."""
+        return self.kernels.hybrid is not None
+
     @torch.inference_mode()
     def forward(
         self,
@@ -287,12 +292,22 @@ class Qwen3_5(Llama):
         batch: Batch | None = None,
         logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (R, vocab) in float32 for the rows in `logits_at` (all rows: None)."""
-        if batch is None or (not batch.runs and len(token_ids)):
-            batch = self.plan(slots.tolist(), positions.tolist())
+        """Logits (R, vocab) in float32 for the rows in `logits_at` (all rows: None).
+
+        In plain torch (the CPU) the DeltaNet layers go run by run (batch.runs, planned here when not given). With the
+        GPU kernels (kernels.hybrid) nothing is read back to the host, so a step can be captured in a CUDA graph: a
+        batch with prompt tiles (batch.tiles) is a prefill step whose runs the kernels find in them, any other has one
+        token per row (a decode step)."""
+        if batch is None:
+            batch = self.plan(slots.tolist(), positions.tolist(), lengths_on_device=self.device.type == "cuda")
         c = self.config
         h = self.embed.rows(token_ids)
         cos, sin = self.cos[positions], self.sin[positions]
+        hybrid = self.kernels.hybrid
+        if hybrid is not None:
+            return self._kernel_forward(hybrid, h, cos, sin, positions, slots, state, batch, logits_at)
+        if not batch.runs and len(token_ids):
+            raise ValueError("the torch path needs the batch's runs")
         runs = _Runs(batch.runs, h.device)
         for block in self.blocks:
             x = offset_rms_norm(h, block.input_norm, c.norm_eps)
@@ -306,6 +321,79 @@ class Qwen3_5(Llama):
         if logits_at is not None:
             h = h[logits_at]
         return self.lm_head(offset_rms_norm(h, self.norm, c.norm_eps)).float()
+
+    def _kernel_forward(self, k: HybridKernels, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor, slots: torch.Tensor, state: dict[str, torch.Tensor], batch: Batch,
+                        logits_at: torch.Tensor | None) -> torch.Tensor:
+        """The forward in the GPU kernels: the same steps and roundings as the torch path, the norms and the DeltaNet
+        in Triton, the products in worker.kernels.matmul's row-invariant kernels for decode steps (batch.row_products,
+        the residual adds and the MLP's silu fused into them) and cuBLAS for prefill steps."""
+        c = self.config
+        eps = c.norm_eps
+        rowwise = batch.row_products
+
+        def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return k.row_matmul(x, weight) if rowwise else F.linear(x, weight)
+
+        def add_product(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # h + x @ weight.T
+            return k.row_matmul(x, weight, residual=h) if rowwise else h + F.linear(x, weight)
+
+        for block in self.blocks:
+            x = k.offset_rms_norm(h, block.input_norm, eps)
+            if isinstance(block.mixer, Attention):
+                layer = block.mixer
+                act = self._attend_kernels(k, layer, product(x, layer.wqkv.fused.weight), cos, sin, positions, slots,
+                                           state, batch)
+                h = add_product(h, act, layer.wo.weight)
+            else:
+                h = add_product(h, self._delta_kernels(k, block.mixer, product(x, block.mixer.w_in.fused.weight),
+                                                       positions, slots, state, batch), block.mixer.w_out.weight)
+            x = k.offset_rms_norm(h, block.post_norm, eps)
+            if rowwise:
+                act = k.row_matmul(x, block.w_gate_up.fused.weight, silu=True)
+            else:
+                gate, up = F.linear(x, block.w_gate_up.fused.weight).split(block.w_gate_up.sizes, dim=-1)
+                act = F.silu(gate) * up
+            h = add_product(h, act, block.w_down.weight)
+        if logits_at is not None:
+            h = h[logits_at]
+        return product(k.offset_rms_norm(h, self.norm, eps), self.lm_head.weight).float()
+
+    def _attend_kernels(self, k: HybridKernels, layer: Attention, qkv: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, state: dict[str, torch.Tensor],
+                        batch: Batch) -> torch.Tensor:
+        """_attend's steps from the q|k|v product, the norms in the kernel: the gated attention (rows, H * hd)."""
+        c = self.config
+        rows, hd, heads, kv_heads = qkv.shape[0], c.head_dim, c.n_heads, c.n_kv_heads
+        qg, key, value = qkv.split(layer.wqkv.sizes, dim=-1)
+        pairs = qg.reshape(rows * heads, 2 * hd)  # each head's query, then its gate
+        q = k.offset_rms_norm(pairs[:, :hd], layer.q_norm, c.norm_eps).view(rows, heads, hd)
+        key = k.offset_rms_norm(key.reshape(rows * kv_heads, hd), layer.k_norm, c.norm_eps).view(rows, kv_heads, hd)
+        q, key = partial_rope(q, cos, sin), partial_rope(key, cos, sin)
+        k_cache, v_cache = state["k"][:, layer.index], state["v"][:, layer.index]
+        k_cache[slots, :, positions] = key
+        v_cache[slots, :, positions] = value.reshape(rows, kv_heads, hd)
+        attn = self.attention(q, k_cache, v_cache, slots, batch)
+        return attn.reshape(rows, heads * hd) * torch.sigmoid(pairs[:, hd:].reshape(rows, heads * hd))
+
+    def _delta_kernels(self, k: HybridKernels, layer: DeltaNet, proj: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor, state: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
+        """_delta's steps from the q|k|v|z|b|a product in the kernels: the normed, gated output (rows, HV * dv)."""
+        c, lin = self.config, _linear(self.config)
+        rows, values = proj.shape[0], lin.value_heads * lin.value_dim
+        mixed, z, b, a = proj.split(layer.w_in.sizes, dim=-1)
+        conv_state, rec_state = state["conv"][:, layer.index], state["recurrent"][:, layer.index]
+        if batch.tiles is not None:  # a prefill step: runs of prompt tokens, in the tiles
+            qkv = k.conv_prefill(mixed, layer.conv, conv_state, slots, positions)
+            out = k.delta_prefill(qkv, a, b, layer.A_log, layer.dt_bias, rec_state, slots, positions, batch.tiles,
+                                  lin.key_heads, lin.key_dim)
+        else:  # one token per row
+            qkv = k.conv_decode(mixed, layer.conv, conv_state, slots, positions)
+            out = k.delta_decode(qkv, a, b, layer.A_log, layer.dt_bias, rec_state, slots, positions, lin.key_heads,
+                                 lin.key_dim)
+        normed = k.gated_rms_norm(out.view(rows * lin.value_heads, lin.value_dim),
+                                  z.reshape(rows * lin.value_heads, lin.value_dim), layer.gated_norm, c.norm_eps)
+        return normed.view(rows, values)
 
     def _attend(self, layer: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, state: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
