@@ -305,6 +305,9 @@ class Qwen3_5(Llama):
         cos, sin = self.cos[positions], self.sin[positions]
         hybrid = self.kernels.hybrid
         if hybrid is not None:
+            if batch.tiles is None and not batch.decode_only:  # prompt chunks planned here (an eager GPU step)
+                batch = dataclasses.replace(batch, tiles=run_tiles(batch.runs, h.device),
+                                            lengths=(positions + 1).to(torch.int32))
             return self._kernel_forward(hybrid, h, cos, sin, positions, slots, state, batch, logits_at)
         if not batch.runs and len(token_ids):
             raise ValueError("the torch path needs the batch's runs")
@@ -506,6 +509,14 @@ def state_spec(c: ModelConfig, max_context: int, dtype: torch.dtype) -> StateSpe
         buffers += [BufferSpec("conv", (linear, lin.conv_dim, lin.conv_kernel - 1), dtype),
                     BufferSpec("recurrent", (linear, lin.value_heads, lin.key_dim, lin.value_dim), torch.float32)]
     return StateSpec(tuple(buffers))
+
+
+def run_tiles(runs: list[Run], device: torch.device) -> torch.Tensor:
+    """(2, n) int64: the first row and row count of each block of delta_rule.CHUNK rows of each run, cut from its
+    first row (the GPU executor's prompt tiles, worker.kernels.tiles, for a batch planned from its runs)."""
+    firsts = [r.start + i for r in runs for i in range(0, r.n, delta_rule.CHUNK)]
+    counts = [min(delta_rule.CHUNK, r.n - i) for r in runs for i in range(0, r.n, delta_rule.CHUNK)]
+    return torch.tensor([firsts, counts], dtype=torch.long, device=device)
 
 
 def _linear(c: ModelConfig) -> LinearAttention:

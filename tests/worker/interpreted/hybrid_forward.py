@@ -2,7 +2,7 @@
 the attention kernels) against its torch forward, in fp32: steps shaped as the GPU executor shapes them (no runs: the
 prefill steps' runs come from the tiles, padding rows in the spare slot at position 0), a prefill step of two
 sessions' prompts, a decode step with row products and a session starting with one token, a prefill step continuing
-a session and another, and a last decode step. The logits of every step and, at the end, every session's K/V,
+a session and another, a decode step, and a mixed step planned by the model. The logits of every step and, at the end, every session's K/V,
 convolution and recurrent states agree (the weights sharpened: every state matters). Run by
 tests/worker/test_deltanet.py."""
 
@@ -18,13 +18,15 @@ from worker.model.loader import load_model
 from worker.model.qwen3_5 import UNIT_OFFSET_NORMS, Qwen3_5
 
 SESSIONS = 3  # slots 0..2; slot 3 is the spare
-# (prefill?, [(slot, first position, tokens)], padding rows)
-# (runs of several 64-token tiles are tests/worker/interpreted/deltanet_kernels.py's)
+# (kind, [(slot, first position, tokens)], padding rows): "prefill" and "decode" steps as the GPU executor shapes them,
+# "eager" a mixed step whose batch the model plans (an eager GPU step). (Runs of several 64-token tiles are
+# tests/worker/interpreted/deltanet_kernels.py's.)
 STEPS = [
-    (True, [(0, 0, 20), (2, 0, 5)], 3),
-    (False, [(2, 5, 1), (0, 20, 1), (1, 0, 1)], 1),
-    (True, [(0, 21, 6), (1, 1, 4)], 2),
-    (False, [(0, 27, 1), (1, 5, 1), (2, 6, 1)], 0),
+    ("prefill", [(0, 0, 20), (2, 0, 5)], 3),
+    ("decode", [(2, 5, 1), (0, 20, 1), (1, 0, 1)], 1),
+    ("prefill", [(0, 21, 6), (1, 1, 4)], 2),
+    ("decode", [(0, 27, 1), (1, 5, 1), (2, 6, 1)], 0),
+    ("eager", [(0, 28, 3), (1, 6, 1), (2, 7, 1)], 0),
 ]
 
 
@@ -47,7 +49,8 @@ def main() -> None:
     for table in tables:
         assert [table.create() for _ in range(SESSIONS)] == list(range(SESSIONS))
     spare = tables[0].spare_slot
-    for prefill, runs, padding in STEPS:
+    for kind, runs, padding in STEPS:
+        prefill = kind == "prefill"
         slots = [s for s, _, n in runs for _ in range(n)]
         positions = [p + i for _, p, n in runs for i in range(n)]
         ends = [sum(n for _, _, n in runs[: i + 1]) - 1 for i in range(len(runs))]
@@ -64,8 +67,8 @@ def main() -> None:
             tiles = torch.zeros(2, max_tiles(len(slots) + padding, len(runs)), dtype=torch.long)
             tiles[0, : len(firsts)] = torch.from_numpy(firsts)
             tiles[1, : len(firsts)] = torch.from_numpy(counts)
-        batch = Batch(runs=[], decode_only=True, lengths=lengths, attention_splits=1, tiles=tiles,
-                      row_products=not prefill)
+        batch = None if kind == "eager" else Batch(runs=[], decode_only=True, lengths=lengths, attention_splits=1,
+                                                   tiles=tiles, row_products=not prefill)
         got = fast.forward(tokens, padded_positions, padded_slots, tables[1].views(), batch=batch,
                            logits_at=torch.tensor(ends))
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
