@@ -91,7 +91,7 @@ class Engine:
         # Whether a token run twice into a session's state does no harm: K/V are written at its position, and a rerun
         # rewrites them. A state that is not laid out by position (a recurrent state, seq_axis None) is advanced by
         # every token run into it, so `computed` must always say what the launched steps leave there (see _retire).
-        self._rewritable = all(b.seq_axis is not None for b in table.spec.buffers)
+        self._rewritable = table.spec.positional
 
     # -- construction -------------------------------------------------------------------------
 
