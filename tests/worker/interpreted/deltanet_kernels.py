@@ -81,7 +81,11 @@ def check_delta(dtype: torch.dtype, tol: float) -> None:
         slots = [s for s, _, n in runs for _ in range(n)] + [SLOTS] * (0 if decode else PADDING)
         positions = [p + i for _, p, n in runs for i in range(n)] + [0] * (0 if decode else PADDING)
         rows = len(slots)
-        qkv = (torch.randn(rows, CHANNELS, generator=gen) * 0.5).to(dtype)
+        qkv = torch.randn(rows, CHANNELS, generator=gen) * 0.5
+        keys = KEY_HEADS * KEY_DIM
+        if not decode:  # keys alike (as a real model's can be): the blocks' triangular systems are ill-conditioned
+            qkv[:, keys : keys + KEY_DIM] += 4 * torch.randn(KEY_DIM, generator=gen)
+        qkv = qkv.to(dtype)
         ab = torch.randn(rows, 2, VALUE_HEADS, generator=gen).to(dtype)
         a, b = ab[:, 0], ab[:, 1]  # strided alike, as the product's split gives them
         out = torch.full((rows, VALUE_HEADS, VALUE_DIM), float("nan"), dtype=dtype)
@@ -101,7 +105,6 @@ def check_delta(dtype: torch.dtype, tol: float) -> None:
             got = delta_prefill(qkv, a, b, a_log, dt_bias, state, t_slots, t_positions, tiles, KEY_HEADS, KEY_DIM,
                                 out=out)
         assert got is out
-        keys = KEY_HEADS * KEY_DIM
         g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
         beta = b.float().sigmoid()
         row = 0
