@@ -38,7 +38,8 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 259  # the bytes-only tokenizer's ids
 NEW_TOKENS = 24
-PROMPT_LENGTHS = (5, 41, 100, 300)  # under one 64-token block, over it and not a multiple, over the 256-token chunk
+# under one 64-token block, over it and not a multiple, over the 256-token chunk; one token, one whole block
+PROMPT_LENGTHS = (5, 41, 100, 300, 1, 64)
 CHUNKS = (64, 256)  # the engines' prefill chunks (step_tokens): 300 tokens are 4 x 64 + 44, or 256 + 44
 TINY: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

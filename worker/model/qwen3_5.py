@@ -459,12 +459,13 @@ class Qwen3_5(Llama):
         kernel - 1) of the tokens before it; `start`: FRESH (a run from position 0: nothing before it, `held` unread),
         PROMPT (a prompt chunk after earlier tokens) or DECODE (one token). out (B, n, conv_dim), and what is held
         after it. Each case calls the convolution as transformers does (padded for prompts, not for one token, on
-        inputs of the same length: a zero column stands for the oldest input it keeps and never reads), so the sums
-        come out the same."""
+        inputs of the same length: zero columns stand for the inputs it pads with or keeps and never reads), so the
+        sums come out the same."""
         n, taps, weight = new.shape[-1], layer.conv.shape[-1], layer.conv
         x = new.to(weight.dtype)
-        if start == FRESH:
-            out = F.conv1d(x, weight, padding=taps - 1, groups=x.shape[1])[..., :n]
+        if start == FRESH:  # transformers pads a first chunk shorter than the kernel to its width first
+            padded = F.pad(x, (taps - n, 0)) if n < taps else x
+            out = F.conv1d(padded, weight, padding=taps - 1, groups=x.shape[1])[..., : padded.shape[-1]][..., -n:]
             window = torch.cat([torch.zeros_like(held), x], dim=-1)
         else:
             window = torch.cat([held.new_zeros((*held.shape[:2], 1)), held, x], dim=-1)
