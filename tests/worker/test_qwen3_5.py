@@ -5,7 +5,8 @@ A tiny `qwen3_5_text` config with both layer kinds (three DeltaNet layers, then 
 weights (the norms, dt_bias and A_log random too, so that each is shown to be read) is saved by transformers; the engine
 loads the folder on the CPU and must give exactly transformers' greedy tokens over 24 tokens for prompts shorter than
 the delta rule's 64-token blocks, longer and not a multiple of them, and longer than a prefill chunk: each prompt alone,
-all interleaved in one batch, and a session forked in the middle of its generation continuing exactly as its parent.
+all interleaved in one batch, a session forked in the middle of its generation continuing exactly as its parent, and
+a second turn continuing as transformers continues from its cache.
 The engines run with prefill chunks of 64 and of 256 tokens (the CPU's default), so the convolution and recurrent
 states are carried across chunks; teacher-forced, the logits are transformers' bit for bit. Each per-session state is
 shown to be read (zeroing it changes the next logits), a fork to copy all of it, and the engine running ahead (as on
@@ -150,6 +151,31 @@ def test_a_fork_mid_generation_continues_exactly_as_its_parent(engine: Engine, f
         assert head + tails[1].token_ids == expected
         engine.close(parent)
         engine.close(child)
+
+
+def test_a_second_turn_continues_as_transformers_continues_its_cache(engine: Engine, folder: Folder) -> None:
+    """Turn two of a conversation: the engine prefills the last sampled token and the new prompt from the slot's
+    states; transformers' generate continuing from its cache of turn one computes the same chunk. The same tokens."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder.path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    first, second = folder.prompts[2], folder.prompts[3][:30]
+
+    def ones(ids: list[int]) -> torch.Tensor:
+        return torch.ones(1, len(ids), dtype=torch.long)
+
+    with torch.no_grad():
+        one = model.generate(torch.tensor([first]), max_new_tokens=10, do_sample=False, return_dict_in_generate=True,
+                             attention_mask=ones(first))
+        history = one.sequences[0].tolist() + second
+        two = model.generate(torch.tensor([history]), cache=one.past_key_values, max_new_tokens=12, do_sample=False,
+                             attention_mask=ones(history))
+    sid = engine.create_session()
+    engine.append(sid, token_ids=first)
+    assert engine.generate(sid, max_tokens=10, ignore_eos=True).token_ids == one.sequences[0, len(first):].tolist()
+    engine.append(sid, token_ids=second)
+    assert engine.generate(sid, max_tokens=12, ignore_eos=True).token_ids == two[0, len(history):].tolist()
+    engine.close(sid)
 
 
 def teacher_forced(engine: Engine, prompt: list[int], tokens: list[int], chunk: int) -> torch.Tensor:
