@@ -38,12 +38,16 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.fused import STRICT
+from worker.kernels.fused import STRICT, _interpreted
 from worker.kernels.pdl import launch_options, wait_then_release
 from worker.kernels.tiles import TILE_ROWS
 
 CONV_BLOCK = 256  # channels per convolution program
 DELTA_BLOCK_V = 32  # value dims per delta-rule program
+# The prefill kernel's products, all fp32: "tf32x3" (three TF32 passes on the tensor cores, about fp32's precision).
+# In plain fp32 FMAs ("ieee") the kernel for Qwen3.5-9B's heads compiled to 32 registers and a 10 KB stack of spills
+# (ptxas for sm_90, Triton 3.9); with the tensor cores to 255 registers and 3 KB. The interpreter computes in fp32.
+PREFILL_DOT = "tf32x3"
 L2_EPS = 1e-6
 
 
@@ -204,7 +208,7 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slo
             TAPS=taps, SINGLE=False, BLOCK_C=CONV_BLOCK, num_warps=4, **STRICT, **launch_options(x))
         _conv_hold_kernel[grid](
             x, state[anchor], slots, positions, anchor, rows, x.stride(0), state.stride(0), state.stride(1), channels,
-            TAPS=taps, BLOCK_C=CONV_BLOCK, num_warps=4, **launch_options(x))
+            TAPS=taps, BLOCK_C=CONV_BLOCK, num_warps=4, **STRICT, **launch_options(x))
     return out
 
 
@@ -263,7 +267,7 @@ def _delta_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
 
 
 @triton.jit
-def _unit_lower_inverse(system, ts, eye, BLOCK_T: tl.constexpr):  # type: ignore[no-untyped-def]
+def _unit_lower_inverse(system, ts, eye, BLOCK_T: tl.constexpr, DOT: tl.constexpr):  # type: ignore[no-untyped-def]
     """(I + L)^-1 for L strictly lower triangular (BLOCK_T = 64), as flash-linear-attention's solve_tril computes it:
     forward substitution inside the four 16 x 16 diagonal blocks (all four at once, a row of each per step), then two
     merges, [A 0; C B]^-1 = [A^-1 0; -B^-1 C A^-1 B^-1], of 16-blocks into 32-blocks and of those into the whole.
@@ -275,15 +279,15 @@ def _unit_lower_inverse(system, ts, eye, BLOCK_T: tl.constexpr):  # type: ignore
     inverse = eye
     for i in range(1, 16):  # row i of each 16-block, from the rows above it, final already
         rows = (ts % 16) == i
-        step = tl.dot(tl.where(rows[:, None], within16, 0.0), inverse, input_precision="ieee")
+        step = tl.dot(tl.where(rows[:, None], within16, 0.0), inverse, input_precision=DOT)
         inverse = tl.where(rows[:, None], eye - step, inverse)
     lower16 = ((ts[:, None] // 32) == (ts[None, :] // 32)) & (ts[:, None] % 32 >= 16) & (ts[None, :] % 32 < 16)
-    c = tl.dot(tl.dot(inverse, tl.where(lower16, system, 0.0), input_precision="ieee"), inverse,
-               input_precision="ieee")
+    c = tl.dot(tl.dot(inverse, tl.where(lower16, system, 0.0), input_precision=DOT), inverse,
+               input_precision=DOT)
     inverse = inverse - c
     lower32 = (ts[:, None] >= 32) & (ts[None, :] < 32)
-    c = tl.dot(tl.dot(inverse, tl.where(lower32, system, 0.0), input_precision="ieee"), inverse,
-               input_precision="ieee")
+    c = tl.dot(tl.dot(inverse, tl.where(lower32, system, 0.0), input_precision=DOT), inverse,
+               input_precision=DOT)
     return inverse - c
 
 
@@ -297,6 +301,7 @@ def _delta_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the s
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (tiles, value heads, cdiv(value_dim, BLOCK_V)). The program of a run's first tile walks the run's tiles in
@@ -350,19 +355,21 @@ def _delta_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the s
             beta = tl.where(rows_ok, _sigmoid(b), 0.0)  # and write nothing
             cum = tl.cumsum(g, 0)
             decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))  # from token j to i
-            kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+            # q's part first (what it reads of the state before the block, and within the block), so that it is not
+            # held beside the block's system.
+            within = tl.where(lower, tl.dot(q, tl.trans(k), input_precision=DOT) * decay, 0.0)
+            o = tl.dot(q * tl.exp(cum)[:, None], h, input_precision=DOT)
+            kk = tl.dot(k, tl.trans(k), input_precision=DOT)
             system = tl.where(strictly, kk * beta[:, None] * decay, 0.0)  # L: (I + L) solved for
-            inverse = _unit_lower_inverse(system, ts, eye, BLOCK_T)
-            u = tl.dot(inverse, v * beta[:, None], input_precision="ieee")
-            w = tl.dot(inverse, k * (beta * tl.exp(cum))[:, None], input_precision="ieee")
-            v_new = u - tl.dot(w, h, input_precision="ieee")
-            within = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="ieee") * decay, 0.0)
-            o = tl.dot(q * tl.exp(cum)[:, None], h, input_precision="ieee") + tl.dot(within, v_new,
-                                                                                    input_precision="ieee")
+            inverse = _unit_lower_inverse(system, ts, eye, BLOCK_T, DOT)
+            # transformers' new_values - k_cumdecay @ S = T (v beta) - T (k beta e^cum) S = T (v beta - (k beta e^cum) S)
+            k_read = tl.dot(k * (beta * tl.exp(cum))[:, None], h, input_precision=DOT)
+            v_new = tl.dot(inverse, v * beta[:, None] - k_read, input_precision=DOT)
+            o += tl.dot(within, v_new, input_precision=DOT)
             tl.store(Out + rows[:, None] * stride_out + hv * value_dim + vs[None, :], o.to(Out.dtype.element_ty),
                      mask=rows_ok[:, None] & v_ok[None, :])
             last = tl.sum(tl.where(ts == count - 1, cum, 0.0), 0)
-            h = h * tl.exp(last) + tl.dot(tl.trans(k * tl.exp(last - cum)[:, None]), v_new, input_precision="ieee")
+            h = h * tl.exp(last) + tl.dot(tl.trans(k * tl.exp(last - cum)[:, None]), v_new, input_precision=DOT)
             end = tl.load(Positions + tl.load(TileFirst + tile)) + count
             tile += 1
             nxt = tl.minimum(tile, n_tiles - 1)
@@ -427,5 +434,6 @@ def delta_prefill(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: to
             key_dim, value_dim, key_dim ** -0.5,
             KEY_HEADS=key_heads, VALUE_HEADS=value_heads, BLOCK_T=TILE_ROWS,
             BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=block_v,
-            num_warps=8, **launch_options(qkv))
+            DOT="ieee" if _interpreted() else PREFILL_DOT,
+            num_warps=8, **STRICT, **launch_options(qkv))
     return out
