@@ -2,7 +2,9 @@
 
 A session's state is the concatenation of its buffers, laid out one after the other inside the
 session's slot. Every backend stores the same layout, so a slot is one contiguous byte range and a
-clone of the used prefix is a strided 2-D copy per buffer.
+clone of the used prefix is a strided 2-D copy per buffer. A buffer either grows with the sequence
+(K/V: a clone copies its used prefix) or has a fixed size (a recurrent or convolution state: a clone
+copies it whole).
 """
 
 from __future__ import annotations
@@ -90,6 +92,17 @@ class StateSpec:
         """Bytes one session's state takes, buffers aligned, before any backend granularity."""
         last = self.buffers[-1]
         return self.offsets[last.name] + last.nbytes
+
+    @property
+    def positional(self) -> bool:
+        """Every buffer grows with the sequence (K/V): what a token writes sits at its position, and writing it
+        again rewrites it. A fixed-size buffer (a recurrent state) is advanced by every token instead."""
+        return all(b.seq_axis is not None for b in self.buffers)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes of the fixed-size buffers: what a session holds whatever its length."""
+        return sum(b.nbytes for b in self.buffers if b.seq_axis is None)
 
     def buffer(self, name: str) -> BufferSpec:
         for b in self.buffers:

@@ -72,7 +72,13 @@ def hf_config(c: ModelConfig) -> Any:
         rope_parameters=rope, max_position_embeddings=c.context_length, tie_word_embeddings=c.tie_embeddings,
         head_dim=c.head_dim,
     )
-    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    if c.linear is not None:  # Qwen3.5: its DeltaNet layers and partial rotary
+        rope["partial_rotary_factor"] = c.partial_rotary
+        lin = c.linear
+        fields |= dict(layer_types=list(c.layer_types), linear_conv_kernel_dim=lin.conv_kernel,
+                       linear_key_head_dim=lin.key_dim, linear_value_head_dim=lin.value_dim,
+                       linear_num_key_heads=lin.key_heads, linear_num_value_heads=lin.value_heads)
+    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_5": "Qwen3_5TextConfig"}
     return getattr(transformers, classes[c.family])(**fields)
 
 

@@ -21,6 +21,8 @@ def test_spec_sizes_and_offsets() -> None:
     assert SPEC.bytes_per_session == 3072 + 10
     assert SPEC.slot_bytes(4096) == 4096
     assert SPEC.slot_bytes(2 << 20) == 2 << 20
+    assert SPEC.fixed_bytes == 10 and not SPEC.positional
+    assert StateSpec(SPEC.buffers[:2]).positional and StateSpec(SPEC.buffers[:2]).fixed_bytes == 0
 
 
 def test_prefix_copy_geometry() -> None:

@@ -880,3 +880,44 @@ def test_gpu_backend_works_from_another_thread(gpu: torch.device) -> None:
         assert b.mapped_bytes() == b.slot_bytes
     finally:
         b.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_hybrid_slot_clones_the_kv_prefix_and_the_fixed_state_whole(gpu: torch.device) -> None:
+    """A hybrid model's slot (K/V of its full-attention layers, then a conv state and an fp32 recurrent state of
+    several granules): a clone copies the K/V prefix and every fixed buffer whole; zero clears them; the other slots
+    keep theirs."""
+    spec = StateSpec((
+        BufferSpec("k", (2, 2, 300, 64), torch.bfloat16, seq_axis=2),
+        BufferSpec("v", (2, 2, 300, 64), torch.bfloat16, seq_axis=2),
+        BufferSpec("conv", (6, 1000, 3), torch.bfloat16),
+        BufferSpec("recurrent", (6, 8, 128, 128), torch.float32),  # 3 MiB: crosses granules
+    ))
+    b = vmm.VmmBackend(spec, 3, gpu)
+    try:
+        for s in range(3):
+            b.map(s)
+            b.zero(s)
+        views = b.views()
+        patterns = {name: [torch.randn(view[0].shape, device=gpu).to(view.dtype) for _ in range(3)]
+                    for name, view in views.items()}
+        for name, view in views.items():
+            for s in range(3):
+                view[s].copy_(patterns[name][s])
+        b.mark_used([0, 1, 2])
+        b.copy_prefix(2, 0, 77)
+        b.mark_used([0, 2])
+        for name in ("k", "v"):
+            expected = patterns[name][2].clone()
+            expected[:, :, :77] = patterns[name][0][:, :, :77]
+            assert torch.equal(views[name][2], expected)
+        for name in ("conv", "recurrent"):
+            assert torch.equal(views[name][2], patterns[name][0])
+            assert torch.equal(views[name][1], patterns[name][1])
+        b.zero(1)
+        assert all(int(torch.count_nonzero(views[name][1])) == 0 for name in views)
+        assert torch.equal(views["recurrent"][0], patterns["recurrent"][0])
+        torch.cuda.synchronize()
+    finally:
+        b.close()

@@ -88,6 +88,10 @@ class Engine:
         self._unread: Launched | None = None  # the step the next call reads
         self._ahead: Launched | None = None  # the step launched after it, before it was read
         self._id_copies: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None  # host copies of sampled ids, a ring
+        # Whether a token run twice into a session's state does no harm: K/V are written at its position, and a rerun
+        # rewrites them. A state that is not laid out by position (a recurrent state, seq_axis None) is advanced by
+        # every token run into it, so `computed` must always say what the launched steps leave there (see _retire).
+        self._rewritable = table.spec.positional
 
     # -- construction -------------------------------------------------------------------------
 
@@ -357,6 +361,8 @@ class Engine:
             self.last_read = True
             chunks += self._update(launched)
         except BaseException:
+            if not self._rewritable:  # the failed steps may have advanced their sessions' state: rebuild it
+                self._forget_state([*self._active.values(), *self._rows_of(self._unread), *self._rows_of(self._ahead)])
             self._unread = self._ahead = None  # nothing of a failed step is kept: its requests run it again
             raise
         return chunks
@@ -527,6 +533,46 @@ class Engine:
     def _retire(self, request: Request) -> None:
         request.session.request = None
         self._active.pop(request.id, None)
+        if not self._rewritable:
+            end = self._state_after(request, sample_dropped=request.finish_reason == "cancelled")
+            request.session.computed = 0 if end is None else end
+
+    def _state_after(self, request: Request, sample_dropped: bool) -> int | None:
+        """Where the steps launched and not read yet leave the state of an ending request's session: after their last
+        row of it, or None when one of them ran a token that is not in the session's history into it.
+
+        The engine runs ahead: when a request ends (read from a step, or cancelled between steps), the steps after it
+        may already hold rows of it. Each such row ran a token of the history (a prompt token, or a sample the engine
+        has accepted), except a row that took a sample of the step before it that is then dropped (`sample_dropped`:
+        the request is cancelled, and the samples of its unread steps are never accepted). A state a rerun rewrites
+        does not care; a recurrent one has taken those tokens in, so `computed` moves to their end (the next turn
+        starts after them) or, after a dropped sample, to 0: the session is computed again from its history."""
+        end = request.session.computed
+        fed_dropped = False  # the step before this one sampled for the request, and the sample is dropped
+        for launched in (self._unread, self._ahead):  # in launch order
+            if launched is None:
+                continue
+            for r, position, n in launched.partial:
+                if r is request:
+                    end = position + n
+            for r, position in zip(launched.sampled, launched.positions, strict=True):
+                if r is request:
+                    if fed_dropped:
+                        return None
+                    end = position + 1
+                    fed_dropped = sample_dropped
+        return end
+
+    @staticmethod
+    def _rows_of(launched: Launched | None) -> list[Request]:
+        return [] if launched is None else [r for r, _, _ in launched.partial] + launched.sampled
+
+    @staticmethod
+    def _forget_state(requests: Sequence[Request]) -> None:
+        """Their sessions' state is in doubt: each is computed again from its history (a run from position 0 starts
+        from zero state whatever its slot holds)."""
+        for request in requests:
+            request.session.computed = 0
 
     def _pump(self) -> None:
         if not self.has_work():

@@ -208,7 +208,7 @@ class GraphExecutor:
         self.use_graphs: bool = use_graphs
         # Decode steps' products in worker.kernels.matmul's fused kernels (with the fused layer stack on). They need
         # the norms' weights in the products (Llama(fold_norms=True), as Engine.load builds it for this option).
-        self.row_products: bool = row_products and model.kernels.fused_layers is not None and model.norms_folded
+        self.row_products: bool = row_products and model.takes_row_products
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # The same buckets with split attention, for steps with a row of long_rows_from keys or more (see _decode).
@@ -436,8 +436,10 @@ class GraphExecutor:
         the chunk ends."""
         tokens, positions, slots, lengths, ends, _, _ = self._prefill_in.device[:, :b]
         tiles = self._prefill_in.device[5:, : max_tiles(b, self.prefill_logits)]
+        # The tiles always: without the tiled attention kernel the attention takes the decode kernel, and a hybrid
+        # model's DeltaNet layers find the chunks' runs in them.
         batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32), attention_splits=self.prefill_splits,
-                      tiles=tiles if self.model.kernels.prefill_attention is not None else None)
+                      tiles=tiles)
         logits = self.model.forward(tokens, positions, slots, self.state, batch, ends[: self.prefill_logits])
         return _into(self._prefill_out, logits)
 

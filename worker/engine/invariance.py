@@ -10,6 +10,7 @@ the unsplit attention; prefill buckets are checked against the largest prefill b
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
@@ -76,15 +77,17 @@ def keep_row_invariant_buckets(ex: Replays) -> None:
             for slot in slots:
                 part = view[slot] if buf.seq_axis is None else view[slot].narrow(buf.seq_axis, 0, filled)
                 part.copy_(torch.randn(part.shape, generator=gen, device=part.device, dtype=torch.float32))
-        if ex.long_rows_from is not None and not _split_graphs_agree(ex, slots, gen):
+        restore = _restorer(ex, slots)
+        if ex.long_rows_from is not None and not _split_graphs_agree(ex, slots, gen, restore):
             log.warning("split_attention_differs", detail="short rows differ between the two attentions: every "
                         "step takes the split one", long_rows_from=ex.long_rows_from)
             ex.long_rows_from = 1  # every row: every step replays the split graphs
         short = ex.long_rows_from != 1  # the graphs without split attention serve steps
         split = ex.long_rows_from is not None  # each bucket's split graph too, rows long and short
-        dropped = [b for b in ex.buckets[:-1] if short and not _decode_invariant(ex, b, slots, span, gen)
-                   or split and not _decode_invariant(ex, b, slots, filled, gen, long=True)]
-        dropped_prefill = [b for b in ex.prefill_buckets[:-1] if not _prefill_invariant(ex, b, slots, span, gen)]
+        dropped = [b for b in ex.buckets[:-1] if short and not _decode_invariant(ex, b, slots, span, gen, restore)
+                   or split and not _decode_invariant(ex, b, slots, filled, gen, restore, long=True)]
+        dropped_prefill = [b for b in ex.prefill_buckets[:-1]
+                           if not _prefill_invariant(ex, b, slots, span, gen, restore)]
     except StateError as e:  # no room for the check's slots: keep only the largest buckets
         log.warning("buckets_unchecked", error=str(e), kept=[ex.buckets[-1]], prefill_kept=[ex.prefill_rows])
         dropped, dropped_prefill = ex.buckets[:-1], ex.prefill_buckets[:-1]
@@ -104,7 +107,22 @@ def keep_row_invariant_buckets(ex: Replays) -> None:
              seconds=round(time.perf_counter() - start, 3))
 
 
-def _decode_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: torch.Generator, long: bool = False) -> bool:
+def _restorer(ex: Replays, slots: list[int]) -> Callable[[], None]:
+    """What gives the check's slots their first random state back, called before each replay. A state without a
+    sequence axis (a hybrid model's recurrent state) is advanced by every replay, unlike K/V, which a replay rewrites
+    in place: restored, the same rows meet the same state in every bucket."""
+    index = torch.tensor(slots, device=ex.model.device)
+    saved = [(ex.state[b.name], ex.state[b.name][index].clone()) for b in ex.table.spec.buffers if b.seq_axis is None]
+
+    def restore() -> None:
+        for view, first in saved:
+            view[index] = first
+
+    return restore
+
+
+def _decode_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: torch.Generator,
+                      restore: Callable[[], None], long: bool = False) -> bool:
     """b decode rows (b <= len(slots)) at positions below `span` give the same logits in bucket b as in the
     largest bucket (long: in the split attention's graphs)."""
     vocab, device = ex.model.config.vocab_size, ex.model.device
@@ -112,12 +130,14 @@ def _decode_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: tor
     positions = torch.randint(1, span, (b,), generator=gen, device=device).tolist()
     if long and ex.long_rows_from is not None and span > ex.long_rows_from:  # a row that splits, at least
         positions[0] = int(torch.randint(ex.long_rows_from - 1, span, (), generator=gen, device=device))
+    restore()
     wide = ex.replay_decode(tokens, positions, slots[:b], bucket=ex.buckets[-1], long=long)
+    restore()
     own = ex.replay_decode(tokens, positions, slots[:b], bucket=b, long=long)
     return torch.equal(wide, own)
 
 
-def _split_graphs_agree(ex: Replays, slots: list[int], gen: torch.Generator) -> bool:
+def _split_graphs_agree(ex: Replays, slots: list[int], gen: torch.Generator, restore: Callable[[], None]) -> bool:
     """Rows shorter than long_rows_from give the same logits in the split attention's graph as in the other
     (what lets a step's longest row pick the graph without moving the others' numbers)."""
     assert ex.long_rows_from is not None
@@ -125,11 +145,14 @@ def _split_graphs_agree(ex: Replays, slots: list[int], gen: torch.Generator) -> 
     rows = min(len(slots), ex.buckets[-1])
     tokens = torch.randint(0, vocab, (rows,), generator=gen, device=device).tolist()
     positions = torch.randint(1, ex.long_rows_from - 1, (rows,), generator=gen, device=device).tolist()
+    restore()
     split = ex.replay_decode(tokens, positions, slots[:rows], bucket=ex.buckets[-1], long=True)
+    restore()
     return torch.equal(split, ex.replay_decode(tokens, positions, slots[:rows], bucket=ex.buckets[-1], long=False))
 
 
-def _prefill_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: torch.Generator) -> bool:
+def _prefill_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: torch.Generator,
+                       restore: Callable[[], None]) -> bool:
     """Prompt chunks filling most of b rows, one per slot from a random offset, give the same logits at
     their ends in prefill bucket b as in the largest one."""
     vocab, device = ex.model.config.vocab_size, ex.model.device
@@ -143,7 +166,9 @@ def _prefill_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: to
         positions += range(offset, offset + n)
     tokens = torch.randint(0, vocab, (len(positions),), generator=gen, device=device).tolist()
     ends = {run.start + run.n - 1 for run in runs}
+    restore()
     _, wide = ex.replay_prefill(runs, tokens, positions, ends, bucket=ex.prefill_rows)
     wide = wide.clone()
+    restore()
     _, own = ex.replay_prefill(runs, tokens, positions, ends, bucket=b)
     return torch.equal(wide, own)

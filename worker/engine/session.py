@@ -57,9 +57,10 @@ class Request:
 class Session:
     """A conversation: its slot in the session table and its whole token history.
 
-    `computed` counts the tokens whose K/V are in the slot; the rest are pending and get prefilled when the
-    session next generates. The last sampled token of a generation stays pending, so the next turn starts
-    exactly where the last one ended."""
+    `computed` counts the tokens whose state (K/V, and a hybrid model's recurrent state) is in the slot; the rest
+    are pending and get prefilled when the session next generates. The last sampled token of a generation stays
+    pending, so the next turn starts exactly where the last one ended (with a recurrent state, unless a step the
+    engine ran ahead has already taken it in: then computed counts it, see Engine._state_after)."""
 
     id: str
     slot: int

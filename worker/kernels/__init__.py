@@ -6,11 +6,12 @@
 - fused.py: RMSNorm, residual add + norm, RoPE + K/V store, SiLU-and-multiply
 - layers.py: the layer stack and the head built from them (what Llama.forward runs on the GPU)
 - pdl.py: programmatic dependent launch on Hopper and later
+- deltanet.py, norms.py: the hybrid model's gated DeltaNet (causal convolution, gated delta rule) and its norms
 """
 
 from __future__ import annotations
 
-from worker.model.batch import Kernels
+from worker.model.batch import HybridKernels, Kernels
 
 
 def gpu_kernels(prefill_tiles: bool = True, fused: bool = True) -> Kernels:
@@ -24,4 +25,16 @@ def gpu_kernels(prefill_tiles: bool = True, fused: bool = True) -> Kernels:
     return Kernels(decode_attention=decode_attention,
                    prefill_attention=prefill_attention if prefill_tiles else None,
                    fused_layers=fused_layers if fused else None,
-                   fused_head=fused_head if fused else None)
+                   fused_head=fused_head if fused else None,
+                   hybrid=hybrid_kernels())
+
+
+def hybrid_kernels() -> HybridKernels:
+    """The hybrid model's kernels (worker.model.qwen3_5 takes them on the GPU, and in Triton's interpreter for tests)."""
+    from worker.kernels.deltanet import conv_decode, conv_prefill, delta_decode, delta_prefill
+    from worker.kernels.matmul import row_matmul
+    from worker.kernels.norms import gated_rms_norm, offset_rms_norm
+
+    return HybridKernels(conv_decode=conv_decode, conv_prefill=conv_prefill, delta_decode=delta_decode,
+                         delta_prefill=delta_prefill, offset_rms_norm=offset_rms_norm, gated_rms_norm=gated_rms_norm,
+                         row_matmul=row_matmul)

@@ -66,6 +66,21 @@ def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
 
 
 @dataclass(frozen=True)
+class HybridKernels:
+    """The GPU kernels of the hybrid model's layers (worker.model.qwen3_5): the causal convolution and the gated delta
+    rule over the slab's conv and recurrent states (worker.kernels.deltanet), its norms (worker.kernels.norms), and
+    the row-invariant product of decode steps (worker.kernels.matmul.row_matmul)."""
+
+    conv_decode: Callable[..., torch.Tensor]
+    conv_prefill: Callable[..., torch.Tensor]
+    delta_decode: Callable[..., torch.Tensor]
+    delta_prefill: Callable[..., torch.Tensor]
+    offset_rms_norm: Callable[..., torch.Tensor]
+    gated_rms_norm: Callable[..., torch.Tensor]
+    row_matmul: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
 class Kernels:
     """The GPU kernels a model's forward takes in place of plain torch, fixed when the model is built
     (worker.kernels.gpu_kernels; the CPU builds a model with none).
@@ -74,12 +89,14 @@ class Kernels:
       (worker.kernels.attention);
     - prefill_attention: prompt chunks' rows in tiles that share K/V loads (worker.kernels.prefill);
     - fused_layers, fused_head: the layer stack and the final norm + head in fused kernels
-      (worker.kernels.layers)."""
+      (worker.kernels.layers);
+    - hybrid: the hybrid model's own (HybridKernels)."""
 
     decode_attention: Callable[..., torch.Tensor] | None = None
     prefill_attention: Callable[..., torch.Tensor] | None = None
     fused_layers: Callable[..., torch.Tensor] | None = None
     fused_head: Callable[..., torch.Tensor] | None = None
+    hybrid: HybridKernels | None = None
 
 
 NO_KERNELS = Kernels()

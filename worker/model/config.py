@@ -39,6 +39,29 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """The gated DeltaNet layers of a hybrid model (Qwen3.5's `linear_*` fields): a depthwise causal convolution of
+    `conv_kernel` taps over q|k|v, then the gated delta rule with `key_heads` query/key heads of `key_dim` and
+    `value_heads` value heads of `value_dim` (each key head serves value_heads / key_heads consecutive value heads).
+    """
+
+    conv_kernel: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     vocab_size: int
@@ -56,10 +79,25 @@ class ModelConfig:
     qkv_bias: bool = False  # q, k and v products carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    partial_rotary: float = 1.0  # the share of each head RoPE rotates (its first dims); the rest passes as it is
+    # Hybrid models (Qwen3.5): each layer's token mixer, FULL_ATTENTION or LINEAR_ATTENTION (empty: all full), the
+    # linear layers' shape, and the full attention's output gate (a sigmoid of a second half of q_proj per head).
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttention | None = None
+    attention_gate: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary)
+
+    def mixer(self, layer: int) -> str:
+        """Layer `layer`'s token mixer: FULL_ATTENTION or LINEAR_ATTENTION."""
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
 
 
 # Known shapes, used with seeded random weights where the real files cannot go (the GPU machine) and in tiny forms
@@ -92,6 +130,15 @@ PRESETS: dict[str, ModelConfig] = {
         ffn_dim=12288, norm_eps=1e-6, rope_theta=1000000.0, context_length=40960, tie_embeddings=False,
         family="qwen3", explicit_head_dim=128, qk_norm=True,
     ),
+    # transformers' Qwen3_5TextConfig defaults (the Qwen3.5-9B shape): 3 gated DeltaNet layers to 1 of gated attention.
+    "qwen3.5-9b": ModelConfig(
+        name="random-qwen3.5-9b", vocab_size=248320, dim=4096, n_layers=32, n_heads=16, n_kv_heads=4,
+        ffn_dim=12288, norm_eps=1e-6, rope_theta=10000.0, context_length=32768, tie_embeddings=False,
+        family="qwen3_5", explicit_head_dim=256, qk_norm=True, partial_rotary=0.25,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION) * 8,
+        linear=LinearAttention(conv_kernel=4, key_heads=16, value_heads=32, key_dim=128, value_dim=128),
+        attention_gate=True,
+    ),
     # Tiny forms of each family, for tests.
     "tiny-qwen2": ModelConfig(
         name="random-tiny-qwen2", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -101,5 +148,13 @@ PRESETS: dict[str, ModelConfig] = {
         name="random-tiny-qwen3", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
         ffn_dim=128, norm_eps=1e-6, rope_theta=10000.0, context_length=4096, family="qwen3",
         explicit_head_dim=32, qk_norm=True,
+    ),
+    "tiny-qwen3.5": ModelConfig(
+        name="random-tiny-qwen3.5", vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+        ffn_dim=128, norm_eps=1e-6, rope_theta=10000.0, context_length=4096, tie_embeddings=False,
+        family="qwen3_5", explicit_head_dim=32, qk_norm=True, partial_rotary=0.25,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
+        linear=LinearAttention(conv_kernel=4, key_heads=2, value_heads=4, key_dim=16, value_dim=16),
+        attention_gate=True,
     ),
 }

@@ -40,8 +40,10 @@ def refuse(where: str, field: str, value: Any, why: str) -> ModelLoadError:
     return ModelLoadError(f"{where}: config field {field}={value!r} is not implemented ({why})")
 
 
-def read_common(cfg: Mapping[str, Any], name: str, family: str, where: str) -> dict[str, Any]:
-    """The ModelConfig fields every family reads the same way, checked; the family adds its own and builds it."""
+def read_common(cfg: Mapping[str, Any], name: str, family: str, where: str, partial_rotary: bool = False,
+                rope_no_ops: Collection[str] = ()) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way, checked; the family adds its own and builds it.
+    `partial_rotary`, `rope_no_ops`: see read_rope."""
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise refuse(where, "hidden_act", act, "only silu")
@@ -60,15 +62,15 @@ def read_common(cfg: Mapping[str, Any], name: str, family: str, where: str) -> d
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         ffn_dim=int(cfg["intermediate_size"]),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(_rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        rope_theta=float(rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))),
         context_length=context,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         explicit_head_dim=None if head_dim is None or int(head_dim) == dim // n_heads else int(head_dim),
-        rope_scaling=read_rope(cfg, where),
+        rope_scaling=read_rope(cfg, where, partial_rotary, rope_no_ops),
     )
 
 
-def _rope_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def rope_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """transformers 5's `rope_parameters`, or the older `rope_scaling` (with `rope_theta` beside it)."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(params, dict):
@@ -76,16 +78,19 @@ def _rope_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def read_rope(cfg: Mapping[str, Any], where: str) -> RopeScaling:
-    params = _rope_params(cfg)
+def read_rope(cfg: Mapping[str, Any], where: str, partial_rotary: bool = False,
+              no_ops: Collection[str] = ()) -> RopeScaling:
+    """The RoPE scaling. `partial_rotary`: the family reads partial_rotary_factor itself (else only 1.0 is taken);
+    `no_ops`: parameters the family knows change nothing of its arithmetic (they are let through)."""
+    params = rope_params(cfg)
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind not in ROPE_KINDS:
         raise refuse(where, "rope_type", kind, f"implemented: {', '.join(ROPE_KINDS)}")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+    if not partial_rotary and float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise refuse(where, "partial_rotary_factor", params["partial_rotary_factor"], "rotary over the whole head only")
     known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
              "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "truncate"}
+             "mscale_all_dim", "truncate", *no_ops}
     unknown = sorted(k for k, v in params.items() if k not in known and v is not None)
     if unknown:
         raise ModelLoadError(f"{where}: rope parameters not implemented here: {', '.join(unknown)}")

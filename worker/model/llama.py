@@ -11,7 +11,7 @@ token each), mixed freely. Nothing here knows about sessions, sampling or schedu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from cuda_state import BufferSpec, StateSpec
 from worker.model.batch import NO_KERNELS, Batch, Kernels, Run, runs_of
 from worker.model.config import ModelConfig, ModelLoadError
+from worker.model.draw import Draw
 from worker.model.hf_config import read_common, refuse, refuse_unknown
 from worker.model.layers import Linear, apply_rope, rms_norm
 from worker.model.packing import PACK_ALIGN, Pack, Place
@@ -147,6 +148,12 @@ class Llama:
         c = self.config
         shape = (c.n_layers, c.n_kv_heads, self.max_context, c.head_dim)
         return StateSpec((BufferSpec("k", shape, self.dtype, seq_axis=2), BufferSpec("v", shape, self.dtype, seq_axis=2)))
+
+    @property
+    def takes_row_products(self) -> bool:
+        """Decode steps may run the products in worker.kernels.matmul's row-invariant kernels: with the fused layer
+        stack, its norms folded into the products (see Layer)."""
+        return self.kernels.fused_layers is not None and self.norms_folded
 
     def weight_bytes(self) -> int:
         """Bytes of every weight (not the RoPE tables)."""
@@ -296,3 +303,23 @@ def read_hf_config(cfg: Mapping[str, Any], name: str, where: str) -> ModelConfig
     if int(cfg.get("pretraining_tp") or 1) != 1:
         raise refuse(where, "pretraining_tp", cfg["pretraining_tp"], "the products are not split")
     return ModelConfig(**read_common(cfg, name, "llama", where))
+
+
+def random_layer(c: ModelConfig, i: int, draw: Draw) -> Iterator[tuple[str, torch.Tensor]]:
+    """Layer i's tensors for a random preset (worker.model.loader): products normal(0, 0.02), norms of ones, biases
+    normal (Qwen2), per-head q/k norms of ones (Qwen3)."""
+    p, d, hd, f = f"layers.{i}.", c.dim, c.head_dim, c.ffn_dim
+    q, kv = c.n_heads * hd, c.n_kv_heads * hd
+    if c.qkv_bias:
+        yield from ((p + "q_bias", draw.normal(q)), (p + "k_bias", draw.normal(kv)), (p + "v_bias", draw.normal(kv)))
+    if c.qk_norm:
+        yield from ((p + "q_norm", draw.ones(hd)), (p + "k_norm", draw.ones(hd)))
+    yield p + "input_norm", draw.ones(d)
+    yield p + "q_proj", draw.normal(q, d)
+    yield p + "k_proj", draw.normal(kv, d)
+    yield p + "v_proj", draw.normal(kv, d)
+    yield p + "o_proj", draw.normal(d, q)
+    yield p + "post_norm", draw.ones(d)
+    yield p + "gate_proj", draw.normal(f, d)
+    yield p + "up_proj", draw.normal(f, d)
+    yield p + "down_proj", draw.normal(d, f)

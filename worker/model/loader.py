@@ -22,8 +22,9 @@ import numpy as np
 import structlog
 import torch
 
-from worker.model.config import PRESETS, ModelConfig, ModelLoadError, RopeScaling
-from worker.model.families import family_of
+from worker.model.config import LINEAR_ATTENTION, PRESETS, ModelConfig, ModelLoadError, RopeScaling
+from worker.model.draw import Draw
+from worker.model.families import BY_NAME, family_of
 from worker.model.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -215,7 +216,7 @@ def load_safetensors_folder(folder: Path) -> LoadedModel:
     ours = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
     for i in range(config.n_layers):
         ours |= {f"model.layers.{i}.{hf}": f"layers.{i}.{name}" for hf, name in family.hf_layer_names.items()}
-    head_stored = any("lm_head.weight" in _tensor_names(f) for f in files)
+    head_stored = any("lm_head.weight" in map(family.hf_name, _tensor_names(f)) for f in files)
     if not head_stored and not config.tie_embeddings:
         raise ModelLoadError(f"{folder}: tensor lm_head.weight is missing and tie_word_embeddings is false")
 
@@ -223,7 +224,10 @@ def load_safetensors_folder(folder: Path) -> LoadedModel:
         for f in files:
             with safe_open(str(f), framework="pt") as shard:
                 for hf_name in shard.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
-                    name = ours.get(hf_name)
+                    text_name = family.hf_name(hf_name)
+                    if text_name is None:
+                        continue  # not part of text generation (a vision tower, a speculative head)
+                    name = ours.get(text_name)
                     if name is None:
                         raise ModelLoadError(f"{f}: tensor {hf_name} is not part of a {family.name} model as implemented")
                     if name == "lm_head" and config.tie_embeddings:
@@ -261,9 +265,18 @@ DRAW_ON_DEVICE_PARAMS = 1_000_000_000
 
 
 def parameters(config: ModelConfig) -> int:
+    """The products' parameters (norms and the like left out)."""
     d, q, kv, f = config.dim, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.ffn_dim
-    per_layer = d * (q + 2 * kv) + q * d + 3 * d * f
-    return config.vocab_size * d * (1 if config.tie_embeddings else 2) + config.n_layers * per_layer
+    total = config.vocab_size * d * (1 if config.tie_embeddings else 2)
+    for i in range(config.n_layers):
+        lin = config.linear
+        if config.mixer(i) == LINEAR_ATTENTION and lin is not None:
+            values = lin.value_heads * lin.value_dim
+            total += d * (lin.conv_dim + 2 * values + 2 * lin.value_heads)
+        else:
+            total += d * ((2 if config.attention_gate else 1) * q + 2 * kv) + q * d
+        total += 3 * d * f
+    return total
 
 
 def load_random(spec: str) -> LoadedModel:
@@ -280,38 +293,16 @@ def load_random(spec: str) -> LoadedModel:
     except ValueError as e:
         raise ModelLoadError(f"model {spec!r}: seed must be an integer") from e
     config = PRESETS[preset]
+    family = BY_NAME[config.family]
     big = parameters(config) > DRAW_ON_DEVICE_PARAMS
 
     def read(device: torch.device) -> Tensors:
-        on = device if big else torch.device("cpu")
-        gen = torch.Generator(device=on).manual_seed(seed)
-        d, hd, f = config.dim, config.head_dim, config.ffn_dim
-        q, kv = config.n_heads * hd, config.n_kv_heads * hd
-
-        def normal(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen, device=on).mul_(0.02)
-
-        def ones(n: int) -> torch.Tensor:
-            return torch.ones(n, device=on)
-
-        yield "embed", normal(config.vocab_size, d)
-        yield "norm", ones(d)
+        draw = Draw(seed, device if big else torch.device("cpu"))
+        yield "embed", draw.normal(config.vocab_size, config.dim)
+        yield "norm", family.random_norm(draw, config.dim)
         if not config.tie_embeddings:
-            yield "lm_head", normal(config.vocab_size, d)
+            yield "lm_head", draw.normal(config.vocab_size, config.dim)
         for i in range(config.n_layers):
-            p = f"layers.{i}."
-            if config.qkv_bias:
-                yield from ((p + "q_bias", normal(q)), (p + "k_bias", normal(kv)), (p + "v_bias", normal(kv)))
-            if config.qk_norm:
-                yield from ((p + "q_norm", ones(hd)), (p + "k_norm", ones(hd)))
-            yield p + "input_norm", ones(d)
-            yield p + "q_proj", normal(q, d)
-            yield p + "k_proj", normal(kv, d)
-            yield p + "v_proj", normal(kv, d)
-            yield p + "o_proj", normal(d, q)
-            yield p + "post_norm", ones(d)
-            yield p + "gate_proj", normal(f, d)
-            yield p + "up_proj", normal(f, d)
-            yield p + "down_proj", normal(d, f)
+            yield from family.random_layer(config, i, draw)
 
     return LoadedModel(config, read, Tokenizer.bytes_only(), spec)

@@ -17,9 +17,10 @@ from worker.model.config import ModelConfig, ModelLoadError, RopeScaling
 
 
 def inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies, float32 (head_dim / 2,); the factor cos and sin are scaled by)."""
+    """(inverse frequencies, float32 (rotary_dim / 2,); the factor cos and sin are scaled by). A partial rotary
+    embedding (Qwen3.5) turns only the first rotary_dim dims of each head, with frequencies of that width."""
     r = config.rope_scaling
-    dim = config.head_dim
+    dim = config.rotary_dim
     base = config.rope_theta
     plain = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
     if r.kind in ("default", "dynamic"):  # dynamic NTK equals the plain frequencies within the context length
@@ -75,7 +76,7 @@ def _yarn(dim: int, base: float, r: RopeScaling, context_length: int) -> tuple[t
 
 def rope_tables(config: ModelConfig, max_context: int, device: torch.device,
                 freq_divisors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_context, head_dim), rotate-half layout, float32. `freq_divisors`: GGUF's rope_freqs."""
+    """cos, sin of shape (max_context, rotary_dim), rotate-half layout, float32. `freq_divisors`: GGUF's rope_freqs."""
     freq, scale = inv_freq(config)
     if freq_divisors is not None:
         freq = freq / freq_divisors.float().cpu()
