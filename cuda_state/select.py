@@ -76,11 +76,13 @@ def select_backend(device: str = "auto") -> Choice:
     raise BackendUnavailable(f"unknown device {device!r}: expected auto, cpu, cuda or cuda:N")
 
 
-def open_backend(choice: Choice, spec: StateSpec, capacity: int, reserve_bytes: int = 0) -> StateBackend:
-    """Build the chosen backend. For VMM, capacity is capped by free memory minus `reserve_bytes`."""
+def open_backend(choice: Choice, spec: StateSpec, capacity: int, reserve_bytes: int = 0,
+                 page_budget: int | None = None) -> StateBackend:
+    """Build the chosen backend: `capacity` slots, and the pages they may hold together capped by `page_budget`
+    (None: every slot backed whole) and, for VMM, by free memory minus `reserve_bytes`."""
     if choice.kind == "host":
-        return HostBackend(spec, capacity)
+        return HostBackend(spec, capacity, page_budget=page_budget)
     from cuda_state.vmm import VmmBackend  # imported only where CUDA is present
 
-    return VmmBackend(spec, capacity, choice.device, reserve_bytes=reserve_bytes)
+    return VmmBackend(spec, capacity, choice.device, reserve_bytes=reserve_bytes, page_budget=page_budget)
 

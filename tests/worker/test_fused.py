@@ -145,8 +145,7 @@ def test_gpu_rope_and_store_writes_a_vmm_slab_whose_first_slots_are_unmapped() -
     spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
     backend = VmmBackend(spec, 4, torch.device("cuda", 0))
     try:
-        backend.map(2)
-        backend.zero(2)
+        backend.grow(2, backend.pages_per_slot)
         k_all, v_all = backend.views()["k"], backend.views()["v"]
         spare = backend.num_slots - 1
         gen = torch.Generator().manual_seed(3)

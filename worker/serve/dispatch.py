@@ -49,7 +49,8 @@ class EngineAPI(Protocol):
     def bytes_per_session(self) -> int: ...
     @property
     def prefill_running(self) -> bool: ...
-    def create_session(self, session_id: str | None = None) -> str: ...
+    def create_session(self, session_id: str | None = None, owner: str = "") -> str: ...
+    def session_owner(self, session_id: str) -> str: ...
     def fork(self, session_id: str, child_id: str | None = None) -> str: ...
     def close(self, session_id: str) -> None: ...
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int: ...
@@ -139,6 +140,10 @@ class Dispatch:
         self._last_used: dict[str, float] = {}  # session id -> when a request or generation last touched it
         self._expired: OrderedDict[str, None] = OrderedDict()
         self.sessions_changed = False  # sessions were created or closed since the loop last looked
+        now = time.monotonic()
+        for sid in engine.sessions():  # sessions the engine brought back from its session store (a restart)
+            self.owners[sid] = engine.session_owner(sid)
+            self._last_used[sid] = now
 
     # -- requests --
 
@@ -173,6 +178,10 @@ class Dispatch:
                          session=key[0] or None)
             answer = p.Error(request_id=rid, code=code, message=str(e) or type(e).__name__)
             self.metrics.error(code)
+            if code is p.ErrorCode.SESSION_LOST and key[0]:  # its stored state was lost: no longer one of ours
+                self.owners.pop(key[0], None)
+                self._last_used.pop(key[0], None)
+                self.sessions_changed = True
         if answer is None:
             return []
         answer = answer.routed(route)
@@ -205,7 +214,7 @@ class Dispatch:
             self._refuse_if_draining("new sessions")
             if request.session_id is None:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "CREATE needs the broker's session_id")
-            sid = e.create_session(request.session_id)
+            sid = e.create_session(request.session_id, owner=request.owner)
             self.owners[sid] = request.owner
             self._last_used[sid] = time.monotonic()
             self.sessions_changed = True
