@@ -208,11 +208,11 @@ class Engine:
         if text is not None:
             if not isinstance(text, str):
                 raise BadRequest("text must be a string")
-            try:
-                ids = self.tokenizer.encode(text)
-            except ValueError as e:
-                raise BadRequest(str(e)) from e
+            self._check_text_fits(session, text)
+            ids = self.tokenize(text)
         else:
+            if token_ids is not None and not isinstance(token_ids, (str, bytes)):
+                self._check_fits(session, len(token_ids))  # before the per-id checks of a long list
             ids = self._check_ids(token_ids)
         if not ids:
             raise BadRequest("append needs at least one token (empty text or token_ids)")
@@ -222,6 +222,36 @@ class Engine:
                 f"max_context {self.max_context}"
             )
         return ids
+
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """The ids of `text` as an append of it makes them. Reads only the tokenizer: safe on another thread than the
+        engine's (the worker tokenizes long texts off its compute loop), and releases the GIL for long texts."""
+        try:
+            return self.tokenizer.encode(text, add_bos)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+
+    def check_text_fits(self, session_id: str, text: str) -> None:
+        """ContextOverflow at once when `text` cannot fit the session whatever its tokenization (a lower bound on its
+        tokens, known without tokenizing it: `Tokenizer.min_tokens`), so that a huge text is refused without the
+        seconds and memory its tokenization would take. SessionNotFound for an unknown session."""
+        self._check_text_fits(self._session(session_id), text)
+
+    def _check_text_fits(self, session: Session, text: str) -> None:
+        least = self.tokenizer.min_tokens(text)
+        if len(session.tokens) + least > self.max_context:
+            raise ContextOverflow(
+                f"session {session.id} holds {len(session.tokens)} tokens; a text of {len(text)} characters is at "
+                f"least {least} tokens (a token holds at most {self.tokenizer.max_token_bytes} bytes), which exceed "
+                f"max_context {self.max_context}"
+            )
+
+    def _check_fits(self, session: Session, tokens: int) -> None:
+        if len(session.tokens) + tokens > self.max_context:
+            raise ContextOverflow(
+                f"session {session.id} holds {len(session.tokens)} tokens; {tokens} more exceed "
+                f"max_context {self.max_context}"
+            )
 
     def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         try:
@@ -237,16 +267,27 @@ class Engine:
         renders only what the template puts after the previous assistant answer: the EOS the model
         ended with is already in the history, so only the text after it is added.
         """
+        text = self.chat_text(session_id, content, role)
+        self._check_text_fits(self._session(session_id), text)
+        return self.append(session_id, token_ids=self.tokenize(text, add_bos=False))
+
+    def chat_text(self, session_id: str, content: str, role: str = "user") -> str:
+        """The text a chat turn appends (tokenized without a BOS): the template rendered from the start for the first
+        turn, the part after the last answer's end for a later one (see `chat`). Nothing is changed."""
         session = self._session(session_id)
         if not isinstance(content, str) or not isinstance(role, str):
             raise BadRequest("chat content and role must be strings")
         turn = {"role": role, "content": content}
         if not session.tokens:
-            return self.append(session_id, token_ids=self.chat_tokens([turn]))
+            try:
+                text: str = self.tokenizer.apply_chat_template([turn], add_generation_prompt=True)
+            except ValueError as e:
+                raise BadRequest(str(e)) from e
+            return text
         text = self._chat_continuation(turn)
         if session.tokens[-1] not in self.tokenizer.stop_ids:
             text = (self.tokenizer.token(self.tokenizer.eos_id) or "") + text
-        return self.append(session_id, token_ids=self.tokenizer.encode(text, add_bos=False))
+        return text
 
     def _chat_continuation(self, turn: dict[str, str]) -> str:
         """Template text between an assistant answer's EOS and the next assistant prompt."""
