@@ -22,24 +22,10 @@ import pytest
 
 from client import AsyncClient, AsyncSession, CapacityExhausted, Client, ClientError, Generation, SessionInfo, SessionLost
 
-from .cluster import ROOT, Cluster, one_session_on_each, seconds_until_lost
+from .cluster import ROOT, Cluster, Measure, one_session_on_each, seconds_until_lost
 
 PROMPT = [7, 8, 9, 10]
 SCHEDULING_SLACK_S = 0.3  # a loaded 2-core machine: the broker's poll, the test's own wake-up
-
-
-Measure = Callable[[str, float], None]
-
-
-@pytest.fixture
-def measure(request: pytest.FixtureRequest) -> Measure:
-    """Record a measured value (not through record_property, which warns under junit_family xunit2)."""
-
-    def record(name: str, value: float) -> None:
-        request.node.user_properties.append((name, value))
-        print(f"measured {name}={value}")
-
-    return record
 
 
 def prompt(i: int) -> list[int]:
