@@ -175,7 +175,7 @@ def test_a_worker_whose_compute_thread_holds_the_gil_for_seconds_is_not_declared
         cluster.wait_for_workers({"fw"})
         with Watch(cluster, "fw") as watch, cluster.client(timeout=30) as c, c.session() as s:
             s.append(token_ids=[1, 2, 3])
-            hog_text.append("x" * 600_000)
+            hog_text.append("x" * 1_200_000)
             generated = s.generate(max_tokens=5)
             assert generated.token_ids == [4, 5, 6, 7, 8]  # the fake engine's tokens are positions
             time.sleep(0.3)
