@@ -26,12 +26,12 @@ import zmq
 import zmq.asyncio
 
 from broker.common import protocol as p
-from broker.common.keys import CurveClient
+from broker.common.keys import HANDSHAKE_REFUSED, CurveClient
 from client import calls
 from client.calls import Answer, Call, addressed, build, decode_answer, new_request_id
-from client.errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
+from client.errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout, Unauthorized
 from client.results import Chunk, Generation, SessionInfo, WorkerInfo
-from client.transport import connect_client, timed_out
+from client.transport import REFUSAL_CHECK_S, connect_client, send_failed, timed_out
 
 log = structlog.get_logger()
 
@@ -97,6 +97,7 @@ class AsyncTransport:
         self._watch = connect_client(self._context, self._socket, address, curve)
         self._mail: dict[str, Mailbox] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._heard = False  # the broker has answered once: its handshake succeeded
         self.closed = False
 
     def start(self, request: p.Message) -> Call:
@@ -121,11 +122,16 @@ class AsyncTransport:
                 now = time.monotonic()
                 if now >= deadline:
                     raise timed_out(self._watch, self.address, timeout_s, call.request_id)
+                wait_s = call.wake_at(deadline) - now
+                if not self._heard:  # a refused handshake is said at once, not after the timeout
+                    if self._watch.refused():
+                        raise Unauthorized(HANDSHAKE_REFUSED, request_id=call.request_id)
+                    wait_s = min(wait_s, REFUSAL_CHECK_S)
                 if call.resend_due(now):
                     log.debug("request_resent", request=call.request_id)
                     self._send(call.frames)
                     call.resent(now)
-                await box.wait(loop, call.wake_at(deadline) - now)
+                await box.wait(loop, wait_s)
         call.heard(time.monotonic())
         return box.items.popleft()
 
@@ -159,13 +165,14 @@ class AsyncTransport:
         sent = cast("asyncio.Future[Any]", self._socket.send_multipart(frames, zmq.NOBLOCK))
         error = sent.exception() if sent.done() else None
         if isinstance(error, zmq.Again):
-            raise Timeout(f"cannot send to {self.address}: the send queue is full (is the broker up?)") from error
+            raise send_failed(self._watch, self.address) from error
         if error is not None:
             raise error
 
     async def _read(self) -> None:
         while True:
             frames = await self._socket.recv_multipart()
+            self._heard = True
             for request_id, item in addressed(decode_answer(frames)):
                 box = self._mail.get(request_id)
                 if box is not None:

@@ -15,32 +15,39 @@ from typing import Any
 
 import structlog
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from broker.common import protocol as p
-from broker.common.keys import HANDSHAKE_FAILED, HANDSHAKE_REFUSED, CurveClient, drain_events
+from broker.common.keys import HANDSHAKE_FAILED, HANDSHAKE_REFUSED, CurveClient
 from client.calls import Answer, Call, addressed, decode_answer
 from client.errors import ClientError, Timeout, Unauthorized
 
 log = structlog.get_logger()
 
 RECV_BATCH = 1024
+REFUSAL_CHECK_S = 0.1  # until the broker has answered once, a waiting call looks this often for a refused handshake
 
 
 class HandshakeWatch:
-    """Notices refused handshakes (ZeroMQ retries them silently), so a wait that times out can say why."""
+    """Notices refused handshakes (ZeroMQ retries them silently), so that a call can say so at once: `refused()` is
+    whether the last handshake this socket tried was refused (a later one that succeeds, e.g. once the key is
+    allowed, clears it)."""
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         address = f"inproc://handshake-{uuid.uuid4().hex}"
-        sock.monitor(address, HANDSHAKE_FAILED)
+        sock.monitor(address, HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(sock.context.underlying)  # also for asyncio
         self._pair: zmq.Socket[bytes] = self._context.socket(zmq.PAIR)
         self._pair.connect(address)
         self._refused = False
 
     def refused(self) -> bool:
-        if drain_events(self._pair):
-            self._refused = True
-        return self._refused
+        while True:
+            try:
+                event = recv_monitor_message(self._pair, zmq.NOBLOCK)
+            except zmq.Again:
+                return self._refused
+            self._refused = bool(int(event["event"]) & HANDSHAKE_FAILED)
 
     def close(self) -> None:
         self._pair.close(linger=0)
@@ -51,6 +58,14 @@ def timed_out(watch: HandshakeWatch, address: str, timeout_s: float, request_id:
     if watch.refused():
         return Unauthorized(HANDSHAKE_REFUSED, request_id=request_id)
     return Timeout(f"no answer within {timeout_s:g} s from {address}", request_id=request_id)
+
+
+def send_failed(watch: HandshakeWatch, address: str) -> ClientError:
+    """The error for a send the socket did not take (no connection would have it): Unauthorized when that is because
+    the broker refused our handshake."""
+    if watch.refused():
+        return Unauthorized(HANDSHAKE_REFUSED)
+    return Timeout(f"cannot send to {address}: the send queue is full (is the broker up?)")
 
 
 def connect_client(context: zmq.Context[Any], sock: zmq.Socket[Any], address: str,
@@ -91,6 +106,7 @@ class Transport:
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         self._watch = connect_client(self._context, self._socket, address, curve)
         self._mail: dict[str, deque[Answer]] = {}
+        self._heard = False  # the broker has answered once: its handshake succeeded
         self.closed = False
 
     def start(self, request: p.Message) -> Call:
@@ -110,11 +126,16 @@ class Transport:
             now = time.monotonic()
             if now >= deadline:
                 raise timed_out(self._watch, self.address, timeout_s, call.request_id)
+            wait_s = call.wake_at(deadline) - now
+            if not self._heard:  # a refused handshake is said at once, not after the timeout
+                if self._watch.refused():
+                    raise Unauthorized(HANDSHAKE_REFUSED, request_id=call.request_id)
+                wait_s = min(wait_s, REFUSAL_CHECK_S)
             if call.resend_due(now):
                 log.debug("request_resent", request=call.request_id)
                 self._send(call.frames)
                 call.resent(now)
-            self._pump(call.wake_at(deadline) - now)
+            self._pump(wait_s)
         call.heard(time.monotonic())
         return box.popleft()
 
@@ -137,7 +158,7 @@ class Transport:
         try:
             self._socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again as e:
-            raise Timeout(f"cannot send to {self.address}: the send queue is full (is the broker up?)") from e
+            raise send_failed(self._watch, self.address) from e
 
     def _pump(self, timeout_s: float) -> None:
         if not self._socket.poll(max(0, round(timeout_s * 1000)), zmq.POLLIN):
@@ -147,6 +168,7 @@ class Transport:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._heard = True
             for request_id, item in addressed(decode_answer(frames)):
                 box = self._mail.get(request_id)
                 if box is not None:

@@ -108,6 +108,57 @@ def test_unauthenticated_clients_are_refused_and_others_keep_working(secured: Cl
         assert s.append(token_ids=PROMPT) == len(PROMPT)
 
 
+@pytest.mark.parametrize("who", ["no keys", "unknown key"])
+def test_a_refused_client_is_told_unauthorized_at_once_not_after_its_timeout_and_again_on_its_next_call(
+    secured: Cluster, keys: Path, who: str
+) -> None:
+    """With the default timeout (60 s): it used to wait it out, or be told `Timeout: send queue is full (is the broker
+    up?)` on its next call."""
+    credentials = Credentials() if who == "no keys" else as_client(keys, "eve", "outsiders")
+    with Client(secured.clients, **credentials) as stranger:
+        for attempt in (stranger.session, stranger.status, lambda: stranger.attach("a" * 32).info()):
+            started = time.monotonic()
+            with pytest.raises(Unauthorized, match="refused this client's handshake"):
+                attempt()
+            assert time.monotonic() - started < 2.0
+
+
+def test_an_async_client_is_told_unauthorized_at_once(secured: Cluster) -> None:
+    import asyncio
+
+    from client import AsyncClient
+
+    async def attempt() -> list[float]:
+        waited = []
+        async with AsyncClient(secured.clients) as stranger:
+            for _ in range(2):
+                started = time.monotonic()
+                with pytest.raises(Unauthorized, match="refused this client's handshake"):
+                    await stranger.session()
+                waited.append(time.monotonic() - started)
+        return waited
+
+    assert max(asyncio.run(attempt())) < 2.0
+
+
+def test_keygen_makes_the_secret_private_whatever_the_umask(tmp_path: Path) -> None:
+    out = subprocess.run(["sh", "-c", f"umask 000 && {sys.executable} -m broker.cli keygen {tmp_path} k"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == [str(tmp_path / "k.key"), str(tmp_path / "k.key_secret")]
+    assert (tmp_path / "k.key_secret").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "k.key").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_broker_whose_secret_key_others_can_read_exits_with_code_3(cluster: Cluster, tmp_path: Path) -> None:
+    keygen(tmp_path, "broker")
+    for d in ("workers", "clients"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "broker.key_secret").chmod(0o644)
+    broker = cluster.start_broker(["--keys", str(tmp_path)])
+    assert broker.proc.wait(timeout=30) == 3
+    assert "has mode 0644: other users may read it" in broker.log_text()
+
+
 def test_workers_need_a_worker_key(secured: Cluster, keys: Path) -> None:
     """A client's key cannot register as a worker, and neither can a worker without keys."""
     secured.start_worker("mallory", extra=worker_keys(keys, keys / "clients" / "bob.key_secret"))
