@@ -3,6 +3,8 @@ session can be used only by the client key that created it (also after a broker 
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +35,9 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     keygen(root / "workers", "w1")
     keygen(root / "clients", "alice")
     keygen(root / "clients", "bob")
+    keygen(root / "clients", "ops")
+    (root / "admins").mkdir()
+    shutil.copy(root / "clients" / "ops.key", root / "admins" / "ops.key")  # a client key that may close any session
     keygen(root / "outsiders", "eve")  # a valid key pair the broker does not know
     return root
 
@@ -237,3 +242,33 @@ def test_an_async_client_without_keys_is_told_it_was_refused(secured: Cluster) -
                 await stranger.session()
 
     asyncio.run(attempt())
+
+
+def test_broker_sessions_and_close_session_with_keys_a_client_s_own_and_an_admin_any(secured: Cluster, keys: Path) -> None:
+    def cli(who: str, *args: str) -> tuple[int, str, str]:
+        out = subprocess.run([sys.executable, "-m", "broker.cli", *args, "--clients", secured.clients,
+                              "--broker-key", str(keys / "broker.key"), "--key", str(keys / "clients" / f"{who}.key_secret")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return out.returncode, out.stdout, out.stderr
+
+    def owners(who: str) -> dict[str, str]:
+        code, out, err = cli(who, "sessions", "--json")
+        assert (code, err) == (0, "")
+        return {e["session"]: e["owner"] for e in json.loads(out)}
+
+    def key_of(name: str) -> str:
+        text = (keys / "clients" / f"{name}.key").read_text()
+        return text.split('public-key = "', 1)[1].split('"', 1)[0]
+
+    with secured.client(**as_client(keys, "alice")) as alice, secured.client(**as_client(keys, "bob")) as bob:
+        mine, theirs = alice.session(), bob.session()
+        hers = owners("alice")  # her own only (earlier tests of this module left some of hers too)
+        assert hers[mine.id] == key_of("alice") and set(hers.values()) == {key_of("alice")}
+        everyone = owners("ops")
+        assert (everyone[mine.id], everyone[theirs.id]) == (key_of("alice"), key_of("bob")) and hers.items() <= everyone.items()
+        code, out, err = cli("bob", "close-session", mine.id)
+        assert code == 1 and "answered unauthorized: session " in err and "belongs to another client" in err
+        assert cli("ops", "close-session", theirs.id) == (0, f"closed {theirs.id}\n", "")
+        assert theirs.id not in owners("ops") and mine.id in owners("ops")
+        assert mine.info().length == 0
+        mine.close()
