@@ -8,10 +8,11 @@ broker has none). So:
   sessions than slots (or a session twice), is refused once read. A refused READY is answered with an ERROR naming the
   limit, and the peer stays unregistered.
 - HEARTBEAT size. A heartbeat lists at most `max_worker_sessions` expired sessions: a longer one is dropped unread.
-- Rates. Each peer's control messages come out of token buckets of its own, refilled per heartbeat interval: READY
-  (`READY_BURST`, one more per heartbeat) and HEARTBEAT (`HEARTBEAT_BURST`, `HEARTBEAT_REFILL` more per heartbeat;
-  a worker sends one per heartbeat, plus one when it expires idle sessions). A message over its peer's rate is dropped
-  unread (and counted). Buckets are kept for at most `MAX_PEERS` peers, the least recently heard forgotten first.
+- Rates. Each peer's READYs and HEARTBEATs come out of token buckets of its own, refilled per heartbeat interval:
+  READY (`READY_BURST`, one more per heartbeat) and HEARTBEAT (`HEARTBEAT_BURST`, `HEARTBEAT_REFILL` more per
+  heartbeat; a worker sends one per heartbeat, plus one when it expires idle sessions). A message over its peer's rate
+  is dropped unread (and counted). (A DISCONNECT ends a registration once: it has no rate.) Buckets are kept for at
+  most `MAX_PEERS` peers, the least recently heard forgotten first.
 
 Answers (REPLY, CHUNKS, ERROR, FANOUT) are not rate-limited: they are the hot path, and only a registered worker's are
 read at all (broker.router). Times come from the caller, so tests need no sleeps.
@@ -35,7 +36,7 @@ READY_BURST = 4
 READY_REFILL = 1.0  # per heartbeat interval
 HEARTBEAT_BURST = 32
 HEARTBEAT_REFILL = 4.0
-OTHER_BURST = 8  # DISCONNECT
+OTHER_BURST = 8  # a command without a rate of its own (the router asks for READY and HEARTBEAT only)
 OTHER_REFILL = 1.0
 MAX_PEERS = 4096
 
@@ -73,7 +74,7 @@ class Admission:
         return self._bucket(identity, command, now).tokens >= 1.0
 
     def forget(self, identity: bytes) -> None:
-        for command in (*RATES, p.Command.DISCONNECT):
+        for command in RATES:
             self._buckets.pop((identity, command), None)
 
     def too_large(self, command: p.Command, header_bytes: int) -> str | None:

@@ -131,6 +131,7 @@ class Router:
         # Unregistered peers heard from while recovering -> until when they are waited for (a heartbeat window).
         self._awaited: dict[bytes, float] = {}
         self._asked_to_register: dict[bytes, float] = {}
+        self._told_to_drop: dict[bytes, float] = {}
         self._ready_owed: set[bytes] = set()  # registered workers whose READY was over its rate: asked again later
         self._pending_by_owner: dict[str, int] = {}  # creates and forks in flight per owner
         # Sessions declared lost with their worker (and the new sessions of creates and forks in flight on it), by
@@ -206,7 +207,7 @@ class Router:
             if command is p.Command.HEARTBEAT:
                 self._ask_to_register(identity, now)
             return self._flush()
-        if not self.admission.allow(identity, command, now):
+        if command is not p.Command.DISCONNECT and not self.admission.allow(identity, command, now):
             self._drop("rate_limited", identity, f"{command.name} over this peer's rate")
             if command is p.Command.READY and record is not None:
                 self._ready_owed.add(identity)  # its newest state: asked for again once its rate allows
@@ -245,6 +246,7 @@ class Router:
             self._asked_to_register = {
                 i: t for i, t in self._asked_to_register.items() if now - t < 10 * self.settings.heartbeat_s
             }
+            self._told_to_drop = {i: t for i, t in self._told_to_drop.items() if now - t < self.settings.heartbeat_s}
             self._awaited = {i: until for i, until in self._awaited.items() if until > now}
             self._ask_owed_readies(now)
             self._leases(now)
@@ -268,7 +270,7 @@ class Router:
                 name = self._name(send.identity)
                 self._error(*send.key, p.ErrorCode.INTERNAL, f"worker {name} is overloaded (queue full): retry later")
             return self._flush()
-        if failure is Failure.UNREACHABLE:
+        if failure is Failure.UNREACHABLE and self.registry.held_by(send.identity):
             self._lease_failed.add(send.identity)
         if send.key is not None:
             keys = [send.key]
@@ -556,6 +558,7 @@ class Router:
         self._out.append(Send(Peer.WORKER, identity, p.encode(welcome)))
         if dropped:
             self.counters.sessions_dropped += len(dropped)
+            self._told_to_drop[identity] = now
             self._out.append(Send(Peer.WORKER, identity, p.encode(p.Drop(sessions=dropped))))
         if self.held:
             self._release_held(now)
@@ -607,9 +610,10 @@ class Router:
                 self._drop("malformed", identity, f"FANOUT: {e.message}")
                 return
             assert isinstance(fanout, p.Fanout)
+            held_by = self.registry.held_by
             for route, part in fanout.sends():
                 self._out.append(Send(Peer.CLIENT, route, part))
-                if track:
+                if track and held_by(route):  # a client with a request in flight holds its session's lease
                     self._delivered[identity, route] = now
             return
         route = p.route_of(envelope.header)
@@ -622,12 +626,14 @@ class Router:
                 self._drop("malformed", identity, "CHUNKS without a list of chunks")
                 return
             self._out.append(Send(Peer.CLIENT, route, frames))
-            if track:
+            if track and self.registry.held_by(route):
                 self._delivered[identity, route] = now
             return
         lost = self._lost.get(identity)
-        if lost and _named_sessions(envelope.header) & lost:  # declared lost: nothing more is heard of them
+        named = _named_sessions(envelope.header) & lost if lost else None
+        if named:  # declared lost: nothing more is heard of them, and the worker is told (again) to drop them
             self._drop("lost_session", identity, f"{envelope.command.name} for a session declared lost")
+            self._tell_to_drop(identity, tuple(sorted(named)), now)
             return
         request_id = p.request_id_of(envelope.header)
         key = None if request_id is None else (route, request_id)
@@ -753,6 +759,14 @@ class Router:
             return
         self._asked_to_register[identity] = now
         self._out.append(Send(Peer.WORKER, identity, p.encode(p.Reconnect(broker_id=self.broker_id))))
+
+    def _tell_to_drop(self, identity: bytes, sessions: tuple[str, ...], now: float) -> None:
+        """DROP again, for a worker still answering for sessions declared lost (it missed the first): once a beat."""
+        last = self._told_to_drop.get(identity)
+        if last is not None and now - last < self.settings.heartbeat_s:
+            return
+        self._told_to_drop[identity] = now
+        self._out.append(Send(Peer.WORKER, identity, p.encode(p.Drop(sessions=sessions))))
 
     def _ask_owed_readies(self, now: float) -> None:
         """Registered workers whose READY was over their rate send it again, now that their rate allows."""
