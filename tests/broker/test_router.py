@@ -175,8 +175,8 @@ def test_session_lost_is_final_a_worker_that_comes_back_drops_the_sessions_decla
     assert router.worker_message(W1, p.encode(done), 4.2) == []
     assert router.counters.messages_dropped == {"lost_session": 1} and router.counters.sessions_dropped == 1
     # Still answering for it a beat later (it missed the DROP): told again, once a beat.
-    [(_, identity, again)] = decoded(router.worker_message(W1, p.encode(done), 4.3))
-    assert identity == W1 and again == p.Drop(sessions=(sid,))
+    [(_, identity, told)] = decoded(router.worker_message(W1, p.encode(done), 4.3))
+    assert identity == W1 and told == p.Drop(sessions=(sid,))
     assert router.worker_message(W1, p.encode(done), 4.4) == []
     # It registers again (the DROP was lost with a second outage): told again; once it no longer lists it, forgotten.
     again = decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid, other))), 5.0))
