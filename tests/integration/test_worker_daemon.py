@@ -610,3 +610,22 @@ def test_a_long_text_is_tokenized_off_the_compute_loop_while_heartbeats_and_othe
     print(f"measured tokenize_1M_chars_s={appended_at:.3f} heartbeats_during={len(during)} max_gap_s={max(gaps):.3f}")
     assert max(gaps) < 0.5, gaps  # heartbeats every 50 ms; the tokenizer holds the GIL for a moment at its end
     assert len(during) >= appended_at / 0.05 * 0.5
+
+
+def test_a_stream_without_a_route_does_not_spoil_the_step_s_fanout_for_the_others(
+    stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
+) -> None:
+    """A GENERATE with no route (only a broken or hostile broker sends one) streams nowhere; its chunks used to go
+    into the step's FANOUT under an empty route, which the broker refuses whole: every other client's tokens of the
+    step were lost with it (found by the fuzzer)."""
+    serve, engine, sent = stepped
+    for i, route in enumerate((b"", b"client")):
+        sid = f"{i}" * 32
+        serve._admit([p.CreateSession(request_id=f"c{i}", session_id=sid, route=route)])
+        serve._admit([p.Generate(request_id=f"g{i}", session_id=sid, params=p.Sampling(max_tokens=2), stream=True,
+                                 prompt_ids=(1,), route=route)])
+    sent.clear()
+    assert serve._step()
+    [[fanout]] = sent
+    assert isinstance(fanout, p.Fanout) and fanout.routes == (b"client",)
+    assert p.decode(p.encode(fanout)) == fanout  # valid: the broker takes it

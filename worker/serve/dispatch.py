@@ -364,7 +364,7 @@ class Dispatch:
                 active.text.append(chunk.text)
             if chunk.finish_reason is not None:
                 finals.append(self._finish(chunk.request_id, active, chunk.finish_reason, end))
-            elif active.stream and (ids or chunk.text):
+            elif active.stream and active.route and (ids or chunk.text):  # no route (a broken broker): nowhere to stream
                 batch = batches.get(active.route)
                 if batch is None:
                     batch = batches[active.route] = []
