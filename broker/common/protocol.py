@@ -713,9 +713,9 @@ class Welcome(Message):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
-    """Both ways. From the broker: its id (a new one means it restarted). From a worker: its load, its
-    progress (`steps`: engine steps so far; a worker with requests in flight whose count stands still is
-    hung) and the sessions it closed for idling since the last report (`expired`)."""
+    """Both ways. From the broker: its id (a new one means it restarted). From a worker: its load, its engine steps so
+    far (`steps`: for information; the broker measures a request's progress by what reaches its client, not by what a
+    worker says) and the sessions it closed for idling since the last report (`expired`)."""
 
     COMMAND: ClassVar[Command] = Command.HEARTBEAT
     broker_id: Annotated[str | None, text(64, ID_PATTERN, optional=True)] = None
