@@ -22,7 +22,8 @@ class RouterCounters:
     """What happened since the broker started, counted by the router. Every method is O(1)."""
 
     __slots__ = ("requests", "errors", "workers_lost", "workers_registered", "workers_reregistered", "sessions_lost",
-                 "messages_dropped", "loop_errors", "creates_replaced", "sessions_dropped", "sessions_lease_closed")
+                 "messages_dropped", "loop_errors", "creates_replaced", "sessions_dropped", "sessions_lease_closed",
+                 "stalls")
 
     def __init__(self) -> None:
         self.requests: dict[str | Enum, int] = {}  # by command (a Command, or its name)
@@ -36,6 +37,7 @@ class RouterCounters:
         self.creates_replaced = 0  # creates placed again after the worker they were sent to was lost
         self.sessions_dropped = 0  # lost sessions a returning worker was told to drop
         self.sessions_lease_closed = 0  # sessions closed because their client was gone past the grace period
+        self.stalls = 0  # times the broker's own process was found not to have run for half a heartbeat window
 
     def request(self, command: str | Enum) -> None:
         """A valid client request arrived (call once per request, resends included)."""

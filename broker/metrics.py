@@ -39,6 +39,8 @@ worker). What a broker exports:
     sessionserve:sessions_dropped_total           counter  lost sessions a returning worker was told to drop
     sessionserve:sessions_lease_expired_total     counter  sessions closed because their client was gone too long
     sessionserve:clients_gone                     gauge    client connections holding sessions that are gone
+    sessionserve:broker_stalls_total              counter  times the broker's process did not run for half a
+                                                   heartbeat window (connection losses then get a window)
     process_*                                              resident memory, CPU seconds, open fds
 """
 
@@ -166,6 +168,8 @@ class _BrokerCollector(Collector):
         yield CounterMetricFamily(PREFIX + "sessions_dropped",
                                   "Sessions declared lost that a returning worker was told to drop.",
                                   value=c.sessions_dropped)
+        yield CounterMetricFamily(PREFIX + "broker_stalls",
+                                  "Times the broker's process did not run for half a heartbeat window.", value=c.stalls)
         yield CounterMetricFamily(PREFIX + "sessions_lease_expired",
                                   "Sessions closed because their client was gone longer than the grace period.",
                                   value=c.sessions_lease_closed)

@@ -143,6 +143,9 @@ class Router:
         self._client_gone: dict[bytes, float] = {}  # client routes holding sessions -> since when they are gone
         self._lease_failed: set[bytes] = set()  # routes whose sends failed since the last lease round
         self._drops_logged: dict[str, float] = {}
+        # Workers found unreachable right after the broker stalled -> (since when, the sends to retry when they are back).
+        self._suspended: dict[bytes, tuple[float, list[Send]]] = {}
+        self._distrust_until = -1.0  # after a stall of the broker's own: connection losses are not trusted until then
         self._now = now
         self._out: list[Send] = []
         self.counters = RouterCounters()  # read by broker.metrics at scrape time
@@ -183,6 +186,8 @@ class Router:
         if record is not None:
             self.liveness.seen(identity, now)
             record.seen_at = now
+            if identity in self._suspended:
+                self._resume(record)
         elif self.recovering(now):
             self._await(identity, now)
         if command is None:
@@ -240,6 +245,9 @@ class Router:
         silent = "missed heartbeats" if live.silence_s <= live.timeout_s else f"silent for {live.silence_s:g} s"
         for identity in live.expired(now):
             self._worker_gone(identity, silent, now)
+        for identity, (since, _) in list(self._suspended.items()):
+            if now - since >= live.timeout_s:
+                self._worker_gone(identity, "unreachable", now)
         if live.heartbeat_due(now):
             beat = p.encode(p.Heartbeat(broker_id=self.broker_id))
             self._out.extend(Send(Peer.WORKER, identity, beat) for identity in self.registry.workers)
@@ -257,10 +265,14 @@ class Router:
         return self._flush()
 
     def undeliverable(self, send: Send, failure: Failure, now: float) -> list[Send]:
-        """A send failed. A worker that cannot be reached is gone; a client that is gone stops its generation."""
+        """A send failed. A worker that cannot be reached is gone (unless the broker itself was stalled: see `stalled`);
+        a client that is gone stops its generation."""
         self._now = now
         if send.peer is Peer.WORKER:
-            if failure is Failure.UNREACHABLE:
+            if failure is Failure.UNREACHABLE and send.identity in self.registry.workers and (
+                    now < self._distrust_until or send.identity in self._suspended):
+                self._suspend(send, now)
+            elif failure is Failure.UNREACHABLE:
                 # Its connection dropped: after a silence of a heartbeat window, ZMTP heartbeats closed it.
                 missing = self.liveness.missing(send.identity, now)
                 self._worker_gone(send.identity, "missed heartbeats" if missing else "unreachable", now)
@@ -270,6 +282,8 @@ class Router:
                 name = self._name(send.identity)
                 self._error(*send.key, p.ErrorCode.INTERNAL, f"worker {name} is overloaded (queue full): retry later")
             return self._flush()
+        if failure is Failure.UNREACHABLE and now < self._distrust_until:
+            return self._flush()  # closed by the broker's own stall, maybe: the client reconnects and resends
         if failure is Failure.UNREACHABLE and self.registry.held_by(send.identity):
             self._lease_failed.add(send.identity)
         if send.key is not None:
@@ -284,6 +298,17 @@ class Router:
             for key in keys:
                 self._cancel_generation(key)
         return self._flush()
+
+    def stalled(self, now: float, seconds: float) -> None:
+        """The broker's process did not run for `seconds` (a loaded host, a paused VM). libzmq runs its timers before
+        reading what came meanwhile, so its heartbeat timeouts may have closed connections whose peers had answered:
+        for a heartbeat window, a worker found unreachable is not declared gone but given that window to come back
+        (its DEALER reconnects by itself and says READY), its requests held for it meanwhile; and a client found
+        unreachable keeps its generations (it reconnects with the same routing id, and resends)."""
+        self.counters.stalls += 1
+        self._distrust_until = now + self.liveness.timeout_s
+        log.warning("broker_stalled", seconds=round(seconds, 3),
+                    detail="workers whose connections closed meanwhile get a heartbeat window to come back")
 
     def next_tick(self) -> float:
         deadline = self.liveness.next_event()
@@ -344,10 +369,12 @@ class Router:
         if self._over_cap(route, request.request_id, owner):
             return
         try:
-            worker = place(self.registry.workers.values(), request.model)
+            worker = place((w for w in self.registry.workers.values() if w.identity not in self._suspended),
+                           request.model)
         except NoPlacement as e:
-            if e.code is p.ErrorCode.MODEL_NOT_FOUND and self.recovering(now):
-                self._hold(route, request, user)
+            suspended = any(self.registry.workers[i].serves(request.model) for i in self._suspended)
+            if (e.code is p.ErrorCode.MODEL_NOT_FOUND and self.recovering(now)) or suspended:
+                self._hold(route, request, user)  # until the workers are back (or the window ends)
                 return
             log.info("create_refused", code=e.code.value, model=request.model, request=request.request_id)
             self._error(route, request.request_id, e.code, e.message)
@@ -712,9 +739,26 @@ class Router:
             else:
                 self._pending_by_owner.pop(flight.owner, None)
 
+    def _suspend(self, send: Send, now: float) -> None:
+        """A worker found unreachable while the broker distrusts connection losses: held for a heartbeat window, and
+        the requests sent to it meanwhile kept to be sent again when it is back."""
+        if send.identity not in self._suspended:
+            log.warning("worker_unreachable_after_stall", worker=self._name(send.identity),
+                        detail=f"given {self.liveness.timeout_s:g} s to come back")
+        _, retry = self._suspended.setdefault(send.identity, (now, []))
+        if send.key is not None and len(retry) < MAX_HELD:
+            retry.append(send)
+
+    def _resume(self, record: WorkerRecord) -> None:
+        """A suspended worker spoke again (its READY, after it reconnected): it is back, with its sessions."""
+        _, retry = self._suspended.pop(record.identity)
+        log.info("worker_back", worker=record.name, requests_sent_again=len(retry))
+        self._out.extend(retry)
+
     def _worker_gone(self, identity: bytes, reason: str, now: float) -> None:
         self.liveness.forget(identity)
         self._ready_owed.discard(identity)
+        self._suspended.pop(identity, None)
         record = self.registry.remove(identity)
         if record is None:
             return

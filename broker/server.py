@@ -160,11 +160,16 @@ class BrokerServer:
         poller.register(self.workers, zmq.POLLIN)
         for monitor, _ in self._monitors:
             poller.register(monitor, zmq.POLLIN)
+        stall_s = self.config.heartbeat_ms * self.config.liveness / 2000  # half a heartbeat window
         while not should_stop():
             self.pulse.beat()
             now = time.monotonic()
             timeout_s = min(max(self.router.next_tick() - now, 0.0), MAX_POLL_S)
             ready = dict(poller.poll(round(timeout_s * 1000)))
+            woke = time.monotonic()
+            overslept = woke - now - timeout_s  # a process that was not running wakes late
+            if overslept > stall_s:
+                self.router.stalled(woke, overslept)
             if self.workers in ready:
                 self._drain(self.workers, self.router.worker_message, "worker")
             if self.clients in ready:
@@ -175,6 +180,8 @@ class BrokerServer:
             if self._monitors:
                 self._handshake_failures(ready)
             now = time.monotonic()
+            if now - woke > stall_s:  # the turn took long: the process was not running, or was starved
+                self.router.stalled(now, now - woke)
             if now >= self.router.next_tick():
                 try:
                     self._send_all(self.router.tick(now))

@@ -83,6 +83,7 @@ def test_the_collector_reads_the_router_state_at_scrape_time() -> None:
         ("sessionserve:worker_reregistrations_total", ()): 0,
         ("sessionserve:sessions_lost_total", ()): 0,
         ("sessionserve:broker_loop_errors_total", ()): 0,
+        ("sessionserve:broker_stalls_total", ()): 0,
         ("sessionserve:creates_replaced_total", ()): 0,
         ("sessionserve:sessions_dropped_total", ()): 0,
         ("sessionserve:sessions_lease_expired_total", ()): 0,
@@ -108,6 +109,7 @@ def test_counters_are_exported_by_label_and_a_command_and_its_name_are_one_serie
     counters.dropped("unregistered")
     counters.dropped("rate_limited")
     counters.loop_errors += 1
+    counters.stalls += 5
     counters.creates_replaced += 2
     counters.sessions_dropped += 3
     counters.sessions_lease_closed += 4
@@ -125,6 +127,7 @@ def test_counters_are_exported_by_label_and_a_command_and_its_name_are_one_serie
         ("sessionserve:worker_messages_dropped_total", (("reason", "rate_limited"),)): 1,
         ("sessionserve:worker_messages_dropped_total", (("reason", "unregistered"),)): 2,
         ("sessionserve:broker_loop_errors_total", ()): 1,
+        ("sessionserve:broker_stalls_total", ()): 5,
         ("sessionserve:creates_replaced_total", ()): 2,
         ("sessionserve:sessions_dropped_total", ()): 3,
         ("sessionserve:sessions_lease_expired_total", ()): 4,

@@ -681,3 +681,36 @@ def test_with_keys_a_client_lists_and_closes_its_own_sessions_and_an_admin_key_a
     _, _, generate = one(router.client_message(b"ops", p.encode(p.Generate(request_id="g", session_id=owned[ALICE])),
                                                2.3, user=admin))
     assert isinstance(generate, p.Error) and generate.code is p.ErrorCode.UNAUTHORIZED  # admins close, not use
+
+
+def test_after_a_stall_of_its_own_the_broker_gives_a_worker_whose_connection_closed_a_window_to_come_back() -> None:
+    """The broker's process did not run for a while: libzmq's heartbeat timeout closed w1's connection although w1 had
+    answered (its answer waited unread). w1 is not declared gone: it reconnects and says READY, and the request whose
+    send failed meanwhile is sent to it then. A worker that does not come back within the window is gone."""
+    sid, sid2 = "a" * 32, "b" * 32
+    router = Router(Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0, silence_s=1000.0), now=0.0, broker_id="b1")
+    router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 2.0)
+    router.worker_message(W2, p.encode(ready("w2", sessions=(sid2,))), 2.0)
+    router.stalled(2.4, 0.6)
+    info = p.Info(request_id="i1", session_id=sid)
+    [forward] = router.client_message(C1, p.encode(info), 2.41)
+    assert router.undeliverable(forward, Failure.UNREACHABLE, 2.41) == []  # held, not session_lost
+    beat = Send(Peer.WORKER, W2, p.encode(p.Heartbeat(broker_id="b1")))
+    assert router.undeliverable(beat, Failure.UNREACHABLE, 2.42) == []
+    # No placement on a worker that may be gone: with no other, the create waits for them.
+    assert router.client_message(C2, p.encode(p.CreateSession(request_id="r1")), 2.43) == []
+    back = decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 2.5))
+    assert back[0] == (Peer.WORKER, W1, info.routed(C1))  # sent again, then welcomed, then the create placed
+    assert isinstance(back[1][2], p.Welcome) and router.registry.worker_of(sid) is not None
+    assert back[2][1] == W1 and isinstance(back[2][2], p.CreateSession) and back[2][2].route == C2
+    router.tick(2.75)  # w2 never came back: gone a heartbeat window (0.75 s) after it was found unreachable
+    assert W2 in router.registry.workers
+    router.tick(3.25)
+    assert W2 not in router.registry.workers and router.registry.gone(sid2) is Gone.LOST
+    # Outside the window after a stall, a closed connection is a gone worker at once.
+    [forward] = router.client_message(C1, p.encode(p.Info(request_id="i2", session_id=sid)), 3.3)
+    answers = {m.request_id: m.code for _, _, m in decoded(router.undeliverable(forward, Failure.UNREACHABLE, 3.3))
+               if isinstance(m, p.Error)}
+    assert answers == {"i1": p.ErrorCode.SESSION_LOST, "i2": p.ErrorCode.SESSION_LOST,
+                       "r1": p.ErrorCode.MODEL_NOT_FOUND}  # the create, placed again: no worker left
+    assert router.counters.stalls == 1

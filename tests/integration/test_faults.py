@@ -111,6 +111,36 @@ def test_a_stopped_worker_is_declared_dead_and_its_sessions_stay_lost_when_it_co
         assert sorted((w.name, w.sessions) for w in c.status()) == [("w1", 0), ("w2", 0)]
 
 
+def test_a_broker_stopped_longer_than_the_heartbeat_window_loses_no_worker_and_no_stream(
+    cluster: Cluster, measure: Measure
+) -> None:
+    """SIGSTOP of the broker for 1 s (a paused VM, a starved host), with heartbeats of 100 ms and 3 missed: on
+    SIGCONT libzmq's timers fire before anything is read, and close the workers' and clients' connections though
+    they answered all along. The broker notices its own stall, gives the workers a heartbeat window to come back
+    (they reconnect and say READY), and keeps the clients' generations: the stream goes on, exact, and no session is
+    lost."""
+    cluster.start_two_workers(max_sessions=2, max_context=4096)
+    with cluster.client() as c:
+        on_w1, on_w2 = one_session_on_each(c, PROMPT)
+        with on_w2.fork() as twin:
+            expected = twin.generate(max_tokens=1200, ignore_eos=True).token_ids
+        stream = on_w2.generate(max_tokens=1200, ignore_eos=True, stream=True)
+        tokens = next(stream).token_ids
+        assert cluster.broker is not None
+        cluster.broker.proc.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        cluster.broker.proc.send_signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        tokens += [t for chunk in stream for t in chunk.token_ids]
+        measure("broker_sigcont_to_stream_end_s", round(time.monotonic() - resumed, 3))
+        assert time.monotonic() - resumed > 0.1  # the stream was still running when the broker came back
+        assert stream.result is not None and stream.result.token_ids == expected and tokens == expected
+        assert on_w1.info().length == len(PROMPT)
+        assert sorted((w.name, w.sessions) for w in c.status()) == [("w1", 1), ("w2", 1)]
+    log = cluster.broker.log_text()
+    assert "broker_stalled" in log and "worker_lost" not in log
+
+
 # -- 2. kill -9 of the broker ---------------------------------------------------------------------------
 
 
