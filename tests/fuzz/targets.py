@@ -162,6 +162,49 @@ def _dealer(context: zmq.Context[zmq.Socket[bytes]], address: str, identity: byt
     return sock
 
 
+class ReadyLedger:
+    """Each peer's READYs and the broker's answers to them: every READY gets its WELCOME (admissible) or ERROR
+    (refused), in order; one may go unanswered only when the peer had sent READY_BURST - 1 others (well formed or
+    not) in the 2 s before it (the broker's per-peer rate)."""
+
+    def __init__(self, peers: int) -> None:
+        self.readies: list[list[tuple[float, str]]] = [[] for _ in range(peers)]  # (sent at, answer due)
+        self.answers: list[list[str]] = [[] for _ in range(peers)]  # WELCOME or ERROR, as they came
+        self.sent: list[list[float]] = [[] for _ in range(peers)]  # every READY sent in the last 2 s
+
+    def sent_ready(self, peer: int, frames: Frames, due: str | None) -> None:
+        """A READY command went out (`due`: the answer it calls for; None when it does not decode: none)."""
+        now = time.monotonic()
+        self.sent[peer].append(now)  # any READY, well formed or not, takes from its rate
+        if due is not None:
+            self.readies[peer].append((now, due))
+
+    def problem(self, peer: int) -> str | None:
+        sent, got = self.readies[peer], self.answers[peer]
+        j, skipped = 0, []
+        for at, kind in sent:
+            if j < len(got) and got[j] == kind:
+                j += 1
+            else:
+                skipped.append(at)
+        if j < len(got):
+            return f"peer {peer} got READY answers {got}, its READYs called for {[k for _, k in sent]}"
+        for at in skipped:
+            if sum(1 for t in self.sent[peer] if at - 2.0 <= t < at) < READY_BURST - 1:
+                return f"peer {peer}: a READY was not answered ({len(got)} answers to {len(sent)} READYs)"
+        return None
+
+    def settle(self, report: Report) -> None:
+        """At a checkpoint: count what went unanswered (over the rate), keep 2 s of history, start afresh."""
+        now = time.monotonic()
+        for peer, readies in enumerate(self.readies):
+            report.answers["READY unanswered (rate)"] += len(readies) - len(self.answers[peer])
+            report.answers["READY refused"] += self.answers[peer].count("ERROR")
+            self.sent[peer] = [t for t in self.sent[peer] if now - t < 2.0]
+            readies.clear()
+            self.answers[peer].clear()
+
+
 def _connect(bystander: zmq.Socket[bytes]) -> None:
     """A ROUTER knows a peer only once it has sent something: a STATUS, and its answer."""
     bystander.send_multipart(p.encode(p.Status(request_id="hello")))
@@ -317,9 +360,7 @@ class WorkerSocket(Target):
         self.known.sessions[:] = [stack.good.session_id]  # the good session is held by the real worker
         self.admission = Admission(HEARTBEAT_MS / 1000, DEFAULT_MAX_WORKER_SESSIONS)
         self.registered = [False] * self.PEERS
-        self.readies: list[list[tuple[float, str]]] = [[] for _ in range(self.PEERS)]  # (sent at, answer due)
-        self.ready_answers: list[list[str]] = [[] for _ in range(self.PEERS)]  # WELCOME or ERROR, as they came
-        self.ready_sent: list[list[float]] = [[] for _ in range(self.PEERS)]  # every READY sent in the last 2 s
+        self.ledger = ReadyLedger(self.PEERS)
         self.told_at = [-1e9] * self.PEERS  # when the broker last told the fake it dropped its messages
         self.batch_started = time.monotonic()
         self.forward_expected: list[tuple[int, tuple[bytes, ...]]] = []  # (peer, frames) sent while registered
@@ -333,13 +374,10 @@ class WorkerSocket(Target):
     def _send(self, frames: Frames, peer: int) -> None:
         self.fakes[peer].send_multipart(frames)
         message = decodes(frames)
-        now = time.monotonic()
-        if len(frames) >= 3 and frames[0] == p.VERSION and frames[1] == p.Command.READY.value:
-            self.ready_sent[peer].append(now)  # any READY, well formed or not, takes from its rate
+        if _command(frames) is p.Command.READY:
+            self.ledger.sent_ready(peer, frames, _ready_answer(self.admission, frames, message))
         if isinstance(message, p.Ready):
-            refused = self.admission.too_large(p.Command.READY, len(frames[2])) or self.admission.ready_problem(message)
-            self.readies[peer].append((now, "ERROR" if refused else "WELCOME"))
-            if not refused:
+            if _ready_answer(self.admission, frames, message) == "WELCOME":
                 self.registered[peer] = True
         elif isinstance(message, p.Disconnect):
             self.registered[peer] = False
@@ -354,9 +392,9 @@ class WorkerSocket(Target):
                 if not isinstance(message, (p.Welcome, p.Reconnect, p.Heartbeat, p.Drop, p.Error, *p.REQUEST_TYPES)):
                     self.report.notes.append(f"fake worker {i} got {show_frames(frames)}")
                 if isinstance(message, p.Error) and message.request_id is None:  # a READY refused
-                    self.ready_answers[i].append("ERROR")
+                    self.ledger.answers[i].append("ERROR")
                 elif isinstance(message, p.Welcome):
-                    self.ready_answers[i].append("WELCOME")
+                    self.ledger.answers[i].append("WELCOME")
                 elif isinstance(message, (p.Reconnect, p.Drop)):
                     self.told_at[i] = time.monotonic()
         for frames in _recv_all(self.bystander, 0):
@@ -384,35 +422,17 @@ class WorkerSocket(Target):
     def _explained(self, peer: int) -> bool:
         return self.told_at[peer] >= self.batch_started - self.EXPLAINED_S
 
-    def _ready_problem(self, peer: int) -> str | None:
-        """Every READY gets its WELCOME (admissible) or ERROR (refused), in order; one may go unanswered only when the
-        fake had sent READY_BURST - 1 others (well formed or not) in the 2 s before it (the broker's per-peer rate)."""
-        sent, got = self.readies[peer], self.ready_answers[peer]
-        history = self.ready_sent[peer]
-        j, skipped = 0, []
-        for at, kind in sent:
-            if j < len(got) and got[j] == kind:
-                j += 1
-            else:
-                skipped.append(at)
-        if j < len(got):
-            return f"fake {peer} got READY answers {got}, its READYs called for {[k for _, k in sent]}"
-        for at in skipped:
-            if sum(1 for t in history if at - 2.0 <= t < at) < READY_BURST - 1:
-                return f"fake {peer}: a READY was not answered ({len(got)} answers to {len(sent)} READYs)"
-        return None
-
     def _check(self) -> None:
         def settled() -> bool:
             missing, _ = self._outstanding()
-            return (not any(self._ready_problem(i) for i in range(self.PEERS))
+            return (not any(self.ledger.problem(i) for i in range(self.PEERS))
                     and all(self._explained(peer) for peer, _ in missing))
 
         done = self._wait(settled)
         missing, extra = self._outstanding()
         if not done:
             unexplained = [f"fake {peer}: {show_frames(list(f))}" for peer, f in missing if not self._explained(peer)][:5]
-            problems = [q for i in range(self.PEERS) if (q := self._ready_problem(i))]
+            problems = [q for i in range(self.PEERS) if (q := self.ledger.problem(i))]
             now = time.monotonic()
             state = [(self.registered[i], round(self.told_at[i] - self.batch_started, 3)) for i in range(self.PEERS)]
             raise self.fail(f"{problems}; answers of registered fakes not forwarded to the bystander: {unexplained}; "
@@ -420,16 +440,11 @@ class WorkerSocket(Target):
                             f"{now - self.batch_started:.1f} s ago", self.stack.daemons())
         self._pump(50)
         missing, extra = self._outstanding()
-        problems = [q for i in range(self.PEERS) if (q := self._ready_problem(i))]
+        problems = [q for i in range(self.PEERS) if (q := self.ledger.problem(i))]
         if extra or problems:
             raise self.fail(f"unexpected: forwarded {[show_frames(list(f)) for f in extra][:5]}; {problems}",
                             self.stack.daemons())
-        now = time.monotonic()
-        for i in range(self.PEERS):
-            self.report.answers["READY unanswered (rate)"] += len(self.readies[i]) - len(self.ready_answers[i])
-            self.ready_sent[i] = [t for t in self.ready_sent[i] if now - t < 2.0]
-            self.readies[i].clear()
-            self.ready_answers[i].clear()
+        self.ledger.settle(self.report)
         self.report.answers["dropped, the fake told"] += len(missing)
         self.forwarded.clear()
         self.forward_expected.clear()
@@ -684,6 +699,7 @@ class HostilePeers(Target):
         self.expected: list[tuple[float, tuple[bytes, ...]]] = []  # (sent at, frames) for the bystander
         self.received: Counter[tuple[bytes, ...]] = Counter()
         self.told_at = -1e9  # when the broker last told the fake it was not registered
+        self.ledger = ReadyLedger(self.PEERS)  # the strangers' READYs (peer 0 sends none of the cases')
         self._next_beat = 0.0
         try:
             _connect(self.bystander)
@@ -713,6 +729,8 @@ class HostilePeers(Target):
         if peer == 0 and (isinstance(message, (p.Disconnect, p.Ready)) or _command(frames) is p.Command.READY):
             return  # the registered fake stays registered, as itself
         self.peers[peer].send_multipart(frames)
+        if peer > 0 and _command(frames) is p.Command.READY:
+            self.ledger.sent_ready(peer, frames, _ready_answer(self.admission, frames, message))
         now = time.monotonic()
         if peer == 0 and forwarded_to(frames) == self.bystander_route:
             self.expected.append((now, tuple(frames)))
@@ -741,6 +759,7 @@ class HostilePeers(Target):
                 if i > 0 and isinstance(message, p.Error):
                     if not message.message.startswith("registration refused: "):
                         self.report.notes.append(f"peer {i} got an ERROR that refuses no READY: {message}")
+                    self.ledger.answers[i].append("ERROR")
         for frames in _recv_all(self.bystander, 0):
             if isinstance(decodes(frames), p.Lease):
                 continue
@@ -760,17 +779,21 @@ class HostilePeers(Target):
 
     def _check(self) -> None:
         def settled() -> bool:  # what is missing was sent before the broker told the fake it had given it up
-            return all(sent_at <= self.told_at for sent_at, _ in self._outstanding()[0])
+            return (all(sent_at <= self.told_at for sent_at, _ in self._outstanding()[0])
+                    and not any(self.ledger.problem(i) for i in range(1, self.PEERS)))
 
         if not self._wait(settled):
             late = [show_frames(list(f)) for t, f in self._outstanding()[0] if t > self.told_at][:5]
-            raise self.fail(f"FANOUT parts of the registered fake not delivered to the bystander: {late}",
+            problems = [q for i in range(1, self.PEERS) if (q := self.ledger.problem(i))]
+            raise self.fail(f"FANOUT parts of the registered fake not delivered to the bystander: {late}; {problems}",
                             self.stack.daemons())
         self._pump(50)
         missing, extra = self._outstanding()
-        if extra:
-            raise self.fail(f"forwarded though no registered worker sent it: {[show_frames(list(f)) for f in extra][:5]}",
-                            self.stack.daemons())
+        problems = [q for i in range(1, self.PEERS) if (q := self.ledger.problem(i))]
+        if extra or problems:
+            raise self.fail(f"forwarded though no registered worker sent it: {[show_frames(list(f)) for f in extra][:5]}; "
+                            f"{problems}", self.stack.daemons())
+        self.ledger.settle(self.report)
         self.report.answers["parts dropped, the fake told"] += len(missing)
         self.expected.clear()
         self.received.clear()
@@ -797,6 +820,16 @@ class HostilePeers(Target):
 
 def _command(frames: Frames) -> p.Command | None:
     return p.COMMANDS.get(bytes(frames[1])) if len(frames) >= 3 and frames[0] == p.VERSION else None
+
+
+def _ready_answer(admission: Admission, frames: Frames, message: p.Message | None) -> str | None:
+    """What the broker answers a READY command with, over its rate or not: ERROR when it refuses it (too long to read,
+    or read and not admissible), WELCOME when it takes it, None (nothing) when it does not decode."""
+    if admission.too_large(p.Command.READY, len(frames[2])):
+        return "ERROR"
+    if not isinstance(message, p.Ready):
+        return None
+    return "ERROR" if admission.ready_problem(message) else "WELCOME"
 
 
 TARGETS: dict[str, type[Target]] = {"client": ClientSocket, "worker-socket": WorkerSocket, "hostile-peers": HostilePeers,

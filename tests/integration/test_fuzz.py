@@ -59,7 +59,7 @@ def test_the_broker_worker_socket_survives_hostile_peers(stack: FuzzStack) -> No
     assert (report.cases, report.checkpoints) == (CASES, CASES // BATCH)
     assert report.good_rounds >= CASES // BATCH
     assert report.answers["forwarded"] > 0 and report.answers["RECONNECT"] > 0
-    assert report.errors_by_code().get("bad_request", 0) > 0  # READYs refused with their reason
+    assert report.answers["READY refused"] > 0  # with their reason, each (or over the peer's rate)
     assert all(d.alive for d in stack.daemons())
 
 
