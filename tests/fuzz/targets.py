@@ -706,6 +706,11 @@ class HostilePeers(Target):
             self._register()
             if not self._wait(lambda: self.report.answers["WELCOME"] > 0):
                 raise FuzzFailure("the registered fake was not welcomed")
+            for i, frames in enumerate(self.oversized):  # each refused with its ERROR, whatever the cases draw
+                self._send(frames, 1 + i % (self.PEERS - 1))
+            if not self._wait(lambda: sum(map(len, self.ledger.answers)) == len(self.oversized)):
+                raise FuzzFailure(f"oversized READYs not all refused: {self.ledger.answers}")
+            self.ledger.settle(self.report)
         except BaseException:
             self.release()
             raise
