@@ -13,6 +13,9 @@
   PREFILL_WAIT_SLICE_S. They queue their device work behind the running steps instead of waiting for them.
 - Sessions idle longer than `session_idle_timeout_s` (no request, no generation) are closed; the broker
   hears of it in the next HEARTBEAT (`expired`), and a later request gets `session_expired`.
+- A long text is tokenized on a thread of its own (worker.serve.dispatch): the loop takes the request's ids when
+  they are there (`Dispatch.completed`, woken by the link), and afterwards gives the C heap's free memory back to
+  the system (a 4M-character text's tokenization takes hundreds of MB for a moment).
 - SIGTERM/SIGINT: drain. New sessions and generations get worker_draining (the broker stops placing
   here when the next heartbeat says so), generations in flight finish, then DISCONNECT and exit.
   A second signal, or the drain timeout, cancels what is still running.
@@ -26,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from broker.common import heap
 from broker.common import protocol as p
 from broker.common.metrics_http import Pulse
 from worker.serve.config import WorkerConfig, WorkerState
@@ -47,6 +51,7 @@ PREFILL_WAIT_SLICE_S = 1e-4
 BUSY_LINGER_S = 0.25
 SLOT_KEEP_S = 2.0  # a closed session's slot stays mapped this long for a new session, then is released
 MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives up and leaves
+TRIM_AFTER_CHARS = 1 << 18  # characters tokenized off the loop after which the heap is trimmed, once none is left
 
 
 class Serve:
@@ -69,6 +74,7 @@ class Serve:
                                          device=engine.device, max_context=engine.max_context,
                                          memory=torch_memory(engine.device))
         self.dispatch = Dispatch(engine, config, sampling, self.metrics)
+        self.dispatch.on_tokenized = self.link.wake_loop
 
     def metrics_snapshot(self) -> WorkerSnapshot:
         """Read on the metrics thread: only values this loop replaces whole."""
@@ -80,12 +86,14 @@ class Serve:
                               mapped_bytes=None if table is None else table.backend.mapped_bytes())
 
     def ready_message(self) -> p.Ready:
+        """On the link thread: the state the loop replaced last, and each session's latest client (single dict reads)."""
         state = self.state
+        routes = self.dispatch.routes
         return p.Ready(
             name=self.config.name, model=self.engine.model_name, capacity=self.engine.capacity,
             free_slots=state.free_slots, max_context=self.engine.max_context, sessions=state.sessions,
             draining=state.draining, device=self.engine.device, bytes_per_session=self.engine.bytes_per_session,
-            owners=state.owners,
+            owners=state.owners, holders=tuple(routes.get(sid, b"") for sid in state.sessions),
         )
 
     def drain(self) -> None:
@@ -102,12 +110,14 @@ class Serve:
         """Serve until drained. Returns the process exit code."""
         self.link.start()
         try:
-            while not (self.draining and not self.engine.has_work()):
+            while not (self.draining and not self.engine.has_work() and not self.dispatch.tokenizing):
                 if not self.link.alive:
                     log.error("worker_link_died")
                     return 1
                 self.pulse.beat()
                 self._admit(self.link.receive(self._wait_s(time.monotonic())))
+                if self.dispatch.tokenizing:
+                    self._admit_tokenized()
                 now = time.monotonic()
                 if self.draining and now >= self._drain_deadline:
                     self.dispatch.cancel_all()
@@ -123,6 +133,8 @@ class Serve:
             log.exception("worker_failed")
             self.link.stop("worker failed", refuse=p.ErrorCode.SESSION_LOST)
             raise
+        finally:
+            self.dispatch.close()
         log.info("worker_drained")
         self.link.stop("drained")
         return 0
@@ -149,6 +161,19 @@ class Serve:
                 self.link.send(answers)
         if self.dispatch.sessions_changed:  # once per batch: a burst of creates or closes builds it once, not once each
             self._refresh_state()
+
+    def _admit_tokenized(self) -> None:
+        """Run the requests whose long texts are tokenized now (and those their sessions held back); once no
+        tokenization is left after a lot of text, give the heap's free memory back."""
+        answers = self.dispatch.completed()
+        if answers:
+            self._busy_at = time.monotonic()
+            self.link.send(answers)
+        if self.dispatch.sessions_changed:
+            self._refresh_state()
+        if not self.dispatch.tokenizing and self.dispatch.tokenized_chars >= TRIM_AFTER_CHARS:
+            self.dispatch.tokenized_chars = 0
+            heap.release_free_memory()
 
     # -- steps --
 
