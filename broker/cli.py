@@ -1,8 +1,11 @@
 """`broker start`: run the broker until SIGTERM or SIGINT (SIGHUP re-reads the allowed keys).
-`broker keygen DIR NAME`: make a CURVE key pair. Every flag of `start` falls back to an environment variable.
+`broker keygen DIR NAME`: make a CURVE key pair. `broker status`, `broker sessions`, `broker close-session ID`: ask a
+running broker (broker/status_cmd.py, broker/sessions_cmd.py). Every flag of `start` falls back to an environment
+variable.
 
 Exit codes: 0 after a clean shutdown, 2 for bad arguments (e.g. an address that is not tcp://HOST:PORT), 3
-when the broker cannot start (e.g. an address is already in use, or a key directory is incomplete).
+when the broker cannot start (e.g. an address is already in use, a key directory is incomplete, or its secret
+key is readable by others).
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from types import FrameType
 
 import structlog
 
-from broker import status_cmd
+from broker import sessions_cmd, status_cmd
+from broker.admission import MAX_WORKER_SESSIONS_FLAG
 from broker.common import heap, keys, logs
 from broker.common.arguments import env_int, non_negative_int, positive_int, zmq_address
 from broker.common.metrics_http import MetricsServer
 from broker.metrics import BrokerMetrics
-from broker.router import MAX_SESSIONS_FLAG
+from broker.router import GRACE_FLAG, MAX_SESSIONS_FLAG
 from broker.server import BrokerConfig, BrokerServer
 
 EXIT_STARTUP_FAILED = 3
@@ -43,7 +47,21 @@ def parser() -> argparse.ArgumentParser:
                        help="missed heartbeats before a worker is dead [env BROKER_LIVENESS] (default %(default)s)")
     start.add_argument("--recovery-ms", type=positive_int, default=env_int("broker", "BROKER_RECOVERY_MS", None),
                        help="after a start, how long requests for unknown sessions wait for workers to "
-                            "re-register [env BROKER_RECOVERY_MS] (default: liveness + 2 heartbeats)")
+                            "re-register (longer while a worker heard from has not) [env BROKER_RECOVERY_MS] "
+                            "(default: liveness + 2 heartbeats, at least 2000)")
+    start.add_argument("--worker-silence-ms", type=positive_int,
+                       default=env_int("broker", "BROKER_WORKER_SILENCE_MS", defaults.worker_silence_ms),
+                       help="a worker whose connection is up but that sends nothing this long is gone (a stopped or "
+                            "cut-off one is noticed in liveness heartbeats) [env BROKER_WORKER_SILENCE_MS] "
+                            "(default %(default)s)")
+    start.add_argument(MAX_WORKER_SESSIONS_FLAG, type=positive_int,
+                       default=env_int("broker", "BROKER_MAX_WORKER_SESSIONS", defaults.max_worker_sessions),
+                       help="session slots one worker may register (a READY offering more is refused) "
+                            "[env BROKER_MAX_WORKER_SESSIONS] (default %(default)s)")
+    start.add_argument(GRACE_FLAG, type=non_negative_int,
+                       default=env_int("broker", "BROKER_SESSION_GRACE_MS", defaults.session_grace_ms),
+                       help="close a session once the client connection that last used it has been gone this long, "
+                            "0 for never [env BROKER_SESSION_GRACE_MS] (default %(default)s)")
     start.add_argument("--hwm", type=positive_int, default=env_int("broker", "BROKER_HWM", defaults.hwm),
                        help="messages queued per peer [env BROKER_HWM] (default %(default)s)")
     start.add_argument("--keys", type=Path, default=os.environ.get("BROKER_KEYS") or None,
@@ -55,8 +73,8 @@ def parser() -> argparse.ArgumentParser:
                             "(default %(default)s)")
     start.add_argument("--request-timeout-ms", type=non_negative_int,
                        default=env_int("broker", "BROKER_REQUEST_TIMEOUT_MS", defaults.request_timeout_ms),
-                       help="fail a request with `timeout` when its worker makes no progress for this long, 0 for "
-                            "never [env BROKER_REQUEST_TIMEOUT_MS] (default %(default)s)")
+                       help="fail a request with `timeout` when nothing of it reaches its client (an answer, streamed "
+                            "tokens) for this long, 0 for never [env BROKER_REQUEST_TIMEOUT_MS] (default %(default)s)")
     start.add_argument("--log-level", choices=logs.LEVELS, default=os.environ.get("BROKER_LOG_LEVEL", "info"),
                        help="[env BROKER_LOG_LEVEL] (default %(default)s)")
     start.add_argument("--metrics-port", type=non_negative_int, default=env_int("broker", "BROKER_METRICS_PORT", None),
@@ -64,6 +82,7 @@ def parser() -> argparse.ArgumentParser:
     start.add_argument("--metrics-host", default=os.environ.get("BROKER_METRICS_HOST") or "127.0.0.1",
                        help="interface of the metrics port [env BROKER_METRICS_HOST] (default %(default)s)")
     status_cmd.add_parser(sub)
+    sessions_cmd.add_parsers(sub)
     keygen = sub.add_parser("keygen", help="write a CURVE key pair: DIR/NAME.key (public), DIR/NAME.key_secret")
     keygen.add_argument("directory", type=Path, help="where to write (made if missing)")
     keygen.add_argument("name", help="the key's name, e.g. broker, a worker's or a client's name")
@@ -86,12 +105,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_keygen(args)
     if args.command == "status":
         return status_cmd.run(args)
+    if args.command == "sessions":
+        return sessions_cmd.run_sessions(args)
+    if args.command == "close-session":
+        return sessions_cmd.run_close(args)
     logs.configure(args.log_level, role="broker")
     log = structlog.get_logger()
     config = BrokerConfig(
         clients=args.clients, workers=args.workers, heartbeat_ms=args.heartbeat_ms, liveness=args.liveness,
         recovery_ms=args.recovery_ms, hwm=args.hwm, keys=args.keys, max_sessions_per_client=args.max_sessions_per_client,
-        request_timeout_ms=args.request_timeout_ms,
+        request_timeout_ms=args.request_timeout_ms, worker_silence_ms=args.worker_silence_ms,
+        max_worker_sessions=args.max_worker_sessions, session_grace_ms=args.session_grace_ms,
     )
     stop = False
 

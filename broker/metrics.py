@@ -31,6 +31,16 @@ worker). What a broker exports:
     sessionserve:worker_reregistrations_total     counter  READY from a worker already registered
     sessionserve:workers_lost_total{reason}       counter  missed_heartbeats, disconnected, unreachable, ...
     sessionserve:sessions_lost_total              counter  sessions on the workers that were lost
+    sessionserve:worker_messages_dropped_total{reason}  counter  worker-socket messages not used: unregistered,
+                                                   malformed, unexpected, rate_limited, ready_refused, too_large,
+                                                   lost_session, not_its_request
+    sessionserve:broker_loop_errors_total         counter  messages (or timers) whose handling raised (logged)
+    sessionserve:creates_replaced_total           counter  creates placed again after their worker was lost
+    sessionserve:sessions_dropped_total           counter  lost sessions a returning worker was told to drop
+    sessionserve:sessions_lease_expired_total     counter  sessions closed because their client was gone too long
+    sessionserve:clients_gone                     gauge    client connections holding sessions that are gone
+    sessionserve:broker_stalls_total              counter  times the broker's process did not run for half a
+                                                   heartbeat window (connection losses then get a window)
     process_*                                              resident memory, CPU seconds, open fds
 """
 
@@ -99,6 +109,8 @@ class _BrokerCollector(Collector):
                      len(router.held))
         yield _gauge("recovering", "1 while a freshly started broker waits for workers to re-register.",
                      1 if router.recovering(self.clock()) else 0)
+        yield _gauge("clients_gone", "Client connections holding sessions that are gone (their sessions are closed "
+                     "after the grace period).", router.clients_gone())
         yield from self._per_worker(workers)
         yield from self._counters()
 
@@ -146,6 +158,21 @@ class _BrokerCollector(Collector):
                                   value=c.workers_reregistered)
         yield CounterMetricFamily(PREFIX + "sessions_lost", "Sessions on workers that were lost.",
                                   value=c.sessions_lost)
+        yield _counter("worker_messages_dropped", "Worker-socket messages not used, by reason.", "reason",
+                       c.messages_dropped)
+        yield CounterMetricFamily(PREFIX + "broker_loop_errors",
+                                  "Messages (or timers) whose handling raised; logged, and the broker went on.",
+                                  value=c.loop_errors)
+        yield CounterMetricFamily(PREFIX + "creates_replaced", "Creates placed again after their worker was lost.",
+                                  value=c.creates_replaced)
+        yield CounterMetricFamily(PREFIX + "sessions_dropped",
+                                  "Sessions declared lost that a returning worker was told to drop.",
+                                  value=c.sessions_dropped)
+        yield CounterMetricFamily(PREFIX + "broker_stalls",
+                                  "Times the broker's process did not run for half a heartbeat window.", value=c.stalls)
+        yield CounterMetricFamily(PREFIX + "sessions_lease_expired",
+                                  "Sessions closed because their client was gone longer than the grace period.",
+                                  value=c.sessions_lease_closed)
 
 
 class BrokerMetrics:

@@ -1,4 +1,5 @@
-"""The broker's bookkeeping: which workers exist, what they serve, and which worker holds each session.
+"""The broker's bookkeeping: which workers exist, what they serve, which worker holds each session, and for each
+session its owner, its client (the connection that last used it: whose lease keeps it), its last use and its length.
 
 Pure data, no sockets: the router calls it and tests assert on it with exact values.
 """
@@ -6,7 +7,9 @@ Pure data, no sockets: the router calls it and tests assert on it with exact val
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 
 import structlog
 
@@ -14,10 +17,23 @@ from broker.common.protocol import ErrorCode, Ready, WorkerStatus
 
 log = structlog.get_logger()
 
-# Sessions of dead workers (and sessions their worker closed for idling) are remembered so that later
-# requests get session_lost (session_expired), not session_not_found. Bounded so that a long-lived broker
-# does not grow without limit.
+# Sessions of dead workers (and sessions closed for idling, or because their client was gone) are remembered so that
+# later requests get session_lost (session_expired), not session_not_found. Bounded so that a long-lived broker does not
+# grow without limit.
 MAX_GONE_SESSIONS = 1 << 20
+NO_CLIENT = b""  # the client of a session that nobody has used since a READY that named none
+
+
+class Gone(Enum):
+    """Why a session that was is no more; `code` is what later requests for it are answered."""
+
+    LOST = "lost"  # its worker is gone
+    IDLE = "idle"  # its worker closed it after it idled (worker --session-idle-timeout)
+    LEASE = "lease"  # the broker closed it: its client was gone (broker --session-grace-ms)
+
+    @property
+    def code(self) -> ErrorCode:
+        return ErrorCode.SESSION_LOST if self is Gone.LOST else ErrorCode.SESSION_EXPIRED
 
 
 @dataclass
@@ -38,8 +54,6 @@ class WorkerRecord:
     closing: set[str] = field(default_factory=set)
     bytes_per_session: int = 0
     seen_at: float = 0.0  # when the broker last heard from it (monotonic)
-    steps: int = 0  # engine steps it reported
-    progress_at: float = 0.0  # when it last answered a request or reported more steps
 
     @property
     def free(self) -> int:
@@ -62,13 +76,22 @@ class WorkerRecord:
         )
 
 
+@dataclass(slots=True)
+class SessionRecord:
+    worker: bytes  # the identity of the worker holding it
+    owner: str  # the client it belongs to ("" = nobody in particular)
+    client: bytes  # the route of the client connection that last used it (NO_CLIENT: none known)
+    used_at: float  # when a request last addressed it (or it was made, or registered)
+    length: int | None = None  # tokens, as the worker last answered (None: not known yet)
+
+
 class Registry:
     def __init__(self) -> None:
         self.workers: dict[bytes, WorkerRecord] = {}
-        self._holder: dict[str, bytes] = {}  # session id -> worker identity
-        self._owner: dict[str, str] = {}  # session id -> the client it belongs to ("" = nobody in particular)
+        self._sessions: dict[str, SessionRecord] = {}
         self._owned: dict[str, int] = {}  # client -> live sessions it owns
-        self._gone: OrderedDict[str, ErrorCode] = OrderedDict()  # session id -> session_lost or session_expired
+        self._by_client: dict[bytes, set[str]] = {}  # client route -> the sessions whose lease it holds
+        self._gone: OrderedDict[str, Gone] = OrderedDict()
 
     # -- workers ---------------------------------------------------------------------------------
 
@@ -81,14 +104,15 @@ class Registry:
         record.free_slots, record.max_context = ready.free_slots, ready.max_context
         record.device, record.draining = ready.device, ready.draining
         record.bytes_per_session = ready.bytes_per_session
-        record.seen_at = record.progress_at = now
+        record.seen_at = now
         for sid in list(record.sessions):
             self._forget(sid)
         record.sessions = set()
         record.closing = set()
         owners = ready.owners or ("",) * len(ready.sessions)
-        for sid, owner in zip(ready.sessions, owners, strict=True):
-            self.add_session(identity, sid, owner)
+        holders = ready.holders or (NO_CLIENT,) * len(ready.sessions)
+        for sid, owner, client in zip(ready.sessions, owners, holders, strict=True):
+            self.add_session(identity, sid, owner, client, now)
         return record
 
     def remove(self, identity: bytes) -> WorkerRecord | None:
@@ -98,7 +122,7 @@ class Registry:
             return None
         for sid in record.sessions:
             self._forget(sid)
-            self._remember_gone(sid, ErrorCode.SESSION_LOST)
+            self._remember_gone(sid, Gone.LOST)
         return record
 
     def serving(self, model: str | None) -> list[WorkerRecord]:
@@ -106,65 +130,107 @@ class Registry:
 
     # -- sessions --------------------------------------------------------------------------------
 
-    def add_session(self, identity: bytes, session_id: str, owner: str = "") -> bool:
-        """Record that `identity` holds the session, which belongs to `owner` ("" = no one in particular).
-        False (and nothing changes) if another live worker holds it."""
+    def add_session(self, identity: bytes, session_id: str, owner: str = "", client: bytes = NO_CLIENT,
+                    now: float = 0.0, length: int | None = None) -> bool:
+        """Record that `identity` holds the session, which belongs to `owner` ("" = no one in particular) and was last
+        used by the client connection `client`. False (and nothing changes) if another live worker holds it."""
         record = self.workers.get(identity)
         if record is None:
             return False
-        holder = self._holder.get(session_id)
-        if holder is not None and holder != identity:
-            log.error("session_conflict", session=session_id, holder=self.workers[holder].name, claimant=record.name)
+        known = self._sessions.get(session_id)
+        if known is not None and known.worker != identity:
+            log.error("session_conflict", session=session_id, holder=self.workers[known.worker].name,
+                      claimant=record.name)
             return False
-        if holder is None:
-            self._holder[session_id] = identity
-            self._owner[session_id] = owner
+        if known is None:
+            self._sessions[session_id] = SessionRecord(identity, owner, client, now, length)
+            self._by_client.setdefault(client, set()).add(session_id)
             if owner:
                 self._owned[owner] = self._owned.get(owner, 0) + 1
         record.sessions.add(session_id)
         self._gone.pop(session_id, None)
         return True
 
-    def drop_session(self, session_id: str, why: ErrorCode | None = None) -> None:
-        """The session is closed (why None) or expired (why session_expired)."""
-        identity = self._forget(session_id)
-        if identity is not None:
-            record = self.workers[identity]
+    def drop_session(self, session_id: str, why: Gone | None = None) -> None:
+        """The session is closed (why None), expired or closed by its lease."""
+        known = self._forget(session_id)
+        if known is not None:
+            record = self.workers[known.worker]
             record.sessions.discard(session_id)
             record.closing.discard(session_id)
         if why is not None:
             self._remember_gone(session_id, why)
 
+    def used(self, session_id: str, client: bytes, now: float) -> None:
+        """A request from the client connection `client` addressed the session: it holds its lease now."""
+        known = self._sessions.get(session_id)
+        if known is None:
+            return
+        known.used_at = now
+        if known.client != client:
+            self._release(session_id, known.client)
+            known.client = client
+            self._by_client.setdefault(client, set()).add(session_id)
+
+    def set_length(self, session_id: str, length: int) -> None:
+        known = self._sessions.get(session_id)
+        if known is not None:
+            known.length = length
+
     def worker_of(self, session_id: str) -> WorkerRecord | None:
-        identity = self._holder.get(session_id)
-        return None if identity is None else self.workers[identity]
+        known = self._sessions.get(session_id)
+        return None if known is None else self.workers[known.worker]
+
+    def session(self, session_id: str) -> SessionRecord | None:
+        return self._sessions.get(session_id)
+
+    def sessions(self) -> Iterator[tuple[str, SessionRecord]]:
+        return iter(self._sessions.items())
 
     def owner_of(self, session_id: str) -> str:
-        return self._owner.get(session_id, "")
+        known = self._sessions.get(session_id)
+        return "" if known is None else known.owner
 
     def owned_by(self, owner: str) -> int:
         """Live sessions of a client."""
         return self._owned.get(owner, 0)
 
-    def gone(self, session_id: str) -> ErrorCode | None:
-        """session_lost or session_expired for a session that was, else None."""
+    def held_by(self, client: bytes) -> set[str]:
+        """The sessions whose lease the client connection `client` holds (do not change the set)."""
+        return self._by_client.get(client, set())
+
+    def clients(self) -> list[bytes]:
+        """The client connections that hold sessions (NO_CLIENT among them when some session has none)."""
+        return list(self._by_client)
+
+    def gone(self, session_id: str) -> Gone | None:
+        """Why a session that was is no more, else None."""
         return self._gone.get(session_id)
 
     def session_count(self) -> int:
-        return len(self._holder)
+        return len(self._sessions)
 
-    def _forget(self, session_id: str) -> bytes | None:
-        identity = self._holder.pop(session_id, None)
-        owner = self._owner.pop(session_id, "")
-        if owner:
-            left = self._owned.get(owner, 0) - 1
+    def _forget(self, session_id: str) -> SessionRecord | None:
+        known = self._sessions.pop(session_id, None)
+        if known is None:
+            return None
+        self._release(session_id, known.client)
+        if known.owner:
+            left = self._owned.get(known.owner, 0) - 1
             if left > 0:
-                self._owned[owner] = left
+                self._owned[known.owner] = left
             else:
-                self._owned.pop(owner, None)
-        return identity
+                self._owned.pop(known.owner, None)
+        return known
 
-    def _remember_gone(self, session_id: str, code: ErrorCode) -> None:
-        self._gone[session_id] = code
+    def _release(self, session_id: str, client: bytes) -> None:
+        held = self._by_client.get(client)
+        if held is not None:
+            held.discard(session_id)
+            if not held:
+                del self._by_client[client]
+
+    def _remember_gone(self, session_id: str, why: Gone) -> None:
+        self._gone[session_id] = why
         if len(self._gone) > MAX_GONE_SESSIONS:
             self._gone.popitem(last=False)

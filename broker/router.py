@@ -1,40 +1,65 @@
 """The broker's logic: frames in, frames out. No sockets (broker/server.py does the I/O).
 
-- A client request is validated, then placed (CREATE), answered here (STATUS) or forwarded to the
-  worker holding its session with the client's routing id added as `route`.
-- A worker's answer (REPLY, CHUNKS, ERROR) is forwarded to its route unchanged; the broker only
-  reads the header to find the route and to keep its tables (session created, forked, closed; request
-  finished). CHUNKS, the streamed tokens of one engine step for one client, is checked no further than
-  its route and the type of its list: the client checks the chunks, so nothing is done here per token.
-- A worker that misses `liveness` heartbeats, disconnects, or cannot be reached is gone: every request
-  in flight on it fails at once with session_lost, and later requests for its sessions get session_lost.
-- A freshly started broker is "recovering" for a while: requests for sessions it does not know yet
-  are held until the workers have re-registered (they send the sessions they hold), then answered.
-- Sessions have owners. With authentication on, a session belongs to the client key that created it
-  (forks to the key that forked) and any other key gets `unauthorized`; without it, to the client's
-  routing id, used only to count sessions against the per-client cap.
-- A request whose worker makes no progress (no answer, no engine step) for `request_timeout_s` fails with
-  `timeout`, checked once per heartbeat; the worker and its other sessions stay.
+- A client request is validated, then placed (CREATE), answered here (STATUS, SESSIONS) or forwarded to the worker
+  holding its session with the client's routing id added as `route`.
+- A registered worker's answer (REPLY, CHUNKS, ERROR, FANOUT) is forwarded to its route unchanged; the broker only
+  reads the header to find the route and to keep its tables (session created, forked, closed, its length; request
+  finished), and only an answer to a request in flight on that very worker changes them. CHUNKS and FANOUT parts, the
+  streamed tokens of one engine step, are checked no further than their routes and the type of their lists: the client
+  checks the chunks, so nothing is done here per token. A peer that is not registered gets nothing forwarded: its
+  answers are dropped (counted) and it is asked to register. Every message from the worker socket is taken through
+  broker.admission first (READY and HEARTBEAT size limits, per-peer rates); what is not used is dropped and counted by
+  reason (`RouterCounters.messages_dropped`).
+- A worker is gone when it disconnects, when a send to it fails (its connection is gone: ZMTP heartbeats close a
+  stopped or cut-off peer's connection within `liveness` heartbeats; see broker.liveness), or when it sends nothing
+  at all for `silence_s`. Every request in flight on it fails at once with session_lost, except creates, which are
+  placed again on another worker; later requests for its sessions get session_lost. session_lost is final: should
+  that worker come back, the sessions are not taken back but dropped there (DROP), and its answers for them are not
+  forwarded.
+- A freshly started broker is "recovering": requests for sessions it does not know yet are held until `recovery_s`
+  has passed and every peer heard from on the worker socket meanwhile has registered (or stayed unregistered a
+  heartbeat window since it was first heard), then answered.
+- Sessions have owners. With authentication on, a session belongs to the client key that created it (forks to the key
+  that forked) and any other key gets `unauthorized`, except keys in the broker's admins/ (INFO, CLOSE, CANCEL and
+  SESSIONS of any session); without it, to the client's routing id, used only to count sessions against the per-client
+  cap.
+- Sessions have leases: the client connection that last used a session holds it. Every heartbeat the broker sends a
+  LEASE to each such connection; one whose send fails is gone, and its sessions are closed (a CLOSE of the broker's own)
+  once it has been gone for `session_grace_s`, unless a client uses them meanwhile. Later requests get
+  session_expired.
+- A request on which nothing reaches its client (no answer, and no streamed tokens from its worker to its route) for
+  `request_timeout_s` fails with `timeout`, checked once per heartbeat; the worker and its other sessions stay. What a
+  worker says about its own progress is not taken into account.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Any
 
 import structlog
 
+from broker.admission import DEFAULT_MAX_WORKER_SESSIONS, Admission
 from broker.common import protocol as p
 from broker.counters import RouterCounters
 from broker.liveness import Liveness
 from broker.placement import NoPlacement, place
-from broker.registry import Registry, WorkerRecord
+from broker.registry import NO_CLIENT, Gone, Registry, WorkerRecord
 
 log = structlog.get_logger()
 
 MAX_HELD = 100_000  # requests held while recovering; past this they are refused
+MAX_AWAITED = 4096  # unregistered peers a recovering broker waits for
+MAX_LOST_SESSIONS = 1 << 16  # sessions declared lost, remembered (per worker) to be dropped should it come back
+DROP_LOG_S = 10.0  # dropped messages are logged at warning at most this often per reason (a flood is counted)
 ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNKS, p.Command.ERROR, p.Command.FANOUT})
+CONTROL = frozenset({p.Command.READY, p.Command.HEARTBEAT, p.Command.DISCONNECT})  # what else a worker sends
+LEASE_ROUTE = b"\x00lease"  # the route of the broker's own CLOSEs: no client has it (ids from a zero byte are ZeroMQ's)
+ADMIN_COMMANDS = frozenset({p.Command.INFO, p.Command.CLOSE, p.Command.CANCEL})  # what an admin key may do to any session
 
 RequestKey = tuple[bytes, str]  # (client route, request id)
 
@@ -65,9 +90,13 @@ class Settings:
     authenticated: bool = False  # clients carry CURVE keys: sessions are owned by them
     max_sessions_per_client: int = 0  # 0: no cap
     request_timeout_s: float = 0.0  # 0: requests wait for their worker as long as it lives
+    silence_s: float | None = None  # a connected worker silent this long is gone (None: heartbeat x liveness)
+    max_worker_sessions: int = DEFAULT_MAX_WORKER_SESSIONS  # session slots one worker may offer (READY limits)
+    session_grace_s: float = 0.0  # a gone client's sessions are closed after this; 0: never
 
 
 MAX_SESSIONS_FLAG = "--max-sessions-per-client"
+GRACE_FLAG = "--session-grace-ms"
 
 
 @dataclass(slots=True)
@@ -77,6 +106,8 @@ class InFlight:
     session_id: str  # the session addressed; for CREATE and FORK the new session
     sent_at: float = 0.0
     owner: str = ""  # CREATE and FORK: whose the new session will be
+    create: p.CreateSession | None = None  # CREATE: the client's request, placed again should its worker vanish
+    user: str = ""  # CREATE: the client's key
 
 
 @dataclass(slots=True)
@@ -91,15 +122,31 @@ class Router:
         self.settings = settings
         self.broker_id = broker_id or secrets.token_hex(8)
         self.registry = Registry()
-        self.liveness = Liveness(settings.heartbeat_s, settings.liveness, now)
+        self.liveness = Liveness(settings.heartbeat_s, settings.liveness, now, settings.silence_s)
+        self.admission = Admission(settings.heartbeat_s, settings.max_worker_sessions)
+        self.admins: frozenset[str] = frozenset()  # client keys that may see and close any session (keys/admins/)
         self.inflight: dict[RequestKey, InFlight] = {}
         self.held: list[Held] = []
         self.recover_until = now + settings.recovery_s
+        # Unregistered peers heard from while recovering -> until when they are waited for (a heartbeat window).
+        self._awaited: dict[bytes, float] = {}
         self._asked_to_register: dict[bytes, float] = {}
+        self._told_to_drop: dict[bytes, float] = {}
+        self._ready_owed: set[bytes] = set()  # registered workers whose READY was over its rate: asked again later
         self._pending_by_owner: dict[str, int] = {}  # creates and forks in flight per owner
-        # Generations failed with session_lost when their worker was declared dead: should that worker come
-        # back (it was only stopped or cut off), they are cancelled rather than left generating for nobody.
-        self._orphans: dict[bytes, list[p.Cancel]] = {}
+        # Sessions declared lost with their worker (and the new sessions of creates and forks in flight on it), by
+        # worker identity: should it come back (it was only stopped or cut off), they are dropped there, not taken back.
+        self._lost: OrderedDict[bytes, set[str]] = OrderedDict()
+        self._lost_count = 0
+        # (worker, client route) -> when that worker's streamed tokens last reached that client: request progress.
+        self._delivered: dict[tuple[bytes, bytes], float] = {}
+        self._client_gone: dict[bytes, float] = {}  # client routes holding sessions -> since when they are gone
+        self._lease_failed: set[bytes] = set()  # routes whose sends failed since the last lease round
+        self._drops_logged: dict[str, float] = {}
+        # Workers found unreachable right after the broker stalled -> (since when, the sends to retry when they are back).
+        self._suspended: dict[bytes, tuple[float, list[Send]]] = {}
+        self._distrust_until = -1.0  # after a stall of the broker's own: connection losses are not trusted until then
+        self._now = now
         self._out: list[Send] = []
         self.counters = RouterCounters()  # read by broker.metrics at scrape time
 
@@ -107,6 +154,8 @@ class Router:
 
     def client_message(self, route: bytes, frames: list[bytes], now: float, user: str = "") -> list[Send]:
         """`user`: the client's CURVE public key (Z85) when the broker authenticates clients."""
+        self._now = now
+        self._client_gone.pop(route, None)  # it spoke: it is there
         try:
             envelope = p.decode_envelope(frames)
             if envelope.command not in p.REQUEST_COMMANDS:
@@ -122,6 +171,8 @@ class Router:
         self.counters.request(envelope.command)
         if isinstance(message, p.Status):
             self._reply(route, self._status(message.request_id, now))
+        elif isinstance(message, p.Sessions):
+            self._reply(route, self._session_list(message.request_id, now, user))
         elif isinstance(message, p.CreateSession):
             self._create(route, message, now, user)
         elif isinstance(message, p.SESSION_REQUEST_TYPES):
@@ -129,50 +180,84 @@ class Router:
         return self._flush()
 
     def worker_message(self, identity: bytes, frames: list[bytes], now: float) -> list[Send]:
-        try:
-            envelope = p.decode_envelope(frames)
-        except p.ProtocolError as e:
-            log.warning("worker_message_invalid", code=e.code.value, error=e.message, identity=identity.hex())
-            return []
+        self._now = now
+        command = _command_of(frames)
         record = self.registry.workers.get(identity)
         if record is not None:
             self.liveness.seen(identity, now)
             record.seen_at = now
-        if envelope.command in ANSWERS:
-            if record is not None:
-                record.progress_at = now
-            self._answer(identity, envelope, frames)
-            if record is None:
+            if identity in self._suspended:
+                self._resume(record)
+        elif self.recovering(now):
+            self._await(identity, now)
+        if command is None:
+            self._drop("malformed", identity, "not a message of this protocol (version, command or frames)")
+            return []
+        if command in ANSWERS:
+            if record is None:  # nothing is forwarded for a peer that is not registered
+                self._drop("unregistered", identity, f"{command.name} from a peer that is not registered")
+                self._ask_to_register(identity, now)
+                return self._flush()
+            try:
+                envelope = p.decode_envelope(frames)
+            except p.ProtocolError as e:
+                self._drop("malformed", identity, f"{command.name}: {e.message}")
+                return []
+            self._answer(record, envelope, frames, now)
+            return self._flush()
+        if command not in CONTROL:  # a request, WELCOME, RECONNECT, DROP...: nothing a worker sends; dropped unread
+            self._drop("unexpected", identity, f"{command.name} is not a worker's message")
+            return []
+        if record is None and command is not p.Command.READY:  # a stranger's heartbeat or farewell: not even read
+            if command is p.Command.HEARTBEAT:
                 self._ask_to_register(identity, now)
             return self._flush()
+        if command is not p.Command.DISCONNECT and not self.admission.allow(identity, command, now):
+            self._drop("rate_limited", identity, f"{command.name} over this peer's rate")
+            if command is p.Command.READY and record is not None:
+                self._ready_owed.add(identity)  # its newest state: asked for again once its rate allows
+            return []
+        too_large = self.admission.too_large(command, len(frames[2]))
+        if too_large is not None:
+            if command is p.Command.READY:
+                self._refuse_ready(identity, too_large)
+            else:
+                self._drop("too_large", identity, too_large)
+            return self._flush()
         try:
-            message = p.parse(envelope)
+            message = p.decode(frames)
         except p.ProtocolError as e:
-            log.warning("worker_message_invalid", code=e.code.value, error=e.message, identity=identity.hex())
+            self._drop("malformed", identity, f"{command.name}: {e.message}")
             return []
         if isinstance(message, p.Ready):
             self._register(identity, message, now)
-        elif isinstance(message, p.Heartbeat):
-            if record is None:
-                self._ask_to_register(identity, now)
-            else:
-                self._heartbeat(record, message, now)
+        elif isinstance(message, p.Heartbeat) and record is not None:
+            self._heartbeat(record, message)
         elif isinstance(message, p.Disconnect):
-            self._worker_gone(identity, f"disconnected: {message.reason}" if message.reason else "disconnected")
-        else:
-            log.warning("worker_message_unexpected", command=message.COMMAND.name, identity=identity.hex())
+            self._worker_gone(identity, f"disconnected: {message.reason}" if message.reason else "disconnected", now)
         return self._flush()
 
     def tick(self, now: float) -> list[Send]:
-        """Time passes: expire silent workers, send heartbeats, answer what was held past recovery."""
-        for identity in self.liveness.expired(now):
-            self._worker_gone(identity, "missed heartbeats")
-        if self.liveness.heartbeat_due(now):
+        """Time passes: expire silent workers, send heartbeats and leases, close what lost its lease, time requests
+        out, answer what was held past recovery."""
+        self._now = now
+        live = self.liveness
+        silent = "missed heartbeats" if live.silence_s <= live.timeout_s else f"silent for {live.silence_s:g} s"
+        for identity in live.expired(now):
+            self._worker_gone(identity, silent, now)
+        for identity, (since, _) in list(self._suspended.items()):
+            if now - since >= live.timeout_s:
+                self._worker_gone(identity, "unreachable", now)
+        if live.heartbeat_due(now):
             beat = p.encode(p.Heartbeat(broker_id=self.broker_id))
             self._out.extend(Send(Peer.WORKER, identity, beat) for identity in self.registry.workers)
             self._asked_to_register = {
                 i: t for i, t in self._asked_to_register.items() if now - t < 10 * self.settings.heartbeat_s
             }
+            self._told_to_drop = {i: t for i, t in self._told_to_drop.items() if now - t < self.settings.heartbeat_s}
+            self._awaited = {i: until for i, until in self._awaited.items() if until > now}
+            self._ask_owed_readies(now)
+            self._leases(now)
             if self.settings.request_timeout_s > 0:
                 self._time_out(now)
         if self.held and not self.recovering(now):
@@ -180,36 +265,75 @@ class Router:
         return self._flush()
 
     def undeliverable(self, send: Send, failure: Failure, now: float) -> list[Send]:
-        """A send failed. A worker that cannot be reached is gone; a client that is gone stops its generation."""
+        """A send failed. A worker that cannot be reached is gone (unless the broker itself was stalled: see `stalled`);
+        a client that is gone stops its generation."""
+        self._now = now
         if send.peer is Peer.WORKER:
-            if failure is Failure.UNREACHABLE:
-                self._worker_gone(send.identity, "unreachable")
+            if failure is Failure.UNREACHABLE and send.identity in self.registry.workers and (
+                    now < self._distrust_until or send.identity in self._suspended):
+                self._suspend(send, now)
+            elif failure is Failure.UNREACHABLE:
+                # Its connection dropped: after a silence of a heartbeat window, ZMTP heartbeats closed it.
+                missing = self.liveness.missing(send.identity, now)
+                self._worker_gone(send.identity, "missed heartbeats" if missing else "unreachable", now)
             elif send.key is not None:
                 flight = self.inflight.pop(send.key, None)
                 self._settle_pending(flight)
                 name = self._name(send.identity)
                 self._error(*send.key, p.ErrorCode.INTERNAL, f"worker {name} is overloaded (queue full): retry later")
             return self._flush()
+        if failure is Failure.UNREACHABLE and now < self._distrust_until:
+            return self._flush()  # closed by the broker's own stall, maybe: the client reconnects and resends
+        if failure is Failure.UNREACHABLE and self.registry.held_by(send.identity):
+            self._lease_failed.add(send.identity)
         if send.key is not None:
             keys = [send.key]
         elif len(send.frames) > 2 and send.frames[1] == p.Command.CHUNKS.value:
             # A stream batch: the client of every generation in it is gone. Read its request ids only now.
-            keys = [(send.identity, rid) for rid in p.chunk_request_ids(p.decode_envelope(send.frames).header)]
+            keys = [(send.identity, rid) for rid in _chunk_request_ids(send.frames)]
         else:
-            log.debug("client_send_failed", failure=failure.value)
-            return self._flush()
+            return self._flush()  # a LEASE, or an answer to a request no longer tracked
         log.info("client_send_failed", failure=failure.value, requests=[key[1] for key in keys][:8])
         if failure is Failure.UNREACHABLE:
             for key in keys:
                 self._cancel_generation(key)
         return self._flush()
 
+    def stalled(self, now: float, seconds: float) -> None:
+        """The broker's process did not run for `seconds` (a loaded host, a paused VM). libzmq runs its timers before
+        reading what came meanwhile, so its heartbeat timeouts may have closed connections whose peers had answered:
+        for a heartbeat window, a worker found unreachable is not declared gone but given that window to come back
+        (its DEALER reconnects by itself and says READY), its requests held for it meanwhile; and a client found
+        unreachable keeps its generations (it reconnects with the same routing id, and resends)."""
+        self.counters.stalls += 1
+        self._distrust_until = now + self.liveness.timeout_s
+        log.warning("broker_stalled", seconds=round(seconds, 3),
+                    detail="workers whose connections closed meanwhile get a heartbeat window to come back")
+
     def next_tick(self) -> float:
         deadline = self.liveness.next_event()
-        return min(deadline, self.recover_until) if self.held else deadline
+        return min(deadline, self._recovery_ends()) if self.held else deadline
 
     def recovering(self, now: float) -> bool:
-        return now < self.recover_until
+        """A restarted broker's window: `recovery_s` from the start, and until every peer heard from on the worker
+        socket meanwhile has registered or stayed unregistered a heartbeat window since it was first heard."""
+        return now < self._recovery_ends()
+
+    def clients_gone(self) -> int:
+        """Client connections holding sessions that are gone (read by the metrics thread: one C-level call)."""
+        return len(self._client_gone)
+
+    def discard_output(self) -> None:
+        """Forget what the handling of a message that raised had queued (the server logs and counts it)."""
+        self._out = []
+
+    def _recovery_ends(self) -> float:
+        return max(self.recover_until, *self._awaited.values()) if self._awaited else self.recover_until
+
+    def _await(self, identity: bytes, now: float) -> None:
+        """An unregistered peer spoke within the recovery window: it may be a worker about to re-register."""
+        if now < self.recover_until and identity not in self._awaited and len(self._awaited) < MAX_AWAITED:
+            self._awaited[identity] = now + self.liveness.timeout_s
 
     # -- client requests -------------------------------------------------------------------------
 
@@ -245,17 +369,19 @@ class Router:
         if self._over_cap(route, request.request_id, owner):
             return
         try:
-            worker = place(self.registry.workers.values(), request.model)
+            worker = place((w for w in self.registry.workers.values() if w.identity not in self._suspended),
+                           request.model)
         except NoPlacement as e:
-            if e.code is p.ErrorCode.MODEL_NOT_FOUND and self.recovering(now):
-                self._hold(route, request, user)
+            suspended = any(self.registry.workers[i].serves(request.model) for i in self._suspended)
+            if (e.code is p.ErrorCode.MODEL_NOT_FOUND and self.recovering(now)) or suspended:
+                self._hold(route, request, user)  # until the workers are back (or the window ends)
                 return
             log.info("create_refused", code=e.code.value, model=request.model, request=request.request_id)
             self._error(route, request.request_id, e.code, e.message)
             return
         session_id = secrets.token_hex(16)
         self._promise(worker, owner)
-        self.inflight[key] = InFlight(worker.identity, p.Command.CREATE, session_id, now, owner)
+        self.inflight[key] = InFlight(worker.identity, p.Command.CREATE, session_id, now, owner, request, user)
         self._to_worker(worker, replace(request, session_id=session_id, owner=user, route=route), key)
 
     def _route(self, route: bytes, request: p.SessionRequest, now: float, user: str) -> None:
@@ -264,12 +390,16 @@ class Router:
             self._unknown_session(route, request, now, user)
             return
         if self.settings.authenticated and self.registry.owner_of(request.session_id) != user:
-            if not isinstance(request, p.Cancel):
-                log.warning("request_unauthorized", command=request.COMMAND.name, session=request.session_id,
-                            request=request.request_id)
-                self._error(route, request.request_id, p.ErrorCode.UNAUTHORIZED,
-                            f"session {request.session_id} belongs to another client")
-            return
+            if request.COMMAND not in ADMIN_COMMANDS or user not in self.admins:
+                if not isinstance(request, p.Cancel):
+                    log.warning("request_unauthorized", command=request.COMMAND.name, session=request.session_id,
+                                request=request.request_id)
+                    self._error(route, request.request_id, p.ErrorCode.UNAUTHORIZED,
+                                f"session {request.session_id} belongs to another client")
+                return
+            log.info("admin_request", command=request.COMMAND.name, session=request.session_id, admin=user)
+        else:  # the session's own client (without keys, any client): its connection holds the lease now
+            self.registry.used(request.session_id, route, now)
         if isinstance(request, p.Cancel):  # one-way: nothing to track
             self._to_worker(worker, request.routed(route), None)
             return
@@ -300,15 +430,20 @@ class Router:
         if isinstance(request, p.Cancel):
             return
         gone = self.registry.gone(request.session_id)
-        if gone is p.ErrorCode.SESSION_LOST:
-            self._error(route, request.request_id, gone, "the worker holding this session is gone")
-        elif gone is p.ErrorCode.SESSION_EXPIRED:
-            self._error(route, request.request_id, gone, "the worker closed this session after it idled too long "
-                        "(worker --session-idle-timeout)")
+        if gone is not None:
+            self._error(route, request.request_id, gone.code, self._gone_message(gone))
         elif self.recovering(now):
             self._hold(route, request, user)
         else:
             self._error(route, request.request_id, p.ErrorCode.SESSION_NOT_FOUND, f"no session {request.session_id}")
+
+    def _gone_message(self, gone: Gone) -> str:
+        if gone is Gone.LOST:
+            return "the worker holding this session is gone"
+        if gone is Gone.IDLE:
+            return "the worker closed this session after it idled too long (worker --session-idle-timeout)"
+        return (f"the broker closed this session: its client was gone for more than "
+                f"{self.settings.session_grace_s:g} s (broker {GRACE_FLAG})")
 
     def _hold(self, route: bytes, request: p.CreateSession | p.SessionRequest, user: str) -> None:
         if len(self.held) >= MAX_HELD:
@@ -333,17 +468,42 @@ class Router:
         workers = tuple(w.status(now) for w in self.registry.workers.values())
         return p.StatusReport(request_id=request_id, broker_id=self.broker_id, workers=workers)
 
+    def _session_list(self, request_id: str, now: float, user: str) -> p.SessionList:
+        """The sessions the asker may see (all of them without keys or for an admin key, else its own), the longest
+        idle first, at most MAX_SESSIONS_REPORTED."""
+        everyone = not self.settings.authenticated or user in self.admins
+        visible = [(sid, s) for sid, s in self.registry.sessions() if everyone or s.owner == user]
+        visible.sort(key=lambda item: item[1].used_at)
+        entries = []
+        for sid, s in visible[: p.MAX_SESSIONS_REPORTED]:
+            gone_since = self._client_gone.get(s.client)
+            if s.client == NO_CLIENT:
+                gone_since = s.used_at
+            entries.append(p.SessionEntry(
+                session_id=sid, worker=self.registry.workers[s.worker].name,
+                owner=s.owner if self.settings.authenticated else "", length=s.length,
+                idle_ms=max(0, round((now - s.used_at) * 1000)),
+                client="connected" if gone_since is None else "gone",
+                gone_ms=0 if gone_since is None else max(0, round((now - gone_since) * 1000)),
+            ))
+        return p.SessionList(request_id=request_id, sessions=tuple(entries), total=len(visible))
+
     def _time_out(self, now: float) -> None:
-        """Fail the requests whose worker has made no progress for request_timeout_s."""
+        """Fail the requests on which nothing reached their client for request_timeout_s: no answer, and (streams) no
+        tokens from their worker to their route."""
         limit = self.settings.request_timeout_s
+        self._delivered = {k: t for k, t in self._delivered.items() if now - t <= limit}
         stale: list[tuple[RequestKey, InFlight]] = []
         for key, flight in self.inflight.items():
-            record = self.registry.workers.get(flight.worker)
-            if record is not None and now - max(flight.sent_at, record.progress_at) > limit:
-                stale.append((key, flight))
+            if flight.worker in self.registry.workers:
+                progress = max(flight.sent_at, self._delivered.get((flight.worker, key[0]), 0.0))
+                if now - progress > limit:
+                    stale.append((key, flight))
         for key, flight in stale:
             del self.inflight[key]
             self._settle_pending(flight)
+            if key[0] == LEASE_ROUTE:  # a close of the broker's own: the next lease round sends it again
+                continue
             name = self._name(flight.worker)
             log.warning("request_timed_out", worker=name, command=flight.command.name, request=key[1],
                         session=flight.session_id)
@@ -353,9 +513,54 @@ class Router:
                                   route=key[0])
                 self._out.append(Send(Peer.WORKER, flight.worker, p.encode(cancel)))
 
+    # -- leases ----------------------------------------------------------------------------------
+
+    def _leases(self, now: float) -> None:
+        """Once per heartbeat: learn which clients holding sessions are gone (their last LEASE failed), close the
+        sessions of those gone longer than the grace period (none with a grace of 0), and send every holder its next
+        LEASE."""
+        grace = self.settings.session_grace_s
+        clients = self.registry.clients()
+        failed, self._lease_failed = self._lease_failed, set()
+        for client in clients:
+            if client in failed or client == NO_CLIENT:
+                self._client_gone.setdefault(client, now)
+            else:
+                self._client_gone.pop(client, None)  # its last LEASE was delivered
+        for client in [c for c in self._client_gone if not self.registry.held_by(c)]:
+            del self._client_gone[client]
+        for client, since in list(self._client_gone.items()) if grace > 0 else ():
+            expired = [sid for sid in self.registry.held_by(client)
+                       if now - max(since, self._used_at(sid)) >= grace]
+            for sid in expired:
+                self._close_for_lease(sid, now)
+        lease = p.encode(p.Lease(broker_id=self.broker_id))
+        self._out.extend(Send(Peer.CLIENT, client, lease) for client in clients if client != NO_CLIENT)
+
+    def _used_at(self, session_id: str) -> float:
+        known = self.registry.session(session_id)
+        return 0.0 if known is None else known.used_at
+
+    def _close_for_lease(self, session_id: str, now: float) -> None:
+        worker = self.registry.worker_of(session_id)
+        if worker is None or session_id in worker.closing:
+            return
+        key = (LEASE_ROUTE, f"lease-{secrets.token_hex(8)}")
+        close = p.Close(request_id=key[1], session_id=session_id, route=LEASE_ROUTE)
+        self.inflight[key] = InFlight(worker.identity, p.Command.CLOSE, session_id, now)
+        worker.closing.add(session_id)
+        log.info("session_lease_expired", session=session_id, worker=worker.name,
+                 grace_s=self.settings.session_grace_s)
+        self._out.append(Send(Peer.WORKER, worker.identity, p.encode(close), key))
+
     # -- worker messages -------------------------------------------------------------------------
 
     def _register(self, identity: bytes, ready: p.Ready, now: float) -> None:
+        problem = self.admission.ready_problem(ready)
+        if problem is not None:
+            self._refuse_ready(identity, problem)
+            return
+        ready, dropped = self._without_lost(identity, ready)
         before = self.registry.workers.get(identity)
         again = before is not None
         # A worker cut off for a while re-sends READY on its backoff; they all arrive when the link is back.
@@ -365,10 +570,12 @@ class Router:
         self.counters.worker_registered(again)
         self.liveness.seen(identity, now)
         self._asked_to_register.pop(identity, None)
-        (log.debug if unchanged else log.info)(
+        self._awaited.pop(identity, None)
+        self._ready_owed.discard(identity)
+        (log.debug if unchanged and not dropped else log.info)(
             "worker_reregistered" if again else "worker_registered",
             worker=ready.name, model=ready.model, capacity=ready.capacity, sessions=len(ready.sessions),
-            draining=ready.draining, device=ready.device,
+            draining=ready.draining, device=ready.device, dropped=len(dropped),
         )
         welcome = p.Welcome(
             broker_id=self.broker_id,
@@ -376,77 +583,132 @@ class Router:
             liveness=self.settings.liveness,
         )
         self._out.append(Send(Peer.WORKER, identity, p.encode(welcome)))
-        for cancel in self._orphans.pop(identity, ()):
-            self._out.append(Send(Peer.WORKER, identity, p.encode(cancel)))
+        if dropped:
+            self.counters.sessions_dropped += len(dropped)
+            self._told_to_drop[identity] = now
+            self._out.append(Send(Peer.WORKER, identity, p.encode(p.Drop(sessions=dropped))))
         if self.held:
             self._release_held(now)
 
-    def _heartbeat(self, record: WorkerRecord, beat: p.Heartbeat, now: float) -> None:
+    def _without_lost(self, identity: bytes, ready: p.Ready) -> tuple[p.Ready, tuple[str, ...]]:
+        """The READY without the sessions declared lost with this worker, and those (to be dropped there). The worker's
+        lost sessions it no longer lists are forgotten: they are gone there."""
+        lost = self._lost.get(identity)
+        if not lost:
+            return ready, ()
+        dropped = tuple(sid for sid in ready.sessions if sid in lost)
+        self._lost_count -= len(lost) - len(dropped)
+        if dropped:
+            self._lost[identity] = set(dropped)
+        else:
+            del self._lost[identity]
+            return ready, ()
+        kept = [i for i, sid in enumerate(ready.sessions) if sid not in lost]
+        log.warning("lost_sessions_dropped", worker=ready.name, sessions=len(dropped))
+        return replace(ready, sessions=tuple(ready.sessions[i] for i in kept),
+                       owners=tuple(ready.owners[i] for i in kept) if ready.owners else (),
+                       holders=tuple(ready.holders[i] for i in kept) if ready.holders else ()), dropped
+
+    def _refuse_ready(self, identity: bytes, why: str) -> None:
+        """A READY this broker does not take: counted, logged, and the peer told why."""
+        self._drop("ready_refused", identity, why)
+        error = p.Error(request_id=None, code=p.ErrorCode.BAD_REQUEST, message=f"registration refused: {why}")
+        self._out.append(Send(Peer.WORKER, identity, p.encode(error)))
+
+    def _heartbeat(self, record: WorkerRecord, beat: p.Heartbeat) -> None:
         record.draining = beat.draining
         if beat.free_slots is not None:
             record.free_slots = beat.free_slots
-        if beat.steps is not None and beat.steps != record.steps:
-            record.steps = beat.steps
-            record.progress_at = now
         expired = [sid for sid in beat.expired if self.registry.worker_of(sid) is record]
         for sid in expired:
-            self.registry.drop_session(sid, p.ErrorCode.SESSION_EXPIRED)
+            self.registry.drop_session(sid, Gone.IDLE)
         if expired:
             log.info("sessions_expired", worker=record.name, sessions=len(expired))
 
-    def _answer(self, identity: bytes, envelope: p.Envelope, frames: list[bytes]) -> None:
+    def _answer(self, record: WorkerRecord, envelope: p.Envelope, frames: list[bytes], now: float) -> None:
+        """A registered worker's answer: forwarded to its client; only an answer to a request in flight on this very
+        worker changes the tables."""
+        identity = record.identity
+        track = self.settings.request_timeout_s > 0
         if envelope.command is p.Command.FANOUT:  # the hot path: one per engine step, for all streaming clients
             try:
                 fanout = p.parse(envelope)
             except p.ProtocolError as e:
-                log.warning("worker_fanout_invalid", error=e.message, worker=self._name(identity))
+                self._drop("malformed", identity, f"FANOUT: {e.message}")
                 return
             assert isinstance(fanout, p.Fanout)
-            self._out.extend(Send(Peer.CLIENT, route, chunks) for route, chunks in fanout.sends())
+            held_by = self.registry.held_by
+            for route, part in fanout.sends():
+                self._out.append(Send(Peer.CLIENT, route, part))
+                if track and held_by(route):  # a client with a request in flight holds its session's lease
+                    self._delivered[identity, route] = now
             return
         route = p.route_of(envelope.header)
         if not route:
-            log.warning("worker_answer_without_route", command=envelope.command.name, worker=self._name(identity))
+            self._drop("malformed", identity, f"{envelope.command.name} without a route")
             return
-        if envelope.command is p.Command.CHUNKS:  # the hot path: one per client per engine step
-            chunks = envelope.header.get("chunks")
-            if not isinstance(chunks, list) or not chunks or envelope.payload:
-                log.warning("worker_chunks_invalid", worker=self._name(identity))
+        if envelope.command is p.Command.CHUNKS:  # one client's tokens of one engine step
+            listed = envelope.header.get("chunks")
+            if not isinstance(listed, list) or not listed or envelope.payload:
+                self._drop("malformed", identity, "CHUNKS without a list of chunks")
                 return
             self._out.append(Send(Peer.CLIENT, route, frames))
+            if track and self.registry.held_by(route):
+                self._delivered[identity, route] = now
             return
-        if envelope.command is p.Command.ERROR:
-            self.counters.error(envelope.header.get("code"))
+        lost = self._lost.get(identity)
+        named = _named_sessions(envelope.header) & lost if lost else None
+        if named:  # declared lost: nothing more is heard of them, and the worker is told (again) to drop them
+            self._drop("lost_session", identity, f"{envelope.command.name} for a session declared lost")
+            self._tell_to_drop(identity, tuple(sorted(named)), now)
+            return
         request_id = p.request_id_of(envelope.header)
         key = None if request_id is None else (route, request_id)
         if key is not None:
-            flight = self.inflight.pop(key, None)
-            self._account(identity, flight, envelope)
+            flight = self.inflight.get(key)
+            if flight is not None and flight.worker != identity:
+                self._drop("not_its_request", identity, "an answer to a request in flight on another worker")
+                return
+            if flight is not None:
+                del self.inflight[key]
+                self._account(identity, flight, envelope, key)
+        if route == LEASE_ROUTE:  # the answer to a close of the broker's own
+            return
+        if envelope.command is p.Command.ERROR:
+            self.counters.error(envelope.header.get("code"))
         self._out.append(Send(Peer.CLIENT, route, frames, key))
 
-    def _account(self, identity: bytes, flight: InFlight | None, envelope: p.Envelope) -> None:
-        """Keep the session table in step with a final answer."""
+    def _account(self, identity: bytes, flight: InFlight, envelope: p.Envelope, key: RequestKey) -> None:
+        """Keep the session table in step with a final answer to `flight`, a request in flight on this worker."""
         self._settle_pending(flight)
-        kind = envelope.header.get("kind")
+        header = envelope.header
+        kind = header.get("kind")
+        holds = self.registry.worker_of(flight.session_id) is self.registry.workers.get(identity)
         if envelope.command is p.Command.REPLY and kind in ("created", "forked", "closed"):
             try:
                 reply = p.parse(envelope)
             except p.ProtocolError as e:
-                log.warning("worker_reply_invalid", error=e.message, worker=self._name(identity))
+                self._drop("malformed", identity, f"REPLY: {e.message}")
                 return
-            owner = flight.owner if flight is not None else ""
-            if isinstance(reply, p.Created):
-                self.registry.add_session(identity, reply.session_id, owner)
-            elif isinstance(reply, p.Forked):
-                self.registry.add_session(identity, reply.child_id, owner)
-            elif isinstance(reply, p.Closed) and self.registry.worker_of(reply.session_id) is self.registry.workers.get(identity):
-                self.registry.drop_session(reply.session_id)  # only the worker holding a session closes it
-        elif envelope.command is p.Command.ERROR and flight is not None:
-            code = envelope.header.get("code")
+            if isinstance(reply, p.Created) and reply.session_id == flight.session_id:
+                self.registry.add_session(identity, reply.session_id, flight.owner, key[0], self._now, 0)
+            elif isinstance(reply, p.Forked) and reply.child_id == flight.session_id:
+                self.registry.add_session(identity, reply.child_id, flight.owner, key[0], self._now, reply.length)
+            elif isinstance(reply, p.Closed) and reply.session_id == flight.session_id and holds:
+                # only the worker holding a session closes it
+                self.registry.drop_session(reply.session_id, Gone.LEASE if key[0] == LEASE_ROUTE else None)
+                if key[0] == LEASE_ROUTE:
+                    self.counters.sessions_lease_closed += 1
+        elif envelope.command is p.Command.REPLY and holds:
+            length = header.get("length")
+            if type(length) is int and length >= 0 and header.get("session_id") == flight.session_id:
+                self.registry.set_length(flight.session_id, length)
+        elif envelope.command is p.Command.ERROR and holds:
+            code = header.get("code")
             if code == p.ErrorCode.SESSION_EXPIRED.value:
-                self.registry.drop_session(flight.session_id, p.ErrorCode.SESSION_EXPIRED)
+                self.registry.drop_session(flight.session_id, Gone.IDLE)
             elif flight.command is p.Command.CLOSE and code == p.ErrorCode.SESSION_NOT_FOUND.value:
-                self.registry.drop_session(flight.session_id)
+                self.registry.drop_session(flight.session_id, Gone.LEASE if key[0] == LEASE_ROUTE else None)
 
     def _cancel_generation(self, key: RequestKey) -> None:
         """The client of a generation in flight cannot be reached: stop it (once) rather than generate for nobody."""
@@ -477,8 +739,26 @@ class Router:
             else:
                 self._pending_by_owner.pop(flight.owner, None)
 
-    def _worker_gone(self, identity: bytes, reason: str) -> None:
+    def _suspend(self, send: Send, now: float) -> None:
+        """A worker found unreachable while the broker distrusts connection losses: held for a heartbeat window, and
+        the requests sent to it meanwhile kept to be sent again when it is back."""
+        if send.identity not in self._suspended:
+            log.warning("worker_unreachable_after_stall", worker=self._name(send.identity),
+                        detail=f"given {self.liveness.timeout_s:g} s to come back")
+        _, retry = self._suspended.setdefault(send.identity, (now, []))
+        if send.key is not None and len(retry) < MAX_HELD:
+            retry.append(send)
+
+    def _resume(self, record: WorkerRecord) -> None:
+        """A suspended worker spoke again (its READY, after it reconnected): it is back, with its sessions."""
+        _, retry = self._suspended.pop(record.identity)
+        log.info("worker_back", worker=record.name, requests_sent_again=len(retry))
+        self._out.extend(retry)
+
+    def _worker_gone(self, identity: bytes, reason: str, now: float) -> None:
         self.liveness.forget(identity)
+        self._ready_owed.discard(identity)
+        self._suspended.pop(identity, None)
         record = self.registry.remove(identity)
         if record is None:
             return
@@ -487,16 +767,34 @@ class Router:
         planned = reason == "disconnected: drained" and not record.sessions and not failed  # a clean shutdown
         (log.info if planned else log.warning)(
             "worker_lost", worker=record.name, reason=reason, sessions=len(record.sessions), failed=len(failed))
-        orphans = self._orphans.setdefault(identity, [])
+        lost = set(record.sessions)
+        again: list[tuple[RequestKey, p.CreateSession, str]] = []
         for key in failed:
             flight = self.inflight.pop(key)
             self._settle_pending(flight)
-            self._error(*key, p.ErrorCode.SESSION_LOST, f"worker {record.name} is gone ({reason})")
-            if flight.command is p.Command.GENERATE and len(orphans) < MAX_HELD:
-                orphans.append(p.Cancel(request_id=secrets.token_hex(8), session_id=flight.session_id, target=key[1],
-                                        route=key[0]))
-        if not orphans:
-            del self._orphans[identity]
+            if flight.command in (p.Command.CREATE, p.Command.FORK):
+                lost.add(flight.session_id)  # it may have been made there before the worker vanished
+            if flight.create is not None:
+                again.append((key, flight.create, flight.user))
+            elif key[0] != LEASE_ROUTE:
+                self._error(*key, p.ErrorCode.SESSION_LOST, f"worker {record.name} is gone ({reason})")
+        self._remember_lost(identity, lost)
+        for (route, request_id), request, user in again:
+            log.info("create_placed_again", request=request_id, lost_worker=record.name)
+            self.counters.creates_replaced += 1
+            self._create(route, request, now, user)
+
+    def _remember_lost(self, identity: bytes, sessions: Iterable[str]) -> None:
+        known = self._lost.setdefault(identity, set())
+        before = len(known)
+        known.update(sessions)
+        self._lost_count += len(known) - before
+        self._lost.move_to_end(identity)
+        if not known:
+            del self._lost[identity]
+        while self._lost_count > MAX_LOST_SESSIONS and len(self._lost) > 1:
+            _, oldest = self._lost.popitem(last=False)
+            self._lost_count -= len(oldest)
 
     def _ask_to_register(self, identity: bytes, now: float) -> None:
         """An unknown worker (this broker restarted, or it was declared dead): ask it for READY, once a beat."""
@@ -505,6 +803,23 @@ class Router:
             return
         self._asked_to_register[identity] = now
         self._out.append(Send(Peer.WORKER, identity, p.encode(p.Reconnect(broker_id=self.broker_id))))
+
+    def _tell_to_drop(self, identity: bytes, sessions: tuple[str, ...], now: float) -> None:
+        """DROP again, for a worker still answering for sessions declared lost (it missed the first): once a beat."""
+        last = self._told_to_drop.get(identity)
+        if last is not None and now - last < self.settings.heartbeat_s:
+            return
+        self._told_to_drop[identity] = now
+        self._out.append(Send(Peer.WORKER, identity, p.encode(p.Drop(sessions=sessions))))
+
+    def _ask_owed_readies(self, now: float) -> None:
+        """Registered workers whose READY was over their rate send it again, now that their rate allows."""
+        for identity in list(self._ready_owed):
+            if identity not in self.registry.workers:
+                self._ready_owed.discard(identity)
+            elif self.admission.has_token(identity, p.Command.READY, now):
+                self._ready_owed.discard(identity)
+                self._out.append(Send(Peer.WORKER, identity, p.encode(p.Reconnect(broker_id=self.broker_id))))
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -518,6 +833,17 @@ class Router:
         self.counters.error(code)
         self._reply(route, p.Error(request_id=request_id, code=code, message=message))
 
+    def _drop(self, reason: str, identity: bytes, detail: str) -> None:
+        """A worker-socket message not used: counted by reason, logged at warning at most every DROP_LOG_S per reason
+        (a flood is counted, not logged), each one at debug."""
+        self.counters.dropped(reason)
+        now = self._now
+        loud = now - self._drops_logged.get(reason, -DROP_LOG_S) >= DROP_LOG_S
+        if loud:
+            self._drops_logged[reason] = now
+        (log.warning if loud else log.debug)("worker_message_dropped", reason=reason, peer=identity.hex()[:64],
+                                             detail=detail[:256], dropped=self.counters.messages_dropped.get(reason, 0))
+
     def _name(self, identity: bytes) -> str:
         record = self.registry.workers.get(identity)
         return record.name if record is not None else identity.hex()
@@ -525,3 +851,24 @@ class Router:
     def _flush(self) -> list[Send]:
         out, self._out = self._out, []
         return out
+
+
+def _command_of(frames: list[bytes]) -> p.Command | None:
+    """The command of a message whose version and frame count are right, read without unpacking its header."""
+    if len(frames) < 3 or frames[0] != p.VERSION:
+        return None
+    return p.COMMANDS.get(bytes(frames[1]))
+
+
+def _named_sessions(header: dict[str, Any]) -> set[str]:
+    """The session ids an answer's header names (its session, and a fork's child)."""
+    return {v for v in (header.get("session_id"), header.get("child_id")) if isinstance(v, str)}
+
+
+def _chunk_request_ids(frames: list[bytes]) -> list[str]:
+    """The request ids of a CHUNKS message the broker forwarded without reading it (a FANOUT part); none if its header
+    is not valid (the client it was for would have dropped it)."""
+    try:
+        return p.chunk_request_ids(p.decode_envelope(frames).header)
+    except p.ProtocolError:
+        return []

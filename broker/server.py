@@ -1,8 +1,9 @@
 """The broker's I/O loop: two ROUTER sockets, a poll with the next timer as timeout, the router's output sent.
 
 Majordomo's shape: poll, dispatch on the socket a message came from, then run the timers (dead workers,
-heartbeats). Every send is NOBLOCK: a peer that is gone (EHOSTUNREACH, thanks to ROUTER_MANDATORY) or
-full (EAGAIN at its high-water mark) never blocks the loop; the router decides what that means.
+heartbeats, leases). Every send is NOBLOCK: a peer that is gone (EHOSTUNREACH, thanks to ROUTER_MANDATORY) or
+full (EAGAIN at its high-water mark) never blocks the loop; the router decides what that means. Whatever the
+handling of one message raises is logged and counted, and the loop goes on (`_failed`).
 
 With keys (`--keys DIR`) both sockets are CURVE servers and pyzmq's ThreadAuthenticator, held for the
 broker's whole life, checks every handshake against the socket's own allow-list (ZAP domain "workers" or
@@ -25,6 +26,7 @@ import structlog
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from broker.admission import DEFAULT_MAX_WORKER_SESSIONS
 from broker.common import protocol as p
 from broker.common.keys import CLIENTS_DOMAIN, HANDSHAKE_FAILED, WORKERS_DOMAIN, BrokerKeys, drain_events
 from broker.common.metrics_http import Pulse
@@ -36,9 +38,15 @@ log = structlog.get_logger()
 RECV_BATCH = 256
 MAX_POLL_S = 0.25  # a stop request is noticed within this
 AUTH_FAILURE_LOG_S = 10.0  # refused handshakes are logged at most this often per socket (peers retry fast)
+LOOP_ERROR_LOG_S = 10.0  # a message whose handling raised is logged with its traceback at most this often
 # Plain ints: pyzmq's send_multipart combines enum flags per frame, which costs ~10% of the broker's time.
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
+
+
+# A restarted broker waits at least this long for workers to re-register (more with slow heartbeats): a worker's
+# reconnect backoff tops out at its --reconnect-max-ms (default 500), and a loaded host adds its own delays.
+MIN_RECOVERY_MS = 2000
 
 
 @dataclass(frozen=True)
@@ -47,19 +55,27 @@ class BrokerConfig:
     workers: str = "tcp://127.0.0.1:5556"
     heartbeat_ms: int = 1000
     liveness: int = 3
-    recovery_ms: int | None = None  # None: (liveness + 2) heartbeats
+    recovery_ms: int | None = None  # None: (liveness + 2) heartbeats, at least MIN_RECOVERY_MS
     hwm: int = 100_000  # messages queued per peer before sends to it fail with EAGAIN
     max_message_bytes: int = p.MAX_MESSAGE_BYTES
     keys: Path | None = None  # CURVE on: see broker/common/keys.py for the layout
     max_sessions_per_client: int = 1024  # 0: no cap
     request_timeout_ms: int = 60_000  # 0: no deadline
+    worker_silence_ms: int = 30_000  # a connected worker that sends nothing this long is gone
+    max_worker_sessions: int = DEFAULT_MAX_WORKER_SESSIONS  # session slots one worker may offer
+    session_grace_ms: int = 60_000  # a gone client's sessions are closed after this; 0: never
+
+    def recovery(self) -> int:
+        if self.recovery_ms is not None:
+            return self.recovery_ms
+        return max((self.liveness + 2) * self.heartbeat_ms, MIN_RECOVERY_MS)
 
     def settings(self) -> Settings:
-        recovery = self.recovery_ms if self.recovery_ms is not None else (self.liveness + 2) * self.heartbeat_ms
         return Settings(
-            heartbeat_s=self.heartbeat_ms / 1000, liveness=self.liveness, recovery_s=recovery / 1000,
+            heartbeat_s=self.heartbeat_ms / 1000, liveness=self.liveness, recovery_s=self.recovery() / 1000,
             authenticated=self.keys is not None, max_sessions_per_client=self.max_sessions_per_client,
-            request_timeout_s=self.request_timeout_ms / 1000,
+            request_timeout_s=self.request_timeout_ms / 1000, silence_s=self.worker_silence_ms / 1000,
+            max_worker_sessions=self.max_worker_sessions, session_grace_s=self.session_grace_ms / 1000,
         )
 
 
@@ -74,6 +90,7 @@ class BrokerServer:
         self._monitors: list[tuple[zmq.Socket[Any], str]] = []
         self._auth_failures = {CLIENTS_DOMAIN: 0, WORKERS_DOMAIN: 0}
         self._auth_logged_at = 0.0
+        self._error_logged_at = -LOOP_ERROR_LOG_S
         try:
             if self._keys is not None:
                 # Held in self.auth for the broker's life: a collected authenticator silently lets everyone in.
@@ -97,7 +114,9 @@ class BrokerServer:
             return
         self.auth.configure_curve(domain=WORKERS_DOMAIN, location=str(self._keys.workers))
         self.auth.configure_curve(domain=CLIENTS_DOMAIN, location=str(self._keys.clients))
-        log.info("keys_loaded", workers=self._keys.allowed(WORKERS_DOMAIN), clients=self._keys.allowed(CLIENTS_DOMAIN))
+        self.router.admins = self._keys.admin_keys()
+        log.info("keys_loaded", workers=self._keys.allowed(WORKERS_DOMAIN), clients=self._keys.allowed(CLIENTS_DOMAIN),
+                 admins=len(self.router.admins))
 
     def _router_socket(self, address: str, domain: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._context.socket(zmq.ROUTER)
@@ -108,9 +127,11 @@ class BrokerServer:
         # All options before bind: they apply to connections accepted from then on.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> EHOSTUNREACH, not a silent drop
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer that reconnects with its id takes it over
-        # ZMTP heartbeats close connections whose peer vanished (a pulled cable), so that a peer's stale
-        # connection cannot deliver queued messages after it has reconnected and registered on a new one.
-        sock.setsockopt(zmq.HEARTBEAT_IVL, self.config.heartbeat_ms)
+        # ZMTP heartbeats, sent and answered by libzmq's I/O threads (no Python, no GIL), close the connection of a
+        # peer that answers nothing for `liveness` heartbeats (a stopped process, a pulled cable): the next send to it
+        # fails, which is how a worker is declared gone (broker.liveness). A pinged peer whose Python is busy still
+        # answers. Pings go every half heartbeat, so that the window starts soon after the peer fell silent.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, self.config.heartbeat_ms // 2))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.config.heartbeat_ms * self.config.liveness)
         sock.setsockopt(zmq.SNDHWM, self.config.hwm)
         sock.setsockopt(zmq.RCVHWM, self.config.hwm)
@@ -139,24 +160,48 @@ class BrokerServer:
         poller.register(self.workers, zmq.POLLIN)
         for monitor, _ in self._monitors:
             poller.register(monitor, zmq.POLLIN)
+        stall_s = self.config.heartbeat_ms * self.config.liveness / 2000  # half a heartbeat window
         while not should_stop():
             self.pulse.beat()
             now = time.monotonic()
             timeout_s = min(max(self.router.next_tick() - now, 0.0), MAX_POLL_S)
             ready = dict(poller.poll(round(timeout_s * 1000)))
+            woke = time.monotonic()
+            overslept = woke - now - timeout_s  # a process that was not running wakes late
+            if overslept > stall_s:
+                self.router.stalled(woke, overslept)
             if self.workers in ready:
-                self._drain(self.workers, self.router.worker_message)
+                self._drain(self.workers, self.router.worker_message, "worker")
             if self.clients in ready:
                 if self._keys is not None:
                     self._drain_authenticated_clients()
                 else:
-                    self._drain(self.clients, self.router.client_message)
+                    self._drain(self.clients, self.router.client_message, "client")
             if self._monitors:
                 self._handshake_failures(ready)
             now = time.monotonic()
+            if now - woke > stall_s:  # the turn took long: the process was not running, or was starved
+                self.router.stalled(now, now - woke)
             if now >= self.router.next_tick():
-                self._send_all(self.router.tick(now))
+                try:
+                    self._send_all(self.router.tick(now))
+                except Exception as e:
+                    self._failed("timers", e)
         log.info("broker_stopping", workers=len(self.router.registry.workers), inflight=len(self.router.inflight))
+
+    def _failed(self, what: str, error: Exception) -> None:
+        """The handling of one message (or the timers) raised: logged (with its traceback at most every
+        LOOP_ERROR_LOG_S), counted in `sessionserve:broker_loop_errors_total`, and the loop goes on. The protocol
+        module turns every bad message into a typed error, so this is for bugs, not for peers."""
+        self.router.discard_output()
+        self.router.counters.loop_errors += 1
+        now = time.monotonic()
+        if now - self._error_logged_at >= LOOP_ERROR_LOG_S:
+            self._error_logged_at = now
+            log.error("broker_loop_error", handling=what, errors=self.router.counters.loop_errors, exc_info=error)
+        else:
+            log.error("broker_loop_error", handling=what, error=f"{type(error).__name__}: {error}"[:256],
+                      errors=self.router.counters.loop_errors)
 
     def close(self) -> None:
         for monitor, _ in self._monitors:
@@ -171,7 +216,8 @@ class BrokerServer:
             self.auth.stop()
             self.auth = None
 
-    def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[bytes, list[bytes], float], list[Send]]) -> None:
+    def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[bytes, list[bytes], float], list[Send]],
+               what: str) -> None:
         for _ in range(RECV_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -179,7 +225,10 @@ class BrokerServer:
                 return
             if len(frames) < 2:  # a ROUTER always prepends the peer's id; nothing to answer to
                 continue
-            self._send_all(handle(frames[0], frames[1:], time.monotonic()))
+            try:
+                self._send_all(handle(frames[0], frames[1:], time.monotonic()))
+            except Exception as e:
+                self._failed(f"{what} message", e)
 
     def _drain_authenticated_clients(self) -> None:
         """Like _drain, plus each message's sender key (the ZAP handler's user id: the Z85 public key)."""
@@ -190,9 +239,12 @@ class BrokerServer:
                 return
             if len(parts) < 2:
                 continue
-            user = parts[1].get("User-Id") or ""
+            user = str(parts[1].get("User-Id") or "")
             frames = [part.bytes for part in parts]
-            self._send_all(self.router.client_message(frames[0], frames[1:], time.monotonic(), user=str(user)))
+            try:
+                self._send_all(self.router.client_message(frames[0], frames[1:], time.monotonic(), user=user))
+            except Exception as e:
+                self._failed("client message", e)
 
     def _handshake_failures(self, ready: dict[Any, int]) -> None:
         """Count refused handshakes (wrong or unknown keys, no CURVE) and log them, rate-limited."""

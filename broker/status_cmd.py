@@ -14,8 +14,8 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO, TypeVar
 
 import zmq
 from rich import box
@@ -24,6 +24,9 @@ from rich.table import Table
 
 from broker.common import protocol as p
 from broker.common.keys import HANDSHAKE_FAILED, HANDSHAKE_REFUSED, CurveClient, drain_events
+
+M = TypeVar("M", bound=p.Message)
+T = TypeVar("T")
 
 DEFAULT_CLIENTS = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_S = 5.0
@@ -65,16 +68,21 @@ def positive_seconds(value: str) -> float:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `status` to the `broker` command's subparsers (argparse's _SubParsersAction)."""
     status: argparse.ArgumentParser = subparsers.add_parser("status", help="show the workers a running broker knows")
-    status.add_argument("--clients", default=_env("BROKER_CLIENTS") or DEFAULT_CLIENTS,
-                        help="the broker's client address [env BROKER_CLIENTS] (default %(default)s)")
-    status.add_argument("--broker-key", default=_env("BROKER_STATUS_BROKER_KEY", "CLIENT_BROKER_KEY"), metavar="FILE",
-                        help="the broker's public key file, for CURVE [env BROKER_STATUS_BROKER_KEY, CLIENT_BROKER_KEY]")
-    status.add_argument("--key", default=_env("BROKER_STATUS_KEY", "CLIENT_KEY"), metavar="FILE",
-                        help="this client's secret key file (.key_secret) [env BROKER_STATUS_KEY, CLIENT_KEY]")
+    add_connection(status)
     status.add_argument("--json", action="store_true", help="print the workers as JSON instead of a table")
-    status.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="S",
-                        help="seconds to wait for the broker (default %(default)s)")
     return status
+
+
+def add_connection(command: argparse.ArgumentParser) -> None:
+    """The flags of a command that asks a running broker: --clients, --broker-key, --key, --timeout."""
+    command.add_argument("--clients", default=_env("BROKER_CLIENTS") or DEFAULT_CLIENTS,
+                         help="the broker's client address [env BROKER_CLIENTS] (default %(default)s)")
+    command.add_argument("--broker-key", default=_env("BROKER_STATUS_BROKER_KEY", "CLIENT_BROKER_KEY"), metavar="FILE",
+                         help="the broker's public key file, for CURVE [env BROKER_STATUS_BROKER_KEY, CLIENT_BROKER_KEY]")
+    command.add_argument("--key", default=_env("BROKER_STATUS_KEY", "CLIENT_KEY"), metavar="FILE",
+                         help="this client's secret key file (.key_secret) [env BROKER_STATUS_KEY, CLIENT_KEY]")
+    command.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="S",
+                         help="seconds to wait for the broker (default %(default)s)")
 
 
 def as_dict(worker: p.WorkerStatus) -> dict[str, Any]:
@@ -110,6 +118,13 @@ def render(workers: Sequence[p.WorkerStatus], width: int = WIDTH) -> str:
 
 def fetch(args: argparse.Namespace) -> list[p.WorkerStatus]:
     """The broker's workers. Raises NoAnswer, Refused, OSError or ValueError (key files), zmq.ZMQError (address)."""
+    return list(ask(args, p.Status(request_id=uuid.uuid4().hex), p.StatusReport).workers)
+
+
+def ask(args: argparse.Namespace, request: p.Message, kind: type[M]) -> M:
+    """Send one request to the broker at args.clients (with args.broker_key and args.key when given) and wait up to
+    args.timeout for its answer of type `kind`. Raises NoAnswer, Refused (an ERROR, or a refused handshake), OSError or
+    ValueError (key files), zmq.ZMQError (address)."""
     curve = CurveClient.from_files(args.broker_key or None, args.key or None)
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
@@ -120,14 +135,12 @@ def fetch(args: argparse.Namespace) -> list[p.WorkerStatus]:
         if curve is not None:
             curve.apply(sock)
         sock.connect(args.clients)
-        request = p.Status(request_id=uuid.uuid4().hex)
         sock.send_multipart(p.encode(request))
-        report = _answer(sock, request.request_id, time.monotonic() + args.timeout)
-        if report is None:
-            if drain_events(monitor):
-                raise Refused(p.ErrorCode.UNAUTHORIZED.value, HANDSHAKE_REFUSED)
+        request_id: str = getattr(request, "request_id", "")
+        answer = _answer(sock, monitor, request_id, kind, time.monotonic() + args.timeout)
+        if answer is None:
             raise NoAnswer(f"no answer within {args.timeout:g} s")
-        return list(report.workers)
+        return answer
     finally:
         sock.disable_monitor()
         monitor.close(linger=0)
@@ -135,39 +148,51 @@ def fetch(args: argparse.Namespace) -> list[p.WorkerStatus]:
         context.term()
 
 
-def _answer(sock: zmq.Socket[bytes], request_id: str, deadline: float) -> p.StatusReport | None:
-    """The StatusReport for `request_id`, None at the deadline; an ERROR for it raises Refused."""
+def _answer(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], request_id: str, kind: type[M],
+            deadline: float) -> M | None:
+    """The answer of type `kind` for `request_id`, None at the deadline; an ERROR for it, or a refused handshake
+    (which ZeroMQ would retry until the deadline), raises Refused at once."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     while (left_ms := round((deadline - time.monotonic()) * 1000)) > 0:
-        if not sock.poll(left_ms, zmq.POLLIN):
+        ready = dict(poller.poll(left_ms))
+        if monitor in ready and drain_events(monitor):
+            raise Refused(p.ErrorCode.UNAUTHORIZED.value, HANDSHAKE_REFUSED)
+        if sock not in ready:
             continue
         try:
             answer = p.decode(sock.recv_multipart())
         except p.ProtocolError:
             continue  # not an answer to our request: wait on for one that is
-        if isinstance(answer, p.StatusReport) and answer.request_id == request_id:
+        if isinstance(answer, kind) and getattr(answer, "request_id", None) == request_id:
             return answer
         if isinstance(answer, p.Error) and answer.request_id == request_id:
             raise Refused(answer.code.value, answer.message)
     return None
 
 
+def ask_or_explain(command: str, args: argparse.Namespace, call: Callable[[], T], err: TextIO) -> T | None:
+    """`call()` (which asks the broker), with every failure explained on `err` as `broker COMMAND: ...` (None then:
+    exit 1)."""
+    try:
+        return call()
+    except NoAnswer:
+        print(f"broker {command}: no answer from the broker at {args.clients} within {args.timeout:g} s "
+              "(is it running, and is this its client address?)", file=err)
+    except Refused as e:
+        print(f"broker {command}: the broker at {args.clients} answered {e.code}: {e.message}", file=err)
+    except (OSError, ValueError) as e:  # a key file that cannot be read, keys this client cannot use
+        print(f"broker {command}: {e}", file=err)
+    except zmq.ZMQError as e:  # a malformed address
+        print(f"broker {command}: cannot connect to {args.clients!r}: {e}", file=err)
+    return None
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
-    err = err or sys.stderr
-    try:
-        workers = fetch(args)
-    except NoAnswer:
-        print(f"broker status: no answer from the broker at {args.clients} within {args.timeout:g} s "
-              "(is it running, and is this its client address?)", file=err)
-        return 1
-    except Refused as e:
-        print(f"broker status: the broker at {args.clients} answered {e.code}: {e.message}", file=err)
-        return 1
-    except (OSError, ValueError) as e:  # a key file that cannot be read, keys this client cannot use
-        print(f"broker status: {e}", file=err)
-        return 1
-    except zmq.ZMQError as e:  # a malformed address
-        print(f"broker status: cannot connect to {args.clients!r}: {e}", file=err)
+    workers = ask_or_explain("status", args, lambda: fetch(args), err or sys.stderr)
+    if workers is None:
         return 1
     if args.json:
         print(json.dumps([as_dict(w) for w in workers], indent=2), file=out)

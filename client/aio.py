@@ -25,13 +25,13 @@ import zmq
 import zmq.asyncio
 
 from broker.common import protocol as p
-from broker.common.keys import CurveClient
+from broker.common.keys import HANDSHAKE_REFUSED, CurveClient
 from client import calls
 from client.calls import Answer, Call, addressed, build, decode_answer, items, new_request_id
-from client.errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout
+from client.errors import BadRequest, ClientError, SessionExpired, SessionLost, SessionNotFound, Timeout, Unauthorized
 from client.logs import log
 from client.results import Chunk, Generation, SessionInfo, WorkerInfo
-from client.transport import connect_client, connect_wake_at, release, timed_out, unreachable
+from client.transport import REFUSAL_CHECK_S, connect_client, connect_wake_at, release, send_failed, timed_out, unreachable
 
 M = TypeVar("M", bound=p.Message)
 
@@ -98,6 +98,7 @@ class AsyncTransport:
         self._release = weakref.finalize(self, release, self._context, [self._watch.pair, self._socket])
         self._mail: dict[str, Mailbox] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._heard = False  # the broker has answered once: its handshake succeeded
         self.closed = False
 
     def start(self, request: p.Message) -> Call:
@@ -126,11 +127,15 @@ class AsyncTransport:
                 error = unreachable(self._watch, self.address, call, now, self.connect_timeout_s)
                 if error is not None:
                     raise error
+                wait_s = min(call.wake_at(deadline), connect_wake_at(self._watch, call, self.connect_timeout_s)) - now
+                if not self._heard:  # a refused handshake is said at once, not after the timeout
+                    if self._watch.refused():
+                        raise Unauthorized(HANDSHAKE_REFUSED, request_id=call.request_id)
+                    wait_s = min(wait_s, REFUSAL_CHECK_S)
                 if call.resend_due(now):
                     self.resend(call)
                     call.resent(now)
-                wake_at = min(call.wake_at(deadline), connect_wake_at(self._watch, call, self.connect_timeout_s))
-                await box.wait(loop, wake_at - now)
+                await box.wait(loop, wait_s)
         call.heard(time.monotonic())
         return box.items.popleft()
 
@@ -167,13 +172,14 @@ class AsyncTransport:
         sent = cast("asyncio.Future[Any]", self._socket.send_multipart(frames, zmq.NOBLOCK))
         error = sent.exception() if sent.done() else None
         if isinstance(error, zmq.Again):
-            raise Timeout(f"cannot send to {self.address}: the send queue is full (is the broker up?)") from error
+            raise send_failed(self._watch, self.address) from error
         if error is not None:
             raise error
 
     async def _read(self) -> None:
         while True:
             frames = await self._socket.recv_multipart()
+            self._heard = True
             for request_id, item in addressed(decode_answer(frames)):
                 box = self._mail.get(request_id)
                 if box is not None:

@@ -139,7 +139,8 @@ def decode_answer(frames: list[bytes]) -> p.Message | None:
         log.warning("answer_invalid", code=e.code.value, error=e.message, request=e.request_id)
         return None
     if not isinstance(message, ANSWER_TYPES):
-        log.warning("answer_unexpected", command=message.COMMAND.name)
+        if not isinstance(message, p.Lease):  # the broker's probe of this connection: nothing to do
+            log.warning("answer_unexpected", command=message.COMMAND.name)
         return None
     return message
 

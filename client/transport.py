@@ -28,12 +28,14 @@ from client.errors import BadRequest, BrokerUnreachable, ClientError, Timeout, U
 from client.logs import log
 
 RECV_BATCH = 1024
+REFUSAL_CHECK_S = 0.1  # until the broker has answered once, a waiting call looks this often for a refused handshake
 LINGER_MS = 100  # what a closed client still has queued (a CANCEL) gets this long to leave, never more
 
 
 class HandshakeWatch:
-    """Watches the socket's handshakes: a refused one (ZeroMQ retries it silently) and whether any ever succeeded,
-    so that a wait with no answer can say why."""
+    """Watches the socket's handshakes, so that a call can say at once why nothing answers: `refused()` is whether
+    the last handshake this socket tried was refused (ZeroMQ retries it silently; a later one that succeeds, e.g.
+    once the key is allowed, clears it), `connected()` whether any ever succeeded."""
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         address = f"inproc://handshake-{uuid.uuid4().hex}"
@@ -66,6 +68,7 @@ class HandshakeWatch:
                 return
             if int.from_bytes(event[:2], "little") == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
+                self._refused = False
             else:
                 self._refused = True
 
@@ -99,6 +102,14 @@ def release(context: zmq.Context[Any], sockets: list[zmq.Socket[Any]]) -> None:
         if not sock.closed:
             sock.close(linger=LINGER_MS)
     context.term()
+
+
+def send_failed(watch: HandshakeWatch, address: str) -> ClientError:
+    """The error for a send the socket did not take (no connection would have it): Unauthorized when that is because
+    the broker refused our handshake."""
+    if watch.refused():
+        return Unauthorized(HANDSHAKE_REFUSED)
+    return Timeout(f"cannot send to {address}: the send queue is full (is the broker up?)")
 
 
 def connect_client(context: zmq.Context[Any], sock: zmq.Socket[Any], address: str,
@@ -144,6 +155,7 @@ class Transport:
         self._watch = connect_client(self._context, self._socket, address, curve)
         self._release = weakref.finalize(self, release, self._context, [self._watch.pair, self._socket])
         self._mail: dict[str, deque[Answer]] = {}
+        self._heard = False  # the broker has answered once: its handshake succeeded
         self.closed = False
 
     def start(self, request: p.Message) -> Call:
@@ -167,11 +179,15 @@ class Transport:
             error = unreachable(self._watch, self.address, call, now, self.connect_timeout_s)
             if error is not None:
                 raise error
+            wait_s = min(call.wake_at(deadline), connect_wake_at(self._watch, call, self.connect_timeout_s)) - now
+            if not self._heard:  # a refused handshake is said at once, not after the timeout
+                if self._watch.refused():
+                    raise Unauthorized(HANDSHAKE_REFUSED, request_id=call.request_id)
+                wait_s = min(wait_s, REFUSAL_CHECK_S)
             if call.resend_due(now):
                 self.resend(call)
                 call.resent(now)
-            wake_at = min(call.wake_at(deadline), connect_wake_at(self._watch, call, self.connect_timeout_s))
-            self._pump(wake_at - now)
+            self._pump(wait_s)
         call.heard(time.monotonic())
         return box.popleft()
 
@@ -197,7 +213,7 @@ class Transport:
         try:
             self._socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again as e:
-            raise Timeout(f"cannot send to {self.address}: the send queue is full (is the broker up?)") from e
+            raise send_failed(self._watch, self.address) from e
 
     def _pump(self, timeout_s: float) -> None:
         if not self._socket.poll(max(0, round(timeout_s * 1000)), zmq.POLLIN):
@@ -207,6 +223,7 @@ class Transport:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._heard = True
             for request_id, item in addressed(decode_answer(frames)):
                 box = self._mail.get(request_id)
                 if box is not None:

@@ -5,25 +5,36 @@ Layout of the broker's key directory (`broker start --keys DIR`):
     DIR/broker.key_secret   the broker's key pair (its public half, DIR/broker.key, goes to every peer)
     DIR/workers/*.key       public keys allowed to register as workers
     DIR/clients/*.key       public keys allowed to connect as clients
+    DIR/admins/*.key        (optional) client keys that may list and close any session (`broker sessions`,
+                            `broker close-session`); each must be in clients/ too
 
 A worker or a client takes the broker's public key file (`--broker-key`) and its own key pair
-(`--key NAME.key_secret`). Files are ZeroMQ's certificate format (`zmq.auth`), made by `broker keygen`.
+(`--key NAME.key_secret`). Files are ZeroMQ's certificate format (`zmq.auth`), made by `broker keygen`:
+the secret file is created with mode 0600 under a temporary name and renamed into place, so it is never
+readable by others, not even for a moment. The broker refuses to start with a secret others can read.
 The two allow-lists are separate ZAP domains, so a client key cannot register as a worker.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import zmq
 import zmq.auth
+
+log = structlog.get_logger()
 
 BROKER_KEY_NAME = "broker"
 WORKERS_DIR = "workers"
 CLIENTS_DIR = "clients"
+ADMINS_DIR = "admins"
 WORKERS_DOMAIN = "workers"
 CLIENTS_DOMAIN = "clients"
 # Socket-monitor events of a refused handshake: an unknown key, a wrong server key, or one side without CURVE.
@@ -85,20 +96,30 @@ class BrokerKeys:
     workers: Path
     clients: Path
 
+    admins: Path | None = None  # DIR/admins, when it exists
+
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> BrokerKeys:
         root = Path(directory)
-        public, secret = _load(root / f"{BROKER_KEY_NAME}.key_secret", need_secret=True)
+        secret_file = root / f"{BROKER_KEY_NAME}.key_secret"
+        check_private(secret_file)
+        public, secret = _load(secret_file, need_secret=True)
         assert secret is not None
-        workers, clients = root / WORKERS_DIR, root / CLIENTS_DIR
+        workers, clients, admins = root / WORKERS_DIR, root / CLIENTS_DIR, root / ADMINS_DIR
         for d in (workers, clients):
             if not d.is_dir():
                 raise KeyFileError(f"{d} is missing: it holds the allowed public keys (*.key)")
-        return cls(public, secret, workers, clients)
+        return cls(public, secret, workers, clients, admins if admins.is_dir() else None)
 
     def allowed(self, domain: str) -> int:
         """How many public keys a domain allows (for the log)."""
         return len(zmq.auth.load_certificates(self.workers if domain == WORKERS_DOMAIN else self.clients))
+
+    def admin_keys(self) -> frozenset[str]:
+        """The Z85 public keys in admins/ (none without it), read now: an operator may add one and send SIGHUP."""
+        if self.admins is None or not self.admins.is_dir():
+            return frozenset()
+        return frozenset(key.decode() for key in zmq.auth.load_certificates(self.admins))
 
     def apply(self, sock: zmq.Socket[Any], domain: str) -> None:
         """Before bind: CURVE server with the given ZAP domain (its allow-list)."""
@@ -120,7 +141,8 @@ def drain_events(monitor: zmq.Socket[Any]) -> int:
 
 
 def keygen(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
-    """Write DIR/NAME.key (public) and DIR/NAME.key_secret (pair, readable by the owner only)."""
+    """Write DIR/NAME.key (public) and DIR/NAME.key_secret (the pair, mode 0600 from its creation on: written under a
+    temporary name opened 0600 and renamed into place, so no other user can read it at any moment)."""
     if not name or "/" in name or name.startswith("."):
         raise KeyFileError(f"bad key name {name!r}")
     root = Path(directory)
@@ -128,9 +150,62 @@ def keygen(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
     public, secret = root / f"{name}.key", root / f"{name}.key_secret"
     if public.exists() or secret.exists():
         raise KeyFileError(f"{public} or {secret} exists already: not overwriting a key")
-    zmq.auth.create_certificates(root, name)
-    secret.chmod(0o600)
+    public_key, secret_key = zmq.curve_keypair()
+    now = datetime.datetime.now()
+    _write_new(secret, _certificate(SECRET_BANNER.format(now), public_key, secret_key), 0o600)
+    _write_new(public, _certificate(PUBLIC_BANNER.format(now), public_key), 0o644)
     return public, secret
+
+
+def check_private(path: Path) -> None:
+    """Refuse a secret key file that users other than its owner's group may read or write (KeyFileError); warn about
+    one its group may read (a Kubernetes Secret mounted 0440 with an fsGroup is that)."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError as e:
+        raise KeyFileError(f"cannot read key file {path}: {e}") from e
+    if mode & 0o007:
+        raise KeyFileError(f"{path} has mode {mode:04o}: other users may read it. It holds a secret key: "
+                           f"chmod 600 {path} (and make a new key pair if others did read it)")
+    if mode & 0o070:
+        log.warning("secret_key_group_readable", path=str(path), mode=f"{mode:04o}")
+
+
+# zmq.auth's certificate format, as zmq.auth.create_certificates writes it (zmq.auth.load_certificate reads it back).
+SECRET_BANNER = """#   ****  Generated on {0} by sessionserve (broker keygen)  ****
+#   ZeroMQ CURVE **Secret** Certificate
+#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.
+
+"""
+PUBLIC_BANNER = """#   ****  Generated on {0} by sessionserve (broker keygen)  ****
+#   ZeroMQ CURVE Public Certificate
+#   Exchange securely, or use a secure mechanism to verify the contents
+#   of this file after exchange.
+
+"""
+
+
+def _certificate(banner: str, public: bytes, secret: bytes | None = None) -> bytes:
+    text = f'{banner}metadata\ncurve\n    public-key = "{public.decode()}"\n'
+    if secret is not None:
+        text += f'    secret-key = "{secret.decode()}"\n'
+    return text.encode()
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    """Write `path`, which must not exist, with `mode` from the first byte on: a temporary file opened with that mode
+    (O_EXCL, the umask can only take bits away) then renamed, so a reader sees the whole file or none."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # a umask wider than the mode's complement is not the point: exactly this mode
+        os.link(tmp, path)  # fails if `path` appeared meanwhile: never overwrites a key
+    finally:
+        os.unlink(tmp)
 
 
 def _load(path: str | os.PathLike[str], need_secret: bool) -> tuple[bytes, bytes | None]:

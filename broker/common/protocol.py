@@ -11,12 +11,14 @@ Every message is one ZeroMQ multipart message (a ROUTER adds the peer's routing 
 - payload: no command defines payload frames yet; a message that carries any is a `bad_request`.
 
 Legs:
-    client -> broker:          CREATE APPEND CHAT GENERATE FORK CLOSE INFO CANCEL STATUS
+    client -> broker:          CREATE APPEND CHAT GENERATE FORK CLOSE INFO CANCEL STATUS SESSIONS
     broker -> worker:          the same requests plus `route` (the client's routing id), and for
-                               CREATE and FORK the session id the broker made
+                               CREATE and FORK the session id the broker made (STATUS and SESSIONS are
+                               answered by the broker itself)
     worker -> broker -> client REPLY (final; `kind` names the result), CHUNKS (streamed), ERROR (final)
     worker -> broker:          FANOUT (a step's CHUNKS for several clients, sent on by the broker)
-    worker <-> broker:         READY WELCOME HEARTBEAT RECONNECT DISCONNECT
+    broker -> client:          LEASE (the broker holds sessions for this client; nothing answers it)
+    worker <-> broker:         READY WELCOME HEARTBEAT RECONNECT DISCONNECT DROP
 
 Streaming: each client gets ONE CHUNKS message per engine step, whose `chunks` list holds a
 {request_id, token_ids, text, offset} map for every streamed request of that client that moved in the step; the
@@ -99,17 +101,20 @@ class Command(Enum):
     INFO = b"INFO"
     CANCEL = b"CANCEL"
     STATUS = b"STATUS"  # answered by the broker itself
+    SESSIONS = b"SESSIONS"  # answered by the broker itself: the sessions it routes to
     # answers (worker -> broker -> client, or broker -> client)
     REPLY = b"REPLY"
     CHUNKS = b"CHUNKS"
     ERROR = b"ERROR"
     FANOUT = b"FANOUT"  # worker -> broker: one step's CHUNKS for several clients
+    LEASE = b"LEASE"  # broker -> client: a probe of the connection of a client that holds sessions
     # worker <-> broker control
     READY = b"READY"
     WELCOME = b"WELCOME"
     HEARTBEAT = b"HEARTBEAT"
     RECONNECT = b"RECONNECT"
     DISCONNECT = b"DISCONNECT"
+    DROP = b"DROP"  # broker -> worker: sessions declared lost with it, to close
 
 
 COMMANDS: Final = {c.value: c for c in Command}
@@ -465,14 +470,24 @@ class Status(Message):
     route: Route = b""
 
 
+@dataclass(frozen=True, slots=True)
+class Sessions(Message):
+    """The sessions the broker routes to: all of them, or with keys those of the asking client's key (all of them
+    for a key in the broker's admins/)."""
+
+    COMMAND: ClassVar[Command] = Command.SESSIONS
+    request_id: RequestId
+    route: Route = b""
+
+
 SessionRequest = Append | Chat | Generate | Fork | Close | Info | Cancel
-Request = CreateSession | SessionRequest | Status
+Request = CreateSession | SessionRequest | Status | Sessions
 SESSION_REQUEST_TYPES: Final = (Append, Chat, Generate, Fork, Close, Info, Cancel)
-REQUEST_TYPES: Final = (CreateSession, *SESSION_REQUEST_TYPES, Status)
+REQUEST_TYPES: Final = (CreateSession, *SESSION_REQUEST_TYPES, Status, Sessions)
 SESSION_COMMANDS: Final = frozenset(
     {Command.APPEND, Command.CHAT, Command.GENERATE, Command.FORK, Command.CLOSE, Command.INFO, Command.CANCEL}
 )
-REQUEST_COMMANDS: Final = SESSION_COMMANDS | {Command.CREATE, Command.STATUS}
+REQUEST_COMMANDS: Final = SESSION_COMMANDS | {Command.CREATE, Command.STATUS, Command.SESSIONS}
 
 
 # -- answers ----------------------------------------------------------------------------------------------
@@ -563,6 +578,36 @@ class StatusReport(Message):
     request_id: RequestId
     broker_id: RequestId
     workers: Annotated[tuple[WorkerStatus, ...], nested_list(WorkerStatus, 1 << 16)] = ()
+    route: Route = b""
+
+
+CLIENT_STATES: Final = frozenset({"connected", "gone"})
+MAX_SESSIONS_REPORTED: Final = 10_000  # entries in one SessionList (a session is ~150 bytes of it)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEntry:
+    """One session as the broker knows it (for `broker sessions`)."""
+
+    session_id: SessionId
+    worker: Name
+    owner: Owner = ""  # the client key it belongs to (brokers with keys), else ""
+    length: Annotated[int | None, integer(0, 2**62, optional=True)] = None  # tokens as last answered; None: not yet
+    idle_ms: Count = 0  # since a request last addressed it
+    client: Annotated[str, one_of(CLIENT_STATES)] = "connected"  # the connection of the client that last used it
+    gone_ms: Count = 0  # how long that client has been gone ("gone" only)
+
+    def __post_init__(self) -> None:
+        _checked(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionList(Message):
+    COMMAND: ClassVar[Command] = Command.REPLY
+    KIND: ClassVar[str] = "sessions"
+    request_id: RequestId
+    sessions: Annotated[tuple[SessionEntry, ...], nested_list(SessionEntry, MAX_SESSIONS_REPORTED)] = ()
+    total: Count = 0  # sessions the asker may see: more than listed past MAX_SESSIONS_REPORTED
     route: Route = b""
 
 
@@ -713,10 +758,20 @@ class Error(Message):
     route: Route = b""
 
 
-Reply = Created | Appended | Generated | Forked | Closed | SessionInfo | StatusReport
+Reply = Created | Appended | Generated | Forked | Closed | SessionInfo | StatusReport | SessionList
 REPLY_KINDS: Final[dict[str, type[Message]]] = {
-    c.KIND: c for c in (Created, Appended, Generated, Forked, Closed, SessionInfo, StatusReport)
+    c.KIND: c for c in (Created, Appended, Generated, Forked, Closed, SessionInfo, StatusReport, SessionList)
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Lease(Message):
+    """Broker -> client, one-way: sent every heartbeat to each client connection that holds sessions. A client ignores
+    it; the broker learns from a send that fails (the connection is gone) that the client is gone, and closes its
+    sessions after a grace period (`broker start --session-grace-ms`)."""
+
+    COMMAND: ClassVar[Command] = Command.LEASE
+    broker_id: RequestId
 
 
 # -- worker <-> broker control ----------------------------------------------------------------------------
@@ -737,10 +792,15 @@ class Ready(Message):
     device: Label = ""
     bytes_per_session: Count = 0
     owners: Owners = ()  # one per session ("" = none), so that ownership survives a broker restart
+    # One per session: the route of the client connection that last used it (b"" = none known), so that the broker's
+    # leases on sessions (whose client is gone) survive a broker restart.
+    holders: Annotated[tuple[bytes, ...], blob_list(MAX_SESSIONS_LISTED, MAX_ROUTE_BYTES)] = ()
 
     def _check(self) -> None:
         if self.owners and len(self.owners) != len(self.sessions):
             raise _bad(f"owners has {len(self.owners)} items for {len(self.sessions)} sessions")
+        if self.holders and len(self.holders) != len(self.sessions):
+            raise _bad(f"holders has {len(self.holders)} items for {len(self.sessions)} sessions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -755,9 +815,9 @@ class Welcome(Message):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
-    """Both ways. From the broker: its id (a new one means it restarted). From a worker: its load, its
-    progress (`steps`: engine steps so far; a worker with requests in flight whose count stands still is
-    hung) and the sessions it closed for idling since the last report (`expired`)."""
+    """Both ways. From the broker: its id (a new one means it restarted). From a worker: its load, its engine steps so
+    far (`steps`: for information; the broker measures a request's progress by what reaches its client, not by what a
+    worker says) and the sessions it closed for idling since the last report (`expired`)."""
 
     COMMAND: ClassVar[Command] = Command.HEARTBEAT
     broker_id: Annotated[str | None, text(64, ID_PATTERN, optional=True)] = None
@@ -784,11 +844,21 @@ class Disconnect(Message):
     reason: Annotated[str, text(4096)] = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Drop(Message):
+    """Broker -> worker: sessions the broker declared lost with this worker while it was gone (stopped, cut off), whose
+    clients were told session_lost. The worker closes them (their generations too) and answers nothing for them."""
+
+    COMMAND: ClassVar[Command] = Command.DROP
+    sessions: SessionIds
+
+
 _BY_COMMAND: Final[dict[Command, type[Message]]] = {
     c.COMMAND: c
     for c in (
         CreateSession, Append, Chat, Generate, Fork, Close, Info, Cancel, Status,
         Chunks, Fanout, Error, Ready, Welcome, Heartbeat, Reconnect, Disconnect,
+        Sessions, Lease, Drop,
     )
 }
 

@@ -16,7 +16,9 @@ so every system makes exactly the same number of tokens). Prints output tokens/s
 issue's targets against the measured values. For session counts below the largest, the stack is also
 run with a worker sized for that count (`--max-sessions N`): a smaller table has a smaller decode graph.
 Every measurement is repeated --repeats times (default 3) and the median run is reported, with all of
-the runs' values beside it: single runs of the 64-session load spread by several percent.
+the runs' values beside it: single runs of the 64-session load spread by several percent. Each measurement is also
+printed to stderr as soon as it is made (engine, then stack, then transformers, whose compilation is the slowest),
+so that a run cut short by a time limit still shows what it measured.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def hf_config(c: ModelConfig) -> Any:
                        linear_num_key_heads=lin.key_heads, linear_num_value_heads=lin.value_heads)
     classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_5": "Qwen3_5TextConfig"}
     return getattr(transformers, classes[c.family])(**fields)
+
+
+def progress(what: str, rates: list[float]) -> None:
+    """One measurement as soon as it is made (stderr), so that a run cut short still shows what it measured."""
+    sys.stderr.write(f"measured: {what}: {' / '.join(f'{r:.0f}' for r in rates)} output tokens/s\n")
+    sys.stderr.flush()
 
 
 def median_run(measure: Callable[[], Report], repeats: int, show: bool = False) -> dict[str, Any]:
@@ -265,23 +273,27 @@ def main() -> None:
 
     for n in args.sessions:
         results["runs"][n] = {"engine": median_run(in_process(n, engine), reps)}
+        progress(f"engine, {n} sessions", results["runs"][n]["engine"]["runs_output_tokens_per_s"])
     engine.unload()
-    for n in args.sessions:
-        rates = bench_hf_apart(model, n, args.prompt_tokens, args.new_tokens, args.seed, reps)
-        results["runs"][n]["hf_tokens_per_s"] = rates[len(rates) // 2]
-        results["runs"][n]["hf_runs_tokens_per_s"] = rates
     for n in sorted(set(args.sessions) - {capacity}):
         sized = gpu_stack(model, n, context)
         try:
             results["runs"][n]["stack_sized"] = median_run(on_stack(n, sized.clients), reps)
+            progress(f"stack (--max-sessions {n}), {n} sessions", results["runs"][n]["stack_sized"]["runs_output_tokens_per_s"])
         finally:
             sized.stop(STOP_TIMEOUT_S)
     stack = gpu_stack(model, capacity, context)
     try:
         for n in args.sessions:
             results["runs"][n]["stack"] = median_run(on_stack(n, stack.clients), reps, show=True)
+            progress(f"stack, {n} sessions", results["runs"][n]["stack"]["runs_output_tokens_per_s"])
     finally:
         stack.stop(STOP_TIMEOUT_S)
+    for n in args.sessions:
+        rates = bench_hf_apart(model, n, args.prompt_tokens, args.new_tokens, args.seed, reps)
+        results["runs"][n]["hf_tokens_per_s"] = rates[len(rates) // 2]
+        results["runs"][n]["hf_runs_tokens_per_s"] = rates
+        progress(f"transformers, {n} sessions", rates)
     results["memory_64"] = memory_check(model, 64, max(context, 2048) if model == MODEL else context)
 
     print(f"\n{results['device']}, {model} (bf16), prompts of {args.prompt_tokens}, {args.new_tokens} new tokens each")

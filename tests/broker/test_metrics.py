@@ -67,6 +67,7 @@ def test_the_collector_reads_the_router_state_at_scrape_time() -> None:
         ("sessionserve:num_requests_running", ()): 1,  # the create
         ("sessionserve:num_requests_waiting", ()): 0,
         ("sessionserve:recovering", ()): 0,
+        ("sessionserve:clients_gone", ()): 0,
         ("sessionserve:worker_capacity", w1): 2,
         ("sessionserve:worker_capacity", w2): 4,
         ("sessionserve:worker_sessions", w1): 0,
@@ -81,6 +82,11 @@ def test_the_collector_reads_the_router_state_at_scrape_time() -> None:
         ("sessionserve:workers_registered_total", ()): 0,
         ("sessionserve:worker_reregistrations_total", ()): 0,
         ("sessionserve:sessions_lost_total", ()): 0,
+        ("sessionserve:broker_loop_errors_total", ()): 0,
+        ("sessionserve:broker_stalls_total", ()): 0,
+        ("sessionserve:creates_replaced_total", ()): 0,
+        ("sessionserve:sessions_dropped_total", ()): 0,
+        ("sessionserve:sessions_lease_expired_total", ()): 0,
     }
 
 
@@ -99,6 +105,14 @@ def test_counters_are_exported_by_label_and_a_command_and_its_name_are_one_serie
     counters.worker_lost("missed heartbeats", sessions=3)
     counters.worker_lost("disconnected: drained")
     counters.worker_lost("disconnected: engine failed", sessions=2)
+    counters.dropped("unregistered")
+    counters.dropped("unregistered")
+    counters.dropped("rate_limited")
+    counters.loop_errors += 1
+    counters.stalls += 5
+    counters.creates_replaced += 2
+    counters.sessions_dropped += 3
+    counters.sessions_lease_closed += 4
     got = {k: v for k, v in scrape(metrics).items() if k[0].endswith("_total")}
     assert got == {
         ("sessionserve:requests_total", (("command", "create"),)): 2,
@@ -110,6 +124,13 @@ def test_counters_are_exported_by_label_and_a_command_and_its_name_are_one_serie
         ("sessionserve:workers_registered_total", ()): 2,
         ("sessionserve:worker_reregistrations_total", ()): 1,
         ("sessionserve:sessions_lost_total", ()): 5,
+        ("sessionserve:worker_messages_dropped_total", (("reason", "rate_limited"),)): 1,
+        ("sessionserve:worker_messages_dropped_total", (("reason", "unregistered"),)): 2,
+        ("sessionserve:broker_loop_errors_total", ()): 1,
+        ("sessionserve:broker_stalls_total", ()): 5,
+        ("sessionserve:creates_replaced_total", ()): 2,
+        ("sessionserve:sessions_dropped_total", ()): 3,
+        ("sessionserve:sessions_lease_expired_total", ()): 4,
     }
 
 

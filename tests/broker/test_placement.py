@@ -7,7 +7,7 @@ import pytest
 from broker.common.protocol import ErrorCode, Ready
 from broker.liveness import Liveness
 from broker.placement import NoPlacement, place
-from broker.registry import Registry, WorkerRecord
+from broker.registry import Gone, Registry, WorkerRecord
 
 A = "a" * 32
 B = "b" * 32
@@ -66,7 +66,7 @@ def test_registry_tracks_sessions_and_remembers_lost_ones() -> None:
     assert reg.worker_of(B) is None and reg.workers[b"w1"].sessions == {A}
     removed = reg.remove(b"w1")
     assert removed is not None and removed.name == "w1"
-    assert reg.worker_of(A) is None and reg.gone(A) is ErrorCode.SESSION_LOST and reg.gone(B) is None
+    assert reg.worker_of(A) is None and reg.gone(A) is Gone.LOST and reg.gone(B) is None
     reg.register(b"w3", ready("w3", (A,)))  # a worker that comes back with it (a network blip) un-loses it
     assert reg.gone(A) is None and reg.worker_of(A) is reg.workers[b"w3"]
 

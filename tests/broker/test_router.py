@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 
 from broker.common import protocol as p
+from broker.registry import Gone
 from broker.router import Failure, Peer, Router, Send, Settings
 
 SETTINGS = Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0)
@@ -135,39 +136,92 @@ def test_unknown_sessions_are_not_found_and_malformed_requests_are_bad() -> None
     assert router.worker_message(W1, p.encode(p.Status(request_id="s")), 2.0) == []
 
 
+def to_workers(sends: list[Send]) -> list[tuple[Peer, bytes, p.Message]]:
+    """What goes to workers (the leases that go to clients left out)."""
+    return [(peer, identity, m) for peer, identity, m in decoded(sends) if peer is Peer.WORKER]
+
+
 def test_a_dead_worker_fails_in_flight_requests_at_once_and_later_ones_are_lost() -> None:
     sid = "d" * 32
     router = running((W1, ready("w1", sessions=(sid,))))
     router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id=sid)), 2.0)
-    assert all(peer is Peer.WORKER for peer, _, _ in decoded(router.tick(2.7)))  # heartbeats only
+    assert not [s for s in router.tick(2.7) if s.peer is Peer.CLIENT and s.frames[1] != b"LEASE"]  # beats, leases
     sends = decoded(router.tick(2.75))  # last heard at 2.0, 3 x 0.25 s later: dead
     assert (Peer.CLIENT, C1, p.Error(request_id="g1", code=p.ErrorCode.SESSION_LOST,
                                      message="worker w1 is gone (missed heartbeats)")) in sends
     assert not router.registry.workers and not router.inflight
     _, _, later = one(router.client_message(C2, p.encode(p.Info(request_id="i1", session_id=sid)), 3.0))
     assert isinstance(later, p.Error) and later.code is p.ErrorCode.SESSION_LOST
-    # It was only stopped: it comes back, its session with it, and the generation failed for the client stops.
-    back = decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 4.0))
-    assert [type(m) for _, _, m in back] == [p.Welcome, p.Cancel]
-    cancel = back[1][2]
-    assert isinstance(cancel, p.Cancel) and (cancel.session_id, cancel.target, cancel.route) == (sid, "g1", C1)
-    assert router.registry.worker_of(sid) is not None and router.registry.gone(sid) is None
-    assert [type(m) for _, _, m in decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 5.0))] == [
-        p.Welcome]  # once
+
+
+def test_session_lost_is_final_a_worker_that_comes_back_drops_the_sessions_declared_lost() -> None:
+    """It was only stopped (SIGSTOP, a cut cable): it comes back listing the session its client was told is lost. The
+    broker does not take it back: it tells the worker to drop it (which ends its generation too), answers nothing of
+    the worker's about it, and later requests still get session_lost."""
+    sid, other = "d" * 32, "e" * 32
+    router = running((W1, ready("w1", sessions=(sid,))))
+    router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id=sid, stream=True)), 2.0)
+    router.tick(2.75)  # dead
+    back = decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid, other))), 4.0))
+    assert [m for _, _, m in back] == [p.Welcome(broker_id="b1", heartbeat_ms=250, liveness=3),
+                                       p.Drop(sessions=(sid,))]
+    assert router.registry.workers[W1].sessions == {other}  # a session made meanwhile is its own to keep
+    assert router.registry.worker_of(sid) is None and router.registry.gone(sid) is Gone.LOST
+    _, _, later = one(router.client_message(C2, p.encode(p.Info(request_id="i1", session_id=sid)), 4.1))
+    assert isinstance(later, p.Error) and later.code is p.ErrorCode.SESSION_LOST
+    # Its answers about the lost session, sent before it handled the DROP, reach nobody.
+    done = p.Generated(request_id="g1", session_id=sid, token_ids=(1,), text="a", finish_reason="cancelled",
+                       length=5, route=C1)
+    assert router.worker_message(W1, p.encode(done), 4.2) == []
+    assert router.counters.messages_dropped == {"lost_session": 1} and router.counters.sessions_dropped == 1
+    # Still answering for it a beat later (it missed the DROP): told again, once a beat.
+    [(_, identity, told)] = decoded(router.worker_message(W1, p.encode(done), 4.3))
+    assert identity == W1 and told == p.Drop(sessions=(sid,))
+    assert router.worker_message(W1, p.encode(done), 4.4) == []
+    # It registers again (the DROP was lost with a second outage): told again; once it no longer lists it, forgotten.
+    again = decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid, other))), 5.0))
+    assert [m for _, _, m in again][1:] == [p.Drop(sessions=(sid,))]
+    assert [type(m) for _, _, m in decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(other,))), 6.0))] == [
+        p.Welcome]
+    assert router._lost_count == 0 and not router._lost
 
 
 def test_disconnect_and_unreachable_workers_are_gone_too() -> None:
-    sid = "e" * 32
-    router = running((W1, ready("w1", sessions=(sid,))), (W2, ready("w2")))
+    sid, sid2 = "e" * 32, "f" * 32
+    router = running((W1, ready("w1", sessions=(sid,))), (W2, ready("w2", sessions=(sid2,))))
     router.worker_message(W1, p.encode(p.Disconnect(reason="drained")), 2.1)
-    assert router.registry.gone(sid) is p.ErrorCode.SESSION_LOST and set(router.registry.workers) == {W2}
-    _, _, request = create(router, C1, "r1", now=2.2)
-    _, _, not_found = one(router.client_message(C1, p.encode(p.Info(request_id="x", session_id="f" * 32)), 2.2))
+    assert router.registry.gone(sid) is Gone.LOST and set(router.registry.workers) == {W2}
+    _, _, not_found = one(router.client_message(C1, p.encode(p.Info(request_id="x", session_id="0" * 32)), 2.2))
     assert isinstance(not_found, p.Error) and not_found.code is p.ErrorCode.SESSION_NOT_FOUND
-    failed = Send(Peer.WORKER, W2, p.encode(request), (C1, "r1"))
+    _, _, request = one(router.client_message(C1, p.encode(p.Info(request_id="i2", session_id=sid2)), 2.2))
+    failed = Send(Peer.WORKER, W2, p.encode(request), (C1, "i2"))
     _, identity, error = one(router.undeliverable(failed, Failure.UNREACHABLE, 2.3))
     assert identity == C1 and isinstance(error, p.Error) and error.code is p.ErrorCode.SESSION_LOST
+    assert error.message == "worker w2 is gone (unreachable)"
     assert not router.registry.workers
+
+
+def test_a_create_whose_worker_vanishes_before_answering_is_placed_again() -> None:
+    """A fake (or dying) worker took the create and left without answering: the create goes to a worker that has
+    room, under a new session id (where it is answered as usual); should the first come back listing the session it
+    made, that one is dropped there."""
+    router = running((W1, ready("w1", capacity=4)), (W2, ready("w2", capacity=2)))
+    _, first, request = create(router, C1, "r1")
+    assert first == W1 and isinstance(request, p.CreateSession) and request.session_id is not None
+    [(_, identity, again)] = to_workers(router.worker_message(W1, p.encode(p.Disconnect(reason="gone")), 2.1))
+    assert identity == W2 and isinstance(again, p.CreateSession) and again.route == C1
+    assert again.request_id == "r1" and again.session_id not in (None, request.session_id)
+    assert router.registry.workers[W2].pending == 1 and router.counters.creates_replaced == 1
+    [answer] = created(router, W2, again, now=2.2)
+    assert answer.identity == C1 and p.decode(answer.frames).session_id == again.session_id  # type: ignore[attr-defined]
+    back = to_workers(router.worker_message(W1, p.encode(ready("w1", capacity=4, sessions=(request.session_id,))), 3.0))
+    assert [m for _, _, m in back][1:] == [p.Drop(sessions=(request.session_id,))]
+    # With no other worker, the create is refused as any create would be.
+    _, _, lonely = create(router, C2, "r2", now=3.1)
+    assert isinstance(lonely, p.CreateSession)
+    router.worker_message(W2, p.encode(p.Disconnect()), 3.2)
+    router.worker_message(W1, p.encode(p.Disconnect()), 3.2)
+    assert not router.registry.workers and not router.inflight
 
 
 def test_a_full_worker_queue_is_an_internal_error_for_that_request_only() -> None:
@@ -212,13 +266,31 @@ def test_a_restarted_broker_holds_requests_until_workers_re_register() -> None:
     assert not router.held
 
 
-def test_answers_from_an_unknown_worker_are_forwarded_and_it_is_asked_to_register() -> None:
+def test_answers_from_a_peer_that_is_not_registered_are_never_forwarded_and_it_is_asked_to_register() -> None:
     router = Router(SETTINGS, now=0.0, broker_id="b2")
     done = p.Generated(request_id="g1", session_id="a" * 32, token_ids=(), text="", finish_reason="stop", length=1,
                        route=C1)
     sends = router.worker_message(W1, p.encode(done), 0.1)
-    assert [(s.peer, s.identity) for s in sends] == [(Peer.CLIENT, C1), (Peer.WORKER, W1)]
-    assert p.decode(sends[1].frames) == p.Reconnect(broker_id="b2")
+    assert [(s.peer, s.identity) for s in sends] == [(Peer.WORKER, W1)]
+    assert p.decode(sends[0].frames) == p.Reconnect(broker_id="b2")
+    assert router.worker_message(W1, p.encode(fanout(chunks(C1, "g1"))), 0.2) == []  # asked once a beat
+    assert router.counters.messages_dropped == {"unregistered": 2}
+
+
+def test_a_fanout_with_bad_parts_from_a_stranger_does_not_take_the_broker_down() -> None:
+    """One FANOUT from a peer that never registered, to a route that is no client, whose part is not a msgpack map:
+    it used to be forwarded, its send failed, and decoding the part to cancel its generations raised out of the
+    broker's loop. Now a stranger's answers are dropped unread, and a registered worker's bad parts are sent on and,
+    when they cannot be delivered, read without raising."""
+    router = running((W1, ready("w1")))
+    for part in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"chunks": "x"}), b""):
+        bad = [p.VERSION, b"FANOUT", msgpack.packb({"routes": [b"nobody"], "parts": [part]})]
+        assert [p.decode(s.frames) for s in router.worker_message(b"stranger", bad, 2.0)] in (
+            [p.Reconnect(broker_id="b1")], [])
+        [send] = router.worker_message(W1, bad, 2.1)  # registered: forwarded as is
+        assert (send.peer, send.identity, send.frames) == (Peer.CLIENT, b"nobody", [p.VERSION, b"CHUNKS", part])
+        assert router.undeliverable(send, Failure.UNREACHABLE, 2.2) == []
+    assert W1 in router.registry.workers
 
 
 def test_fork_and_close_keep_the_session_table() -> None:
@@ -388,23 +460,35 @@ def test_the_per_client_cap_counts_live_and_pending_sessions_and_names_the_limit
 
 
 def test_a_request_on_a_worker_that_makes_no_progress_times_out_and_the_generation_is_cancelled() -> None:
+    """Progress is what reaches the client: a worker's heartbeats with a rising step count (a fake worker's, or a
+    hung one's) keep nothing alive; streamed tokens to the request's client do."""
     settings = Settings(heartbeat_s=0.25, liveness=100, recovery_s=1.0, request_timeout_s=1.0)
-    sid = "c" * 32
+    sid, streamed = "c" * 32, "d" * 32
     router = Router(settings, now=0.0, broker_id="b1")
-    router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 2.0)
+    router.worker_message(W1, p.encode(ready("w1", sessions=(sid, streamed))), 2.0)
     router.client_message(C1, p.encode(p.Generate(request_id="g1", session_id=sid)), 2.0)
-    for step, now in enumerate((2.5, 3.0, 3.5, 4.0), start=1):  # heartbeats with progress: no timeout
+    router.client_message(C2, p.encode(p.Generate(request_id="g2", session_id=streamed, stream=True)), 2.0)
+
+    def errors(now: float) -> list[tuple[bytes, p.Message]]:
+        return [(identity, m) for peer, identity, m in decoded(router.tick(now))
+                if peer is Peer.CLIENT and not isinstance(m, p.Lease)]
+
+    for step, now in enumerate((2.5, 2.75, 3.0), start=1):  # rising steps, and tokens for C2's stream
         router.worker_message(W1, p.encode(p.Heartbeat(steps=step)), now)
-        assert not [s for s in router.tick(now) if s.peer is Peer.CLIENT]
-    router.worker_message(W1, p.encode(p.Heartbeat(steps=4)), 4.5)  # stuck from 4.0 on, but still beating
-    assert not [s for s in router.tick(4.75) if s.peer is Peer.CLIENT]
-    out = decoded(router.tick(5.25))
-    errors = [(identity, m) for peer, identity, m in out if peer is Peer.CLIENT]
-    assert errors == [(C1, p.Error(request_id="g1", code=p.ErrorCode.TIMEOUT,
-                                   message="worker w1 made no progress on this request for 1 s"))]
-    cancels = [m for peer, _, m in out if isinstance(m, p.Cancel)]
+        router.worker_message(W1, p.encode(fanout(chunks(C2, "g2"))), now)
+        assert errors(now) == []
+    router.worker_message(W1, p.encode(p.Heartbeat(steps=4)), 3.25)
+    router.worker_message(W1, p.encode(fanout(chunks(C2, "g2"))), 3.25)
+    out = router.tick(3.25)
+    assert [(identity, m) for peer, identity, m in decoded(out) if peer is Peer.CLIENT and not isinstance(m, p.Lease)] == [
+        (C1, p.Error(request_id="g1", code=p.ErrorCode.TIMEOUT,
+                     message="worker w1 made no progress on this request for 1 s"))]
+    cancels = [m for peer, _, m in decoded(out) if isinstance(m, p.Cancel)]
     assert len(cancels) == 1 and cancels[0].target == "g1" and cancels[0].session_id == sid
-    assert not router.inflight and router.registry.worker_of(sid) is not None  # the worker and session stay
+    assert set(router.inflight) == {(C2, "g2")} and router.registry.worker_of(sid) is not None  # the worker stays
+    assert errors(4.0) == []  # C2's tokens last reached it at 3.25
+    [(client, timed_out)] = errors(4.5)
+    assert client == C2 and isinstance(timed_out, p.Error) and timed_out.code is p.ErrorCode.TIMEOUT
 
 
 def test_sessions_a_worker_expired_answer_session_expired() -> None:
@@ -446,3 +530,187 @@ def test_error_messages_are_cut_to_the_limit_never_refused() -> None:
     router.client_message(C1, p.encode(p.Generate(request_id="g2", session_id="a" * 32)), 2.0)
     _, _, lost = one(router.worker_message(W1, p.encode(long_reason), 2.1))
     assert isinstance(lost, p.Error) and lost.code is p.ErrorCode.SESSION_LOST and len(lost.message) == 4096
+
+
+def test_a_restarted_broker_waits_for_every_worker_it_hears_from_past_its_recovery_window() -> None:
+    """A worker that reconnects late (its reconnect backoff) must not find its sessions answered session_not_found:
+    a peer heard from within the recovery window is waited for until it registers, or for a heartbeat window after
+    it was first heard (liveness x heartbeat: 0.75 s here)."""
+    sid = "9" * 32
+    router = Router(SETTINGS, now=0.0, broker_id="new")
+    assert router.client_message(C1, p.encode(p.Info(request_id="i1", session_id=sid)), 0.1) == []  # held
+    router.worker_message(W1, p.encode(p.Heartbeat(free_slots=1)), 0.9)  # heard just before the window (1 s) ends
+    assert router.recovering(1.5) and router.next_tick() <= 1.65
+    assert not [s for s in router.tick(1.5) if s.peer is Peer.CLIENT]  # still held
+    sends = decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 1.6))
+    assert sends[1] == (Peer.WORKER, W1, p.Info(request_id="i1", session_id=sid, route=C1))  # released to it
+    assert not router.held and not router.recovering(1.6)
+    # A stranger that never registers holds recovery up for one window only; one first heard after it ends, never.
+    router = Router(SETTINGS, now=0.0, broker_id="new")
+    router.client_message(C1, p.encode(p.Info(request_id="i2", session_id=sid)), 0.1)
+    router.worker_message(b"quiet", p.encode(p.Heartbeat()), 0.5)
+    assert router.recovering(1.2) and not router.recovering(1.25)
+    router.worker_message(b"late", p.encode(p.Heartbeat()), 1.3)
+    assert not router.recovering(1.3)
+    [(peer, _, answer)] = [s for s in decoded(router.tick(1.3)) if s[0] is Peer.CLIENT]
+    assert answer == p.Error(request_id="i2", code=p.ErrorCode.SESSION_NOT_FOUND, message=f"no session {sid}")
+
+
+# Workers connected but silent are gone after silence_s only: these tests send no worker heartbeats.
+LEASED = Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0, session_grace_s=1.0, silence_s=1000.0)
+
+
+def lease_round(router: Router, now: float, gone: frozenset[bytes] = frozenset()) -> list[Send]:
+    """A tick, as the server runs it: its LEASEs to the `gone` clients fail (their connections are closed)."""
+    out = router.tick(now)
+    for send in out:
+        if send.peer is Peer.CLIENT and send.identity in gone:
+            out += router.undeliverable(send, Failure.UNREACHABLE, now)
+    return out
+
+
+def closes_in(sends: list[Send]) -> list[p.Close]:
+    return [m for _, _, m in to_workers(sends) if isinstance(m, p.Close)]
+
+
+def test_a_gone_client_s_sessions_are_closed_after_the_grace_period_and_a_returning_one_keeps_them() -> None:
+    router = Router(LEASED, now=0.0, broker_id="b1")
+    router.worker_message(W1, p.encode(ready("w1", capacity=4)), 1.0)
+    made = {}
+    for client, rid in ((C1, "r1"), (C2, "r2")):
+        _, _, request = create(router, client, rid, now=1.0)
+        assert isinstance(request, p.CreateSession) and request.session_id is not None
+        created(router, W1, request, now=1.0)
+        made[client] = request.session_id
+    # Every heartbeat, each client holding sessions gets a LEASE; C1's connection is gone: its LEASEs fail.
+    gone = frozenset({C1})
+    leases = [s for s in lease_round(router, 1.25, gone) if s.peer is Peer.CLIENT]
+    assert sorted(s.identity for s in leases) == [C1, C2] and p.decode(leases[0].frames) == p.Lease(broker_id="b1")
+    lease_round(router, 1.5, gone)  # known gone from here on
+    listing = one(router.client_message(C2, p.encode(p.Sessions(request_id="l1")), 2.0))[2]
+    assert isinstance(listing, p.SessionList) and listing.total == 2
+    states = {e.session_id: (e.client, e.gone_ms, e.worker, e.length, e.idle_ms) for e in listing.sessions}
+    assert states == {made[C1]: ("gone", 500, "w1", 0, 1000), made[C2]: ("connected", 0, "w1", 0, 1000)}
+    assert not closes_in(lease_round(router, 1.75, gone) + lease_round(router, 2.0, gone) + lease_round(router, 2.25, gone))
+    closes = closes_in(lease_round(router, 2.5, gone))  # gone 1 s: closed
+    assert [(c.session_id, c.route) for c in closes] == [(made[C1], b"\x00lease")]
+    assert router.registry.workers[W1].free == 4 - 2 + 1  # its slot is free for what comes after the close
+    assert not closes_in(lease_round(router, 2.75, gone))  # once
+    # The worker's answer goes to nobody; the session is gone, and later requests hear why.
+    answer = p.Closed(request_id=closes[0].request_id, session_id=made[C1], route=b"\x00lease")
+    assert router.worker_message(W1, p.encode(answer), 2.8) == []
+    assert router.registry.worker_of(made[C1]) is None and router.counters.sessions_lease_closed == 1
+    _, _, later = one(router.client_message(C1, p.encode(p.Info(request_id="i1", session_id=made[C1])), 3.0))
+    assert later == p.Error(request_id="i1", code=p.ErrorCode.SESSION_EXPIRED, message=(
+        "the broker closed this session: its client was gone for more than 1 s (broker --session-grace-ms)"))
+    assert router.registry.worker_of(made[C2]) is not None  # the connected client's session stays
+
+
+def test_a_client_that_comes_back_within_the_grace_period_or_uses_the_session_from_elsewhere_keeps_it() -> None:
+    router = Router(LEASED, now=0.0, broker_id="b1")
+    sid = "a" * 32
+    router.worker_message(W1, p.encode(p.Ready(name="w1", model="m", capacity=4, free_slots=3, max_context=64,
+                                               sessions=(sid,), holders=(C1,))), 1.0)
+    gone = frozenset({C1})
+    for now in (1.25, 1.5, 1.75):
+        lease_round(router, now, gone)
+    router.client_message(C1, p.encode(p.Status(request_id="s")), 2.0)  # it reconnected (same routing id)
+    assert not closes_in(lease_round(router, 2.25) + lease_round(router, 2.5) + lease_round(router, 3.0))
+    listing = one(router.client_message(C1, p.encode(p.Sessions(request_id="l")), 3.0))[2]
+    assert isinstance(listing, p.SessionList) and [e.client for e in listing.sessions] == ["connected"]
+    # Gone again; another connection uses the session meanwhile: the lease is that one's now.
+    lease_round(router, 3.25, gone)
+    lease_round(router, 3.5, gone)
+    router.client_message(C2, p.encode(p.Info(request_id="i1", session_id=sid)), 3.6)
+    assert not closes_in([s for now in (3.75, 4.0, 4.5, 5.0, 5.5) for s in lease_round(router, now, gone)])
+    assert router.registry.session(sid) is not None and router.registry.session(sid).client == C2  # type: ignore[union-attr]
+
+
+def test_sessions_whose_client_is_not_known_after_a_restart_are_closed_unless_used_within_the_grace_period() -> None:
+    """A READY from a worker that names no holders: nobody holds the lease; a client that uses the session takes it."""
+    router = Router(LEASED, now=0.0, broker_id="b1")
+    kept, orphan = "b" * 32, "c" * 32
+    router.worker_message(W1, p.encode(ready("w1", capacity=4, sessions=(kept, orphan))), 1.0)
+    router.client_message(C1, p.encode(p.Info(request_id="i1", session_id=kept)), 1.5)
+    closes = closes_in([s for t in (1.25, 1.5, 1.75, 2.0, 2.25) for s in lease_round(router, t)])
+    assert [c.session_id for c in closes] == [orphan]
+    # With holders in the READY, the lease is theirs from the start.
+    router = Router(LEASED, now=0.0, broker_id="b1")
+    router.worker_message(W1, p.encode(p.Ready(name="w1", model="m", capacity=4, free_slots=2, max_context=64,
+                                               sessions=(kept, orphan), holders=(C1, C2))), 1.0)
+    assert [s.identity for s in router.tick(1.25) if s.peer is Peer.CLIENT] == [C1, C2]
+    assert not closes_in([s for t in (1.5, 2.0, 2.5) for s in lease_round(router, t)])
+
+
+def test_without_a_grace_period_nothing_is_closed_but_the_listing_still_tells_who_is_gone() -> None:
+    router = Router(Settings(heartbeat_s=0.25, recovery_s=1.0, silence_s=1000.0), now=0.0, broker_id="b1")
+    router.worker_message(W1, p.encode(ready("w1", capacity=4)), 1.0)
+    _, _, request = create(router, C1, "r1", now=1.0)
+    created(router, W1, request, now=1.0)  # type: ignore[arg-type]
+    gone = frozenset({C1})
+    assert not closes_in([s for t in (1.25, 1.5, 10.0, 100.0) for s in lease_round(router, t, gone)])
+    listing = one(router.client_message(C2, p.encode(p.Sessions(request_id="l")), 100.0))[2]
+    assert isinstance(listing, p.SessionList) and [(e.client, e.gone_ms) for e in listing.sessions] == [("gone", 98500)]
+
+
+def test_with_keys_a_client_lists_and_closes_its_own_sessions_and_an_admin_key_any() -> None:
+    admin = "C" * 40
+    router = Router(Settings(heartbeat_s=0.25, recovery_s=1.0, authenticated=True), now=0.0, broker_id="b1")
+    router.admins = frozenset({admin})
+    router.worker_message(W1, p.encode(ready("w1", capacity=4)), 2.0)
+    owned = {}
+    for client, user in ((C1, ALICE), (C2, BOB)):
+        _, _, request = one(router.client_message(client, p.encode(p.CreateSession(request_id="r")), 2.0, user=user))
+        created(router, W1, request)  # type: ignore[arg-type]
+        owned[user] = request.session_id  # type: ignore[attr-defined]
+
+    def listed(user: str) -> list[tuple[str, str]]:
+        answer = one(router.client_message(b"ops", p.encode(p.Sessions(request_id="l")), 2.1, user=user))[2]
+        assert isinstance(answer, p.SessionList)
+        return sorted((e.session_id, e.owner) for e in answer.sessions)
+
+    assert listed(ALICE) == [(owned[ALICE], ALICE)]
+    assert listed(admin) == sorted([(owned[ALICE], ALICE), (owned[BOB], BOB)])
+    _, _, refused = one(router.client_message(b"ops", p.encode(p.Close(request_id="x", session_id=owned[BOB])), 2.2,
+                                              user=ALICE))
+    assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.UNAUTHORIZED
+    _, identity, close = one(router.client_message(b"ops", p.encode(p.Close(request_id="x", session_id=owned[BOB])),
+                                                   2.2, user=admin))
+    assert identity == W1 and isinstance(close, p.Close)
+    assert router.registry.session(owned[BOB]).client == C2  # type: ignore[union-attr]  # the admin took no lease
+    _, _, generate = one(router.client_message(b"ops", p.encode(p.Generate(request_id="g", session_id=owned[ALICE])),
+                                               2.3, user=admin))
+    assert isinstance(generate, p.Error) and generate.code is p.ErrorCode.UNAUTHORIZED  # admins close, not use
+
+
+def test_after_a_stall_of_its_own_the_broker_gives_a_worker_whose_connection_closed_a_window_to_come_back() -> None:
+    """The broker's process did not run for a while: libzmq's heartbeat timeout closed w1's connection although w1 had
+    answered (its answer waited unread). w1 is not declared gone: it reconnects and says READY, and the request whose
+    send failed meanwhile is sent to it then. A worker that does not come back within the window is gone."""
+    sid, sid2 = "a" * 32, "b" * 32
+    router = Router(Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0, silence_s=1000.0), now=0.0, broker_id="b1")
+    router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 2.0)
+    router.worker_message(W2, p.encode(ready("w2", sessions=(sid2,))), 2.0)
+    router.stalled(2.4, 0.6)
+    info = p.Info(request_id="i1", session_id=sid)
+    [forward] = router.client_message(C1, p.encode(info), 2.41)
+    assert router.undeliverable(forward, Failure.UNREACHABLE, 2.41) == []  # held, not session_lost
+    beat = Send(Peer.WORKER, W2, p.encode(p.Heartbeat(broker_id="b1")))
+    assert router.undeliverable(beat, Failure.UNREACHABLE, 2.42) == []
+    # No placement on a worker that may be gone: with no other, the create waits for them.
+    assert router.client_message(C2, p.encode(p.CreateSession(request_id="r1")), 2.43) == []
+    back = decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 2.5))
+    assert back[0] == (Peer.WORKER, W1, info.routed(C1))  # sent again, then welcomed, then the create placed
+    assert isinstance(back[1][2], p.Welcome) and router.registry.worker_of(sid) is not None
+    assert back[2][1] == W1 and isinstance(back[2][2], p.CreateSession) and back[2][2].route == C2
+    router.tick(2.75)  # w2 never came back: gone a heartbeat window (0.75 s) after it was found unreachable
+    assert W2 in router.registry.workers
+    router.tick(3.25)
+    assert W2 not in router.registry.workers and router.registry.gone(sid2) is Gone.LOST
+    # Outside the window after a stall, a closed connection is a gone worker at once.
+    [forward] = router.client_message(C1, p.encode(p.Info(request_id="i2", session_id=sid)), 3.3)
+    answers = {m.request_id: m.code for _, _, m in decoded(router.undeliverable(forward, Failure.UNREACHABLE, 3.3))
+               if isinstance(m, p.Error)}
+    assert answers == {"i1": p.ErrorCode.SESSION_LOST, "i2": p.ErrorCode.SESSION_LOST,
+                       "r1": p.ErrorCode.MODEL_NOT_FOUND}  # the create, placed again: no worker left
+    assert router.counters.stalls == 1

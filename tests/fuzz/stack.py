@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .targets import Target
 
 HEARTBEAT_MS = 100
+SILENCE_MS = 1000
 
 
 class FuzzStack:
@@ -47,7 +48,9 @@ class FuzzStack:
         self.good = GoodSession(self.cluster.clients)
         self.lone: Daemon
         try:
-            self.cluster.start_broker()
+            # Fakes that fall silent (the fuzzer stops sending while it checks) are given up after a second, so that
+            # a create placed on one is placed again and answered within a checkpoint.
+            self.cluster.start_broker(["--worker-silence-ms", str(SILENCE_MS)])
             self.cluster.start_worker(self.worker_name, model=self.MODEL, max_sessions=self.MAX_SESSIONS,
                                       max_context=self.MAX_CONTEXT)
             self.lone = TestDaemon(

@@ -145,6 +145,7 @@ def requests(known: Known, routed: bool) -> st.SearchStrategy[p.Message]:
         st.builds(p.Info, request_id=rid, session_id=sid, route=route),
         st.builds(p.Cancel, request_id=rid, session_id=sid, target=rid, route=route),
         st.builds(p.Status, request_id=rid, route=route),
+        st.builds(p.Sessions, request_id=rid, route=route),
     )
 
 
@@ -158,6 +159,8 @@ def answers(known: Known) -> st.SearchStrategy[p.Message]:
     # no log-probabilities (valid ones need one per token)
     chunk = st.builds(p.StreamChunk, rid, ids, text, st.integers(0, p.MAX_TOKENS), st.just(()))
     worker_status = st.builds(p.WorkerStatus, names(known), names(known), counts(), counts(), counts(), st.booleans(), text)
+    session_entry = st.builds(p.SessionEntry, sid, names(known), owners_, st.none() | counts(), counts(),
+                              st.sampled_from(sorted(p.CLIENT_STATES)), counts())
     return st.one_of(
         st.builds(p.Created, request_id=rid, session_id=sid, model=names(known), worker=names(known),
                   max_context=counts(), route=route),
@@ -170,6 +173,8 @@ def answers(known: Known) -> st.SearchStrategy[p.Message]:
                   worker=names(known), max_context=counts(), busy=st.booleans(), route=route),
         st.builds(p.StatusReport, request_id=rid, broker_id=rid, workers=st.lists(worker_status, max_size=2).map(tuple),
                   route=route),
+        st.builds(p.SessionList, request_id=rid, sessions=st.lists(session_entry, max_size=2).map(tuple),
+                  total=counts(), route=route),
         st.builds(p.Chunks, chunks=st.lists(chunk, min_size=1, max_size=4).map(tuple), route=route),
         st.builds(p.Error, request_id=st.none() | rid, code=st.sampled_from(list(p.ErrorCode)), message=text, route=route),
     )
@@ -198,6 +203,8 @@ def controls(known: Known) -> st.SearchStrategy[p.Message]:
         st.builds(p.Disconnect, reason=st.text(max_size=24) | st.sampled_from(["r" * 4096, "\U0001d54f" * 4096])),
         st.builds(p.Welcome, broker_id=request_ids(), heartbeat_ms=st.integers(1, 3_600_000), liveness=st.integers(1, 1000)),
         st.builds(p.Reconnect, broker_id=request_ids()),
+        st.builds(p.Drop, sessions=st.lists(session_ids(known), max_size=3).map(tuple)),
+        st.builds(p.Lease, broker_id=request_ids()),
     )
 
 
@@ -207,8 +214,9 @@ FIELD_NAMES = sorted(
     {"kind"}
     | {
         name
-        for cls in (*p.REQUEST_TYPES, *p.REPLY_KINDS.values(), p.Chunks, p.Error, p.Ready, p.Welcome,
-                    p.Heartbeat, p.Reconnect, p.Disconnect, p.Sampling, p.WorkerStatus)
+        for cls in (*p.REQUEST_TYPES, *p.REPLY_KINDS.values(), p.Chunks, p.Fanout, p.Error, p.Ready, p.Welcome,
+                    p.Heartbeat, p.Reconnect, p.Disconnect, p.Drop, p.Lease, p.Sampling, p.WorkerStatus,
+                    p.SessionEntry)
         for name in field_names(cls)
     }
 )
@@ -394,3 +402,67 @@ def worker_link_cases(known: Known) -> st.SearchStrategy[Case]:
         random_frames(), routed.map(p.encode), mutated(routed, known), mutated(routed, known), mutated(routed, known),
         mutated(controls(known) | answers(known), known),
     ))
+
+
+# -- hostile peers on the broker's worker socket --------------------------------------------------------------
+
+
+def bad_parts(known: Known) -> st.SearchStrategy[bytes]:
+    """FANOUT parts that are no CHUNKS header: not msgpack, not a map, a map without a list of chunks, nothing."""
+    return st.one_of(
+        st.sampled_from([b"\xc1", b"", b"\x91\x01", b"\xa5hello", pack([1, 2]), pack({"chunks": "x"}),
+                         pack({"chunks": []}), pack({"route": b"x"}), pack({"chunks": [{"request_id": 5}]})]),
+        st.binary(max_size=32), msgpack_values.map(pack),
+    )
+
+
+def good_parts(known: Known) -> st.SearchStrategy[bytes]:
+    chunk = st.builds(p.StreamChunk, request_ids(), st.lists(token_ids(known), max_size=4).map(tuple), st.text(max_size=8))
+    return st.lists(chunk, min_size=1, max_size=3).map(p.chunks_part)
+
+
+@st.composite
+def fanouts(draw: st.DrawFn, known: Known) -> Frames:
+    """A FANOUT of 1-4 parts, good or bad, for real clients' routes and routes nobody has."""
+    n = draw(st.integers(1, 4))
+    routes = [draw(routes_or_strangers(known)) for _ in range(n)]
+    parts = [draw(good_parts(known) | bad_parts(known)) for _ in range(n)]
+    return [p.VERSION, p.Command.FANOUT.value, pack({"routes": routes, "parts": parts})]
+
+
+def routes_or_strangers(known: Known) -> st.SearchStrategy[bytes]:
+    return pick(known.routes) | st.binary(min_size=1, max_size=p.MAX_ROUTE_BYTES) | st.sampled_from([b"nobody", b"\x00lease"])
+
+
+def oversized_readies(max_sessions: int) -> list[Frames]:
+    """READYs a broker taking at most `max_sessions` sessions per worker refuses, each answered with an ERROR: longer
+    than that many sessions take (50k session ids, 1.7 MB; a name of 1.5M characters), more slots than it takes,
+    more sessions than slots, a session twice. Built once (they are big): hypothesis picks among them. (The issue's
+    200k ids, 6.8 MB, are sent by tests/integration/test_hostile_peers.py, with the broker's default heartbeats:
+    ZeroMQ counts a message toward a connection's liveness once it has all arrived.)"""
+    def ready(**fields: Any) -> Frames:
+        header = {"name": "huge", "model": "random-tiny", "capacity": 1, "free_slots": 1, "max_context": 64, **fields}
+        return [p.VERSION, p.Command.READY.value, pack(header)]
+
+    sids = [f"{i:032x}" for i in range(50_000)]
+    return [
+        ready(capacity=50_000, sessions=sids),
+        ready(name="n" * 1_500_000),
+        ready(capacity=max_sessions + 1),
+        ready(capacity=2, sessions=sids[:3]),
+        ready(capacity=4, sessions=[sids[0], sids[0]]),
+    ]
+
+
+def hostile_cases(known: Known, peers: int, oversized: list[Frames]) -> st.SearchStrategy[Case]:
+    """For the broker's worker socket from hostile peers: peer 0 is registered and sends FANOUTs of every kind and
+    answers; the others never register and send answers, FANOUTs, oversized READYs, heartbeats and garbage."""
+    registered = st.one_of(fanouts(known), fanouts(known), (answers(known)).map(p.encode), mutated(answers(known), known))
+    strangers = st.one_of(
+        fanouts(known), answers(known).map(p.encode), mutated(answers(known), known), st.sampled_from(oversized),
+        st.sampled_from(oversized), controls(known).map(p.encode), random_frames(),
+    )
+    return st.one_of(
+        st.builds(Case, frames=registered, times=st.sampled_from([1, 1, 2]), peer=st.just(0)),
+        st.builds(Case, frames=strangers, times=st.sampled_from([1, 1, 2]), peer=st.integers(1, peers - 1)),
+    )

@@ -1,6 +1,7 @@
 """What is fuzzed: a `Target` fires cases at one socket and checks at every checkpoint; `ClientSocket` (the
-broker's client socket), `WorkerSocket` (the broker's worker socket, from fake workers) and `WorkerLink` (a real
-worker, from a fake broker)."""
+broker's client socket), `WorkerSocket` (the broker's worker socket, from fake workers), `HostilePeers` (the same
+socket from peers that answer without registering, oversized READYs, FANOUTs with bad parts) and `WorkerLink` (a
+real worker, from a fake broker)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 import zmq
 from hypothesis import strategies as st
 
+from broker.admission import DEFAULT_MAX_WORKER_SESSIONS, READY_BURST, Admission
 from broker.common import protocol as p
 from client import ClientError
 from client.stack import Daemon
@@ -35,7 +37,15 @@ from .checks import (
     worker_error,
 )
 from .stack import HEARTBEAT_MS
-from .strategies import Case, Frames, client_cases, worker_link_cases, worker_socket_cases
+from .strategies import (
+    Case,
+    Frames,
+    client_cases,
+    hostile_cases,
+    oversized_readies,
+    worker_link_cases,
+    worker_socket_cases,
+)
 
 if TYPE_CHECKING:
     from .stack import FuzzStack
@@ -152,6 +162,57 @@ def _dealer(context: zmq.Context[zmq.Socket[bytes]], address: str, identity: byt
     return sock
 
 
+class ReadyLedger:
+    """Each peer's READYs and the broker's answers to them: every READY gets its WELCOME (admissible) or ERROR
+    (refused), in order; one may go unanswered only when the peer had sent READY_BURST - 1 others (well formed or
+    not) in the 2 s before it (the broker's per-peer rate)."""
+
+    def __init__(self, peers: int) -> None:
+        self.readies: list[list[tuple[float, str]]] = [[] for _ in range(peers)]  # (sent at, answer due)
+        self.answers: list[list[str]] = [[] for _ in range(peers)]  # WELCOME or ERROR, as they came
+        self.sent: list[list[float]] = [[] for _ in range(peers)]  # every READY sent in the last 2 s
+
+    def sent_ready(self, peer: int, frames: Frames, due: str | None) -> None:
+        """A READY command went out (`due`: the answer it calls for; None when it does not decode: none)."""
+        now = time.monotonic()
+        self.sent[peer].append(now)  # any READY, well formed or not, takes from its rate
+        if due is not None:
+            self.readies[peer].append((now, due))
+
+    def problem(self, peer: int) -> str | None:
+        sent, got = self.readies[peer], self.answers[peer]
+        j, skipped = 0, []
+        for at, kind in sent:
+            if j < len(got) and got[j] == kind:
+                j += 1
+            else:
+                skipped.append(at)
+        if j < len(got):
+            return f"peer {peer} got READY answers {got}, its READYs called for {[k for _, k in sent]}"
+        for at in skipped:
+            if sum(1 for t in self.sent[peer] if at - 2.0 <= t < at) < READY_BURST - 1:
+                return f"peer {peer}: a READY was not answered ({len(got)} answers to {len(sent)} READYs)"
+        return None
+
+    def settle(self, report: Report) -> None:
+        """At a checkpoint: count what went unanswered (over the rate), keep 2 s of history, start afresh."""
+        now = time.monotonic()
+        for peer, readies in enumerate(self.readies):
+            report.answers["READY unanswered (rate)"] += len(readies) - len(self.answers[peer])
+            report.answers["READY refused"] += self.answers[peer].count("ERROR")
+            self.sent[peer] = [t for t in self.sent[peer] if now - t < 2.0]
+            readies.clear()
+            self.answers[peer].clear()
+
+
+def _connect(bystander: zmq.Socket[bytes]) -> None:
+    """A ROUTER knows a peer only once it has sent something: a STATUS, and its answer."""
+    bystander.send_multipart(p.encode(p.Status(request_id="hello")))
+    if not bystander.poll(10_000, zmq.POLLIN):
+        raise FuzzFailure("the broker does not answer STATUS")
+    bystander.recv_multipart()
+
+
 def _recv_all(sock: zmq.Socket[bytes], timeout_ms: int) -> list[Frames]:
     out: list[Frames] = []
     if not sock.poll(timeout_ms, zmq.POLLIN):
@@ -262,15 +323,24 @@ class ClientSocket(Target):
 
 
 class WorkerSocket(Target):
-    """The broker's worker socket, from fake workers. A valid READY is welcomed; an answer routed to a real client
-    (the bystander, a DEALER on the client socket) arrives there untouched; everything the broker sends decodes.
-    A fake that registers is a legitimate peer (no auth) and may be chosen for a new session: during every batch
-    the bystander has one CREATE in flight, and it must be answered (created on the real worker, or an error once
-    the fake that got it leaves or falls silent). The good session lives on the real worker from before and must
-    not notice."""
+    """The broker's worker socket, from fake workers. An admissible READY is welcomed, one the broker's admission
+    refuses (more slots or sessions than it takes, too long) is answered with its ERROR; an answer routed to a real
+    client (the bystander, a DEALER on the client socket) arrives there untouched if its fake is registered, and never
+    if it is not; everything the broker sends decodes. A fake that registers is a legitimate peer (no auth) and may be
+    chosen for a new session: during every batch the bystander has one CREATE in flight, and it must be answered
+    (created, on the real worker or placed again once the fake that got it leaves or falls silent). The good session
+    lives on the real worker from before and must not notice.
+
+    Whether a fake is registered is what its messages make it: an admissible READY registers it, a DISCONNECT ends
+    it. The broker may also end it on its own (a fake silent for the stack's silence window), or not take a READY
+    over its rate: then it drops the fake's answers and tells the fake so, with RECONNECT (or DROP, for an answer about
+    a session it declared lost). So an answer a registered fake sent must reach the bystander unless the broker told
+    that fake one of those since shortly before the batch began; an answer sent while the fake was not registered
+    must never arrive."""
 
     name = "broker worker socket"
     PEERS = 3
+    EXPLAINED_S = 1.0  # a RECONNECT or DROP this long before a batch explains the drops of that batch too
 
     def __init__(self, stack: FuzzStack, batch: int) -> None:
         super().__init__(stack, batch)
@@ -282,15 +352,18 @@ class WorkerSocket(Target):
         self.bystander_route = b"by" + uuid.uuid4().bytes
         self.bystander = _dealer(self.context, stack.cluster.clients, self.bystander_route)
         try:
-            self._connect_bystander()
+            _connect(self.bystander)
         except BaseException:
             self.release()
             raise
         self.known.routes[:] = [self.bystander_route, stack.good.route]
         self.known.sessions[:] = [stack.good.session_id]  # the good session is held by the real worker
-        self.welcomes_expected = [0] * self.PEERS
-        self.welcomes = [0] * self.PEERS
-        self.forward_expected: Counter[tuple[bytes, ...]] = Counter()
+        self.admission = Admission(HEARTBEAT_MS / 1000, DEFAULT_MAX_WORKER_SESSIONS)
+        self.registered = [False] * self.PEERS
+        self.ledger = ReadyLedger(self.PEERS)
+        self.told_at = [-1e9] * self.PEERS  # when the broker last told the fake it dropped its messages
+        self.batch_started = time.monotonic()
+        self.forward_expected: list[tuple[int, tuple[bytes, ...]]] = []  # (peer, frames) sent while registered
         self.forwarded: Counter[tuple[bytes, ...]] = Counter()
         self.own: dict[str, p.Message | None] = {}  # the bystander's own requests -> their answers
         self.create_id = self._start_create()
@@ -298,49 +371,81 @@ class WorkerSocket(Target):
     def strategy(self) -> st.SearchStrategy[Case]:
         return worker_socket_cases(self.known, self.PEERS)
 
-    def _connect_bystander(self) -> None:
-        """A ROUTER knows a peer only once it has sent something: a STATUS, and its answer."""
-        self.bystander.send_multipart(p.encode(p.Status(request_id="hello")))
-        if not self.bystander.poll(10_000, zmq.POLLIN):
-            raise FuzzFailure("the broker does not answer STATUS")
-        self.bystander.recv_multipart()
-
     def _send(self, frames: Frames, peer: int) -> None:
         self.fakes[peer].send_multipart(frames)
         message = decodes(frames)
+        if _command(frames) is p.Command.READY:
+            self.ledger.sent_ready(peer, frames, _ready_answer(self.admission, frames, message))
         if isinstance(message, p.Ready):
-            self.welcomes_expected[peer] += 1
-        if forwarded_to(frames) == self.bystander_route:
-            self.forward_expected[tuple(frames)] += 1
+            if _ready_answer(self.admission, frames, message) == "WELCOME":
+                self.registered[peer] = True
+        elif isinstance(message, p.Disconnect):
+            self.registered[peer] = False
+        if forwarded_to(frames) == self.bystander_route and self.registered[peer]:
+            self.forward_expected.append((peer, tuple(frames)))
 
     def _pump(self, timeout_ms: int) -> None:
         for i, fake in enumerate(self.fakes):
             for frames in _recv_all(fake, timeout_ms if i == 0 else 0):
                 message = decodes(frames)
                 self.report.answers[describe(message, frames)] += 1
-                if not isinstance(message, (p.Welcome, p.Reconnect, p.Heartbeat, *p.REQUEST_TYPES)):
+                if not isinstance(message, (p.Welcome, p.Reconnect, p.Heartbeat, p.Drop, p.Error, *p.REQUEST_TYPES)):
                     self.report.notes.append(f"fake worker {i} got {show_frames(frames)}")
-                if isinstance(message, p.Welcome):
-                    self.welcomes[i] += 1
+                if isinstance(message, p.Error) and message.request_id is None:  # a READY refused
+                    self.ledger.answers[i].append("ERROR")
+                elif isinstance(message, p.Welcome):
+                    self.ledger.answers[i].append("WELCOME")
+                elif isinstance(message, (p.Reconnect, p.Drop)):
+                    self.told_at[i] = time.monotonic()
         for frames in _recv_all(self.bystander, 0):
-            rid = getattr(decodes(frames), "request_id", None)
+            message = decodes(frames)
+            if isinstance(message, p.Lease):  # the broker's probe of a client holding sessions: not an answer
+                continue
+            rid = getattr(message, "request_id", None)
             if rid in self.own:
-                self.own[rid] = decodes(frames)
+                self.own[rid] = message
             else:
                 self.forwarded[tuple(frames)] += 1
                 self.report.answers["forwarded"] += 1
 
+    def _outstanding(self) -> tuple[list[tuple[int, tuple[bytes, ...]]], Counter[tuple[bytes, ...]]]:
+        """(expected forwards that did not arrive, forwards nobody expected)."""
+        left = Counter(self.forwarded)
+        missing = []
+        for peer, frames in self.forward_expected:
+            if left[frames] > 0:
+                left[frames] -= 1
+            else:
+                missing.append((peer, frames))
+        return missing, +left
+
+    def _explained(self, peer: int) -> bool:
+        return self.told_at[peer] >= self.batch_started - self.EXPLAINED_S
+
     def _check(self) -> None:
-        done = self._wait(lambda: self.welcomes == self.welcomes_expected and not (self.forward_expected - self.forwarded))
+        def settled() -> bool:
+            missing, _ = self._outstanding()
+            return (not any(self.ledger.problem(i) for i in range(self.PEERS))
+                    and all(self._explained(peer) for peer, _ in missing))
+
+        done = self._wait(settled)
+        missing, extra = self._outstanding()
         if not done:
-            missing = [show_frames(list(f)) for f in (self.forward_expected - self.forwarded)][:5]
-            raise self.fail(f"welcomes {self.welcomes} (expected {self.welcomes_expected}); "
-                            f"answers not forwarded to the bystander: {missing}", self.stack.daemons())
+            unexplained = [f"fake {peer}: {show_frames(list(f))}" for peer, f in missing if not self._explained(peer)][:5]
+            problems = [q for i in range(self.PEERS) if (q := self.ledger.problem(i))]
+            now = time.monotonic()
+            state = [(self.registered[i], round(self.told_at[i] - self.batch_started, 3)) for i in range(self.PEERS)]
+            raise self.fail(f"{problems}; answers of registered fakes not forwarded to the bystander: {unexplained}; "
+                            f"(registered, told at since the batch began) per fake {state}, batch began "
+                            f"{now - self.batch_started:.1f} s ago", self.stack.daemons())
         self._pump(50)
-        extra = self.forwarded - self.forward_expected
-        if extra or self.welcomes != self.welcomes_expected:
-            raise self.fail(f"unexpected: forwarded {[show_frames(list(f)) for f in extra][:5]}, "
-                            f"welcomes {self.welcomes} (expected {self.welcomes_expected})", self.stack.daemons())
+        missing, extra = self._outstanding()
+        problems = [q for i in range(self.PEERS) if (q := self.ledger.problem(i))]
+        if extra or problems:
+            raise self.fail(f"unexpected: forwarded {[show_frames(list(f)) for f in extra][:5]}; {problems}",
+                            self.stack.daemons())
+        self.ledger.settle(self.report)
+        self.report.answers["dropped, the fake told"] += len(missing)
         self.forwarded.clear()
         self.forward_expected.clear()
         if self.report.notes:
@@ -349,6 +454,7 @@ class WorkerSocket(Target):
         self.stack.check_good(self)
         self._settle_create()
         self.create_id = self._start_create()
+        self.batch_started = time.monotonic()
 
     def _start_create(self) -> str:
         """The bystander's CREATE for the next batch: placed on the real worker or on a fake, answered later."""
@@ -565,4 +671,171 @@ class WorkerLink(Target):
             raise self.fail(f"the good session changed: {info}", [self.daemon])
 
 
-TARGETS: dict[str, type[Target]] = {"client": ClientSocket, "worker-socket": WorkerSocket, "worker-link": WorkerLink}
+class HostilePeers(Target):
+    """The broker's worker socket against peers that are not what they claim. Peer 0 registers (a worker of one slot)
+    and keeps heartbeating, sending FANOUTs of every kind: parts that are not msgpack maps, routes to clients that are
+    not there. Its parts for the bystander (a DEALER on the client socket) arrive there as CHUNKS, verbatim; the rest go
+    nowhere, and the broker lives on. (Should the broker give it up meanwhile, silent while a checkpoint waits, it says
+    so with RECONNECT: the fake registers again, and what it sent before that need not have arrived.) The other peers
+    never register: their answers, FANOUTs included, are never forwarded, their READYs (more slots than the broker
+    takes, more sessions than slots, a session twice, too long to read: 200k sessions) are refused with an ERROR and
+    never welcomed (or, over their rate, not answered), and they hear nothing else but RECONNECT. The good session on
+    the real worker must not notice."""
+
+    name = "broker worker socket, hostile"
+    PEERS = 4
+    BEAT_S = HEARTBEAT_MS / 2000
+
+    def __init__(self, stack: FuzzStack, batch: int) -> None:
+        super().__init__(stack, batch)
+        self.admission = Admission(HEARTBEAT_MS / 1000, DEFAULT_MAX_WORKER_SESSIONS)
+        self.oversized = oversized_readies(DEFAULT_MAX_WORKER_SESSIONS)
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.peers = [_dealer(self.context, stack.cluster.workers_address, f"hostile{i}-{uuid.uuid4().hex[:8]}".encode())
+                      for i in range(self.PEERS)]
+        self.bystander_route = b"hb" + uuid.uuid4().bytes
+        self.bystander = _dealer(self.context, stack.cluster.clients, self.bystander_route)
+        self.fake_name = f"hostile-{uuid.uuid4().hex[:8]}"
+        self.expected: list[tuple[float, tuple[bytes, ...]]] = []  # (sent at, frames) for the bystander
+        self.received: Counter[tuple[bytes, ...]] = Counter()
+        self.told_at = -1e9  # when the broker last told the fake it was not registered
+        self.ledger = ReadyLedger(self.PEERS)  # the strangers' READYs (peer 0 sends none of the cases')
+        self._next_beat = 0.0
+        try:
+            _connect(self.bystander)
+            self._register()
+            if not self._wait(lambda: self.report.answers["WELCOME"] > 0):
+                raise FuzzFailure("the registered fake was not welcomed")
+            for i, frames in enumerate(self.oversized):  # each refused with its ERROR, whatever the cases draw
+                self._send(frames, 1 + i % (self.PEERS - 1))
+            if not self._wait(lambda: sum(map(len, self.ledger.answers)) == len(self.oversized)):
+                raise FuzzFailure(f"oversized READYs not all refused: {self.ledger.answers}")
+            self.ledger.settle(self.report)
+        except BaseException:
+            self.release()
+            raise
+        self.known.routes[:] = [self.bystander_route, stack.good.route]
+        self.known.sessions[:] = [stack.good.session_id]
+
+    def strategy(self) -> st.SearchStrategy[Case]:
+        return hostile_cases(self.known, self.PEERS, self.oversized)
+
+    def _register(self) -> None:
+        self.peers[0].send_multipart(p.encode(p.Ready(name=self.fake_name, model="hostile", capacity=1, free_slots=1,
+                                                      max_context=64)))
+
+    def _send(self, frames: Frames, peer: int) -> None:
+        message = decodes(frames)
+        if peer > 0 and isinstance(message, p.Ready):
+            if not (self.admission.too_large(p.Command.READY, len(frames[2])) or self.admission.ready_problem(message)):
+                return  # a stranger that would register is no stranger: not sent
+        if peer > 0 and isinstance(message, p.Disconnect):
+            return
+        if peer == 0 and (isinstance(message, (p.Disconnect, p.Ready)) or _command(frames) is p.Command.READY):
+            return  # the registered fake stays registered, as itself
+        self.peers[peer].send_multipart(frames)
+        if peer > 0 and _command(frames) is p.Command.READY:
+            self.ledger.sent_ready(peer, frames, _ready_answer(self.admission, frames, message))
+        now = time.monotonic()
+        if peer == 0 and forwarded_to(frames) == self.bystander_route:
+            self.expected.append((now, tuple(frames)))
+        if peer == 0 and isinstance(message, p.Fanout):
+            for route, part in zip(message.routes, message.parts, strict=True):
+                if route == self.bystander_route:
+                    self.expected.append((now, (p.VERSION, p.Command.CHUNKS.value, part)))
+
+    def _pump(self, timeout_ms: int) -> None:
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self.peers[0].send_multipart(p.encode(p.Heartbeat(free_slots=1, sessions=0)))
+            self._next_beat = now + self.BEAT_S
+        for i, peer in enumerate(self.peers):
+            for frames in _recv_all(peer, timeout_ms if i == 0 else 0):
+                message = decodes(frames)
+                self.report.answers[describe(message, frames)] += 1
+                allowed: tuple[type[p.Message], ...] = (
+                    (p.Welcome, p.Heartbeat, p.Reconnect) if i == 0 else (p.Reconnect, p.Error))
+                if not isinstance(message, allowed):
+                    self.report.notes.append(f"peer {i} got {show_frames(frames)}")
+                if i == 0 and isinstance(message, p.Reconnect):  # given up on (silent while a checkpoint waited)
+                    self.report.answers["RECONNECT to the fake"] += 1
+                    self.told_at = time.monotonic()
+                    self._register()
+                if i > 0 and isinstance(message, p.Error):
+                    if not message.message.startswith("registration refused: "):
+                        self.report.notes.append(f"peer {i} got an ERROR that refuses no READY: {message}")
+                    self.ledger.answers[i].append("ERROR")
+        for frames in _recv_all(self.bystander, 0):
+            if isinstance(decodes(frames), p.Lease):
+                continue
+            self.received[tuple(frames)] += 1
+            self.report.answers["forwarded"] += 1
+
+    def _outstanding(self) -> tuple[list[tuple[float, tuple[bytes, ...]]], Counter[tuple[bytes, ...]]]:
+        """(expected parts that did not arrive, parts that arrived unexpected)."""
+        left = Counter(self.received)
+        missing = []
+        for sent_at, frames in self.expected:
+            if left[frames] > 0:
+                left[frames] -= 1
+            else:
+                missing.append((sent_at, frames))
+        return missing, +left
+
+    def _check(self) -> None:
+        def settled() -> bool:  # what is missing was sent before the broker told the fake it had given it up
+            return (all(sent_at <= self.told_at for sent_at, _ in self._outstanding()[0])
+                    and not any(self.ledger.problem(i) for i in range(1, self.PEERS)))
+
+        if not self._wait(settled):
+            late = [show_frames(list(f)) for t, f in self._outstanding()[0] if t > self.told_at][:5]
+            problems = [q for i in range(1, self.PEERS) if (q := self.ledger.problem(i))]
+            raise self.fail(f"FANOUT parts of the registered fake not delivered to the bystander: {late}; {problems}",
+                            self.stack.daemons())
+        self._pump(50)
+        missing, extra = self._outstanding()
+        problems = [q for i in range(1, self.PEERS) if (q := self.ledger.problem(i))]
+        if extra or problems:
+            raise self.fail(f"forwarded though no registered worker sent it: {[show_frames(list(f)) for f in extra][:5]}; "
+                            f"{problems}", self.stack.daemons())
+        self.ledger.settle(self.report)
+        self.report.answers["parts dropped, the fake told"] += len(missing)
+        self.expected.clear()
+        self.received.clear()
+        if self.report.notes:
+            raise self.fail(self.report.notes[0], self.stack.daemons())
+        self.stack.check_alive(self)
+        self.stack.check_good(self)
+        names = {w.name for w in self.stack.status()}
+        if not names <= {self.stack.worker_name, self.fake_name} or self.stack.worker_name not in names:
+            raise self.fail(f"registered workers {sorted(names)}: only the real one and the fake may be",
+                            self.stack.daemons())
+
+    def finish(self) -> None:
+        """The fake leaves; the strangers never registered."""
+        super().finish()
+        self.peers[0].send_multipart(p.encode(p.Disconnect(reason="done")))
+        self.stack.check_workers(self, {self.stack.worker_name})
+
+    def release(self) -> None:
+        for sock in (*self.peers, self.bystander):
+            sock.close(linger=0)
+        self.context.term()
+
+
+def _command(frames: Frames) -> p.Command | None:
+    return p.COMMANDS.get(bytes(frames[1])) if len(frames) >= 3 and frames[0] == p.VERSION else None
+
+
+def _ready_answer(admission: Admission, frames: Frames, message: p.Message | None) -> str | None:
+    """What the broker answers a READY command with, over its rate or not: ERROR when it refuses it (too long to read,
+    or read and not admissible), WELCOME when it takes it, None (nothing) when it does not decode."""
+    if admission.too_large(p.Command.READY, len(frames[2])):
+        return "ERROR"
+    if not isinstance(message, p.Ready):
+        return None
+    return "ERROR" if admission.ready_problem(message) else "WELCOME"
+
+
+TARGETS: dict[str, type[Target]] = {"client": ClientSocket, "worker-socket": WorkerSocket, "hostile-peers": HostilePeers,
+                                    "worker-link": WorkerLink}

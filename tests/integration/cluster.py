@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +18,13 @@ from client import Client, Session, SessionLost, Stream
 from client.stack import PYTHON, Heartbeats, LocalStack, child_env, free_port
 from client.stack import Daemon as StackDaemon
 
-__all__ = ["ROOT", "Cluster", "Daemon", "free_port", "one_session_on_each", "seconds_until_lost"]
+__all__ = ["ROOT", "Cluster", "Daemon", "Measure", "free_port", "one_session_on_each", "seconds_until_lost"]
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_MS = 100
 LIVENESS = 3
 TEST_ENV = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WORKER_THREADS": os.environ.get("WORKER_THREADS", "1")}
+Measure = Callable[[str, float], None]  # the `measure` fixture (conftest.py): records a measured value
 
 
 def one_session_on_each(client: Client, prompt: list[int]) -> tuple[Session, Session]:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .cluster import Cluster
+from .cluster import Cluster, Measure
 
 
 @pytest.fixture(scope="module")
@@ -31,3 +31,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture
+def measure(request: pytest.FixtureRequest) -> Measure:
+    """Record a measured value: in the test's `user_properties` (not through record_property, which warns under
+    junit_family xunit2) and as a `measured NAME=VALUE` line on stdout (`pytest -rP` or `-s` shows them)."""
+
+    def record(name: str, value: float) -> None:
+        request.node.user_properties.append((name, value))
+        print(f"measured {name}={value}")
+
+    return record

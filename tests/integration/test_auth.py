@@ -3,6 +3,8 @@ session can be used only by the client key that created it (also after a broker 
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +35,9 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     keygen(root / "workers", "w1")
     keygen(root / "clients", "alice")
     keygen(root / "clients", "bob")
+    keygen(root / "clients", "ops")
+    (root / "admins").mkdir()
+    shutil.copy(root / "clients" / "ops.key", root / "admins" / "ops.key")  # a client key that may close any session
     keygen(root / "outsiders", "eve")  # a valid key pair the broker does not know
     return root
 
@@ -106,6 +111,57 @@ def test_unauthenticated_clients_are_refused_and_others_keep_working(secured: Cl
         assert time.monotonic() - started < 3
     with secured.client(**as_client(keys, "alice")) as alice, alice.session() as s:
         assert s.append(token_ids=PROMPT) == len(PROMPT)
+
+
+@pytest.mark.parametrize("who", ["no keys", "unknown key"])
+def test_a_refused_client_is_told_unauthorized_at_once_not_after_its_timeout_and_again_on_its_next_call(
+    secured: Cluster, keys: Path, who: str
+) -> None:
+    """With the default timeout (60 s): it used to wait it out, or be told `Timeout: send queue is full (is the broker
+    up?)` on its next call."""
+    credentials = Credentials() if who == "no keys" else as_client(keys, "eve", "outsiders")
+    with Client(secured.clients, **credentials) as stranger:
+        for attempt in (stranger.session, stranger.status, lambda: stranger.attach("a" * 32).info()):
+            started = time.monotonic()
+            with pytest.raises(Unauthorized, match="refused this client's handshake"):
+                attempt()
+            assert time.monotonic() - started < 2.0
+
+
+def test_an_async_client_is_told_unauthorized_at_once(secured: Cluster) -> None:
+    import asyncio
+
+    from client import AsyncClient
+
+    async def attempt() -> list[float]:
+        waited = []
+        async with AsyncClient(secured.clients) as stranger:
+            for _ in range(2):
+                started = time.monotonic()
+                with pytest.raises(Unauthorized, match="refused this client's handshake"):
+                    await stranger.session()
+                waited.append(time.monotonic() - started)
+        return waited
+
+    assert max(asyncio.run(attempt())) < 2.0
+
+
+def test_keygen_makes_the_secret_private_whatever_the_umask(tmp_path: Path) -> None:
+    out = subprocess.run(["sh", "-c", f"umask 000 && {sys.executable} -m broker.cli keygen {tmp_path} k"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == [str(tmp_path / "k.key"), str(tmp_path / "k.key_secret")]
+    assert (tmp_path / "k.key_secret").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "k.key").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_broker_whose_secret_key_others_can_read_exits_with_code_3(cluster: Cluster, tmp_path: Path) -> None:
+    keygen(tmp_path, "broker")
+    for d in ("workers", "clients"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "broker.key_secret").chmod(0o644)
+    broker = cluster.start_broker(["--keys", str(tmp_path)])
+    assert broker.proc.wait(timeout=30) == 3
+    assert "has mode 0644: other users may read it" in broker.log_text()
 
 
 def test_workers_need_a_worker_key(secured: Cluster, keys: Path) -> None:
@@ -186,3 +242,33 @@ def test_an_async_client_without_keys_is_told_it_was_refused(secured: Cluster) -
                 await stranger.session()
 
     asyncio.run(attempt())
+
+
+def test_broker_sessions_and_close_session_with_keys_a_client_s_own_and_an_admin_any(secured: Cluster, keys: Path) -> None:
+    def cli(who: str, *args: str) -> tuple[int, str, str]:
+        out = subprocess.run([sys.executable, "-m", "broker.cli", *args, "--clients", secured.clients,
+                              "--broker-key", str(keys / "broker.key"), "--key", str(keys / "clients" / f"{who}.key_secret")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return out.returncode, out.stdout, out.stderr
+
+    def owners(who: str) -> dict[str, str]:
+        code, out, err = cli(who, "sessions", "--json")
+        assert (code, err) == (0, "")
+        return {e["session"]: e["owner"] for e in json.loads(out)}
+
+    def key_of(name: str) -> str:
+        text = (keys / "clients" / f"{name}.key").read_text()
+        return text.split('public-key = "', 1)[1].split('"', 1)[0]
+
+    with secured.client(**as_client(keys, "alice")) as alice, secured.client(**as_client(keys, "bob")) as bob:
+        mine, theirs = alice.session(), bob.session()
+        hers = owners("alice")  # her own only (earlier tests of this module left some of hers too)
+        assert hers[mine.id] == key_of("alice") and set(hers.values()) == {key_of("alice")}
+        everyone = owners("ops")
+        assert (everyone[mine.id], everyone[theirs.id]) == (key_of("alice"), key_of("bob")) and hers.items() <= everyone.items()
+        code, out, err = cli("bob", "close-session", mine.id)
+        assert code == 1 and "answered unauthorized: session " in err and "belongs to another client" in err
+        assert cli("ops", "close-session", theirs.id) == (0, f"closed {theirs.id}\n", "")
+        assert theirs.id not in owners("ops") and mine.id in owners("ops")
+        assert mine.info().length == 0
+        mine.close()

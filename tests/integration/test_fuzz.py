@@ -1,6 +1,7 @@
 """Protocol fuzz on real daemons, a CI-sized sample: hypothesis draws mutated and random messages for the broker's
-client socket, its worker socket and a worker's own link, while a good session checks that nothing it relies on
-moved. tests/fuzz/ holds the strategies, the targets and the checks; `python tests/fuzz_stack.py --cases 10000` runs long.
+client socket, its worker socket (fake workers, and hostile peers) and a worker's own link, while a good session
+checks that nothing it relies on moved. tests/fuzz/ holds the strategies, the targets and the checks;
+`python tests/fuzz_stack.py --cases 10000` runs long.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import pytest
 
 from ..fuzz.run import drive
 from ..fuzz.stack import FuzzStack
-from ..fuzz.targets import ClientSocket, WorkerLink, WorkerSocket
+from ..fuzz.targets import ClientSocket, HostilePeers, WorkerLink, WorkerSocket
 
-pytestmark = pytest.mark.slow  # about 15 s for the module (400 cases per target)
+pytestmark = pytest.mark.slow  # about 30 s for the module (400 cases per target)
 
 CASES = 400  # per target
 BATCH = 50  # cases between checkpoints
@@ -50,6 +51,16 @@ def test_the_broker_worker_socket_survives_fake_workers(stack: FuzzStack) -> Non
     assert set(bystander) <= {"REPLY:created", "REPLY:closed", "ERROR:session_lost"}
     assert bystander.get("REPLY:created", 0) + bystander.get("ERROR:session_lost", 0) == CASES // BATCH + 1
     assert bystander.get("REPLY:closed", 0) == bystander.get("REPLY:created", 0)
+
+
+def test_the_broker_worker_socket_survives_hostile_peers(stack: FuzzStack) -> None:
+    # Strangers' answers never forwarded, their oversized READYs refused, a registered fake's bad FANOUT parts harmless.
+    report = drive(HostilePeers(stack, BATCH), CASES, SEED)
+    assert (report.cases, report.checkpoints) == (CASES, CASES // BATCH)
+    assert report.good_rounds >= CASES // BATCH
+    assert report.answers["forwarded"] > 0 and report.answers["RECONNECT"] > 0
+    assert report.answers["READY refused"] > 0  # with their reason, each (or over the peer's rate)
+    assert all(d.alive for d in stack.daemons())
 
 
 def test_a_worker_survives_a_broker_that_sends_garbage(stack: FuzzStack) -> None:

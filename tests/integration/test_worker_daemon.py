@@ -20,12 +20,14 @@ import zmq
 from broker.common import protocol as p
 from cuda_state import CapacityExhausted
 from worker.errors import SessionBusy, SessionNotFound
+from worker.model.tokenizer import Tokenizer
 from worker.serve.config import WorkerConfig, WorkerState
 from worker.serve.dispatch import error_code
 from worker.serve.link import BUSY_WAIT_S, Link
 from worker.serve.loop import BUSY_LINGER_S, IDLE_WAIT_S, PREFILL_WAIT_SLICE_S, Serve
 
 SID = "a" * 32
+TOKENIZER = Tokenizer.bytes_only()
 
 
 @dataclass
@@ -55,6 +57,7 @@ class FakeEngine:
         self.step_delay = 0.0
         self.appends = 0
         self.releases: list[tuple[float, float]] = []  # (when, older_than_s) of each release_idle_slots call
+        self.finished: list[FakeChunk] = []  # final chunks of generations ended outside a step
 
     @property
     def free_slots(self) -> int:
@@ -71,7 +74,12 @@ class FakeEngine:
         raise NotImplementedError
 
     def close(self, session_id: str) -> None:
+        """As the engine's: a generation on the session ends "cancelled" in the next step."""
         del self.lengths[self._known(session_id)]
+        for engine_id, (sid, _) in list(self.active.items()):
+            if sid == session_id:
+                del self.active[engine_id]
+                self.finished.append(FakeChunk(engine_id, sid, [], "", "cancelled"))
 
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int:
         self.appends += 1
@@ -83,6 +91,16 @@ class FakeEngine:
 
     def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]:
         raise NotImplementedError
+
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+
+    def check_text_fits(self, session_id: str, text: str) -> None:
+        self._known(session_id)
+
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """A byte tokenizer, as the random models' (the real tokenizers library: it releases the GIL)."""
+        return TOKENIZER.encode(text, add_bos)
 
     def sessions(self) -> list[str]:
         return list(self.lengths)
@@ -111,12 +129,12 @@ class FakeEngine:
         return 0  # no slots kept mapped here
 
     def has_work(self) -> bool:
-        return bool(self.active)
+        return bool(self.active or self.finished)
 
     def step(self, wait: bool = True) -> list[FakeChunk]:
         time.sleep(self.step_delay)
         self.last_rows, self.last_read = len(self.active), True
-        out = []
+        out, self.finished = self.finished, []
         for engine_id, (sid, left) in list(self.active.items()):
             self.lengths[sid] += 1
             done = left == 1
@@ -522,3 +540,98 @@ def test_error_codes_of_exceptions() -> None:
     assert error_code(SessionNotFound("x")) is p.ErrorCode.SESSION_NOT_FOUND
     assert error_code(p.ProtocolError(p.ErrorCode.BAD_REQUEST, "x")) is p.ErrorCode.BAD_REQUEST
     assert error_code(ValueError("x")) is p.ErrorCode.INTERNAL
+
+
+def test_a_drop_closes_the_sessions_declared_lost_and_ends_their_generations_without_an_answer(
+    served: tuple[Serve, FakeEngine, Broker],
+) -> None:
+    """The broker declared these sessions lost while the worker was cut off (their clients were told session_lost):
+    the worker frees them, its generation on one stops without a final answer, the other session is untouched, and
+    the worker's next READY lists only what is left."""
+    serve, engine, broker = served
+    lost, kept = "1" * 32, "2" * 32
+    for i, sid in enumerate((lost, kept)):
+        broker.send(p.CreateSession(request_id=f"c{i}", session_id=sid, route=b"client"))
+        broker.recv_until(p.Created)
+    broker.send(p.Append(request_id="a1", session_id=lost, token_ids=(1, 2), route=b"client"))
+    broker.recv_until(p.Appended)
+    engine.step_delay = 0.01
+    broker.send(p.Generate(request_id="g1", session_id=lost, params=p.Sampling(max_tokens=60), stream=True,
+                           route=b"client"))
+    assert isinstance(broker.recv_until(p.Fanout), p.Fanout)  # it is generating
+    broker.send(p.Drop(sessions=(lost, "3" * 32)))  # one it never had: ignored
+    deadline = time.monotonic() + 3
+    while engine.lengths.get(lost) is not None and time.monotonic() < deadline:
+        broker.recv(1.0)
+    assert set(engine.lengths) == {kept} and not engine.active and not serve.dispatch.active
+    late = []
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:  # nothing more about it: no final answer, no chunks
+        if broker.sock.poll(50):
+            late.append(broker.recv())
+    assert not [m for m in late if isinstance(m, (p.Generated, p.Error, p.Fanout, p.Chunks))], late
+    broker.send(p.Info(request_id="i1", session_id=lost, route=b"client"))
+    gone = broker.recv_until(p.Error)
+    assert isinstance(gone, p.Error) and gone.code is p.ErrorCode.SESSION_NOT_FOUND
+    broker.send(p.Reconnect(broker_id="b1"))
+    ready = broker.recv_until(p.Ready)
+    assert isinstance(ready, p.Ready) and ready.sessions == (kept,) and ready.holders == (b"client",)
+
+
+def test_a_long_text_is_tokenized_off_the_compute_loop_while_heartbeats_and_other_sessions_go_on(
+    served: tuple[Serve, FakeEngine, Broker],
+) -> None:
+    """A 1M-character APPEND (seconds of tokenizing): the link heartbeats every 50 ms throughout, another session's
+    requests are answered meanwhile, and a request for the same session sent behind it is answered after it."""
+    serve, engine, broker = served
+    engine.capacity = 2
+    big, other = "1" * 32, "2" * 32
+    for i, sid in enumerate((big, other)):
+        broker.send(p.CreateSession(request_id=f"c{i}", session_id=sid, route=b"client"))
+        broker.recv_until(p.Created)
+    text = ("Once upon a time, there was a dragon named Zorath. " * 20_000)[:1_000_000]
+    started = time.monotonic()
+    broker.send(p.Append(request_id="big", session_id=big, text=text, route=b"client"))
+    broker.send(p.Info(request_id="after", session_id=big, route=b"client"))  # same session: waits behind it
+    broker.send(p.Append(request_id="small", session_id=other, token_ids=(1, 2, 3), route=b"client"))
+    beats: list[float] = []
+    answers: dict[str, tuple[float, p.Message]] = {}
+    while "after" not in answers and time.monotonic() - started < 60:
+        message = broker.recv(10.0)
+        now = time.monotonic() - started
+        if isinstance(message, p.Heartbeat):
+            beats.append(now)
+        elif hasattr(message, "request_id"):
+            answers[message.request_id] = (now, message)
+    appended_at, appended = answers["big"]
+    small_at, small = answers["small"]
+    after_at, after = answers["after"]
+    assert isinstance(appended, p.Appended) and appended.length == len(text)  # one byte token per character
+    assert isinstance(small, p.Appended) and small.length == 3
+    assert isinstance(after, p.SessionInfo) and after.length == len(text)
+    assert appended_at > 0.5, f"tokenizing 1M characters took only {appended_at:.3f} s: nothing was shown"
+    assert small_at < 0.3 * appended_at and appended_at <= after_at  # the other session did not wait; order kept
+    during = [t for t in beats if t < appended_at]
+    gaps = [b - a for a, b in zip([0.0, *during], during, strict=False)]
+    print(f"measured tokenize_1M_chars_s={appended_at:.3f} heartbeats_during={len(during)} max_gap_s={max(gaps):.3f}")
+    assert max(gaps) < 0.5, gaps  # heartbeats every 50 ms; the tokenizer holds the GIL for a moment at its end
+    assert len(during) >= appended_at / 0.05 * 0.5
+
+
+def test_a_stream_without_a_route_does_not_spoil_the_step_s_fanout_for_the_others(
+    stepped: tuple[Serve, FakeEngine, list[list[p.Message]]],
+) -> None:
+    """A GENERATE with no route (only a broken or hostile broker sends one) streams nowhere; its chunks used to go
+    into the step's FANOUT under an empty route, which the broker refuses whole: every other client's tokens of the
+    step were lost with it (found by the fuzzer)."""
+    serve, engine, sent = stepped
+    for i, route in enumerate((b"", b"client")):
+        sid = f"{i}" * 32
+        serve._admit([p.CreateSession(request_id=f"c{i}", session_id=sid, route=route)])
+        serve._admit([p.Generate(request_id=f"g{i}", session_id=sid, params=p.Sampling(max_tokens=2), stream=True,
+                                 prompt_ids=(1,), route=route)])
+    sent.clear()
+    assert serve._step()
+    [[fanout]] = sent
+    assert isinstance(fanout, p.Fanout) and fanout.routes == (b"client",)
+    assert p.decode(p.encode(fanout)) == fanout  # valid: the broker takes it

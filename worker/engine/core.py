@@ -278,11 +278,11 @@ class Engine:
         if text is not None:
             if not isinstance(text, str):
                 raise BadRequest("text must be a string")
-            try:
-                ids = self.tokenizer.encode(text)
-            except ValueError as e:
-                raise BadRequest(str(e)) from e
+            self._check_text_fits(session, text)
+            ids = self.tokenize(text)
         else:
+            if token_ids is not None and not isinstance(token_ids, (str, bytes)):
+                self._check_fits(session, len(token_ids))  # before the per-id checks of a long list
             ids = self._check_ids(token_ids)
         if not ids:
             raise BadRequest("append needs at least one token (empty text or token_ids)")
@@ -293,22 +293,52 @@ class Engine:
             )
         return ids
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """The ids of `text` as an append of it makes them. Reads only the tokenizer: safe on another thread than the
+        engine's (the worker tokenizes long texts off its compute loop), and releases the GIL for long texts."""
         try:
-            ids: list[int] = self.tokenizer.apply_chat_template(messages, add_generation_prompt, tokenize=True)
+            return self.tokenizer.encode(text, add_bos)
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        return ids
+
+    def check_text_fits(self, session_id: str, text: str) -> None:
+        """ContextOverflow at once when `text` cannot fit the session whatever its tokenization (a lower bound on its
+        tokens, known without tokenizing it: `Tokenizer.min_tokens`), so that a huge text is refused without the
+        seconds and memory its tokenization would take. SessionNotFound for an unknown session."""
+        self._check_text_fits(self._session(session_id), text)
+
+    def _check_text_fits(self, session: Session, text: str) -> None:
+        least = self.tokenizer.min_tokens(text)
+        if len(session.tokens) + least > self.max_context:
+            raise ContextOverflow(
+                f"session {session.id} holds {len(session.tokens)} tokens; a text of {len(text)} characters is at "
+                f"least {least} tokens (a token holds at most {self.tokenizer.max_token_bytes} bytes), which exceed "
+                f"max_context {self.max_context}"
+            )
+
+    def _check_fits(self, session: Session, tokens: int) -> None:
+        if len(session.tokens) + tokens > self.max_context:
+            raise ContextOverflow(
+                f"session {session.id} holds {len(session.tokens)} tokens; {tokens} more exceed "
+                f"max_context {self.max_context}"
+            )
 
     def chat(self, session_id: str, content: str, role: str = "user") -> int:
-        """Append one chat turn, rendered with the model's template, plus the assistant prompt (see chat_ids)."""
+        """Append one chat turn, rendered with the model's template, plus the assistant prompt (see chat_text)."""
         if not isinstance(content, str) or not isinstance(role, str):
             raise BadRequest("chat content and role must be strings")
-        return self.append(session_id, token_ids=self.chat_ids(session_id, [{"role": role, "content": content}]))
+        text = self.chat_text(session_id, [{"role": role, "content": content}])
+        self._check_text_fits(self._session(session_id), text)
+        return self.append(session_id, token_ids=self.tokenize(text, add_bos=False))
 
     def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The token ids that appending these chat turns, rendered with the model's template, plus the assistant
-        prompt, adds to the session (nothing is changed).
+        """The token ids that appending these chat turns adds to the session (see chat_text; nothing is changed)."""
+        return self.tokenize(self.chat_text(session_id, messages), add_bos=False)
+
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]]) -> str:
+        """The text that appending these chat turns, rendered with the model's template, plus the assistant prompt,
+        adds to the session (tokenized without a BOS; nothing is changed). Cheap next to tokenizing it: the worker
+        renders on its compute loop and tokenizes a long text on another thread.
 
         On an empty session the template is rendered from the start (system prompt included). On a session that
         holds a conversation, only what the template puts after the last assistant answer is rendered: the EOS the
@@ -323,14 +353,15 @@ class Engine:
         if not session.tokens:
             if not turns:
                 raise BadRequest(f"session {session_id} is empty: its first chat turn needs a message")
-            return self.chat_tokens(turns)
+            try:
+                first: str = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+            except ValueError as e:
+                raise BadRequest(str(e)) from e
+            return first
         text = self._chat_continuation(turns)
         if session.tokens[-1] not in self.tokenizer.stop_ids:
             text = (self.tokenizer.token(self.tokenizer.eos_id) or "") + text
-        try:
-            return self.tokenizer.encode(text, add_bos=False)
-        except ValueError as e:
-            raise BadRequest(str(e)) from e
+        return text
 
     def _chat_continuation(self, turns: list[dict[str, str]]) -> str:
         """Template text between an assistant answer's EOS and the next assistant prompt, these turns between."""

@@ -30,6 +30,10 @@ LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# A text longer than this is encoded with the tokenizers library's batch call, which releases the GIL while it works
+# (its single-text call holds it: 4.2M characters held it for ~6 s, and no other thread of the process ran).
+RELEASE_GIL_CHARS = 4096
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
     " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -93,6 +97,12 @@ class Tokenizer:
                 sorted(_byte_of(c) for c in pre_tokenizers.ByteLevel.alphabet() if tok.token_to_id(c) is None)
             )
             self.token_bytes = _byte_level_table(tok)
+        # With byte-level tokens and no normalizer, every token covers at most this many bytes of the text (specials
+        # their content): a text of n characters is at least n / max_token_bytes tokens (`min_tokens`). 0: unknown.
+        self.max_token_bytes = 0
+        if self.token_bytes is not None and tok.normalizer is None:
+            specials = [len(t.content.encode()) for t in tok.get_added_tokens_decoder().values()]
+            self.max_token_bytes = max([1, *map(len, self.token_bytes), *specials])
         # Ids that end a generation: EOS plus e.g. Llama 3's <|eot_id|>.
         self.stop_ids: frozenset[int] = frozenset({eos_id, *extra_stop_ids})
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -186,10 +196,20 @@ class Tokenizer:
         if self._missing_bytes and not self.representable(text):
             bad = sorted({f"{b:#04x}" for b in text.encode("utf-8", "surrogatepass") if b in self._missing_bytes})
             raise UnrepresentableText(f"text contains bytes this model's vocabulary cannot encode: {', '.join(bad)}")
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) > RELEASE_GIL_CHARS:  # the same encoding; the GIL released while it runs (see RELEASE_GIL_CHARS)
+            ids: list[int] = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `encode(text)` makes, found without encoding it (0 where none is known): each
+        token covers at most `max_token_bytes` bytes, and a character is at least one byte."""
+        if not self.max_token_bytes:
+            return 0
+        return -(-len(text) // self.max_token_bytes)
 
     def representable(self, text: str) -> bool:
         """Whether every byte of the text's UTF-8 has a token (always true for complete byte vocabularies)."""

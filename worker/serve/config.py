@@ -14,7 +14,7 @@ class WorkerConfig:
     name: str = "worker"
     heartbeat_ms: int = 1000  # until the broker's WELCOME says otherwise
     liveness: int = 3
-    reconnect_max_ms: int = 2000  # ZeroMQ's reconnect backoff ceiling, and READY's resend ceiling
+    reconnect_max_ms: int = 500  # ZeroMQ's reconnect backoff ceiling, and READY's resend ceiling
     drain_timeout_s: float = 60.0
     request_cache: int = 4096  # final answers kept for resent requests
     hwm: int = 100_000

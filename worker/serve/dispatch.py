@@ -9,6 +9,15 @@ Streams: each streamed chunk carries its offset (the generation's tokens before 
 out with its tokens. A generation keeps every token and the text let out with each until it ends; then its final
 answer, which carries them all, is kept with the other answers. So a client that saw a gap resends the GENERATE
 with `resume` and gets everything from there in one CHUNKS, or the final answer.
+
+Long texts are tokenized off the compute loop: an APPEND, CHAT or GENERATE whose text is longer than OFFLOAD_CHARS is
+checked at once (the session, and whether the text can fit at all: `Engine.check_text_fits`), then tokenized on a
+thread of its own (`Engine.tokenize`, which releases the GIL), and run with the ids once they are there
+(`Dispatch.completed`): other sessions' steps and requests, and the link's heartbeats, go on meanwhile. Requests for
+the same session that come meanwhile wait behind it, in order.
+
+A DROP from the broker (sessions it declared lost while this worker was cut off, whose clients were told
+session_lost) closes those sessions, their generations too, and nothing is answered for them.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +38,9 @@ from worker.serve.metrics import NoMetrics, WorkerMetrics
 log = structlog.get_logger()
 
 MAX_EXPIRED_REMEMBERED = 1 << 16  # expired session ids answered with session_expired (oldest forgotten first)
+# A text longer than this is tokenized off the compute loop (SmolLM2's tokenizer: ~1.5 us a character, so this is
+# ~12 ms of the loop's time at most when done on it).
+OFFLOAD_CHARS = 8192
 
 
 class EngineAPI(Protocol):
@@ -56,6 +69,9 @@ class EngineAPI(Protocol):
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int: ...
     def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
     def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]]) -> str: ...
+    def check_text_fits(self, session_id: str, text: str) -> None: ...
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]: ...
     def sessions(self) -> list[str]: ...
     def session_length(self, session_id: str) -> int: ...
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
@@ -89,6 +105,16 @@ class GenerationForgotten(Exception):
     cache of answers): it is not run again."""
 
     code = "internal"
+
+
+@dataclass
+class Tokenizing:
+    """A request whose long text is being tokenized off the loop, and the requests for its session behind it."""
+
+    request: p.Message
+    route: bytes
+    future: Future[list[int]]
+    waiting: list[p.Message] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -140,6 +166,11 @@ class Dispatch:
         self._last_used: dict[str, float] = {}  # session id -> when a request or generation last touched it
         self._expired: OrderedDict[str, None] = OrderedDict()
         self.sessions_changed = False  # sessions were created or closed since the loop last looked
+        self.routes: dict[str, bytes] = {}  # session id -> the route of the client that last used it (its lease)
+        self.tokenizing: dict[str, Tokenizing] = {}  # session id -> its request waiting for its text's ids
+        self.on_tokenized: Callable[[], None] = lambda: None  # called on the tokenizer's thread when ids are ready
+        self.tokenized_chars = 0  # characters tokenized off the loop since the loop last looked (it trims the heap)
+        self._tokenizer: ThreadPoolExecutor | None = None
         now = time.monotonic()
         for sid in engine.sessions():  # sessions the engine brought back from its session store (a restart)
             self.owners[sid] = engine.session_owner(sid)
@@ -147,9 +178,19 @@ class Dispatch:
 
     # -- requests --
 
-    def handle(self, request: p.Message) -> list[p.Message]:
-        """Run one request; its answers to send now (none for a generation, answered when it finishes)."""
-        self.metrics.request(request.COMMAND)
+    def handle(self, request: p.Message, ids: list[int] | None = None) -> list[p.Message]:
+        """Run one request; its answers to send now (none for a generation, answered when it finishes, nor for a
+        request whose text is being tokenized). `ids`: the tokens of the request's text, tokenized off the loop."""
+        if isinstance(request, p.Drop):
+            self.drop(request.sessions)
+            return []
+        sid: str = getattr(request, "session_id", None) or ""
+        waiting = self.tokenizing.get(sid) if sid else None
+        if waiting is not None and ids is None and not self._resent_while_tokenizing(waiting, request):
+            waiting.waiting.append(request)  # behind the session's request being tokenized, in order
+            return []
+        if ids is None:
+            self.metrics.request(request.COMMAND)
         if isinstance(request, p.Cancel):
             engine_id = self._by_session.get(request.session_id)
             active = self.active.get(engine_id) if engine_id else None
@@ -158,35 +199,101 @@ class Dispatch:
             return []
         rid: str = getattr(request, "request_id", "")
         route: bytes = getattr(request, "route", b"")
-        key = (getattr(request, "session_id", None) or "", rid)
-        resent = self._resent(key, route, request)
-        if resent is not None:
-            return resent
+        key = (sid, rid)
+        if ids is None:
+            if waiting is not None:  # a resend of the request being tokenized: its answer goes to the new route
+                waiting.route = route
+                return []
+            resent = self._resent(key, route, request)
+            if resent is not None:
+                return resent
         try:
-            if key[0] in self._expired:
-                raise SessionExpired(f"session {key[0]} was closed after idling more than "
+            if sid in self._expired:
+                raise SessionExpired(f"session {sid} was closed after idling more than "
                                      f"{self.config.session_idle_timeout_s:g} s (worker --session-idle-timeout)")
-            if key[0] in self._last_used:
-                self._last_used[key[0]] = time.monotonic()
-            answer = self._execute(request)
+            if sid in self._last_used:
+                self._last_used[sid] = time.monotonic()
+                if route:
+                    self.routes[sid] = route
+            text = None if ids is not None else _long_text(request)
+            if text is not None:
+                self._tokenize_later(request, sid, route, text)
+                return []
+            answer = self._execute(request, ids)
         except Exception as e:
-            code = error_code(e)
-            if code is p.ErrorCode.INTERNAL and not isinstance(e, GenerationForgotten):  # a bug: its traceback
-                log.exception("request_failed", command=request.COMMAND.name, request=rid, session=key[0] or None)
-            else:
-                log.info("request_refused", command=request.COMMAND.name, code=code.value, error=str(e), request=rid,
-                         session=key[0] or None)
-            answer = p.Error(request_id=rid, code=code, message=str(e) or type(e).__name__)
-            self.metrics.error(code)
-            if code is p.ErrorCode.SESSION_LOST and key[0]:  # its stored state was lost: no longer one of ours
-                self.owners.pop(key[0], None)
-                self._last_used.pop(key[0], None)
-                self.sessions_changed = True
+            return self._refused(request, sid, e)
         if answer is None:
             return []
         answer = answer.routed(route)
         self._remember(key, answer)
         return [answer]
+
+    def _refused(self, request: p.Message, sid: str, e: BaseException) -> list[p.Message]:
+        """The error answer of a request that raised (remembered for a resend)."""
+        rid: str = getattr(request, "request_id", "")
+        code = error_code(e)
+        if code is p.ErrorCode.INTERNAL and not isinstance(e, GenerationForgotten):  # a bug: its traceback
+            log.error("request_failed", command=request.COMMAND.name, request=rid, session=sid or None, exc_info=e)
+        else:
+            log.info("request_refused", command=request.COMMAND.name, code=code.value, error=str(e)[:512], request=rid,
+                     session=sid or None)
+        self.metrics.error(code)
+        if code is p.ErrorCode.SESSION_LOST and sid and sid in self.owners:  # its stored state was lost: not ours now
+            self.owners.pop(sid, None)
+            self._last_used.pop(sid, None)
+            self.sessions_changed = True
+        answer = p.Error(request_id=rid, code=code, message=str(e) or type(e).__name__).routed(
+            getattr(request, "route", b""))
+        self._remember((sid, rid), answer)
+        return [answer]
+
+    def _resent_while_tokenizing(self, waiting: Tokenizing, request: p.Message) -> bool:
+        return getattr(request, "request_id", None) == getattr(waiting.request, "request_id", "")
+
+    def _tokenize_later(self, request: p.Message, sid: str, route: bytes, text: str) -> None:
+        """Check what can be checked now (the session, whether the text can fit at all), then tokenize the text on
+        the tokenizer's thread; `completed` runs the request once its ids are there."""
+        e = self.engine
+        if isinstance(request, p.Generate):
+            self._refuse_if_draining("new generations")
+        if isinstance(request, p.Chat):
+            text = e.chat_text(sid, [{"role": request.role, "content": text}])
+            add_bos: bool | None = False
+        elif isinstance(request, p.Generate) and request.messages is not None:
+            text = e.chat_text(sid, _turns(request.messages))
+            add_bos = False
+        else:
+            add_bos = None
+        e.check_text_fits(sid, text)
+        if self._tokenizer is None:
+            self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="worker-tokenize")
+        future = self._tokenizer.submit(e.tokenize, text, add_bos)
+        self.tokenizing[sid] = Tokenizing(request, route, future)
+        self.tokenized_chars += len(text)
+        future.add_done_callback(lambda _: self.on_tokenized())
+        log.debug("tokenizing_off_loop", session=sid, characters=len(text), request=getattr(request, "request_id", ""))
+
+    def completed(self) -> list[p.Message]:
+        """Run the requests whose texts are tokenized now, then the requests their sessions held back: their answers."""
+        answers: list[p.Message] = []
+        for sid, waiting in list(self.tokenizing.items()):
+            if not waiting.future.done():
+                continue
+            del self.tokenizing[sid]
+            request = waiting.request.routed(waiting.route)
+            error = waiting.future.exception()
+            if error is None:
+                answers += self.handle(request, waiting.future.result())
+            else:
+                answers += self._refused(request, sid, error)
+            for later in waiting.waiting:
+                answers += self.handle(later)
+        return answers
+
+    def close(self) -> None:
+        """Stop the tokenizer's thread (the loop is done)."""
+        if self._tokenizer is not None:
+            self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
     def _resent(self, key: tuple[str, str], route: bytes, request: p.Message) -> list[p.Message] | None:
         """A request id seen before: its cached answer, or (a generation still running) the rest of its stream and its
@@ -207,7 +314,7 @@ class Dispatch:
             return [missing]
         return None
 
-    def _execute(self, request: p.Message) -> p.Message | None:
+    def _execute(self, request: p.Message, ids: list[int] | None = None) -> p.Message | None:
         e = self.engine
         name = self.config.name
         if isinstance(request, p.CreateSession):
@@ -216,6 +323,7 @@ class Dispatch:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "CREATE needs the broker's session_id")
             sid = e.create_session(request.session_id, owner=request.owner)
             self.owners[sid] = request.owner
+            self.routes[sid] = request.route
             self._last_used[sid] = time.monotonic()
             self.sessions_changed = True
             # Per-session lines are debug: at info, rendering one cost ~20 us of the compute loop's time, which a burst
@@ -224,11 +332,17 @@ class Dispatch:
             return p.Created(request_id=request.request_id, session_id=sid, model=e.model_name, worker=name,
                              max_context=e.max_context)
         if isinstance(request, p.Append):
-            ids = list(request.token_ids) if request.token_ids is not None else None
-            length = e.append(request.session_id, token_ids=ids, text=request.text)
+            if ids is not None:
+                length = e.append(request.session_id, token_ids=ids)
+            else:
+                token_ids = list(request.token_ids) if request.token_ids is not None else None
+                length = e.append(request.session_id, token_ids=token_ids, text=request.text)
             return p.Appended(request_id=request.request_id, session_id=request.session_id, length=length)
         if isinstance(request, p.Chat):
-            length = e.chat(request.session_id, request.content, role=request.role)
+            if ids is not None:
+                length = e.append(request.session_id, token_ids=ids)
+            else:
+                length = e.chat(request.session_id, request.content, role=request.role)
             return p.Appended(request_id=request.request_id, session_id=request.session_id, length=length)
         if isinstance(request, p.Generate):
             if request.resume is not None:
@@ -236,11 +350,11 @@ class Dispatch:
                                           f"(this worker keeps the last {self.config.request_cache}): not run again")
             self._refuse_if_draining("new generations")
             before = e.session_length(request.session_id)
-            prompt_ids: Sequence[int] | None = request.prompt_ids
-            if request.messages is not None:
-                prompt_ids = e.chat_ids(request.session_id, [{"role": m.role, "content": m.content} for m in request.messages])
+            prompt_ids: Sequence[int] | None = request.prompt_ids if ids is None else ids
+            if request.messages is not None and ids is None:
+                prompt_ids = e.chat_ids(request.session_id, _turns(request.messages))
             engine_id = e.start_generate(request.session_id, self._sampling(request.params),
-                                         prompt_ids=prompt_ids, prompt=request.prompt)
+                                         prompt_ids=prompt_ids, prompt=None if ids is not None else request.prompt)
             appended = e.session_length(request.session_id) - before
             self.active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream,
                                             appended, logprobs=None if request.params.logprobs is None else [])
@@ -253,6 +367,7 @@ class Dispatch:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "FORK needs the broker's child_id")
             child = e.fork(request.session_id, request.child_id)
             self.owners[child] = self.owners.get(request.session_id, "")
+            self.routes[child] = request.route
             self._last_used[child] = time.monotonic()
             self.sessions_changed = True
             log.debug("session_forked", session=child, parent=request.session_id, request=request.request_id)
@@ -261,6 +376,7 @@ class Dispatch:
         if isinstance(request, p.Close):
             e.close(request.session_id)  # a generation on it ends "cancelled" in the next step
             self.owners.pop(request.session_id, None)
+            self.routes.pop(request.session_id, None)
             self._last_used.pop(request.session_id, None)
             self.sessions_changed = True
             log.debug("session_closed", session=request.session_id, request=request.request_id)
@@ -309,7 +425,7 @@ class Dispatch:
                 new_tokens += len(ids)
                 if active.logprobs is not None:
                     active.logprobs += lps
-                if chunk.finish_reason is None and active.stream:
+                if chunk.finish_reason is None and active.stream and active.route:  # no route (a broken broker): nowhere
                     batch = batches.get(active.route)
                     if batch is None:
                         batch = batches[active.route] = []
@@ -363,6 +479,32 @@ class Dispatch:
                                   route=active.route))
         return errors
 
+    def drop(self, sessions: Sequence[str]) -> None:
+        """Close sessions the broker declared lost (DROP): their generations end without an answer (their clients
+        were told session_lost), requests waiting on them are forgotten, and later requests for them find no session."""
+        dropped = 0
+        for sid in sessions:
+            self.tokenizing.pop(sid, None)  # its ids are not waited for
+            engine_id = self._by_session.get(sid)
+            active = self.active.get(engine_id) if engine_id else None
+            if engine_id is not None and active is not None:
+                self._retire(engine_id, active)  # its "cancelled" end is not answered
+                self.metrics.generation_finished(engine_id, time.perf_counter(), len(active.token_ids), "cancelled")
+            if sid not in self.owners and sid not in self._last_used:
+                continue
+            try:
+                self.engine.close(sid)
+            except Exception as e:
+                log.info("drop_failed", session=sid, error=str(e))
+            self.owners.pop(sid, None)
+            self.routes.pop(sid, None)
+            self._last_used.pop(sid, None)
+            dropped += 1
+        if dropped:
+            self.sessions_changed = True
+        log.warning("sessions_dropped", sessions=dropped, listed=len(sessions),
+                    detail="the broker declared them lost while this worker was cut off")
+
     def cancel_all(self) -> None:
         for engine_id in list(self.active):
             self.engine.cancel(engine_id)
@@ -378,6 +520,7 @@ class Dispatch:
                 log.exception("expire_failed", session=sid)
             del self._last_used[sid]
             self.owners.pop(sid, None)
+            self.routes.pop(sid, None)
             self._expired[sid] = None
             if len(self._expired) > MAX_EXPIRED_REMEMBERED:
                 self._expired.popitem(last=False)
@@ -385,3 +528,19 @@ class Dispatch:
             self.sessions_changed = True
             log.info("sessions_expired", sessions=len(idle), idle_timeout_s=timeout)
         return idle
+
+
+def _long_text(request: p.Message) -> str | None:
+    """The text of an APPEND, CHAT or GENERATE when it is long enough to be tokenized off the loop."""
+    text: str | None = None
+    if isinstance(request, p.Append):
+        text = request.text
+    elif isinstance(request, p.Chat):
+        text = request.content
+    elif isinstance(request, p.Generate):
+        text = request.prompt if request.messages is None else "".join(m.content for m in request.messages)
+    return text if text is not None and len(text) > OFFLOAD_CHARS else None
+
+
+def _turns(messages: Sequence[p.ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]

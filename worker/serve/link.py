@@ -5,8 +5,14 @@
 
 The link thread registers (READY with capacity, model and every live session), sends heartbeats on time whatever
 the engine is doing, notices a restarted or silent broker and registers again. ZeroMQ reconnects the TCP
-connection with exponential backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX). With CURVE keys the DEALER
-authenticates to the broker (broker/common/keys.py); a refused handshake is logged.
+connection with exponential backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX, --reconnect-max-ms), and the link sends
+READY as soon as a new connection's handshake succeeds (a restarted broker hears from it at once); while there is
+no connection it sends no heartbeats or READYs that would pile up for the next broker. ZMTP heartbeats (libzmq's
+I/O thread, no GIL needed) keep the connection alive whatever Python does, which is what the broker watches. With
+CURVE keys the DEALER authenticates to the broker (broker/common/keys.py); a refused handshake is logged.
+
+A DROP from the broker (sessions it declared lost while this worker was cut off) goes to the compute loop with the
+requests; an ERROR from it (a READY it refused: too many slots, over its rate) is logged.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from typing import cast
 
 import structlog
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from broker.common import protocol as p
-from broker.common.keys import HANDSHAKE_FAILED, drain_events
+from broker.common.keys import HANDSHAKE_FAILED
 from worker.serve.config import WorkerConfig, WorkerState
 
 log = structlog.get_logger()
@@ -33,9 +40,12 @@ log = structlog.get_logger()
 BUSY_WAIT_S = 1e-3
 MAX_INBOX_BATCH = 1024  # requests taken in one receive
 HANDSHAKE_LOG_S = 10.0  # a refused handshake is logged at most this often (ZeroMQ retries every reconnect)
-REQUEST_COMMANDS = frozenset(t.COMMAND.value for t in p.REQUEST_TYPES)  # passed to the compute loop undecoded
+REQUEST_COMMANDS = frozenset(t.COMMAND.value for t in p.REQUEST_TYPES)
+LOOP_COMMANDS = REQUEST_COMMANDS | {p.Command.DROP.value}  # passed to the compute loop undecoded
+LINK_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 Frames = list[bytes]
+WAKE: Frames = []  # in the inbox: no request, the compute loop has something else to do (Link.wake_loop)
 
 
 class Link:
@@ -92,6 +102,8 @@ class Link:
         self._next_ready = now + self._ready_backoff
         self._monitor: zmq.Socket[bytes] | None = None
         self._handshake_logged_at = -HANDSHAKE_LOG_S
+        self.connected = False  # a connection to the broker whose handshake succeeded, as the monitor last said
+        self._handshakes = 0
 
     # -- compute-thread side --
 
@@ -121,6 +133,10 @@ class Link:
             if not self.busy:  # the link thread waits on the socket's signal, which sending may have taken
                 self._take_incoming(dealer)
 
+    def wake_loop(self) -> None:
+        """From any thread: make a waiting `receive` return (empty) now."""
+        self._inbox.put(WAKE)
+
     def receive(self, timeout_s: float) -> list[p.Message]:
         """Requests from the broker: waits up to timeout_s for the first, then takes what is there.
 
@@ -148,6 +164,8 @@ class Link:
         requests: list[p.Message] = []
         errors: list[p.Message] = []
         for frames in batch:
+            if not frames:  # WAKE
+                continue
             try:
                 requests.append(p.decode(frames))
             except p.ProtocolError as e:
@@ -218,9 +236,9 @@ class Link:
                 events = dict(poller.poll(round(timeout * 1000) + (0 if more else 1)))
                 if self._wake_rx in events:
                     self._drain_wakes()
-                if self._monitor is not None and self._monitor in events:
-                    self._handshake_failed()
                 with self._lock:
+                    if self._monitor is not None and self._monitor in events:
+                        self._link_events(dealer)
                     more = self._receive_all(dealer)
                     self._timers(dealer, time.monotonic())
                     more = self._receive_all(dealer) or more
@@ -251,16 +269,41 @@ class Link:
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.config.heartbeat_ms * self.config.liveness)
         if self.config.curve is not None:
             self.config.curve.apply(dealer)
-        self._monitor = dealer.get_monitor_socket(HANDSHAKE_FAILED)  # a broker that wants keys refuses none too
+        self._monitor = dealer.get_monitor_socket(LINK_EVENTS)  # a broker that wants keys refuses none too
         dealer.connect(self.config.broker)
         self._fd = cast(int, dealer.getsockopt(zmq.FD))
         return dealer
 
-    def _handshake_failed(self) -> None:
+    def _link_events(self, dealer: zmq.Socket[bytes]) -> None:
+        """The DEALER's connection events (under the lock): a refused handshake is logged; a new connection gets READY
+        at once (after the first, whose READY was queued before it); no connection, no heartbeats."""
         assert self._monitor is not None
-        drain_events(self._monitor)
+        refused = False
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            kind = int(event["event"])
+            if kind & HANDSHAKE_FAILED:
+                refused = True
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected = True
+                self._handshakes += 1
+                if self._handshakes > 1:
+                    log.info("broker_connected", broker=self.config.broker)
+                    self._send(dealer, self._ready())
+                    self._ready_backoff = self.heartbeat_s
+                    now = time.monotonic()
+                    self._last_heard = now  # the broker's silence counts from the new connection
+                    self._next_ready = now + self._ready_backoff
+            elif kind == zmq.EVENT_DISCONNECTED:
+                if self.connected:
+                    log.warning("broker_disconnected", broker=self.config.broker)
+                self.connected = False
+                self.registered.clear()
         now = time.monotonic()
-        if now - self._handshake_logged_at >= HANDSHAKE_LOG_S:
+        if refused and now - self._handshake_logged_at >= HANDSHAKE_LOG_S:
             self._handshake_logged_at = now
             log.error("broker_refused_handshake", broker=self.config.broker,
                       detail="the broker does not accept this worker's key (is its .key in the broker's workers/?), "
@@ -280,7 +323,7 @@ class Link:
         return _readable(dealer)
 
     def _on_message(self, dealer: zmq.Socket[bytes], frames: list[bytes]) -> None:
-        if len(frames) >= 3 and frames[0] == p.VERSION and frames[1] in REQUEST_COMMANDS:
+        if len(frames) >= 3 and frames[0] == p.VERSION and frames[1] in LOOP_COMMANDS:
             self._inbox.put(frames)  # decoded (and checked) by the compute loop
             return
         try:
@@ -298,6 +341,8 @@ class Link:
         elif isinstance(message, p.Reconnect):
             log.info("broker_asks_register", broker_id=message.broker_id)
             self._send(dealer, self._ready())
+        elif isinstance(message, p.Error) and message.request_id is None:
+            log.error("broker_refused_registration", code=message.code.value, error=message.message)
         else:
             log.warning("broker_message_unexpected", command=message.COMMAND.name)
 
@@ -314,6 +359,10 @@ class Link:
         self.registered.set()
 
     def _timers(self, dealer: zmq.Socket[bytes], now: float) -> None:
+        if not self.connected:  # nothing to send to: what is sent now would reach the next broker all at once
+            self._next_beat = now + self.heartbeat_s
+            self._last_heard = now
+            return
         if now >= self._next_beat:
             self._send(dealer, self._state().heartbeat(self._steps()))
             self._next_beat = now + self.heartbeat_s

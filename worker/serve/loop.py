@@ -15,6 +15,9 @@
   hears of it in the next HEARTBEAT (`expired`), and a later request gets `session_expired`.
 - Sessions idle longer than `hibernate_after_s` hibernate (worker.engine.hibernation): their state goes to host
   memory or the session store and their pages are released; their next request brings them back.
+- A long text is tokenized on a thread of its own (worker.serve.dispatch): the loop takes the request's ids when
+  they are there (`Dispatch.completed`, woken by the link), and afterwards gives the C heap's free memory back to
+  the system (a 4M-character text's tokenization takes hundreds of MB for a moment).
 - SIGTERM/SIGINT: drain. New sessions and generations get worker_draining (the broker stops placing
   here when the next heartbeat says so), generations in flight finish; with a session store every session is
   written there (a worker started with the same store serves them again); then DISCONNECT and exit.
@@ -30,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from broker.common import heap
 from broker.common import protocol as p
 from broker.common.metrics_http import Pulse
 from worker.serve.config import WorkerConfig, WorkerState
@@ -52,6 +56,7 @@ BUSY_LINGER_S = 0.25
 SLOT_KEEP_S = 2.0  # a closed session's slot stays mapped this long for a new session, then is released
 COUNT_REFRESH_S = 0.25  # how often free slots and where sessions are is read again for the heartbeat and metrics
 MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives up and leaves
+TRIM_AFTER_CHARS = 1 << 18  # characters tokenized off the loop after which the heap is trimmed, once none is left
 
 
 class Serve:
@@ -77,6 +82,7 @@ class Serve:
                                          device=engine.device, max_context=engine.max_context,
                                          memory=torch_memory(engine.device))
         self.dispatch = Dispatch(engine, config, sampling, self.metrics)
+        self.dispatch.on_tokenized = self.link.wake_loop
         if isinstance(self.metrics, WorkerMetrics) and hasattr(engine, "on_restore"):
             engine.on_restore = self.metrics.restored
         self.state = WorkerState(engine.free_slots, tuple(engine.sessions()), False,
@@ -98,12 +104,14 @@ class Serve:
                               page_budget=table.page_budget, hibernated=getattr(self.engine, "hibernated", 0))
 
     def ready_message(self) -> p.Ready:
+        """On the link thread: the state the loop replaced last, and each session's latest client (single dict reads)."""
         state = self.state
+        routes = self.dispatch.routes
         return p.Ready(
             name=self.config.name, model=self.engine.model_name, capacity=self.engine.capacity,
             free_slots=state.free_slots, max_context=self.engine.max_context, sessions=state.sessions,
             draining=state.draining, device=self.engine.device, bytes_per_session=self.engine.bytes_per_session,
-            owners=state.owners,
+            owners=state.owners, holders=tuple(routes.get(sid, b"") for sid in state.sessions),
         )
 
     def drain(self) -> None:
@@ -120,12 +128,14 @@ class Serve:
         """Serve until drained. Returns the process exit code."""
         self.link.start()
         try:
-            while not (self.draining and not self.engine.has_work()):
+            while not (self.draining and not self.engine.has_work() and not self.dispatch.tokenizing):
                 if not self.link.alive:
                     log.error("worker_link_died")
                     return 1
                 self.pulse.beat()
                 self._admit(self.link.receive(self._wait_s(time.monotonic())))
+                if self.dispatch.tokenizing:
+                    self._admit_tokenized()
                 now = time.monotonic()
                 if self.draining and now >= self._drain_deadline:
                     self.dispatch.cancel_all()
@@ -145,6 +155,8 @@ class Serve:
             log.exception("worker_failed")
             self.link.stop("worker failed", refuse=p.ErrorCode.SESSION_LOST)
             raise
+        finally:
+            self.dispatch.close()
         self._persist()
         log.info("worker_drained")
         self.link.stop("drained")
@@ -172,6 +184,19 @@ class Serve:
                 self.link.send(answers)
         if self.dispatch.sessions_changed:  # once per batch: a burst of creates or closes builds it once, not once each
             self._refresh_state()
+
+    def _admit_tokenized(self) -> None:
+        """Run the requests whose long texts are tokenized now (and those their sessions held back); once no
+        tokenization is left after a lot of text, give the heap's free memory back."""
+        answers = self.dispatch.completed()
+        if answers:
+            self._busy_at = time.monotonic()
+            self.link.send(answers)
+        if self.dispatch.sessions_changed:
+            self._refresh_state()
+        if not self.dispatch.tokenizing and self.dispatch.tokenized_chars >= TRIM_AFTER_CHARS:
+            self.dispatch.tokenized_chars = 0
+            heap.release_free_memory()
 
     # -- steps --
 

@@ -110,7 +110,8 @@ def test_no_bleed_between_sessions_in_one_batch(served: tuple[Folder, Engine, En
     for sid in sids:
         gpu.close(sid)
     assert second == list(reversed(first))
-    assert first[:4] == first[4:]
+    n = len(folder.prompts)  # sessions i and i + n had the same prompt, in other slots and batch rows
+    assert n < 8 and all(first[i] == first[i + n] for i in range(8 - n))
 
 
 def test_graph_replay_matches_eager(served: tuple[Folder, Engine, Engine]) -> None:
