@@ -119,17 +119,20 @@ class Engine:
         state_pages: int | None = None,
         host_cache_bytes: int = 0,
         session_store: str | Path | None = None,
+        host_page_bytes: int | None = None,
     ) -> Engine:
         """Load weights once and open the session table. model None = the bundled SmolLM2.
 
         `options`: the GPU path's switches (None: read from the WORKER_* variables, EngineOptions.from_env);
         cuda_graphs False turns graphs off whatever they say. `state_pages`: the pages all sessions may hold together
         (None: as many as fit). `host_cache_bytes`, `session_store`: where hibernated sessions go (see
-        enable_hibernation); sessions found in the store are served again."""
+        enable_hibernation); sessions found in the store are served again. `host_page_bytes`: the CPU backend's page
+        (default 2 MiB, the GPU's); the GPU's is its allocation granularity."""
         options = EngineOptions.from_env() if options is None else options
         if not cuda_graphs:
             options = dataclasses.replace(options, cuda_graphs=False)
-        engine = cls(*build_parts(model, device, max_sessions, max_context, step_tokens, options, state_pages))
+        engine = cls(*build_parts(model, device, max_sessions, max_context, step_tokens, options, state_pages,
+                                  host_page_bytes))
         if host_cache_bytes > 0 or session_store is not None:
             engine.enable_hibernation(host_cache_bytes, session_store)
         table = engine.table
