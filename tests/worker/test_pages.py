@@ -188,6 +188,7 @@ def test_the_least_recently_used_idle_session_hibernates_when_pages_run_out(mode
         eng.append(a, token_ids=PROMPT)
         turns = [greedy(eng, a, 4)]  # 7 pages
         b = eng.create_session()  # the last 2
+        assert eng.table.free_slots == 0 and eng.free_slots == 2  # what the broker sees: a and b may hibernate
         c = eng.create_session()  # none left: a, idle longest, hibernates
         assert not eng.is_resident(a) and eng.is_resident(b) and eng.is_resident(c)
         # a comes back into the 5 free pages its 33 positions need; growing past them it takes b's (idle longest)

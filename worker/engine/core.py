@@ -186,7 +186,14 @@ class Engine:
 
     @property
     def free_slots(self) -> int:
-        return self.table.free_slots
+        """Sessions a create can admit now: free slots as far as free pages go, and, with hibernation on, every idle
+        session in a slot (the least recently used one hibernates for a create that finds no page). What the broker
+        places sessions by."""
+        free = self.table.free_slots
+        h = self.hibernation
+        if h is None or not h.enabled:
+            return free
+        return free + sum(1 for s in self._sessions.values() if s.resident and s.request is None)
 
     @property
     def bytes_per_session(self) -> int:

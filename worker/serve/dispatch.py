@@ -171,9 +171,13 @@ class Dispatch:
         self.on_tokenized: Callable[[], None] = lambda: None  # called on the tokenizer's thread when ids are ready
         self.tokenized_chars = 0  # characters tokenized off the loop since the loop last looked (it trims the heap)
         self._tokenizer: ThreadPoolExecutor | None = None
+
+    def adopt_sessions(self) -> None:
+        """Take on the sessions the engine already holds (brought back from its session store after a restart):
+        their owners, and now as their last use."""
         now = time.monotonic()
-        for sid in engine.sessions():  # sessions the engine brought back from its session store (a restart)
-            self.owners[sid] = engine.session_owner(sid)
+        for sid in self.engine.sessions():
+            self.owners[sid] = self.engine.session_owner(sid)
             self._last_used[sid] = now
 
     # -- requests --

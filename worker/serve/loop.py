@@ -83,6 +83,7 @@ class Serve:
                                          memory=torch_memory(engine.device))
         self.dispatch = Dispatch(engine, config, sampling, self.metrics)
         self.dispatch.on_tokenized = self.link.wake_loop
+        self.dispatch.adopt_sessions()
         if isinstance(self.metrics, WorkerMetrics) and hasattr(engine, "on_restore"):
             engine.on_restore = self.metrics.restored
         self.state = WorkerState(engine.free_slots, tuple(engine.sessions()), False,

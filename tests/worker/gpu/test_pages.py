@@ -21,11 +21,11 @@ CONTEXT = 1024
 
 @pytest.fixture(scope="module")
 def paged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A GPU engine of 8 slots whose sessions may hold 12 pages together (91 tokens a page), hibernating to 64 MiB of
-    pinned host memory and then to a store."""
+    """A GPU engine of 16 slots whose sessions may hold 40 pages together (91 tokens a page), hibernating to 64 MiB
+    of pinned host memory and then to a store."""
     from worker.engine import Engine
 
-    engine = Engine.load(model=MODEL, device="cuda", max_sessions=8, max_context=CONTEXT, state_pages=12,
+    engine = Engine.load(model=MODEL, device="cuda", max_sessions=16, max_context=CONTEXT, state_pages=40,
                          host_cache_bytes=64 << 20, session_store=tmp_path_factory.mktemp("store"))
     yield engine
     engine.unload()
@@ -95,17 +95,24 @@ def test_gpu_admission_by_pages_and_a_generation_that_cannot_grow(paged: object,
     saved, h.host_limit_bytes, h.store = (h.host_limit_bytes, h.store), 0, None  # nothing may hibernate here
     try:
         ref = references[0]
-        sids = [eng.create_session() for _ in range(eng.table.page_budget)]  # a page each: every page
-        with pytest.raises(CapacityExhausted):
+        table = eng.table
+        assert table.page_budget == 40 and table.capacity == 16
+        hogs = []
+        for _ in range(7):  # 400 tokens and 16 ahead: 5 pages each, 35 in all
+            hog = eng.create_session()
+            eng.append(hog, token_ids=[300 + i for i in range(400)])
+            eng.generate(hog, max_tokens=1, ignore_eos=True)
+            hogs.append(hog)
+        assert table.backend.mapped_pages == 35
+        sid = open_with(eng, ref.prompt)  # 1 page; 4 left: it may grow to 5 pages, 455 tokens
+        others = [eng.create_session() for _ in range(4)]  # a page each: every page is held, 4 slots still free
+        with pytest.raises(CapacityExhausted, match="no free page"):
             eng.create_session()
-        for sid in sids[1:]:
-            eng.close(sid)
+        for other in others:
+            eng.close(other)
         eng.release_idle_slots(0.0)
-        hogs = [eng.create_session() for _ in range(eng.table.page_budget - 2)]  # 2 pages for sids[0]: 182 tokens
-        sid = sids[0]
-        eng.append(sid, token_ids=ref.prompt)
-        out = eng.generate(sid, max_tokens=400, temperature=0.0, ignore_eos=True)
-        assert out.finish_reason == "capacity" and eng.session_length(sid) == 2 * 91 + 1
+        out = eng.generate(sid, max_tokens=600, temperature=0.0, ignore_eos=True)
+        assert out.finish_reason == "capacity" and eng.session_length(sid) == 5 * 91 + 1
         for hog in hogs:
             eng.close(hog)
         more = eng.generate(sid, max_tokens=10, temperature=0.0, ignore_eos=True)
