@@ -17,7 +17,8 @@ default `grouped_mm` implementation):
 Folders store the experts either one by one (`mlp.experts.E.gate_proj.weight`, up_proj, down_proj: what transformers
 5 writes and the published checkpoints hold) or fused (`mlp.experts.gate_up_proj` (experts, 2 * ffn, dim) and
 `mlp.experts.down_proj` (experts, dim, ffn): transformers' in-memory layout); both are read into one packed tensor per
-layer, (experts * 2 * ffn, dim) for gate|up and (experts * dim, ffn) for down.
+layer, (experts * 2 * ffn, dim) for gate|up and (experts * dim, ffn) for down (a fused source is split into each
+expert's tensors as it streams).
 
 On the GPU the routed experts run in worker.kernels.moe's fused kernels (the tokens grouped by expert, each expert's
 weights read once a step); the router and the shared expert in the row-invariant products (decode) or cuBLAS
@@ -102,18 +103,7 @@ class SparseMoe(qwen3_5.Mlp):
         pack.route(p + "shared_down_proj", Place(p + "w_shared_down"))
         pack.add(p + "w_experts_gate_up", (n * 2 * f, d), dtype)
         pack.add(p + "w_experts_down", (n * d, f), dtype)
-
-    @staticmethod
-    def route_experts(pack: Pack, c: ModelConfig, p: str, fused: bool) -> None:
-        """Where the experts' source tensors go: the fused pair (flattened to the pack's 2-D shape by `flat`), or each
-        expert's three."""
-        ex = _experts(c)
-        d, f = c.dim, ex.ffn_dim
-        if fused:
-            pack.route(p + "experts_gate_up", Place(p + "w_experts_gate_up"))
-            pack.route(p + "experts_down", Place(p + "w_experts_down"))
-            return
-        for e in range(ex.count):
+        for e in range(n):  # expert e's gate then up rows, and its down rows (fused sources come split: _split)
             pack.route(f"{p}experts.{e}.gate_proj", Place(p + "w_experts_gate_up", 2 * e * f, (2 * e + 1) * f))
             pack.route(f"{p}experts.{e}.up_proj", Place(p + "w_experts_gate_up", (2 * e + 1) * f, (2 * e + 2) * f))
             pack.route(f"{p}experts.{e}.down_proj", Place(p + "w_experts_down", e * d, (e + 1) * d))
@@ -171,41 +161,28 @@ class Qwen3_5Moe(qwen3_5.Qwen3_5):
 
     def _sources(self, pack: Pack, c: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
                  ) -> Iterable[tuple[str, torch.Tensor]]:
-        """Routes the experts by the layout of the first expert tensor the source gives (fused or one by one), which
-        is peeked at without reading the rest."""
-        items = iter(weights)
-        held: list[tuple[str, torch.Tensor]] = []
-        fused = None
-        for name, tensor in items:
-            held.append((name, tensor))
-            if ".experts_" in name:
-                fused = True
-                break
-            if ".experts." in name:
-                fused = False
-                break
-        for i in range(c.n_layers):
-            SparseMoe.route_experts(pack, c, f"layers.{i}.", bool(fused))
-        return _flat(c, _chain(held, items))
+        return _split(c, weights)
 
 
-def _chain(held: list[tuple[str, torch.Tensor]], rest: Iterator[tuple[str, torch.Tensor]]
-           ) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from held
-    yield from rest
-
-
-def _flat(c: ModelConfig, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Fused expert tensors as the pack holds them: (experts, rows, cols) -> (experts * rows, cols); any other as is."""
+def _split(c: ModelConfig, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fused expert tensors as each expert's (views of them, copied into the pack one by one); any other as it is."""
     ex = _experts(c)
-    shapes = {"experts_gate_up": (ex.count, 2 * ex.ffn_dim, c.dim), "experts_down": (ex.count, c.dim, ex.ffn_dim)}
+    f = ex.ffn_dim
+    shapes = {"experts_gate_up": (ex.count, 2 * f, c.dim), "experts_down": (ex.count, c.dim, f)}
     for name, tensor in items:
-        expected = shapes.get(name.rsplit(".", 1)[-1])
-        if expected is not None:
-            if tuple(tensor.shape) != expected:
-                raise ModelLoadError(f"{c.name}: tensor {name} has shape {tuple(tensor.shape)}, expected {expected}")
-            tensor = tensor.reshape(expected[0] * expected[1], expected[2])
-        yield name, tensor
+        layer, _, last = name.rpartition(".")
+        expected = shapes.get(last)
+        if expected is None:
+            yield name, tensor
+            continue
+        if tuple(tensor.shape) != expected:
+            raise ModelLoadError(f"{c.name}: tensor {name} has shape {tuple(tensor.shape)}, expected {expected}")
+        for e in range(ex.count):
+            if last == "experts_gate_up":
+                yield f"{layer}.experts.{e}.gate_proj", tensor[e, :f]
+                yield f"{layer}.experts.{e}.up_proj", tensor[e, f:]
+            else:
+                yield f"{layer}.experts.{e}.down_proj", tensor[e]
 
 
 def _experts(c: ModelConfig) -> Experts:
