@@ -151,7 +151,7 @@ class SparseMoe(qwen3_5.Mlp):
 
         shared = product(product(x, self.w_shared_gate_up.fused.weight, silu=True), self.w_shared_down.weight)
         logits = product(x, self.w_route.fused.weight)  # (T, experts + 1): the router's, then the shared gate's
-        return k.moe(h, x, logits, shared, self.gate_up, self.down, self.top_k)
+        return k.moe(h, x, logits, shared, self.gate_up, self.down, self.top_k, prefill=not rowwise)
 
 
 class Qwen3_5Moe(qwen3_5.Qwen3_5):
