@@ -68,6 +68,7 @@ def _route_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     Logits, Ids, Weights, stride_l, n_experts,
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (tokens,): Ids[t, j] (int32) and Weights[t, j] (fp32 holding model-dtype values) of token t's choices."""
@@ -79,18 +80,21 @@ def _route_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     e = tl.exp(logits - tl.max(logits, 0))
     probs = e / tl.sum(e, 0)
     probs = tl.where(ok, probs, -1.0)
+    choice = tl.arange(0, BLOCK_K)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    tops = tl.zeros((BLOCK_K,), dtype=tl.float32)
     total = 0.0
-    for j in tl.static_range(TOP_K):
+    for j in tl.static_range(TOP_K):  # kept in registers: nothing is read back from memory within the program
         best = tl.argmax(probs, 0, tie_break_left=True)
         top = tl.max(probs, 0)
-        tl.store(Ids + t * TOP_K + j, best.to(tl.int32))
-        tl.store(Weights + t * TOP_K + j, top)
-        total += top
+        ids = tl.where(choice == j, best.to(tl.int32), ids)
+        tops = tl.where(choice == j, top, tops)
+        total += top  # in choice order
         probs = tl.where(cols == best, -1.0, probs)
     dtype = Logits.dtype.element_ty
-    for j in tl.static_range(TOP_K):  # renormalised, in the model dtype
-        w = tl.load(Weights + t * TOP_K + j)
-        tl.store(Weights + t * TOP_K + j, (w / total).to(dtype).to(tl.float32))
+    mine = choice < TOP_K
+    tl.store(Ids + t * TOP_K + choice, ids, mask=mine)
+    tl.store(Weights + t * TOP_K + choice, (tops / total).to(dtype).to(tl.float32), mask=mine)
 
 
 @triton.jit
@@ -267,7 +271,8 @@ def route_and_sort(logits: torch.Tensor, experts: int, top_k: int, tiles: MoeTil
     opts = launch_options(logits)
     block_e = triton.next_power_of_2(experts)
     _route_kernel[(tokens,)](logits, ids, weights, logits.stride(0), experts, TOP_K=top_k, BLOCK_E=block_e,
-                             num_warps=4 if experts >= 256 else 1, **STRICT, **opts)
+                             BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if experts >= 256 else 1, **STRICT,
+                             **opts)
     _count_kernel[(experts,)](ids, counts, pairs, BLOCK=SCAN_BLOCK, num_warps=4, **opts)
     _place_kernel[(experts,)](ids, counts, sorted_pairs, block_expert, total, pairs, experts, BLOCK_M=tiles.block_m,
                               BLOCK_E=block_e, BLOCK=SCAN_BLOCK, num_warps=4, **opts)
