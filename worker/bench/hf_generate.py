@@ -24,26 +24,32 @@ RESULT = "hf-rate: "
 
 
 def hf_config(c: ModelConfig) -> Any:
-    """transformers' config of a Qwen3.5 or Qwen3.5-MoE preset's shape."""
+    """transformers' config of our model's family and shape (transformers is optional here: not type-checked)."""
     import transformers
 
-    lin = c.linear
-    if lin is None or c.family not in ("qwen3_5", "qwen3_5_moe"):
-        raise ValueError(f"{c.name}: only the Qwen3.5 families here (client.bench.gpu has the others)")
+    rope: dict[str, Any] = {"rope_type": c.rope_scaling.kind, "rope_theta": c.rope_theta}
+    if c.rope_scaling.kind != "default":
+        r = c.rope_scaling
+        rope |= {"factor": r.factor, "original_max_position_embeddings": r.original_context,
+                 "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
     fields: dict[str, Any] = dict(
         vocab_size=c.vocab_size, hidden_size=c.dim, num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
-        num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.norm_eps, head_dim=c.head_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta, "partial_rotary_factor": c.partial_rotary},
-        max_position_embeddings=c.context_length, tie_word_embeddings=c.tie_embeddings, layer_types=list(c.layer_types),
-        linear_conv_kernel_dim=lin.conv_kernel, linear_key_head_dim=lin.key_dim, linear_value_head_dim=lin.value_dim,
-        linear_num_key_heads=lin.key_heads, linear_num_value_heads=lin.value_heads,
+        num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.norm_eps, rope_parameters=rope,
+        max_position_embeddings=c.context_length, tie_word_embeddings=c.tie_embeddings, head_dim=c.head_dim,
     )
-    if c.experts is None:
-        return transformers.Qwen3_5TextConfig(intermediate_size=c.ffn_dim, **fields)
-    ex = c.experts
-    return transformers.Qwen3_5MoeTextConfig(num_experts=ex.count, num_experts_per_tok=ex.top_k,
-                                             moe_intermediate_size=ex.ffn_dim,
-                                             shared_expert_intermediate_size=ex.shared_ffn_dim, **fields)
+    if c.linear is not None:  # Qwen3.5: its DeltaNet layers and partial rotary
+        rope["partial_rotary_factor"] = c.partial_rotary
+        lin = c.linear
+        fields |= dict(layer_types=list(c.layer_types), linear_conv_kernel_dim=lin.conv_kernel,
+                       linear_key_head_dim=lin.key_dim, linear_value_head_dim=lin.value_dim,
+                       linear_num_key_heads=lin.key_heads, linear_num_value_heads=lin.value_heads)
+    if c.experts is not None:  # Qwen3.5-MoE
+        ex = c.experts
+        return transformers.Qwen3_5MoeTextConfig(num_experts=ex.count, num_experts_per_tok=ex.top_k,
+                                                 moe_intermediate_size=ex.ffn_dim,
+                                                 shared_expert_intermediate_size=ex.shared_ffn_dim, **fields)
+    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_5": "Qwen3_5TextConfig"}
+    return getattr(transformers, classes[c.family])(intermediate_size=c.ffn_dim, **fields)
 
 
 def rate(model_name: str, batch: int, prompt_tokens: int, new_tokens: int) -> float:
