@@ -41,7 +41,6 @@ from broker.common import logs
 from client.bench.loadtest import LoadConfig, run
 from client.bench.loadtest.report import Report
 from client.stack import LocalStack
-from worker.model.config import ModelConfig
 
 MODEL = "random:smollm2-135m"
 TARGET_STACK_64 = 40_000.0  # output tokens/s, full stack, 64 sessions
@@ -57,31 +56,6 @@ HF_TIMEOUT_S = 1800
 WORKER = "bench-gpu"
 START_TIMEOUT_S = 300.0  # model load and CUDA graph capture
 STOP_TIMEOUT_S = 60.0
-
-
-def hf_config(c: ModelConfig) -> Any:
-    """transformers' config of our model's family and shape (transformers is optional here: not type-checked)."""
-    import transformers
-
-    rope: dict[str, Any] = {"rope_type": c.rope_scaling.kind, "rope_theta": c.rope_theta}
-    if c.rope_scaling.kind != "default":
-        r = c.rope_scaling
-        rope |= {"factor": r.factor, "original_max_position_embeddings": r.original_context,
-                 "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
-    fields: dict[str, Any] = dict(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.norm_eps,
-        rope_parameters=rope, max_position_embeddings=c.context_length, tie_word_embeddings=c.tie_embeddings,
-        head_dim=c.head_dim,
-    )
-    if c.linear is not None:  # Qwen3.5: its DeltaNet layers and partial rotary
-        rope["partial_rotary_factor"] = c.partial_rotary
-        lin = c.linear
-        fields |= dict(layer_types=list(c.layer_types), linear_conv_kernel_dim=lin.conv_kernel,
-                       linear_key_head_dim=lin.key_dim, linear_value_head_dim=lin.value_dim,
-                       linear_num_key_heads=lin.key_heads, linear_num_value_heads=lin.value_heads)
-    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_5": "Qwen3_5TextConfig"}
-    return getattr(transformers, classes[c.family])(**fields)
 
 
 def progress(what: str, rates: list[float]) -> None:
@@ -106,6 +80,7 @@ def bench_hf(model_name: str, batch: int, prompt_tokens: int, new_tokens: int, s
     """transformers' greedy generate with a static cache: output tokens/s for one batch, per timed run."""
     from transformers import AutoModelForCausalLM
 
+    from worker.bench.hf_generate import hf_config
     from worker.model.loader import load_model
 
     c = load_model(model_name).config

@@ -417,7 +417,8 @@ def bad_parts(known: Known) -> st.SearchStrategy[bytes]:
 
 
 def good_parts(known: Known) -> st.SearchStrategy[bytes]:
-    chunk = st.builds(p.StreamChunk, request_ids(), st.lists(token_ids(known), max_size=4).map(tuple), st.text(max_size=8))
+    chunk = st.builds(p.StreamChunk, request_ids(), st.lists(token_ids(known), max_size=4).map(tuple), st.text(max_size=8),
+                      st.integers(0, 4096), st.just(()))
     return st.lists(chunk, min_size=1, max_size=3).map(p.chunks_part)
 
 

@@ -32,7 +32,7 @@ def workspace_bytes(llama: Llama) -> int:
 
     Generous on purpose: a session refused at create is cheap, an out-of-memory in a step is not.
     - activations of one eager step of up to GPU_STEP_TOKENS tokens (one layer live at a time, x2
-      for the allocator holding the previous layer's blocks);
+      for the allocator holding the previous layer's blocks; a mixture of experts' per-pair buffers included);
     - the attention of a prefill chunk: the model's masked SDPA with GQA takes the math path, which
       materialises fp32 scores, probabilities and the mask, (H, chunk, max_context) each;
     - logits: fp32 and model dtype for the largest eager decode, and the graphs' static outputs
@@ -45,6 +45,9 @@ def workspace_bytes(llama: Llama) -> int:
     chunk = min(GPU_STEP_TOKENS, context)
     qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     per_token = item * (4 * c.dim + qkv + c.n_heads * c.head_dim + 3 * c.ffn_dim)
+    ex = c.experts
+    if ex is not None:  # a mixture of experts: each token's k pairs' activations and outputs, router and shared expert
+        per_token += item * (ex.top_k * (ex.ffn_dim + c.dim) + ex.count + 1 + 3 * ex.shared_ffn_dim) + 8 * ex.top_k
     activations = 2 * GPU_STEP_TOKENS * per_token
     attention = 3 * c.n_heads * chunk * context * 4
     logits = 2 * BUCKETS[-1] * c.vocab_size * (4 + item) + (sum(BUCKETS) + PREFILL_LOGITS) * c.vocab_size * 4

@@ -7,6 +7,7 @@
 - layers.py: the layer stack and the head built from them (what Llama.forward runs on the GPU)
 - pdl.py: programmatic dependent launch on Hopper and later
 - deltanet.py, norms.py: the hybrid model's gated DeltaNet (causal convolution, gated delta rule) and its norms
+- moe.py: the mixture-of-experts block's routing and routed experts (tokens grouped by expert), for Qwen3.5-MoE
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def hybrid_kernels() -> HybridKernels:
     """The hybrid model's kernels (worker.model.qwen3_5 takes them on the GPU, and in Triton's interpreter for tests)."""
     from worker.kernels.deltanet import conv_decode, conv_prefill, delta_decode, delta_prefill
     from worker.kernels.matmul import row_matmul
+    from worker.kernels.moe import moe_block
     from worker.kernels.norms import gated_rms_norm, offset_rms_norm
 
     return HybridKernels(conv_decode=conv_decode, conv_prefill=conv_prefill, delta_decode=delta_decode,
                          delta_prefill=delta_prefill, offset_rms_norm=offset_rms_norm, gated_rms_norm=gated_rms_norm,
-                         row_matmul=row_matmul)
+                         row_matmul=row_matmul, moe=moe_block)

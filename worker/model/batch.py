@@ -78,6 +78,8 @@ class HybridKernels:
     offset_rms_norm: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
     row_matmul: Callable[..., torch.Tensor]
+    # The mixture-of-experts block's routed experts and its sums (worker.kernels.moe.moe_block), for Qwen3.5-MoE.
+    moe: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,19 @@ class LinearAttention:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A sparse mixture-of-experts MLP (Qwen3.5-MoE's): a router picks each token's `top_k` of `count` experts
+    (softmax over all of them, the top k renormalised to sum to one), each a SiLU-gated MLP of `ffn_dim`; their
+    outputs weighted by the router's weights are added to a shared expert's (an MLP of `shared_ffn_dim`) scaled by
+    sigmoid of its own one-output gate."""
+
+    count: int
+    top_k: int
+    ffn_dim: int
+    shared_ffn_dim: int
+
+
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
@@ -85,6 +98,8 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     linear: LinearAttention | None = None
     attention_gate: bool = False
+    # Every layer's MLP a sparse mixture of experts (Qwen3.5-MoE); None: dense MLPs of ffn_dim.
+    experts: Experts | None = None
 
     @property
     def head_dim(self) -> int:
@@ -139,6 +154,17 @@ PRESETS: dict[str, ModelConfig] = {
         linear=LinearAttention(conv_kernel=4, key_heads=16, value_heads=32, key_dim=128, value_dim=128),
         attention_gate=True,
     ),
+    # Qwen/Qwen3.5-35B-A3B: transformers' Qwen3_5MoeTextConfig defaults (its docstring's checkpoint) with the published
+    # config.json's text_config where they differ (rope_theta 1e7, max_position_embeddings 262144): 40 layers, 3
+    # gated DeltaNet to 1 gated attention, 256 experts of 512, top 8, a shared expert of 512.
+    "qwen3.5-35b-a3b": ModelConfig(
+        name="random-qwen3.5-35b-a3b", vocab_size=248320, dim=2048, n_layers=40, n_heads=16, n_kv_heads=2,
+        ffn_dim=512, norm_eps=1e-6, rope_theta=10000000.0, context_length=262144, tie_embeddings=False,
+        family="qwen3_5_moe", explicit_head_dim=256, qk_norm=True, partial_rotary=0.25,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION) * 10,
+        linear=LinearAttention(conv_kernel=4, key_heads=16, value_heads=32, key_dim=128, value_dim=128),
+        attention_gate=True, experts=Experts(count=256, top_k=8, ffn_dim=512, shared_ffn_dim=512),
+    ),
     # Tiny forms of each family, for tests.
     "tiny-qwen2": ModelConfig(
         name="random-tiny-qwen2", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -156,5 +182,13 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
         linear=LinearAttention(conv_kernel=4, key_heads=2, value_heads=4, key_dim=16, value_dim=16),
         attention_gate=True,
+    ),
+    "tiny-qwen3.5-moe": ModelConfig(
+        name="random-tiny-qwen3.5-moe", vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+        ffn_dim=32, norm_eps=1e-6, rope_theta=10000.0, context_length=4096, tie_embeddings=False,
+        family="qwen3_5_moe", explicit_head_dim=32, qk_norm=True, partial_rotary=0.25,
+        layer_types=(LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION),
+        linear=LinearAttention(conv_kernel=4, key_heads=2, value_heads=4, key_dim=16, value_dim=16),
+        attention_gate=True, experts=Experts(count=8, top_k=3, ffn_dim=32, shared_ffn_dim=48),
     ),
 }

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from worker.model import llama, qwen2, qwen3, qwen3_5
+from worker.model import llama, qwen2, qwen3, qwen3_5, qwen3_5_moe
 from worker.model.config import ModelConfig, ModelLoadError
 from worker.model.draw import Draw
 
@@ -38,6 +38,12 @@ class Family:
     # A folder's tensor name as the one hf_layer_names and the loader know, or None for a tensor that is not part of
     # text generation (skipped).
     hf_name: Callable[[str], str | None] = _same_name
+    # hf_layer_names for a given config, where they depend on it (a mixture of experts' experts by number)
+    layer_names: Callable[[ModelConfig], Mapping[str, str]] | None = None
+
+    def names(self, config: ModelConfig) -> Mapping[str, str]:
+        """A layer's tensor names in a folder -> ours, for `config`."""
+        return self.hf_layer_names if self.layer_names is None else self.layer_names(config)
 
 
 LLAMA = Family("llama", llama.read_hf_config, llama.HF_LAYER_NAMES, llama.Llama)
@@ -45,10 +51,14 @@ QWEN2 = Family("qwen2", qwen2.read_hf_config, {**llama.HF_LAYER_NAMES, **qwen2.H
 QWEN3 = Family("qwen3", qwen3.read_hf_config, {**llama.HF_LAYER_NAMES, **qwen3.HF_LAYER_NAMES}, qwen3.Qwen3)
 QWEN3_5 = Family("qwen3_5", qwen3_5.read_hf_config, qwen3_5.HF_LAYER_NAMES, qwen3_5.Qwen3_5,
                  random_layer=qwen3_5.random_layer, random_norm=_zeros, hf_name=qwen3_5.hf_names)
+QWEN3_5_MOE = Family("qwen3_5_moe", qwen3_5_moe.read_hf_config, qwen3_5_moe.BASE_NAMES, qwen3_5_moe.Qwen3_5Moe,
+                     random_layer=qwen3_5_moe.random_layer, random_norm=_zeros, hf_name=qwen3_5.hf_names,
+                     layer_names=qwen3_5_moe.hf_layer_names)
 
 BY_MODEL_TYPE: dict[str, Family] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3,
-                                    "qwen3_5": QWEN3_5, "qwen3_5_text": QWEN3_5}
-BY_NAME: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_5)}
+                                    "qwen3_5": QWEN3_5, "qwen3_5_text": QWEN3_5, "qwen3_5_moe": QWEN3_5_MOE,
+                                    "qwen3_5_moe_text": QWEN3_5_MOE}
+BY_NAME: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_5, QWEN3_5_MOE)}
 
 
 def family_of(model_type: object, where: str) -> Family:

@@ -214,8 +214,9 @@ def load_safetensors_folder(folder: Path) -> LoadedModel:
     family = family_of(cfg.get("model_type"), where)
     config = family.read_hf_config(cfg, folder.name, where)
     ours = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+    layer_names = family.names(config)
     for i in range(config.n_layers):
-        ours |= {f"model.layers.{i}.{hf}": f"layers.{i}.{name}" for hf, name in family.hf_layer_names.items()}
+        ours |= {f"model.layers.{i}.{hf}": f"layers.{i}.{name}" for hf, name in layer_names.items()}
     head_stored = any("lm_head.weight" in map(family.hf_name, _tensor_names(f)) for f in files)
     if not head_stored and not config.tie_embeddings:
         raise ModelLoadError(f"{folder}: tensor lm_head.weight is missing and tie_word_embeddings is false")
@@ -275,7 +276,11 @@ def parameters(config: ModelConfig) -> int:
             total += d * (lin.conv_dim + 2 * values + 2 * lin.value_heads)
         else:
             total += d * ((2 if config.attention_gate else 1) * q + 2 * kv) + q * d
-        total += 3 * d * f
+        ex = config.experts
+        if ex is None:
+            total += 3 * d * f
+        else:  # router and the shared expert's gate, the shared expert, every expert
+            total += d * (ex.count + 1) + 3 * d * ex.shared_ffn_dim + ex.count * 3 * d * ex.ffn_dim
     return total
 
 

@@ -179,37 +179,89 @@ class DeltaNet:
         return [self.w_in.fused.weight, self.conv, self.A_log, self.dt_bias, self.gated_norm, self.w_out.weight]
 
 
-class Block:
-    """One layer: its norms (1 + weight, fp32), its token mixer, and the MLP (gate|up fused, as Llama's)."""
+class Mlp:
+    """A layer's MLP: declared in the pack, read from its views, run by the torch path (`__call__`) and by the GPU
+    kernels (`add_kernels`). DenseMlp here; the sparse mixture of experts in worker.model.qwen3_5_moe."""
 
-    def __init__(self, views: Mapping[str, torch.Tensor], i: int, mixer: Attention | DeltaNet, c: ModelConfig) -> None:
-        p = f"layers.{i}."
-        self.input_norm = views[p + "input_norm"]
-        self.post_norm = views[p + "post_norm"]
-        self.mixer = mixer
+    def __init__(self, views: Mapping[str, torch.Tensor], p: str, c: ModelConfig) -> None:
+        """The MLP of the layer whose tensors are named `p` + ... in `views`."""
+
+    @staticmethod
+    def declare(pack: Pack, c: ModelConfig, p: str, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's output for the normed rows x (T, dim), as transformers computes it."""
+        raise NotImplementedError
+
+    def add_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """h + the MLP's output for x, in the GPU kernels (row-invariant ones for decode steps: batch.row_products)."""
+        raise NotImplementedError
+
+
+class DenseMlp(Mlp):
+    """gate|up fused, SiLU, down (as Llama's)."""
+
+    def __init__(self, views: Mapping[str, torch.Tensor], p: str, c: ModelConfig) -> None:
         self.w_gate_up = Products(views[p + "w_gate_up"], [c.ffn_dim, c.ffn_dim])
         self.w_down = Linear(views[p + "w_down"])
 
     @staticmethod
-    def declare(pack: Pack, c: ModelConfig, i: int, dtype: torch.dtype) -> None:
-        p, f = f"layers.{i}.", c.ffn_dim
-        for name in ("input_norm", "post_norm"):
-            pack.add(p + name, (c.dim,), torch.float32)
-            pack.route(p + name, Place(p + name))
+    def declare(pack: Pack, c: ModelConfig, p: str, dtype: torch.dtype) -> None:
+        f = c.ffn_dim
         pack.add(p + "w_gate_up", (2 * f, c.dim), dtype)
         pack.add(p + "w_down", (c.dim, f), dtype)
         pack.route(p + "gate_proj", Place(p + "w_gate_up", 0, f))
         pack.route(p + "up_proj", Place(p + "w_gate_up", f, 2 * f))
         pack.route(p + "down_proj", Place(p + "w_down"))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w_gate_up.fused.weight, self.w_down.weight]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x)
+        return self.w_down(F.silu(gate) * up)
+
+    def add_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if batch.row_products:
+            act = k.row_matmul(x, self.w_gate_up.fused.weight, silu=True)
+            return k.row_matmul(act, self.w_down.weight, residual=h)
+        gate, up = F.linear(x, self.w_gate_up.fused.weight).split(self.w_gate_up.sizes, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.w_down.weight)
+
+
+class Block:
+    """One layer: its norms (1 + weight, fp32), its token mixer, and its MLP."""
+
+    def __init__(self, views: Mapping[str, torch.Tensor], i: int, mixer: Attention | DeltaNet, mlp: Mlp) -> None:
+        p = f"layers.{i}."
+        self.input_norm = views[p + "input_norm"]
+        self.post_norm = views[p + "post_norm"]
+        self.mixer = mixer
+        self.mlp = mlp
+
+    @staticmethod
+    def declare(pack: Pack, c: ModelConfig, i: int, dtype: torch.dtype, mlp: type[Mlp]) -> None:
+        p = f"layers.{i}."
+        for name in ("input_norm", "post_norm"):
+            pack.add(p + name, (c.dim,), torch.float32)
+            pack.route(p + name, Place(p + name))
+        mlp.declare(pack, c, p, dtype)
         (Attention if c.mixer(i) == FULL_ATTENTION else DeltaNet).declare(pack, c, p, dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.input_norm, self.post_norm, self.w_gate_up.fused.weight, self.w_down.weight, *self.mixer.tensors()]
+        return [self.input_norm, self.post_norm, *self.mlp.tensors(), *self.mixer.tensors()]
 
 
 class Qwen3_5(Llama):
     """The hybrid decoder. It shares Llama's engine-facing interface (forward, plan, state_spec) and its attention
-    over the slab; Llama's own layer list stays empty (its fused GPU stack does not apply): the layers are `blocks`."""
+    over the slab; Llama's own layer list stays empty (its fused GPU stack does not apply): the layers are `blocks`.
+    Each layer's MLP is a `mlp_class` (DenseMlp here; a subclass sets another)."""
+
+    mlp_class: type[Mlp] = DenseMlp
 
     def __init__(
         self,
@@ -242,11 +294,11 @@ class Qwen3_5(Llama):
         pack.add("norm", (c.dim,), torch.float32)
         pack.route("norm", Place("norm"))
         for i in range(c.n_layers):
-            Block.declare(pack, c, i, dtype)
+            Block.declare(pack, c, i, dtype, self.mlp_class)
         pack.add("cos", (max_context, c.rotary_dim), torch.float32)
         pack.add("sin", (max_context, c.rotary_dim), torch.float32)
         views = pack.allocate(device)
-        items = weights.items() if isinstance(weights, Mapping) else weights
+        items = self._sources(pack, c, weights.items() if isinstance(weights, Mapping) else weights)
         extra = pack.fill(_unit_offset(items), where=c.name)
         if extra:
             raise ModelLoadError(f"{c.name}: tensors that are not part of a {c.family} model: {', '.join(sorted(extra)[:8])}")
@@ -263,10 +315,15 @@ class Qwen3_5(Llama):
                 mixer, full = Attention(views, p, full, c), full + 1
             else:
                 mixer, linear = DeltaNet(views, p, linear, c), linear + 1
-            self.blocks.append(Block(views, i, mixer, c))
+            self.blocks.append(Block(views, i, mixer, self.mlp_class(views, p, c)))
         self.full_layers, self.linear_layers = full, linear
         cos, sin = rope_tables(c, max_context, device)
         self.cos, self.sin = views["cos"].copy_(cos), views["sin"].copy_(sin)
+
+    def _sources(self, pack: Pack, c: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The source tensors as the pack takes them (a subclass may route more places by what the source holds)."""
+        return weights
 
     def state_spec(self) -> StateSpec:
         return state_spec(self.config, self.max_context, self.dtype)
@@ -318,9 +375,7 @@ class Qwen3_5(Llama):
                 h = h + self._attend(block.mixer, x, cos, sin, positions, slots, state, batch)
             else:
                 h = h + self._delta(block.mixer, x, state, runs)
-            x = offset_rms_norm(h, block.post_norm, c.norm_eps)
-            gate, up = block.w_gate_up(x)
-            h = h + block.w_down(F.silu(gate) * up)
+            h = h + block.mlp(offset_rms_norm(h, block.post_norm, c.norm_eps))
         if logits_at is not None:
             h = h[logits_at]
         return self.lm_head(offset_rms_norm(h, self.norm, c.norm_eps)).float()
@@ -351,13 +406,7 @@ class Qwen3_5(Llama):
             else:
                 h = add_product(h, self._delta_kernels(k, block.mixer, product(x, block.mixer.w_in.fused.weight),
                                                        positions, slots, state, batch), block.mixer.w_out.weight)
-            x = k.offset_rms_norm(h, block.post_norm, eps)
-            if rowwise:
-                act = k.row_matmul(x, block.w_gate_up.fused.weight, silu=True)
-            else:
-                gate, up = F.linear(x, block.w_gate_up.fused.weight).split(block.w_gate_up.sizes, dim=-1)
-                act = F.silu(gate) * up
-            h = add_product(h, act, block.w_down.weight)
+            h = block.mlp.add_kernels(k, h, k.offset_rms_norm(h, block.post_norm, eps), batch)
         if logits_at is not None:
             h = h[logits_at]
         return product(k.offset_rms_norm(h, self.norm, eps), self.lm_head.weight).float()
@@ -560,26 +609,36 @@ ROPE_NO_OPS = ("mrope_section", "mrope_interleaved")
 
 def read_hf_config(cfg: Mapping[str, Any], name: str, where: str) -> ModelConfig:
     """`qwen3_5_text`, or `qwen3_5` whose text_config is read (the folder's vision tower is not served)."""
-    if cfg.get("model_type") == "qwen3_5":
-        refuse_unknown(cfg, VL_FIELDS, where)
-        text = cfg.get("text_config") or {}
-        if not isinstance(text, dict):
-            raise ModelLoadError(f"{where}: text_config must be a mapping")
-        if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
-            text = {**text, "tie_word_embeddings": cfg["tie_word_embeddings"]}
-        return read_text_config(text, name, f"{where} (text_config)")
-    return read_text_config(cfg, name, where)
+    text, where = text_config(cfg, "qwen3_5", where)
+    return read_text_config(text, name, where)
 
 
-def read_text_config(text: Mapping[str, Any], name: str, where: str) -> ModelConfig:
-    cfg = {**TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
-    refuse_unknown(cfg, TEXT_FIELDS, where)
+def text_config(cfg: Mapping[str, Any], wrapper: str, where: str) -> tuple[Mapping[str, Any], str]:
+    """The text model's config: a vision-language folder's (model_type `wrapper`) text_config, the folder's
+    tie_word_embeddings carried into it; any other config as it is."""
+    if cfg.get("model_type") != wrapper:
+        return cfg, where
+    refuse_unknown(cfg, VL_FIELDS, where)
+    text = cfg.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{where}: text_config must be a mapping")
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
+        text = {**text, "tie_word_embeddings": cfg["tie_word_embeddings"]}
+    return text, f"{where} (text_config)"
+
+
+def read_text_config(text: Mapping[str, Any], name: str, where: str, defaults: Mapping[str, Any] = TEXT_DEFAULTS,
+                     fields: tuple[str, ...] = TEXT_FIELDS, family: str = "qwen3_5") -> ModelConfig:
+    """The hybrid layers' config; `defaults` fill what `text` leaves out, `fields` are the family's beyond the common
+    ones (worker.model.qwen3_5_moe reads its own with this)."""
+    cfg = {**defaults, **{k: v for k, v in text.items() if v is not None}}
+    refuse_unknown(cfg, fields, where)
     if cfg.get("attention_bias"):
         raise refuse(where, "attention_bias", cfg["attention_bias"], "Qwen3.5 without biases only")
     if not cfg.get("attn_output_gate", True):
         raise refuse(where, "attn_output_gate", cfg["attn_output_gate"], "Qwen3.5's gated attention only")
     if cfg.get("mlp_only_layers"):
-        raise refuse(where, "mlp_only_layers", cfg["mlp_only_layers"], "the dense Qwen3.5 only")
+        raise refuse(where, "mlp_only_layers", cfg["mlp_only_layers"], "every layer's MLP of one kind")
     if cfg.get("mamba_ssm_dtype", "float32") != "float32":
         raise refuse(where, "mamba_ssm_dtype", cfg["mamba_ssm_dtype"], "the recurrent state is float32")
     n_layers = int(cfg["num_hidden_layers"])
@@ -597,7 +656,7 @@ def read_text_config(text: Mapping[str, Any], name: str, where: str) -> ModelCon
     if kind != "default":
         raise refuse(where, "rope_type", kind, "Qwen3.5 with its default RoPE only")
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
-    common = read_common({k: v for k, v in cfg.items() if k != "layer_types"}, name, "qwen3_5", where,
+    common = read_common({k: v for k, v in cfg.items() if k != "layer_types"}, name, family, where,
                          partial_rotary=True, rope_no_ops=ROPE_NO_OPS)
     common["explicit_head_dim"] = int(cfg["head_dim"])
     linear = LinearAttention(conv_kernel=int(cfg["linear_conv_kernel_dim"]), key_heads=int(cfg["linear_num_key_heads"]),
@@ -624,10 +683,20 @@ def hf_names(name: str) -> str | None:
 
 
 def random_layer(c: ModelConfig, i: int, draw: Draw) -> Iterator[tuple[str, torch.Tensor]]:
-    """Layer i's tensors for a random preset (worker.model.loader): products normal(0, 0.02), the convolution's taps
+    """Layer i's tensors for a random preset (worker.model.loader): its norms and mixer (random_mixer), then the MLP's
+    products normal(0, 0.02)."""
+    p, d, f = f"layers.{i}.", c.dim, c.ffn_dim
+    yield from random_mixer(c, i, draw)
+    yield p + "gate_proj", draw.normal(f, d)
+    yield p + "up_proj", draw.normal(f, d)
+    yield p + "down_proj", draw.normal(d, f)
+
+
+def random_mixer(c: ModelConfig, i: int, draw: Draw) -> Iterator[tuple[str, torch.Tensor]]:
+    """Layer i's norms and token mixer for a random preset: products normal(0, 0.02), the convolution's taps
     normal(0, 0.2); the zero-centred norms zero (a scale of one), the DeltaNet's output norm one; A_log the log of a
     uniform rate in [0.01, 16) and dt_bias one, as transformers initialises them."""
-    p, d, f, hd = f"layers.{i}.", c.dim, c.ffn_dim, c.head_dim
+    p, d, hd = f"layers.{i}.", c.dim, c.head_dim
     yield p + "input_norm", draw.zeros(d)
     yield p + "post_norm", draw.zeros(d)
     if c.mixer(i) == FULL_ATTENTION:
@@ -649,6 +718,3 @@ def random_layer(c: ModelConfig, i: int, draw: Draw) -> Iterator[tuple[str, torc
         yield p + "dt_bias", draw.ones(lin.value_heads)
         yield p + "gated_norm", draw.ones(lin.value_dim)
         yield p + "out_proj", draw.normal(d, values)
-    yield p + "gate_proj", draw.normal(f, d)
-    yield p + "up_proj", draw.normal(f, d)
-    yield p + "down_proj", draw.normal(d, f)

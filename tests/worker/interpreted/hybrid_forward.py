@@ -14,6 +14,7 @@ import torch
 
 from cuda_state import HostBackend, SessionTable
 from worker.model.batch import Batch, Kernels
+from worker.model.families import model_class
 from worker.model.loader import load_model
 from worker.model.qwen3_5 import UNIT_OFFSET_NORMS, Qwen3_5
 
@@ -30,21 +31,25 @@ STEPS = [
 ]
 
 
-def main() -> None:
+def main(preset: str = "tiny-qwen3.5") -> None:
+    """The check for the random preset `preset` (a Qwen3.5 or Qwen3.5-MoE one: tests/worker/interpreted/moe_forward.py
+    runs it for the latter)."""
     assert os.environ["TRITON_INTERPRET"] == "1"
     from worker.kernels import hybrid_kernels  # imports triton: after the check above
     from worker.kernels.attention import decode_attention
     from worker.kernels.prefill import prefill_attention
     from worker.kernels.tiles import max_tiles, prefill_tiles
 
-    loaded = load_model("random:tiny-qwen3.5")
+    loaded = load_model(f"random:{preset}")
+    cls = model_class(loaded.config)
+    assert issubclass(cls, Qwen3_5)
     gen = torch.Generator().manual_seed(3)
     weights = {name: (0.2 * torch.randn(t.shape, generator=gen) if name.rsplit(".", 1)[-1] in UNIT_OFFSET_NORMS
                       or name == "norm" else t * 5) for name, t in loaded.weights.items()}  # sharp: states matter
     cpu = torch.device("cpu")
-    plain = Qwen3_5(loaded.config, weights, cpu, torch.float32, 256)
+    plain = cls(loaded.config, weights, cpu, torch.float32, 256)
     kernels = Kernels(decode_attention=decode_attention, prefill_attention=prefill_attention, hybrid=hybrid_kernels())
-    fast = Qwen3_5(loaded.config, weights, cpu, torch.float32, 256, kernels=kernels)
+    fast = cls(loaded.config, weights, cpu, torch.float32, 256, kernels=kernels)
     tables = [SessionTable(HostBackend(plain.state_spec(), SESSIONS)) for _ in range(2)]
     for table in tables:
         assert [table.create() for _ in range(SESSIONS)] == list(range(SESSIONS))

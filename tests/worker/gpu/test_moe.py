@@ -1,0 +1,211 @@
+"""Qwen3.5-MoE on the GPU: the fused mixture-of-experts kernels (worker.kernels.moe) at the published shape (256 experts
+of 512, top 8, dim 2048) against the torch MoE block, and batch-invariant (a token's rows are the same bits alone, in a
+batch of 64 or 512, and wherever its pairs land in the sorted order); and the folder tests/worker/test_qwen3_5_moe.py
+has transformers write, served in bf16 through the CUDA graphs against the same folder on the CPU in fp32 (exact
+against transformers there): a session's tokens are the same alone, batched with others and after a fork, from the
+graphs and from eager replays; no bucket is dropped at start-up.
+
+Run on the GPU machine: `python -m pytest -m gpu tests/worker/gpu/test_moe.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.engine import Engine
+from worker.engine.executor import StepRows
+from worker.model.config import PRESETS
+
+from ..test_qwen3_5_moe import NEW_TOKENS, Folder, write_folder
+from .device import needs_cuda
+from .references import greedy, open_with, relative_error
+
+pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")]
+
+
+class Block:
+    """One MoE layer at the published shape, random bf16 weights on the GPU, and its torch reference."""
+
+    def __init__(self) -> None:
+        ex = PRESETS["qwen3.5-35b-a3b"].experts
+        assert ex is not None
+        self.experts, self.top_k, self.dim, self.ffn = ex.count, ex.top_k, 2048, ex.ffn_dim
+        gen = torch.Generator(device="cuda").manual_seed(5)
+
+        def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
+            return (scale * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)
+
+        self.router = rand(self.experts + 1, self.dim, scale=0.05)
+        self.gate_up = rand(self.experts, 2 * self.ffn, self.dim)
+        self.down = rand(self.experts, self.dim, self.ffn)
+        self.gen = gen
+
+    def inputs(self, tokens: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(tokens, self.dim, generator=self.gen, device="cuda").to(torch.bfloat16)
+        h = torch.randn(tokens, self.dim, generator=self.gen, device="cuda").to(torch.bfloat16)
+        shared = (0.1 * torch.randn(tokens, self.dim, generator=self.gen, device="cuda")).to(torch.bfloat16)
+        return h, x, F.linear(x, self.router), shared
+
+    def reference(self, h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """transformers' arithmetic in torch on the GPU (bf16, its roundings)."""
+        probs = F.softmax(logits[:, : self.experts], dim=-1, dtype=torch.float)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = (top / top.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros(x.shape[0], self.top_k, self.dim, dtype=x.dtype, device=x.device)
+        for e in ids.unique().tolist():
+            rows, choice = (ids == e).nonzero(as_tuple=True)
+            g, u = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
+            out[rows, choice] = F.linear(F.silu(g) * u, self.down[e]) * weights[rows, choice, None]
+        routed = out.sum(dim=1)
+        return h + (routed + torch.sigmoid(logits[:, self.experts:]) * shared)
+
+
+@pytest.fixture(scope="module")
+def block() -> Block:
+    return Block()
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 512])
+def test_the_fused_block_follows_torch_within_bf16(block: Block, tokens: int, prefill: bool) -> None:
+    from worker.kernels.moe import moe_block
+
+    h, x, logits, shared = block.inputs(tokens)
+    got = moe_block(h, x, logits, shared, block.gate_up, block.down, block.top_k, prefill=prefill)
+    expected = block.reference(h, x, logits, shared)
+    assert relative_error(got.float(), expected.float()) < 0.01
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_the_fused_block_is_batch_invariant(block: Block, prefill: bool) -> None:
+    """Rows 0..7 alone, among 64 and among 512 tokens, and the 64 reversed: the same bits."""
+    from worker.kernels.moe import moe_block
+
+    h, x, logits, shared = block.inputs(512)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return moe_block(h[rows], x[rows].contiguous(), logits[rows].contiguous(), shared[rows], block.gate_up,
+                         block.down, block.top_k, prefill=prefill)
+
+    whole = run(torch.arange(512, device="cuda"))
+    some = run(torch.arange(64, device="cuda"))
+    assert torch.equal(some, whole[:64])
+    assert torch.equal(run(torch.arange(64, device="cuda").flip(0)).flip(0), some)
+    for i in range(8):
+        assert torch.equal(run(torch.tensor([i], device="cuda"))[0], whole[i])
+
+
+def test_the_fused_block_reads_each_chosen_expert_once_a_step(block: Block) -> None:
+    """The sorted blocks of a 64-token decode step: each chosen expert's pairs in as few blocks as its count needs
+    (one block per expert when it has at most 16 pairs), so its weights are read once by the column programs."""
+    from worker.kernels.moe import DECODE_TILES, route_and_sort
+
+    _, _, logits, _ = block.inputs(64)
+    routing = route_and_sort(logits, block.experts, block.top_k, DECODE_TILES)
+    counts = torch.bincount(routing.ids.flatten().long(), minlength=block.experts)
+    blocks = -(-counts // DECODE_TILES.block_m)
+    total = int(routing.total[0])
+    assert total == int(blocks.sum()) * DECODE_TILES.block_m
+    assert torch.equal(torch.bincount(routing.block_expert[: total // DECODE_TILES.block_m].long(),
+                                      minlength=block.experts), blocks)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Folder, Engine, Engine]]:
+    folder = write_folder(Path(tmp_path_factory.mktemp("gpu-moe")))
+    cpu = Engine.load(str(folder.path), device="cpu", max_sessions=2, max_context=256)
+    gpu = Engine.load(str(folder.path), device="cuda", max_sessions=8, max_context=256)
+    yield folder, cpu, gpu
+    gpu.unload()
+    cpu.unload()
+
+
+def test_no_bucket_is_dropped_at_start(served: tuple[Folder, Engine, Engine]) -> None:
+    from worker.engine.graphs import GraphExecutor, buckets_for, prefill_buckets_for
+
+    _, _, gpu = served
+    executor = gpu.executor
+    assert isinstance(executor, GraphExecutor)
+    assert executor.buckets == buckets_for(gpu.table.capacity)
+    assert executor.prefill_buckets == prefill_buckets_for(executor.prefill_rows)
+    assert executor.row_products
+
+
+def test_gpu_logits_follow_the_cpu_within_bf16_tolerance(served: tuple[Folder, Engine, Engine]) -> None:
+    folder, cpu, gpu = served
+    for prompt, tokens in zip(folder.prompts, folder.expected, strict=True):
+        seq, n = prompt + tokens, len(prompt)
+        cpu_slot = cpu.table.create()
+        expected = cpu.executor.execute(StepRows(seq, list(range(len(seq))), [cpu_slot] * len(seq),
+                                                 list(range(n - 1, len(seq)))))
+        cpu.table.free(cpu_slot)
+        slot = gpu.table.create()
+        try:
+            for start in range(0, n, 64):
+                part = prompt[start : start + 64]
+                first = gpu.executor.execute(StepRows(part, list(range(start, start + len(part))), [slot] * len(part),
+                                                      [len(part) - 1]))
+            rows = [first]
+            for i, token in enumerate(tokens):
+                rows.append(gpu.executor.execute(StepRows([token], [n + i], [slot], [0])))
+            got = torch.cat(rows).cpu()
+        finally:
+            gpu.table.free(slot)
+        for step in range(len(tokens) + 1):
+            err = relative_error(got[step], expected[step])
+            assert err < 0.15, f"prompt of {n}, step {step}: relative error {err:.4f}"
+
+
+def test_gpu_tokens_alone_batched_and_forked_agree(served: tuple[Folder, Engine, Engine]) -> None:
+    folder, _, gpu = served
+    solo = []
+    for prompt in folder.prompts:
+        sid = open_with(gpu, prompt)
+        solo.append(gpu.generate(sid, **greedy(NEW_TOKENS)).token_ids)
+        gpu.close(sid)
+    sids = [open_with(gpu, prompt) for prompt in folder.prompts]
+    assert [g.token_ids for g in gpu.generate_many([(sid, greedy(NEW_TOKENS)) for sid in sids])] == solo
+    for sid in sids:
+        gpu.close(sid)
+    parent = open_with(gpu, folder.prompts[2])
+    head = gpu.generate(parent, **greedy(6)).token_ids
+    child = gpu.fork(parent)
+    tails = gpu.generate_many([(child, greedy(NEW_TOKENS - 6)), (parent, greedy(NEW_TOKENS - 6))])
+    assert [head + t.token_ids for t in tails] == [solo[2], solo[2]]
+    gpu.close(parent)
+    gpu.close(child)
+
+
+def test_no_bleed_between_sessions_in_one_batch(served: tuple[Folder, Engine, Engine]) -> None:
+    folder, _, gpu = served
+    prompts = [folder.prompts[i % len(folder.prompts)] for i in range(8)]
+    sids = [open_with(gpu, p) for p in prompts]
+    first = [g.token_ids for g in gpu.generate_many([(s, greedy(12)) for s in sids])]
+    for sid in sids:
+        gpu.close(sid)
+    sids = [open_with(gpu, p) for p in reversed(prompts)]
+    second = [g.token_ids for g in gpu.generate_many([(s, greedy(12)) for s in sids])]
+    for sid in sids:
+        gpu.close(sid)
+    assert second == list(reversed(first))
+    assert first[:4] == first[4:]
+
+
+def test_graph_replay_matches_eager(served: tuple[Folder, Engine, Engine]) -> None:
+    folder, _, gpu = served
+    executor = gpu.executor
+    outputs = {}
+    try:
+        for use in (True, False):
+            executor.use_graphs = use  # type: ignore[attr-defined]
+            sids = [open_with(gpu, p) for p in folder.prompts]
+            outputs[use] = [g.token_ids for g in gpu.generate_many([(s, greedy(NEW_TOKENS)) for s in sids])]
+            for sid in sids:
+                gpu.close(sid)
+    finally:
+        executor.use_graphs = True  # type: ignore[attr-defined]
+    assert outputs[True] == outputs[False]
