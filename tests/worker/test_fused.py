@@ -232,7 +232,7 @@ def eager_steps(engine: object, prompt: list[int], n: int, fused: bool,
     executor = EagerExecutor(engine.model, engine.table)
     kernels = engine.model.kernels
     engine.model.kernels = dataclasses.replace(kernels, fused_layers=fused_layers if fused else None)
-    slot = engine.table.create()
+    slot = engine.table.create(engine.max_context)  # backed whole: the rows reach past a page
     try:
         p = len(prompt)
         rows = [executor.execute(StepRows(prompt, list(range(p)), [slot] * p, [p - 1]))[0]]

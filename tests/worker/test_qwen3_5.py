@@ -180,7 +180,7 @@ def test_a_second_turn_continues_as_transformers_continues_its_cache(engine: Eng
 
 def teacher_forced(engine: Engine, prompt: list[int], tokens: list[int], chunk: int) -> torch.Tensor:
     """Logits after the prompt (prefilled in chunks of `chunk`) and after each of `tokens` but the last (decode rows)."""
-    slot = engine.table.create()
+    slot = engine.table.create(engine.max_context)
     try:
         for start in range(0, len(prompt), chunk):
             part = prompt[start : start + chunk]
@@ -209,7 +209,7 @@ def test_every_state_is_read_and_carried(engine: Engine, folder: Folder) -> None
     assert uneven.argmax(-1).tolist() == tokens and float((uneven - reference).abs().max()) < 1e-3
     state = engine.table.views()
     for name in ("k", "conv", "recurrent"):
-        slot = engine.table.create()
+        slot = engine.table.create(engine.max_context)
         try:
             engine.executor.execute(StepRows(prompt, list(range(len(prompt))), [slot] * len(prompt), [0]))
             state[name][slot].zero_()
