@@ -135,8 +135,7 @@ class ErrorCode(str, Enum):
 
 
 ERROR_CODES: Final = {c.value: c for c in ErrorCode}
-# "capacity": the worker had no memory for the session to grow (its session keeps what it generated).
-FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled", "capacity"})
+FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled"})
 
 
 class ProtocolError(Exception):

@@ -30,7 +30,7 @@ def cpu_greedy(engine: object, prompts: list[list[int]], n: int) -> list[Referen
 
     assert isinstance(engine, Engine)
     table, executor = engine.table, engine.executor
-    slots = [table.create(len(p) + n) for p in prompts]  # backed for every position the rows reach
+    slots = [table.create() for _ in prompts]
     try:
         tokens: list[int] = []
         positions: list[int] = []

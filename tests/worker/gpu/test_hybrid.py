@@ -54,11 +54,11 @@ def test_gpu_logits_follow_the_cpu_within_bf16_tolerance(served: tuple[Folder, E
     folder, cpu, gpu = served
     for prompt, tokens in zip(folder.prompts, folder.expected, strict=True):
         seq, n = prompt + tokens, len(prompt)
-        cpu_slot = cpu.table.create(cpu.max_context)
+        cpu_slot = cpu.table.create()
         expected = cpu.executor.execute(StepRows(seq, list(range(len(seq))), [cpu_slot] * len(seq),
                                                  list(range(n - 1, len(seq)))))
         cpu.table.free(cpu_slot)
-        slot = gpu.table.create(gpu.max_context)
+        slot = gpu.table.create()
         try:
             for start in range(0, n, 64):
                 part = prompt[start : start + 64]
