@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,10 +69,19 @@ class Folder:
 
 
 def write_folder(tmp: Path) -> Folder:
-    config = transformers.Qwen3_5TextConfig(**TINY)
+    return hybrid_folder(tmp / "qwen3_5", transformers.Qwen3_5TextConfig(**TINY), "Qwen3_5ForCausalLM", 35,
+                         PROMPT_LENGTHS, NEW_TOKENS)
+
+
+def hybrid_folder(path: Path, config: Any, architecture: str, seed: int, prompt_lengths: Sequence[int],
+                  new_tokens: int) -> Folder:
+    """A tiny hybrid model (three DeltaNet layers, then full attention) that transformers makes from `config` with
+    seeded random weights, saved at `path` with the bytes-only tokenizer; with transformers' greedy tokens and logits
+    for seeded random prompts of `prompt_lengths`. Also the MoE family's (tests/worker/test_qwen3_5_moe.py)."""
     assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    torch.manual_seed(35)
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert type(model).__name__ == architecture
     with torch.no_grad():  # transformers initialises the norms to zero (a scale of one) and dt_bias to ones
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:
@@ -83,18 +92,19 @@ def write_folder(tmp: Path) -> Folder:
                 p.copy_(-3 + 0.2 * torch.randn_like(p))
             elif name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(0.01, 0.5).log())
-    path = tmp / "qwen3_5"
+            elif name.endswith("shared_expert_gate.weight"):  # MoE: the shared expert's weight in (0.1, 0.9)
+                p.mul_(0.2)
     model.save_pretrained(path)
     Tokenizer.bytes_only()._tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    rng = random.Random(35)
-    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in PROMPT_LENGTHS]
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in prompt_lengths]
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     expected, logits = [], []
     with torch.no_grad():
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long), output_logits=True,
                                  return_dict_in_generate=True)
             expected.append(out.sequences[0, len(prompt):].tolist())

@@ -13,9 +13,7 @@ change the arithmetic and are not implemented are refused by name.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,9 @@ from worker.model.loader import load_model, parameters
 from worker.model.qwen3_5 import state_spec
 from worker.model.qwen3_5_moe import Qwen3_5Moe, SparseMoe, read_hf_config
 from worker.model.tokenizer import Tokenizer
+
+from . import test_qwen3_5
+from .test_qwen3_5 import Folder, hybrid_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,58 +49,12 @@ TINY: dict[str, Any] = dict(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """As tests/worker/test_qwen3_5.py: the depthwise convolution's OpenMP region is slow on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@dataclass
-class Folder:
-    path: Path
-    prompts: list[list[int]]
-    expected: list[list[int]]  # transformers' greedy continuation of each prompt
-    logits: list[torch.Tensor]  # transformers' logits at each of those steps (NEW_TOKENS, vocab)
+one_thread = test_qwen3_5.one_thread  # autouse: the depthwise convolution's OpenMP region is slow on a shared machine
 
 
 def write_folder(tmp: Path) -> Folder:
-    config = transformers.Qwen3_5MoeTextConfig(**TINY)
-    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    torch.manual_seed(36)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
-    with torch.no_grad():  # transformers initialises the norms to zero (a scale of one) and dt_bias to ones
-        for name, p in model.named_parameters():
-            if "linear_attn.norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(0.2 * torch.randn_like(p))
-            elif name.endswith("dt_bias"):  # slow decays: the state carries far back
-                p.copy_(-3 + 0.2 * torch.randn_like(p))
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.01, 0.5).log())
-            elif name.endswith("shared_expert_gate.weight"):  # the shared expert's weight in (0.1, 0.9): both matter
-                p.mul_(0.2)
-    path = tmp / "qwen3_5_moe"
-    model.save_pretrained(path)
-    Tokenizer.bytes_only()._tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    rng = random.Random(36)
-    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in PROMPT_LENGTHS]
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    expected, logits = [], []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long), output_logits=True,
-                                 return_dict_in_generate=True)
-            expected.append(out.sequences[0, len(prompt):].tolist())
-            logits.append(torch.cat(out.logits))
-    return Folder(path, prompts, expected, logits)
+    return hybrid_folder(tmp / "qwen3_5_moe", transformers.Qwen3_5MoeTextConfig(**TINY), "Qwen3_5MoeForCausalLM", 36,
+                         PROMPT_LENGTHS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
