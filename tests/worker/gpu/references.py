@@ -4,11 +4,15 @@ only prompts with safe margins), and the helpers that drive an engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.engine.executor import StepRows
 from worker.model.llama import Llama
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
 
 MODEL = "random:smollm2-135m"
 CONTEXT = 1024
@@ -80,3 +84,29 @@ def greedy(n: int) -> dict[str, object]:
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.double() - expected.double()).norm() / expected.double().norm())
+
+
+def teacher_forced(cpu: Engine, gpu: Engine, prompt: list[int], tokens: list[int],
+                   chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GPU's and the CPU's logits (on the CPU, a row for the prompt's last position and one for each token) with
+    the sequence forced: on the CPU in one step, on the GPU the prompt in prefill replays of `chunk` tokens (all of
+    it in one when None), then every token a decode step (a graph). Each engine's slot is freed after."""
+    seq, n = prompt + tokens, len(prompt)
+    cpu_slot = cpu.table.create()
+    expected = cpu.executor.execute(StepRows(seq, list(range(len(seq))), [cpu_slot] * len(seq),
+                                             list(range(n - 1, len(seq)))))
+    cpu.table.free(cpu_slot)
+    slot = gpu.table.create()
+    try:
+        step = chunk or n
+        for start in range(0, n, step):
+            part = prompt[start : start + step]
+            first = gpu.executor.execute(StepRows(part, list(range(start, start + len(part))), [slot] * len(part),
+                                                  [len(part) - 1]))
+        rows = [first]
+        for i, token in enumerate(tokens):
+            rows.append(gpu.executor.execute(StepRows([token], [n + i], [slot], [0])))
+        got = torch.cat(rows).cpu()
+    finally:
+        gpu.table.free(slot)
+    return got, expected

@@ -9,14 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from worker.engine import Engine
-from worker.engine.executor import StepRows
 
 from ..test_families import FAMILIES, NEW_TOKENS, Folder, write_folder
 from .device import needs_cuda
-from .references import greedy, open_with, relative_error
+from .references import greedy, open_with, relative_error, teacher_forced
 
 pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")]
 
@@ -38,19 +36,7 @@ def test_gpu_logits_follow_the_cpu_within_bf16_tolerance(served: tuple[Folder, E
     """Teacher-forced on transformers' tokens: the prompt (a prefill replay) and every decode step (a graph)."""
     folder, cpu, gpu = served
     for prompt, tokens in zip(folder.prompts[:2], folder.expected[:2], strict=True):
-        seq, n = prompt + tokens, len(prompt)
-        cpu_slot = cpu.table.create()
-        expected = cpu.executor.execute(StepRows(seq, list(range(len(seq))), [cpu_slot] * len(seq),
-                                                 list(range(n - 1, len(seq)))))
-        cpu.table.free(cpu_slot)
-        slot = gpu.table.create()
-        try:
-            rows = [gpu.executor.execute(StepRows(prompt, list(range(n)), [slot] * n, [n - 1]))]
-            for i, token in enumerate(tokens):
-                rows.append(gpu.executor.execute(StepRows([token], [n + i], [slot], [0])))
-            got = torch.cat(rows).cpu()
-        finally:
-            gpu.table.free(slot)
+        got, expected = teacher_forced(cpu, gpu, prompt, tokens)
         for step in range(len(tokens) + 1):
             err = relative_error(got[step], expected[step])
             # bf16 against fp32 on these sharp random weights: at most 0.08 measured on the H100; a broken path is

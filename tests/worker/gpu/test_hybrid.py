@@ -13,14 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from worker.engine import Engine
-from worker.engine.executor import StepRows
 
 from ..test_qwen3_5 import NEW_TOKENS, Folder, drive, write_folder
 from .device import UNDER_SANITIZER, device_free_bytes, needs_cuda
-from .references import greedy, open_with, relative_error
+from .references import greedy, open_with, relative_error, teacher_forced
 
 pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")]
 
@@ -53,23 +51,8 @@ def test_gpu_logits_follow_the_cpu_within_bf16_tolerance(served: tuple[Folder, E
     every decode step (a graph)."""
     folder, cpu, gpu = served
     for prompt, tokens in zip(folder.prompts, folder.expected, strict=True):
-        seq, n = prompt + tokens, len(prompt)
-        cpu_slot = cpu.table.create()
-        expected = cpu.executor.execute(StepRows(seq, list(range(len(seq))), [cpu_slot] * len(seq),
-                                                 list(range(n - 1, len(seq)))))
-        cpu.table.free(cpu_slot)
-        slot = gpu.table.create()
-        try:
-            for start in range(0, n, 64):
-                part = prompt[start : start + 64]
-                first = gpu.executor.execute(StepRows(part, list(range(start, start + len(part))), [slot] * len(part),
-                                                      [len(part) - 1]))
-            rows = [first]
-            for i, token in enumerate(tokens):
-                rows.append(gpu.executor.execute(StepRows([token], [n + i], [slot], [0])))
-            got = torch.cat(rows).cpu()
-        finally:
-            gpu.table.free(slot)
+        got, expected = teacher_forced(cpu, gpu, prompt, tokens, chunk=64)
+        n = len(prompt)
         for step in range(len(tokens) + 1):
             err = relative_error(got[step], expected[step])
             assert err < 0.15, f"prompt of {n}, step {step}: relative error {err:.4f}"

@@ -17,12 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine import Engine
-from worker.engine.executor import StepRows
 from worker.model.config import PRESETS
 
 from ..test_qwen3_5_moe import NEW_TOKENS, Folder, write_folder
 from .device import needs_cuda
-from .references import greedy, open_with, relative_error
+from .references import greedy, open_with, relative_error, teacher_forced
 
 pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")]
 
@@ -138,23 +137,8 @@ def test_no_bucket_is_dropped_at_start(served: tuple[Folder, Engine, Engine]) ->
 def test_gpu_logits_follow_the_cpu_within_bf16_tolerance(served: tuple[Folder, Engine, Engine]) -> None:
     folder, cpu, gpu = served
     for prompt, tokens in zip(folder.prompts, folder.expected, strict=True):
-        seq, n = prompt + tokens, len(prompt)
-        cpu_slot = cpu.table.create()
-        expected = cpu.executor.execute(StepRows(seq, list(range(len(seq))), [cpu_slot] * len(seq),
-                                                 list(range(n - 1, len(seq)))))
-        cpu.table.free(cpu_slot)
-        slot = gpu.table.create()
-        try:
-            for start in range(0, n, 64):
-                part = prompt[start : start + 64]
-                first = gpu.executor.execute(StepRows(part, list(range(start, start + len(part))), [slot] * len(part),
-                                                      [len(part) - 1]))
-            rows = [first]
-            for i, token in enumerate(tokens):
-                rows.append(gpu.executor.execute(StepRows([token], [n + i], [slot], [0])))
-            got = torch.cat(rows).cpu()
-        finally:
-            gpu.table.free(slot)
+        got, expected = teacher_forced(cpu, gpu, prompt, tokens, chunk=64)
+        n = len(prompt)
         # The dense families' bound is 0.15. Here a token whose router scores two experts within bf16's rounding may
         # take the other one on the GPU, which moves its logits further than rounding alone: the H200 saw 0.170 at one
         # step. The router and the fused block are checked against torch on their own (above, and exactly in fp32 in
