@@ -67,11 +67,7 @@ def chat_completion(rid: str, model: str, answers: Sequence[Answer], usage: Usag
         if token_ids:
             choice["token_ids"] = a.token_ids
         choices.append(choice)
-    body: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
-                            "usage": usage.to_dict(), "system_fingerprint": None}
-    if session_id is not None:
-        body["session_id"] = session_id
-    return body
+    return _response(rid, "chat.completion", model, choices, usage, session_id)
 
 
 def completion(rid: str, model: str, answers: Sequence[Answer], usage: Usage, want_logprobs: bool, token_ids: bool,
@@ -84,7 +80,13 @@ def completion(rid: str, model: str, answers: Sequence[Answer], usage: Usage, wa
         if token_ids:
             choice["token_ids"] = a.token_ids
         choices.append(choice)
-    body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": choices,
+    return _response(rid, "text_completion", model, choices, usage, session_id)
+
+
+def _response(rid: str, kind: str, model: str, choices: list[dict[str, Any]], usage: Usage,
+              session_id: str | None) -> dict[str, Any]:
+    """The body around a non-streamed answer's choices (both endpoints'), with our session_id when there is one."""
+    body: dict[str, Any] = {"id": rid, "object": kind, "created": now(), "model": model, "choices": choices,
                             "usage": usage.to_dict(), "system_fingerprint": None}
     if session_id is not None:
         body["session_id"] = session_id
