@@ -11,7 +11,7 @@ from broker.common.protocol import TokenLogprob
 class Generation:
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", "cancelled" or "capacity" (no memory to grow)
     session_length: int  # tokens in the session afterwards
     appended: int = 0  # prompt tokens the call appended before generating (generate(prompt=...))
     # generate(logprobs=k): one per token id, (logprob, token bytes, the top k as (id, logprob, bytes))

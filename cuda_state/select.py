@@ -13,7 +13,7 @@ import torch
 
 from cuda_state.backend import StateBackend
 from cuda_state.errors import BackendUnavailable
-from cuda_state.host import HostBackend
+from cuda_state.host import HOST_PAGE_BYTES, HostBackend
 from cuda_state.spec import StateSpec
 
 log = structlog.get_logger(__name__)
@@ -76,11 +76,14 @@ def select_backend(device: str = "auto") -> Choice:
     raise BackendUnavailable(f"unknown device {device!r}: expected auto, cpu, cuda or cuda:N")
 
 
-def open_backend(choice: Choice, spec: StateSpec, capacity: int, reserve_bytes: int = 0) -> StateBackend:
-    """Build the chosen backend. For VMM, capacity is capped by free memory minus `reserve_bytes`."""
+def open_backend(choice: Choice, spec: StateSpec, capacity: int, reserve_bytes: int = 0,
+                 page_budget: int | None = None, host_page_bytes: int | None = None) -> StateBackend:
+    """Build the chosen backend: `capacity` slots, and the pages they may hold together capped by `page_budget`
+    (None: every slot backed whole) and, for VMM, by free memory minus `reserve_bytes`. `host_page_bytes`: the host
+    backend's page (default: the GPU's 2 MiB granularity; smaller pages let tests grow sessions in a few tokens)."""
     if choice.kind == "host":
-        return HostBackend(spec, capacity)
+        return HostBackend(spec, capacity, page_bytes=host_page_bytes or HOST_PAGE_BYTES, page_budget=page_budget)
     from cuda_state.vmm import VmmBackend  # imported only where CUDA is present
 
-    return VmmBackend(spec, capacity, choice.device, reserve_bytes=reserve_bytes)
+    return VmmBackend(spec, capacity, choice.device, reserve_bytes=reserve_bytes, page_budget=page_budget)
 

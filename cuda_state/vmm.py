@@ -1,20 +1,29 @@
-"""VMM backend: one reserved virtual range, one physical allocation per live slot (CUDA driver API).
+"""VMM backend: one reserved virtual range, physical pages mapped into each slot as its session grows (CUDA driver API).
 
-Slot i is [base + i * slot_bytes, base + (i + 1) * slot_bytes); the last slot is the spare, mapped
-and zeroed at construction and kept until close, so padding rows of a captured batch always read
-mapped memory. Nothing of the spare is ever read back for a session (padding rows' results are
-dropped), so one page of physical memory backs it, mapped at every page of its range: it costs one
-granule (2 MiB) instead of a slot (~46 MiB for SmolLM2 at 2048 tokens). The range is wrapped once as
-a torch uint8 tensor; its views never move.
+Slot i is [base + i * slot_bytes, base + (i + 1) * slot_bytes); its virtual range never moves. A session's slot is
+backed page by page from its start (a page is the allocation granularity, 2 MiB on the H100): `grow` creates one
+physical allocation per page (`cuMemCreate`), maps it after the slot's last page (`cuMemMap`, `cuMemSetAccess`) and
+zeroes it; `shrink` unmaps and releases pages from the end once the slot's last queued use is done. The layout
+(cuda_state.spec) puts the fixed state and the first tokens of every layer first, so a session of N tokens holds
+`spec.pages_for(N, page)` pages. `page_budget`, fixed at construction from free memory minus the workspace reserve,
+bounds the pages all sessions hold; a growth past it, or one the driver refuses for memory, is CapacityExhausted.
+
+The last slot is the spare, mapped and zeroed at construction and kept until close, so padding rows of a captured
+batch always read mapped memory. Nothing of the spare is ever read back for a session (padding rows' results are
+dropped), so one page of physical memory backs it, mapped at every page of its range. The range is wrapped once as
+a torch uint8 tensor; its views never move, so captured CUDA graphs stay valid whatever is mapped.
+
+Mapping happens between steps, never during graph capture (refused), and only for pages no queued step touches:
+the engine grows a slot before it launches the step whose rows reach into the new pages.
 
 Paired resources, released by `close` in reverse order of acquisition (llama2.c style):
-  primary context   cuDevicePrimaryCtxRetain          / cuDevicePrimaryCtxRelease
-  address range     cuMemAddressReserve               / cuMemAddressFree
-  slot memory       cuMemCreate + cuMemMap + SetAccess / (wait last use) cuMemUnmap + cuMemRelease
-  events            cuEventCreate (a ring)            / cuEventDestroy
+  primary context   cuDevicePrimaryCtxRetain                   / cuDevicePrimaryCtxRelease
+  address range     cuMemAddressReserve                        / cuMemAddressFree
+  pages             cuMemCreate + cuMemMap + SetAccess, a page / (wait last use) cuMemUnmap + cuMemRelease
+  events            cuEventCreate (a ring)                     / cuEventDestroy
 
 Copies and memsets run on the caller's current torch stream (the engine's), so they are ordered
-with the steps that read the slots. `mark_used` records an event there; `unmap` waits for the
+with the steps that read the slots. `mark_used` records an event there; `shrink` waits for the
 slot's last event before giving its memory back. Every driver call's CUresult is checked.
 """
 
@@ -157,9 +166,10 @@ class _EventRing:
 
 
 class VmmBackend:
-    """Session slots in one reserved virtual range on one CUDA device. See the module docstring."""
+    """Session slots in one reserved virtual range on one CUDA device, backed page by page. See the module docstring."""
 
-    def __init__(self, spec: StateSpec, capacity: int, device: torch.device, reserve_bytes: int = 0) -> None:
+    def __init__(self, spec: StateSpec, capacity: int, device: torch.device, reserve_bytes: int = 0,
+                 page_budget: int | None = None) -> None:
         if device.type != "cuda":
             raise BackendUnavailable(f"the VMM backend needs a CUDA device, got {device}")
         if capacity < 1:
@@ -172,18 +182,21 @@ class VmmBackend:
         self._ctx: Any = None
         self._base = 0
         self._reserved = 0
-        self._handles: dict[int, Any] = {}  # slot -> CUmemGenericAllocationHandle
+        self._pages: dict[int, list[Any]] = {}  # slot -> its pages' CUmemGenericAllocationHandles, in order
+        self._mapped = 0  # session pages
+        self._spare: Any = None  # the spare's one page
         self._events = _EventRing(1)  # sized in _open, once the slots are counted
         self._views: dict[str, torch.Tensor] = {}
+        self._slab: torch.Tensor | None = None
         try:
-            self._open(index, capacity, reserve_bytes)
+            self._open(index, capacity, reserve_bytes, page_budget)
         except BaseException:
             self.close()
             raise
 
     # -- construction ---------------------------------------------------------------------------
 
-    def _open(self, index: int, capacity: int, reserve_bytes: int) -> None:
+    def _open(self, index: int, capacity: int, reserve_bytes: int, page_budget: int | None) -> None:
         _init_torch_cuda()
         _ok("cuInit", driver.cuInit(0))
         self._dev = _ok("cuDeviceGet", driver.cuDeviceGet(index))
@@ -194,15 +207,16 @@ class VmmBackend:
         recommended = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
         self.granularity = int(_ok("cuMemGetAllocationGranularity",
                                    driver.cuMemGetAllocationGranularity(self._prop, recommended)))
+        self.page_bytes = self.granularity
         self.slot_bytes = self.spec.slot_bytes(self.granularity)
-        pitch_attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH
-        self._max_pitch = int(_ok("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(pitch_attr, self._dev)))
-        self.num_slots = self._fit(capacity, reserve_bytes) + 1
+        self.pages_per_slot = self.slot_bytes // self.page_bytes
+        self.num_slots = capacity + 1
+        self.page_budget = self._fit(capacity, reserve_bytes, page_budget)
         self._events = _EventRing(self.num_slots + 1)
         self._reserve_range()
-        self.map(self.spare_slot)
-        self.zero(self.spare_slot)
-        self._views = slab_views(_wrap(self._base, self._reserved, self.device), self.spec, self.num_slots, self.slot_bytes)
+        self._map_spare()
+        self._slab = _wrap(self._base, self._reserved, self.device)
+        self._views = slab_views(self._slab, self.spec, self.num_slots, self.slot_bytes)
 
     @staticmethod
     def _allocation_prop(index: int) -> Any:
@@ -220,27 +234,58 @@ class VmmBackend:
         desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         return desc
 
-    def _fit(self, requested: int, reserve_bytes: int) -> int:
-        """Session slots: the requested number, capped by free memory minus the reserve and the spare."""
+    def _fit(self, capacity: int, reserve_bytes: int, page_budget: int | None) -> int:
+        """Pages the sessions may hold: free memory minus the reserve and the spare's page, capped by `page_budget`
+        and by every slot backed whole."""
         free, total = _ok("cuMemGetInfo", driver.cuMemGetInfo())
-        fits = (int(free) - reserve_bytes - self.granularity) // self.slot_bytes  # the spare: one granule
-        capacity = min(requested, fits)
+        fits = (int(free) - reserve_bytes - self.page_bytes) // self.page_bytes
+        budget = min(fits, capacity * self.pages_per_slot)
+        if page_budget is not None:
+            budget = min(budget, page_budget)
+        first = max(1, self.spec.pages_for(0, self.page_bytes))
         log.info(
-            "vmm_capacity", device=str(self.device), requested=requested, fits_in_memory=max(fits, 0),
-            capacity=max(capacity, 0), free_bytes=int(free), total_bytes=int(total), reserve_bytes=reserve_bytes,
-            slot_bytes=self.slot_bytes, bytes_per_session=self.spec.bytes_per_session, granularity=self.granularity,
+            "vmm_capacity", device=str(self.device), slots=capacity, page_budget=max(budget, 0),
+            pages_in_memory=max(fits, 0), page_bytes=self.page_bytes, pages_per_slot=self.pages_per_slot,
+            free_bytes=int(free), total_bytes=int(total), reserve_bytes=reserve_bytes, slot_bytes=self.slot_bytes,
+            bytes_per_session=self.spec.bytes_per_session, token_bytes=self.spec.token_bytes,
         )
-        if capacity < 1:
+        if budget < first:
             raise CapacityExhausted(
                 f"no room for one session on {self.device}: {int(free)} bytes free, {reserve_bytes} reserved "
-                f"for the workspace, {self.slot_bytes} per slot plus {self.granularity} for the spare"
+                f"for the workspace, {first} pages of {self.page_bytes} bytes for a session plus one for the spare"
             )
-        return capacity
+        return budget
 
     def _reserve_range(self) -> None:
         size = self.num_slots * self.slot_bytes
-        self._base = int(_ok("cuMemAddressReserve", driver.cuMemAddressReserve(size, self.granularity, 0, 0)))
+        try:
+            self._base = int(_ok("cuMemAddressReserve", driver.cuMemAddressReserve(size, self.granularity, 0, 0)))
+        except CudaDriverError as e:
+            raise CudaDriverError(e.call, e.result, f"{self.num_slots} slots of {self.slot_bytes} bytes: {size} bytes "
+                                  "of virtual addresses; lower --max-sessions or --max-context") from e
         self._reserved = size
+
+    def _map_spare(self) -> None:
+        """One page, mapped at every page of the spare's range, zeroed."""
+        self._refuse_during_capture("map")
+        handle = self._create_handle(self.page_bytes)
+        ptr = self._slot_ptr(self.spare_slot)
+        mapped: list[int] = []
+        try:
+            for offset in range(0, self.slot_bytes, self.page_bytes):
+                self._checked_map("cuMemMap", driver.cuMemMap(ptr + offset, self.page_bytes, 0, handle, 0))
+                mapped.append(offset)
+                self._checked_map("cuMemSetAccess",
+                                  driver.cuMemSetAccess(ptr + offset, self.page_bytes, [self._access], 1))
+        except BaseException:
+            for offset in mapped:
+                _ok("cuMemUnmap", driver.cuMemUnmap(ptr + offset, self.page_bytes))
+            _ok("cuMemRelease", driver.cuMemRelease(handle))
+            raise
+        self._spare = handle
+        stream = self._stream()
+        _ok("cuMemsetD8Async", driver.cuMemsetD8Async(ptr, 0, self.page_bytes, stream))
+        self._events.record([self.spare_slot], stream)
 
     # -- the StateBackend interface -------------------------------------------------------------
 
@@ -253,69 +298,104 @@ class VmmBackend:
             raise StateError("the VMM backend is closed")
         return self._views
 
-    def map(self, slot: int) -> None:
-        """Back `slot` with its own physical allocation (the spare: one granule, mapped at each of its
-        granules). CapacityExhausted when the device is full."""
+    def prefix(self, slot: int, nbytes: int) -> torch.Tensor:
         with self._lock:
             self._check_slot(slot)
-            if slot in self._handles:
-                raise SlotError(f"slot {slot} is already mapped")
-            self._refuse_during_capture("map")
-            self._bind()
-            size = self._backing_bytes(slot)
-            handle = self._create_handle(size)
-            ptr = self._slot_ptr(slot)
-            mapped: list[int] = []
-            try:
-                for offset in range(0, self.slot_bytes, size):
-                    self._checked_map("cuMemMap", driver.cuMemMap(ptr + offset, size, 0, handle, 0))
-                    mapped.append(offset)
-                    self._checked_map("cuMemSetAccess", driver.cuMemSetAccess(ptr + offset, size, [self._access], 1))
-            except BaseException:
-                for offset in mapped:
-                    _ok("cuMemUnmap", driver.cuMemUnmap(ptr + offset, size))
-                _ok("cuMemRelease", driver.cuMemRelease(handle))
-                raise
-            self._handles[slot] = handle
+            if slot == self.spare_slot or nbytes > self.pages(slot) * self.page_bytes:
+                raise SlotError(f"slot {slot}: {nbytes} bytes reach past its mapped pages")
+            assert self._slab is not None
+            start = slot * self.slot_bytes
+            return self._slab[start : start + nbytes]
 
-    def unmap(self, slot: int) -> None:
-        """Wait for the last queued work that used `slot`, then unmap and release its memory."""
+    def pages(self, slot: int) -> int:
+        return len(self._pages.get(slot, ()))
+
+    @property
+    def mapped_pages(self) -> int:
+        return self._mapped
+
+    def grow(self, slot: int, pages: int) -> None:
+        """Map pages after the slot's current ones until it has `pages` (one allocation each), zeroed on the current
+        stream. CapacityExhausted past the budget or when the device is full; then nothing is left mapped."""
         with self._lock:
-            self._check_mapped(slot)
+            self._check_slot(slot)
+            if slot == self.spare_slot:
+                raise SlotError("the spare slot is mapped whole at construction")
+            held = self._pages.setdefault(slot, [])
+            have = len(held)
+            pages = min(pages, self.pages_per_slot)
+            if pages <= have:
+                return
+            more = pages - have
+            if self._mapped + more > self.page_budget:
+                raise CapacityExhausted(f"no free page on {self.device} for {more} more: {self._mapped} of "
+                                        f"{self.page_budget} pages of {self.page_bytes} bytes are held")
+            self._refuse_during_capture("grow")
+            self._bind()
+            ptr = self._slot_ptr(slot)
+            page = self.page_bytes
+            try:
+                for i in range(have, pages):
+                    handle = self._create_handle(page)
+                    try:
+                        self._checked_map("cuMemMap", driver.cuMemMap(ptr + i * page, page, 0, handle, 0))
+                    except BaseException:
+                        _ok("cuMemRelease", driver.cuMemRelease(handle))
+                        raise
+                    held.append(handle)  # mapped: released by _release_pages from here on
+                    self._mapped += 1
+                    self._checked_map("cuMemSetAccess", driver.cuMemSetAccess(ptr + i * page, page, [self._access], 1))
+            except BaseException:
+                self._release_pages(slot, have)
+                raise
+            stream = self._stream()
+            _ok("cuMemsetD8Async", driver.cuMemsetD8Async(ptr + have * page, 0, more * page, stream))
+            self._events.record([slot], stream)
+
+    def shrink(self, slot: int, pages: int) -> None:
+        """Wait for the last queued work that used `slot`, then unmap and release its pages past the first `pages`."""
+        with self._lock:
+            self._check_slot(slot)
             if slot == self.spare_slot:
                 raise SlotError("the spare slot stays mapped until close")
-            self._refuse_during_capture("unmap")
+            if self.pages(slot) <= max(0, pages):
+                return
+            self._refuse_during_capture("shrink")
             self._bind()
             self._events.wait(slot)
-            self._release(slot)
+            self._release_pages(slot, max(0, pages))
 
     def zero(self, slot: int) -> None:
         with self._lock:
-            self._check_mapped(slot)
+            self._check_slot(slot)
             self._refuse_during_capture("zero")
             self._bind()
             stream = self._stream()
-            # The whole backing: for the spare, its one granule is what every part of its range reads.
-            _ok("cuMemsetD8Async", driver.cuMemsetD8Async(self._slot_ptr(slot), 0, self._backing_bytes(slot), stream))
-            self._events.record([slot], stream)
+            # The spare: its one page is what every part of its range reads.
+            nbytes = self.page_bytes if slot == self.spare_slot else self.pages(slot) * self.page_bytes
+            if nbytes:
+                _ok("cuMemsetD8Async", driver.cuMemsetD8Async(self._slot_ptr(slot), 0, nbytes, stream))
+                self._events.record([slot], stream)
 
-    def copy_prefix(self, dst: int, src: int, used: int) -> None:
-        """Copy the first `used` positions of every buffer of `src` into `dst`, on the current stream."""
+    def copy_prefix(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy the first `nbytes` of `src` into `dst`, on the current stream: one copy (the layout keeps a
+        session's state in its slot's first bytes)."""
         with self._lock:
-            self._check_mapped(dst)
-            self._check_mapped(src)
+            for slot in (dst, src):
+                self._check_slot(slot)
+                if nbytes > self.pages(slot) * self.page_bytes:
+                    raise SlotError(f"slot {slot}: {nbytes} bytes reach past its mapped pages")
             self._refuse_during_capture("copy_prefix")
             self._bind()
             stream = self._stream()
-            for buf in self.spec.buffers:
-                offset = self.spec.offsets[buf.name]
-                rows, width, pitch = buf.prefix_copy(used)
-                self._copy_rows(self._slot_ptr(dst) + offset, self._slot_ptr(src) + offset, rows, width, pitch, stream)
+            if nbytes:
+                _ok("cuMemcpyDtoDAsync",
+                    driver.cuMemcpyDtoDAsync(self._slot_ptr(dst), self._slot_ptr(src), nbytes, stream))
             self._events.record([dst, src], stream)
 
     def mark_used(self, slots: list[int]) -> None:
         with self._lock:
-            live = [s for s in slots if s in self._handles]
+            live = [s for s in slots if self._pages.get(s)]
             if not live:
                 return
             self._refuse_during_capture("mark_used")  # an event recorded into a capture marks nothing
@@ -323,12 +403,12 @@ class VmmBackend:
             self._events.record(live, self._stream())
 
     def mapped_bytes(self) -> int:
-        return sum(self._backing_bytes(slot) for slot in self._handles)
+        return (self._mapped + (self._spare is not None)) * self.page_bytes
 
     @property
     def spare_bytes(self) -> int:
-        """Physical memory behind the spare slot: one granule."""
-        return self._backing_bytes(self.spare_slot) if self.spare_slot in self._handles else 0
+        """Physical memory behind the spare slot: one page."""
+        return self.page_bytes if self._spare is not None else 0
 
     def close(self) -> None:
         """Release everything in reverse order of acquisition. Safe on a half-built backend."""
@@ -337,6 +417,7 @@ class VmmBackend:
                 return
             self._closed = True
             self._views = {}
+            self._slab = None
             if self._ctx is None:
                 return
             first: BaseException | None = None
@@ -346,11 +427,15 @@ class VmmBackend:
                 _ok("cuCtxSynchronize", driver.cuCtxSynchronize())
             except CudaDriverError as e:
                 first = e
-            for slot in sorted(self._handles, reverse=True):
+            for slot in sorted(self._pages, reverse=True):
                 try:
-                    self._release(slot)
+                    self._release_pages(slot, 0)
                 except CudaDriverError as e:
                     first = first or e
+            try:
+                self._release_spare()
+            except CudaDriverError as e:
+                first = first or e
             try:
                 if self._reserved:
                     _ok("cuMemAddressFree", driver.cuMemAddressFree(self._base, self._reserved))
@@ -382,62 +467,45 @@ class VmmBackend:
     def _slot_ptr(self, slot: int) -> int:
         return self._base + slot * self.slot_bytes
 
-    def _backing_bytes(self, slot: int) -> int:
-        """Physical memory behind a mapped slot, and the size of each of its mappings."""
-        return self.granularity if slot == self.spare_slot else self.slot_bytes
-
     def _create_handle(self, nbytes: int) -> Any:
         result, handle = driver.cuMemCreate(nbytes, self._prop, 0)
         if result == _OUT_OF_MEMORY:
-            raise CapacityExhausted(f"{self.device} has no memory left for another session ({nbytes} bytes)")
+            raise CapacityExhausted(f"{self.device} has no memory left for another page ({nbytes} bytes)")
         _ok("cuMemCreate", (result,))
         return handle
 
     def _checked_map(self, call: str, out: tuple[Any, ...]) -> None:
         if out[0] == _OUT_OF_MEMORY:  # page tables for the mapping did not fit: the device is full too
-            raise CapacityExhausted(f"{self.device} has no memory left to map another session ({call})")
+            raise CapacityExhausted(f"{self.device} has no memory left to map another page ({call})")
         _ok(call, out)
 
-    def _release(self, slot: int) -> None:
-        size = self._backing_bytes(slot)
-        for offset in range(0, self.slot_bytes, size):
-            _ok("cuMemUnmap", driver.cuMemUnmap(self._slot_ptr(slot) + offset, size))
-        handle = self._handles.pop(slot)
-        _ok("cuMemRelease", driver.cuMemRelease(handle))
+    def _release_pages(self, slot: int, keep: int) -> None:
+        """Unmap and release the slot's pages past the first `keep`, last first (no wait: the caller's)."""
+        held = self._pages.get(slot, [])
+        page = self.page_bytes
+        while len(held) > keep:
+            i = len(held) - 1
+            _ok("cuMemUnmap", driver.cuMemUnmap(self._slot_ptr(slot) + i * page, page))
+            handle = held.pop()
+            self._mapped -= 1
+            _ok("cuMemRelease", driver.cuMemRelease(handle))
+        if not held:
+            self._pages.pop(slot, None)
 
-    def _copy_rows(self, dst: int, src: int, rows: int, width: int, pitch: int, stream: int) -> None:
-        """rows x width bytes, rows `pitch` apart, at the same offsets in src and dst."""
-        if width == 0:
+    def _release_spare(self) -> None:
+        if self._spare is None:
             return
-        if rows == 1 or width == pitch:
-            nbytes = width if rows == 1 else rows * pitch
-            _ok("cuMemcpyDtoDAsync", driver.cuMemcpyDtoDAsync(dst, src, nbytes, stream))
-            return
-        if pitch > self._max_pitch:  # beyond what a 2-D copy accepts: one copy per row
-            for r in range(rows):
-                _ok("cuMemcpyDtoDAsync", driver.cuMemcpyDtoDAsync(dst + r * pitch, src + r * pitch, width, stream))
-            return
-        copy = driver.CUDA_MEMCPY2D()
-        copy.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
-        copy.srcDevice = src
-        copy.srcPitch = pitch
-        copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
-        copy.dstDevice = dst
-        copy.dstPitch = pitch
-        copy.WidthInBytes = width
-        copy.Height = rows
-        _ok("cuMemcpy2DAsync", driver.cuMemcpy2DAsync(copy, stream))
+        ptr = self._slot_ptr(self.spare_slot)
+        for offset in range(0, self.slot_bytes, self.page_bytes):
+            _ok("cuMemUnmap", driver.cuMemUnmap(ptr + offset, self.page_bytes))
+        handle, self._spare = self._spare, None
+        _ok("cuMemRelease", driver.cuMemRelease(handle))
 
     def _check_slot(self, slot: int) -> None:
         if self._closed:
             raise StateError("the VMM backend is closed")
         if not 0 <= slot < self.num_slots:
             raise SlotError(f"slot {slot} is outside 0..{self.num_slots - 1}")
-
-    def _check_mapped(self, slot: int) -> None:
-        self._check_slot(slot)
-        if slot not in self._handles:
-            raise SlotError(f"slot {slot} is not mapped")
 
     def _refuse_during_capture(self, what: str) -> None:
         if _capturing():

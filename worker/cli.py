@@ -20,7 +20,7 @@ import structlog
 
 from broker.common import heap, logs
 from broker.common import protocol as p
-from broker.common.arguments import env, env_int, non_negative_float, port, positive_int, zmq_address
+from broker.common.arguments import env, env_int, non_negative_float, non_negative_int, port, positive_int, zmq_address
 from broker.common.keys import CurveClient, KeyFileError
 from broker.common.metrics_http import MetricsServer
 from worker.serve.loop import Serve, WorkerConfig
@@ -80,6 +80,23 @@ def parser() -> argparse.ArgumentParser:
                        default=float(env("WORKER_SESSION_IDLE_TIMEOUT", "0") or 0),
                        help="close sessions idle (no request, no generation) longer than this many seconds; 0 for "
                             "never [env WORKER_SESSION_IDLE_TIMEOUT] (default %(default)s)")
+    start.add_argument("--state-pages", type=non_negative_int, default=env_int("worker", "WORKER_STATE_PAGES", 0),
+                       help="pages (of the 2 MiB allocation granularity) of session state all sessions may hold "
+                            "together; 0 for as many as fit in free memory (every slot whole on the CPU) "
+                            "[env WORKER_STATE_PAGES] (default %(default)s)")
+    start.add_argument("--hibernate-after", type=non_negative_float,
+                       default=float(env("WORKER_HIBERNATE_AFTER", "0") or 0),
+                       help="move sessions idle longer than this many seconds out of device memory (to host memory, "
+                            "then --session-store); 0 for only when pages run out [env WORKER_HIBERNATE_AFTER] "
+                            "(default %(default)s)")
+    start.add_argument("--host-cache-gb", type=non_negative_float,
+                       default=float(env("WORKER_HOST_CACHE_GB", "0") or 0),
+                       help="host memory for hibernated sessions' state, in GiB (pinned on a GPU); 0 and no "
+                            "--session-store: sessions never hibernate [env WORKER_HOST_CACHE_GB] (default %(default)s)")
+    start.add_argument("--session-store", default=env("WORKER_SESSION_STORE", None),
+                       help="a directory for hibernated sessions (checksummed files); a clean stop (SIGTERM) writes "
+                            "every session there and a worker started with it serves them again "
+                            "[env WORKER_SESSION_STORE] (default: none)")
     metrics_port = env("WORKER_METRICS_PORT", None)
     start.add_argument("--metrics-port", type=port, default=None if metrics_port is None else port(metrics_port),
                        help="serve /metrics, /healthz and /readyz on this port [env WORKER_METRICS_PORT] (default: off)")
@@ -111,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = WorkerConfig(
         broker=args.broker, name=args.name, drain_timeout_s=args.drain_timeout, reconnect_max_ms=args.reconnect_max_ms,
         curve=curve, session_idle_timeout_s=args.session_idle_timeout, metrics=args.metrics_port is not None,
+        hibernate_after_s=args.hibernate_after,
     )
     serve: Serve | None = None
     stop_requested = False
@@ -127,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker.engine import Engine, SamplingParams
 
         engine = Engine.load(
-            model=args.model, device=args.device, max_sessions=args.max_sessions, max_context=args.max_context
+            model=args.model, device=args.device, max_sessions=args.max_sessions, max_context=args.max_context,
+            state_pages=args.state_pages or None, host_cache_bytes=int(args.host_cache_gb * 2**30),
+            session_store=args.session_store,
         )
     except Exception as e:  # the startup edge: any load failure is reported and exits with its own code
         log.error("worker_start_failed", error=str(e), error_type=type(e).__name__, model=args.model)

@@ -135,7 +135,8 @@ class ErrorCode(str, Enum):
 
 
 ERROR_CODES: Final = {c.value: c for c in ErrorCode}
-FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled"})
+# "capacity": the worker had no memory for the session to grow (its session keeps what it generated).
+FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled", "capacity"})
 
 
 class ProtocolError(Exception):

@@ -163,7 +163,7 @@ def create_app(config: GatewayConfig) -> Starlette:
             try:
                 async for d in deltas:
                     c = d.chunk
-                    finish = None if c.finish_reason is None else ("length" if c.finish_reason == "length" else "stop")
+                    finish = None if c.finish_reason is None else ("length" if c.finish_reason in ("length", "capacity") else "stop")
                     yield writer.delta(d.index, c.token_ids, c.text, c.logprobs, finish)
                 if include_usage:
                     yield writer.usage(live.usage())

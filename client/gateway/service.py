@@ -491,7 +491,7 @@ def _with_max_tokens(params: Any, max_tokens: int) -> Any:
 
 
 def _finish(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
+    return "length" if reason in ("length", "capacity") else "stop"
 
 
 def chat_ask(request: schema.ChatRequest, owner: str, name: str | None) -> Ask:

@@ -10,27 +10,36 @@ SPEC = StateSpec(
     (
         BufferSpec("k", (2, 3, 16, 4), torch.float32, seq_axis=2),
         BufferSpec("v", (2, 3, 16, 4), torch.float32, seq_axis=2),
-        BufferSpec("conv", (5,), torch.bfloat16),  # fixed-size state: copied whole
+        BufferSpec("conv", (5,), torch.bfloat16),  # fixed-size state: first in the slot, copied whole
     )
 )
+PAGE = 1024  # 4 tokens of 192 bytes after the fixed state's 256 in the first page, 5 in each next
 
 
-def test_spec_sizes_and_offsets() -> None:
+def test_spec_layout_puts_the_fixed_state_then_every_buffer_token_by_token() -> None:
     assert SPEC.buffer("k").nbytes == 2 * 3 * 16 * 4 * 4 == 1536
-    assert SPEC.offsets == {"k": 0, "v": 1536, "conv": 3072}
-    assert SPEC.bytes_per_session == 3072 + 10
+    assert SPEC.buffer("k").bytes_per_token == 2 * 3 * 4 * 4 == 96
+    assert SPEC.token_offset == 256  # conv's 10 bytes, aligned
+    assert SPEC.token_bytes == 192  # one position of K and of V, every layer and head
+    assert SPEC.offsets == {"conv": 0, "k": 256, "v": 256 + 96}
+    assert SPEC.bytes_per_session == 256 + 16 * 192 == 3328
+    assert SPEC.max_context == 16
+    assert [SPEC.bytes_for(n) for n in (0, 1, 5, 16, 99)] == [256, 448, 1216, 3328, 3328]
+    assert [SPEC.pages_for(n, PAGE) for n in (0, 3, 4, 5, 9, 10, 16)] == [1, 1, 1, 2, 2, 3, 4]
+    assert [SPEC.tokens_in(p, PAGE) for p in (0, 1, 2, 3, 4, 9)] == [0, 4, 9, 14, 16, 16]
+    assert SPEC.strides("k") == (3 * 4, 4, 192 // 4, 1) and SPEC.strides("conv") == (1,)
     assert SPEC.slot_bytes(4096) == 4096
     assert SPEC.slot_bytes(2 << 20) == 2 << 20
     assert SPEC.fixed_bytes == 10 and not SPEC.positional
-    assert StateSpec(SPEC.buffers[:2]).positional and StateSpec(SPEC.buffers[:2]).fixed_bytes == 0
+    kv = StateSpec(SPEC.buffers[:2])
+    assert kv.positional and kv.fixed_bytes == 0 and kv.token_offset == 0 and kv.bytes_for(3) == 3 * 192
 
 
-def test_prefix_copy_geometry() -> None:
-    k = SPEC.buffer("k")
-    # rows = layers * kv_heads, width = used * head_dim * 4 bytes, pitch = max_context * head_dim * 4
-    assert k.prefix_copy(5) == (6, 5 * 16, 16 * 16)
-    assert k.prefix_copy(99) == (6, 16 * 16, 16 * 16)
-    assert SPEC.buffer("conv").prefix_copy(5) == (1, 10, 10)
+def test_smollm2_holds_23040_bytes_a_token_and_91_tokens_a_page() -> None:
+    shape = (30, 3, 32768, 64)
+    spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
+    assert spec.token_bytes == 30 * 2 * 3 * 64 * 2 == 23_040
+    assert spec.tokens_in(1, 2 << 20) == 91 and spec.pages_for(200, 2 << 20) == 3
 
 
 def test_bad_specs() -> None:
@@ -38,6 +47,8 @@ def test_bad_specs() -> None:
         StateSpec((BufferSpec("a", (1,), torch.float32), BufferSpec("a", (1,), torch.float32)))
     with pytest.raises(ValueError, match="seq_axis"):
         BufferSpec("a", (1, 2), torch.float32, seq_axis=2)
+    with pytest.raises(ValueError, match="one max_context"):
+        StateSpec((BufferSpec("a", (1, 8), torch.float32, 1), BufferSpec("b", (1, 9), torch.float32, 1)))
 
 
 def test_views_alias_the_slab() -> None:
@@ -45,26 +56,44 @@ def test_views_alias_the_slab() -> None:
     views = slab_views(slab, SPEC, 3, 4096)
     assert views["k"].shape == (3, 2, 3, 16, 4)
     views["k"][1, 1, 2, 15, 3] = 1.0
-    offset = 4096 + (((1 * 3 + 2) * 16 + 15) * 4 + 3) * 4
+    offset = 4096 + 256 + 15 * 192 + ((1 * 3 + 2) * 4 + 3) * 4  # slot, fixed state, token 15, layer 1 head 2 dim 3
     assert slab[offset : offset + 4].view(torch.float32).item() == 1.0
-    views["conv"][2, 4] = 2.0
-    assert slab[2 * 4096 + 3072 + 8 : 2 * 4096 + 3072 + 10].view(torch.bfloat16).item() == 2.0
+    views["v"][2, 0, 0, 3, 0] = 2.0
+    offset = 2 * 4096 + 256 + 3 * 192 + 96
+    assert slab[offset : offset + 4].view(torch.float32).item() == 2.0
+    views["conv"][2, 4] = 3.0
+    assert slab[2 * 4096 + 8 : 2 * 4096 + 10].view(torch.bfloat16).item() == 3.0
+
+
+def test_the_first_tokens_of_every_layer_are_the_slots_first_bytes() -> None:
+    backend = HostBackend(SPEC, 2, page_bytes=PAGE)
+    table = SessionTable(backend)
+    slot = table.create(16)
+    views = table.views()
+    for name in ("k", "v"):
+        views[name][slot, :, :, :5].fill_(1.0)
+    views["conv"][slot].fill_(1.0)
+    prefix = table.prefix(slot, 5)
+    assert prefix.numel() == SPEC.bytes_for(5)
+    assert int(torch.count_nonzero(backend.prefix(slot, SPEC.bytes_per_session)[prefix.numel():])) == 0
+    assert bool((prefix[256:].view(torch.float32) == 1.0).all())  # the 5 tokens of every layer and head, nothing else
+    assert bool((prefix[:10].view(torch.bfloat16) == 1.0).all())  # and the fixed state before them
 
 
 def test_table_create_is_zeroed_and_capacity_enforced() -> None:
-    table = SessionTable(HostBackend(SPEC, capacity=2))
+    table = SessionTable(HostBackend(SPEC, capacity=2, page_bytes=PAGE))
     k = table.views()["k"]
-    a = table.create()
+    a = table.create(16)
     k[a].fill_(7.0)
     b = table.create()
     assert (table.live, table.free_slots, table.spare_slot) == (2, 0, 2)
     with pytest.raises(CapacityExhausted, match="all 2 session slots"):
         table.create()
     table.free(a)
-    c = table.create()
+    c = table.create(16)
     assert c == a and torch.count_nonzero(k[c]) == 0  # reused slot comes back zeroed
     assert table.bytes_per_session == SPEC.bytes_per_session
-    assert table.backend.mapped_bytes() == 3 * 4096  # two sessions + the spare
+    assert table.backend.mapped_bytes() == (4 + 1 + 1) * PAGE  # a whole session, a first page, the spare's page
     with pytest.raises(SlotError):
         table.free(table.spare_slot)
     table.free(b)
@@ -72,22 +101,62 @@ def test_table_create_is_zeroed_and_capacity_enforced() -> None:
         table.free(b)
 
 
-def test_clone_copies_only_the_used_prefix() -> None:
-    backend = HostBackend(SPEC, capacity=3)
+def test_sessions_grow_page_by_page_ahead_of_need_and_free_everything() -> None:
+    backend = HostBackend(SPEC, capacity=3, page_bytes=PAGE)
+    table = SessionTable(backend, ahead_tokens=2)
+    assert (backend.page_budget, table.create_pages, table.free_pages) == (12, 1, 12)
+    s = table.create()
+    assert (table.pages(s), table.room(s)) == (1, 4)  # 0 + 2 ahead: one page
+    table.ensure(s, 2)
+    assert table.pages(s) == 1  # 2 + 2 = 4 tokens: still the first page
+    table.ensure(s, 3)
+    assert (table.pages(s), table.room(s)) == (2, 9)  # 3 + 2 = 5 tokens: the next page, before token 4 needs it
+    table.ensure(s, 16)
+    assert table.pages(s) == 4 and table.free_pages == 8  # a whole slot, no more
+    table.free(s)
+    assert table.free_pages == 12 and backend.mapped_pages == 0
+
+
+def test_admission_is_by_free_pages() -> None:
+    backend = HostBackend(SPEC, capacity=4, page_bytes=PAGE, page_budget=5)
+    table = SessionTable(backend, ahead_tokens=2)
+    assert table.free_slots == 4
+    a = table.create(12)  # 3 pages
+    assert (table.free_pages, table.free_slots) == (2, 2)
+    b = table.create()
+    assert (table.pages(b), table.free_slots) == (1, 1)
+    with pytest.raises(CapacityExhausted, match="no free page"):
+        table.create(8)  # 2 pages, one is left: refused, nothing changed
+    assert (table.live, table.free_pages) == (2, 1)
+    with pytest.raises(CapacityExhausted):
+        table.ensure(b, 10)  # 3 pages, 1 + the free one: refused, the slot keeps what it had
+    assert table.pages(b) == 1 and table.room(b) == 4
+    table.ensure(b, 7)  # needs 2: the page ahead (for 9) is not to be had, the one needed is
+    assert (table.pages(b), table.free_pages) == (2, 0)
+    with pytest.raises(CapacityExhausted):
+        table.create()
+    table.free(a)
+    assert table.free_slots == 3 and table.create(8) in (0, 2)
+
+
+def test_clone_copies_the_fixed_state_and_the_used_prefix() -> None:
+    backend = HostBackend(SPEC, capacity=3, page_bytes=PAGE)
+    table = SessionTable(backend)
+    src = table.create(16)
     views = backend.views()
     for name in ("k", "v"):
-        views[name][0].copy_(torch.arange(views[name][0].numel(), dtype=torch.float32).view(2, 3, 16, 4))
-        views[name][1].fill_(-1.0)
-    views["conv"][0].fill_(3.0)
-    backend.copy_prefix(1, 0, used=5)
+        views[name][src].copy_(torch.arange(views[name][src].numel(), dtype=torch.float32).view(2, 3, 16, 4))
+    views["conv"][src].fill_(3.0)
+    dst = table.clone(src, used=5)
+    assert table.pages(dst) == 2  # the pages 5 tokens need
     for name in ("k", "v"):
-        assert torch.equal(views[name][1][:, :, :5], views[name][0][:, :, :5])
-        assert bool((views[name][1][:, :, 5:] == -1.0).all())
-    assert bool((views["conv"][1] == 3.0).all())
+        assert torch.equal(views[name][dst][:, :, :5], views[name][src][:, :, :5])
+        assert int(torch.count_nonzero(views[name][dst][:, :, 5:9])) == 0  # its pages hold 9: zero past the prefix
+    assert bool((views["conv"][dst] == 3.0).all())
 
 
 def test_table_clone_refuses_dead_source() -> None:
-    table = SessionTable(HostBackend(SPEC, capacity=2))
+    table = SessionTable(HostBackend(SPEC, capacity=2, page_bytes=PAGE))
     with pytest.raises(SlotError):
         table.clone(0, 1)
     src = table.create()
@@ -95,31 +164,30 @@ def test_table_clone_refuses_dead_source() -> None:
     assert dst != src and table.live == 2
 
 
-def test_kept_slots_are_reused_zeroed_and_released_by_trim(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kept_slots_keep_a_page_are_reused_zeroed_and_released_by_trim(monkeypatch: pytest.MonkeyPatch) -> None:
     import cuda_state.table as table_module
 
     clock = [100.0]
     monkeypatch.setattr(table_module.time, "monotonic", lambda: clock[0])
-    backend = HostBackend(SPEC, capacity=3)
+    backend = HostBackend(SPEC, capacity=3, page_bytes=PAGE)
     table = SessionTable(backend, keep_mapped=2)
     k = table.views()["k"]
-    slot_bytes = backend.slot_bytes
-    a = table.create()
+    a = table.create(16)
     k[a].fill_(7.0)
     table.free(a)
     assert (table.live, table.kept, table.free_slots) == (0, 1, 3)
-    assert backend.mapped_bytes() == 2 * slot_bytes  # the spare and the kept slot
-    b = table.create()
-    assert b == a and table.kept == 0  # reused, not mapped anew
+    assert backend.mapped_pages == 1  # the kept slot keeps its first page only
+    b = table.create(16)
+    assert b == a and table.kept == 0  # reused, not taken anew
     assert torch.count_nonzero(k[b]) == 0  # and zeroed: nothing of the last session survives
     # A clone into a reused slot: the prefix is the parent's, the rest zero (not the last session's).
-    c = table.create()
+    c = table.create(16)
     k[c].fill_(5.0)
     table.free(c)
     k[b].fill_(3.0)
-    d = table.clone(b, used=4)
-    assert d == c
-    assert (k[d][:, :, :4] == 3.0).all() and torch.count_nonzero(k[d][:, :, 4:]) == 0
+    d = table.clone(b, used=2)
+    assert d == c and table.room(d) == 4  # one page: 4 positions mapped, the rest of the slot is not
+    assert (k[d][:, :, :2] == 3.0).all() and torch.count_nonzero(k[d][:, :, 2:4]) == 0
     # At most keep_mapped kept: the third free unmaps.
     e = table.create()
     clock[0] = 101.0
@@ -128,15 +196,25 @@ def test_kept_slots_are_reused_zeroed_and_released_by_trim(monkeypatch: pytest.M
     table.free(d)
     table.free(e)
     assert (table.live, table.kept, table.free_slots) == (0, 2, 3)
-    assert backend.mapped_bytes() == 3 * slot_bytes
+    assert backend.mapped_pages == 2
     clock[0] = 103.5
     assert table.trim(older_than_s=2.0) == 1  # freed at 101: released; at 102: kept
-    assert (table.kept, backend.mapped_bytes()) == (1, 2 * slot_bytes)
+    assert (table.kept, backend.mapped_pages) == (1, 1)
     assert table.trim(older_than_s=2.0) == 0
     assert table.trim() == 1
-    assert (table.kept, table.free_slots, backend.mapped_bytes()) == (0, 3, slot_bytes)
+    assert (table.kept, table.free_slots, backend.mapped_pages) == (0, 3, 0)
     assert {table.create() for _ in range(3)} == {0, 1, 2}
     with pytest.raises(CapacityExhausted):
         table.create()
     table.close()
     assert backend.mapped_bytes() == 0
+
+
+def test_kept_slots_give_their_pages_back_when_a_growth_needs_them() -> None:
+    backend = HostBackend(SPEC, capacity=3, page_bytes=PAGE, page_budget=4)
+    table = SessionTable(backend, keep_mapped=3)
+    a, b = table.create(), table.create()
+    table.free(b)
+    assert (table.kept, table.free_pages) == (1, 2)
+    table.ensure(a, 16)  # 4 pages: the kept slot's page is needed
+    assert (table.pages(a), table.kept, table.free_pages) == (4, 0, 0)

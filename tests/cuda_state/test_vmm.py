@@ -143,14 +143,22 @@ class FakeDriver:
             raise AssertionError(f"{name} called on a thread without the primary context current")
 
     def _span(self, ptr: int, n: int) -> slice:
-        """Host slice for [ptr, ptr+n), which must lie in mapped memory with access set."""
-        for start, (size, _) in self.mapped.items():
-            if start <= ptr and ptr + n <= start + size:
-                assert start in self.access, "access to memory without cuMemSetAccess"
-                assert self.reserved is not None
-                off = ptr - self.reserved[0]
-                return slice(off, off + n)
-        raise AssertionError(f"illegal address: [{ptr:#x}, {ptr + n:#x}) is not mapped")
+        """Host slice for [ptr, ptr+n), which must lie in mapped memory with access set (one mapping, or several
+        that follow one another, as pages mapped one by one do)."""
+        at, end = ptr, ptr + n
+        while at < end or n == 0:
+            for start, (size, _) in self.mapped.items():
+                if start <= at < start + size:
+                    assert start in self.access, "access to memory without cuMemSetAccess"
+                    at = start + size
+                    break
+            else:
+                raise AssertionError(f"illegal address: [{at:#x}, {end:#x}) is not mapped")
+            if n == 0:
+                break
+        assert self.reserved is not None
+        off = ptr - self.reserved[0]
+        return slice(off, off + n)
 
     def _new_id(self) -> int:
         self.next_id += 1
@@ -327,16 +335,29 @@ def spare_pages(b: vmm.VmmBackend) -> set[int]:
     return {BASE + b.spare_slot * b.slot_bytes + off for off in range(0, b.slot_bytes, GRANULARITY)}
 
 
+def pages_of(b: vmm.VmmBackend, slot: int) -> list[int]:
+    """The fake addresses mapped in a slot, in order."""
+    start = BASE + slot * b.slot_bytes
+    return sorted(a for a in fake_mapped(b) if start <= a < start + b.slot_bytes)
+
+
+def fake_mapped(b: vmm.VmmBackend) -> list[int]:
+    drv = vmm.driver
+    assert isinstance(drv, FakeDriver)
+    return list(drv.mapped)
+
+
 def test_fake_construction_maps_one_page_at_every_page_of_the_spare_and_zeroes_it(fake: FakeDriver) -> None:
     spec = small_spec()
     b = open_fake(spec, capacity=4)
-    assert b.granularity == GRANULARITY
+    assert b.granularity == b.page_bytes == GRANULARITY
     assert b.slot_bytes == spec.slot_bytes(GRANULARITY) and b.slot_bytes % GRANULARITY == 0
     assert b.num_slots == 5 and b.spare_slot == 4
-    assert b.slot_bytes // GRANULARITY == 4  # so the spare is 4 mappings of one page
+    assert b.pages_per_slot == b.slot_bytes // GRANULARITY == 4  # so the spare is 4 mappings of one page
     assert set(fake.mapped) == spare_pages(b) and len({h for _, h in fake.mapped.values()}) == 1
     assert set(fake.access) == spare_pages(b)
-    assert b.mapped_bytes() == b.spare_bytes == GRANULARITY
+    assert b.mapped_bytes() == b.spare_bytes == GRANULARITY and b.mapped_pages == 0
+    assert b.page_budget == 4 * 4  # every slot backed whole fits in 64 MiB
     assert fake.free == (64 << 20) - GRANULARITY
     spare = fake.memory[4 * b.slot_bytes : 4 * b.slot_bytes + GRANULARITY]
     assert int(spare.max()) == 0  # zeroed: the page behind the whole spare
@@ -345,34 +366,57 @@ def test_fake_construction_maps_one_page_at_every_page_of_the_spare_and_zeroes_i
     b.close()
 
 
-def test_fake_capacity_is_capped_by_free_memory_minus_reserve_and_spare(fake: FakeDriver) -> None:
+def test_fake_page_budget_is_capped_by_free_memory_minus_reserve_and_spare(fake: FakeDriver) -> None:
     spec = small_spec()
-    slot = spec.slot_bytes(GRANULARITY)
-    fake.free = fake.total = 10 * slot + slot // 2 + (1 << 20)
+    fake.free = fake.total = 10 * GRANULARITY + GRANULARITY // 2 + (1 << 20)
     b = open_fake(spec, capacity=100, reserve=1 << 20)
-    assert b.num_slots - 1 == 10  # 10 whole slots fit beside the spare's one page
+    assert b.num_slots - 1 == 100  # slots are virtual: pages bound the sessions
+    assert b.page_budget == 9  # 10 whole pages fit after the reserve, one is the spare's
     b.close()
-    b = open_fake(spec, capacity=3, reserve=1 << 20)
-    assert b.num_slots - 1 == 3
+    b = vmm.VmmBackend(spec, 100, torch.device("cuda", 0), reserve_bytes=1 << 20, page_budget=3)
+    assert b.page_budget == 3
     b.close()
 
 
 def test_fake_no_room_for_one_session_raises_and_releases_the_context(fake: FakeDriver) -> None:
     spec = small_spec()
-    fake.free = fake.total = spec.slot_bytes(GRANULARITY) + 100
+    fake.free = fake.total = GRANULARITY + 100  # the spare's page, no page for a session
     with pytest.raises(CapacityExhausted, match="no room for one session"):
         open_fake(spec, capacity=4)
     assert fake.ctx_refs == 0 and fake.reserved is None and not fake.handles
 
 
-def test_fake_copy_prefix_matches_the_host_backend(fake: FakeDriver) -> None:
+def test_fake_grow_maps_pages_in_order_zeroed_and_shrink_releases_from_the_end(fake: FakeDriver) -> None:
     spec = small_spec()
     b = open_fake(spec, capacity=4)
-    host = HostBackend(spec, 4)
+    free = fake.free
+    b.grow(1, 2)
+    assert pages_of(b, 1) == [BASE + b.slot_bytes + i * GRANULARITY for i in range(2)]
+    assert b.pages(1) == 2 and b.mapped_pages == 2 and b.mapped_bytes() == 3 * GRANULARITY
+    assert fake.free == free - 2 * GRANULARITY and len(fake.handles) == 3  # one allocation per page
+    start = b.slot_bytes
+    assert int(fake.memory[start : start + 2 * GRANULARITY].max()) == 0  # zeroed
+    assert int(fake.memory[start + 2 * GRANULARITY : start + b.slot_bytes].min()) == 0xAB  # not mapped: untouched
+    b.grow(1, 1)  # never shrinks
+    assert b.pages(1) == 2
+    b.grow(1, 99)  # at most a whole slot
+    assert b.pages(1) == b.pages_per_slot == 4
+    b.shrink(1, 1)
+    assert pages_of(b, 1) == [BASE + b.slot_bytes] and b.mapped_pages == 1
+    assert fake.free == free - GRANULARITY
+    b.shrink(1, 0)
+    assert b.pages(1) == 0 and fake.free == free
+    b.close()
+
+
+def test_fake_copy_prefix_and_prefix_match_the_host_backend(fake: FakeDriver) -> None:
+    spec = small_spec()
+    b = open_fake(spec, capacity=4)
+    host = HostBackend(spec, 4, page_bytes=GRANULARITY)
     gen = torch.Generator().manual_seed(0)
     for backend in (b, host):
         for slot in (0, 1):
-            backend.map(slot)
+            backend.grow(slot, backend.pages_per_slot)
     for name, view in b.views().items():
         data = torch.randn(view[0].shape, generator=gen)
         for backend in (b, host):
@@ -380,40 +424,34 @@ def test_fake_copy_prefix_matches_the_host_backend(fake: FakeDriver) -> None:
             backend.views()[name][1].fill_(-1.0)  # sentinel: what the copy must not touch
     for used in (17, 0, 40, 1):
         for backend in (b, host):
-            backend.copy_prefix(1, 0, used)
+            backend.copy_prefix(1, 0, spec.bytes_for(used))
         for name in ("k", "v", "h"):
             assert torch.equal(b.views()[name][1], host.views()[name][1]), (name, used)
-    assert "cuMemcpy2DAsync" in calls(fake)  # 17 of 40 positions: a strided copy
-    b.close()
-
-
-def test_fake_prefix_copy_falls_back_to_rows_past_the_max_pitch(fake: FakeDriver) -> None:
-    spec = small_spec()
-    fake.max_pitch = 64  # smaller than a row of 40 positions x 8 floats
-    b = open_fake(spec)
-    b.map(0)
-    b.map(1)
-    b.views()["k"][0].copy_(torch.arange(2 * 3 * 40 * 8, dtype=torch.float32).view(2, 3, 40, 8))
-    b.copy_prefix(1, 0, 5)
-    assert torch.equal(b.views()["k"][1][:, :, :5], b.views()["k"][0][:, :, :5])
-    assert "cuMemcpy2DAsync" not in calls(fake)
+        assert torch.equal(b.prefix(1, spec.bytes_for(used)), host.prefix(1, spec.bytes_for(used)))
+    assert calls(fake).count("cuMemcpyDtoDAsync") == 4  # one contiguous copy each (used 0: the fixed state only)
+    with pytest.raises(SlotError, match="past its mapped pages"):
+        b.prefix(2, 1)
     b.close()
 
 
 def test_fake_out_of_memory_is_capacity_exhausted_and_leaves_no_trace(fake: FakeDriver) -> None:
     spec = small_spec()
-    slot = spec.slot_bytes(GRANULARITY)
-    fake.free = fake.total = 3 * slot
-    b = open_fake(spec, capacity=2)  # fits: 2 sessions + spare
+    fake.free = fake.total = 6 * GRANULARITY
+    b = open_fake(spec, capacity=2)  # a budget of 5 pages + the spare
+    assert b.page_budget == 5
     table = SessionTable(b)
-    first = table.create()
-    fake.free -= slot  # someone else took the memory meanwhile
+    first = table.create(40)  # 4 pages
+    assert b.pages(first) == 4
+    fake.free -= GRANULARITY  # someone else took the memory meanwhile
     with pytest.raises(CapacityExhausted, match="no memory left"):
         table.create()
-    assert b.mapped_bytes() == slot + GRANULARITY and table.live == 1 and table.free_slots == 1
+    assert b.mapped_bytes() == 5 * GRANULARITY and table.live == 1
+    assert len(fake.handles) == 5  # the refused page left nothing
     table.free(first)
-    second = table.create()  # the freed memory serves the next create
-    assert table.live == 1 and second in (0, 1)
+    second = table.create(40)  # the freed memory serves the next create
+    assert table.live == 1 and b.pages(second) == 4
+    with pytest.raises(CapacityExhausted, match="no free page"):
+        table.create(40)  # the budget: one page left, four needed
     table.close()
     assert not fake.handles and not fake.mapped and fake.reserved is None
 
@@ -431,61 +469,61 @@ def test_fake_a_failed_spare_mapping_releases_everything(fake: FakeDriver, call:
 @pytest.mark.parametrize("call", ["cuMemCreate", "cuMemMap", "cuMemSetAccess"])
 def test_fake_other_driver_errors_are_typed_and_release_what_was_taken(fake: FakeDriver, call: str) -> None:
     b = open_fake(small_spec())
+    b.grow(0, 1)
     free = fake.free
     fake.fail[call] = R.CUDA_ERROR_INVALID_VALUE
     with pytest.raises(CudaDriverError) as info:
-        b.map(0)
+        b.grow(0, 3)  # the first new page fails: nothing of this growth stays, the page before does
     assert info.value.call == call and info.value.result == "CUDA_ERROR_INVALID_VALUE"
-    assert fake.free == free and b.mapped_bytes() == GRANULARITY and set(fake.mapped) == spare_pages(b)
-    b.map(0)  # nothing was left half-done
+    assert fake.free == free and b.pages(0) == 1 and b.mapped_bytes() == 2 * GRANULARITY
+    assert set(fake.mapped) == spare_pages(b) | {BASE}
+    b.grow(0, 3)  # nothing was left half-done
+    assert b.pages(0) == 3
     b.close()
 
 
-def test_fake_map_errors_for_bad_slots(fake: FakeDriver) -> None:
+def test_fake_errors_for_bad_slots(fake: FakeDriver) -> None:
     b = open_fake(small_spec())
     with pytest.raises(SlotError):
-        b.map(99)
-    b.map(0)
-    with pytest.raises(SlotError):
-        b.map(0)
-    with pytest.raises(SlotError):
-        b.unmap(1)
+        b.grow(99, 1)
     with pytest.raises(SlotError, match="spare"):
-        b.unmap(b.spare_slot)
+        b.grow(b.spare_slot, 1)
+    with pytest.raises(SlotError, match="spare"):
+        b.shrink(b.spare_slot, 0)
+    b.shrink(1, 0)  # nothing mapped: nothing to do
     b.close()
 
 
-def test_fake_unmap_waits_for_the_slots_last_use_first(fake: FakeDriver) -> None:
+def test_fake_shrink_waits_for_the_slots_last_use_first(fake: FakeDriver) -> None:
     b = open_fake(small_spec())
-    b.map(0)
-    b.map(1)
+    b.grow(0, 1)
+    b.grow(1, 1)
     b.mark_used([0, 1])
     first = [e for e in fake.log if e[0] == "record"][-1][1]
     b.mark_used([1])
     second = [e for e in fake.log if e[0] == "record"][-1][1]
     fake.log.clear()
-    b.unmap(0)
-    assert fake.log[1] == ("sync", first) and calls(fake).index("sync") < calls(fake).index("cuMemUnmap")
+    b.shrink(0, 0)
+    assert ("sync", first) in fake.log and calls(fake).index("sync") < calls(fake).index("cuMemUnmap")
     fake.log.clear()
-    b.unmap(1)
+    b.shrink(1, 0)
     assert ("sync", second) in fake.log
     b.close()
 
 
-def test_fake_zero_and_copy_count_as_uses(fake: FakeDriver) -> None:
+def test_fake_zero_grow_and_copy_count_as_uses(fake: FakeDriver) -> None:
     b = open_fake(small_spec())
-    b.map(2)
-    b.zero(2)
+    b.grow(2, 1)  # its memset is queued
     fake.log.clear()
-    b.unmap(2)  # a session closed right after create: the memset may still be queued
+    b.shrink(2, 0)  # a session closed right after create: the memset may still be queued
     assert calls(fake).index("sync") < calls(fake).index("cuMemUnmap")
-    b.map(0)
-    b.map(1)
+    b.grow(0, 2)
+    b.grow(1, 2)
     b.zero(0)
-    b.copy_prefix(1, 0, 3)
+    b.copy_prefix(1, 0, 300)
     last_record = [e for e in fake.log if e[0] == "record"][-1][1]
     fake.log.clear()
-    b.unmap(0)  # the copy read slot 0: wait for it
+    b.shrink(0, 0)  # the copy read slot 0: wait for it
     assert ("sync", last_record) in fake.log
     b.close()
 
@@ -493,7 +531,7 @@ def test_fake_zero_and_copy_count_as_uses(fake: FakeDriver) -> None:
 def test_fake_event_pool_stays_small(fake: FakeDriver) -> None:
     b = open_fake(small_spec(), capacity=4)
     for s in range(4):
-        b.map(s)
+        b.grow(s, 1)
     for step in range(500):
         b.mark_used([step % 4, (step + 1) % 4])
     assert len(fake.events) <= b.num_slots + 1
@@ -508,42 +546,44 @@ def test_fake_a_mark_older_than_the_event_ring_waits_on_the_oldest_mark_or_the_c
     (later on that stream, long done), and on the whole context once marks have gone to two streams."""
     b = open_fake(small_spec(), capacity=4)
     for s in range(3):
-        b.map(s)
+        b.grow(s, 1)
     b.mark_used([0, 1])
     fake.log.clear()
     b.mark_used([2])
     latest = [e for e in fake.log if e[0] == "record"][-1][1]
-    b.unmap(2)  # its mark is the latest: its own event
+    b.shrink(2, 0)  # its mark is the latest: its own event
     assert ("sync", latest) in fake.log and "cuCtxSynchronize" not in calls(fake)
     fake.log.clear()
     for _ in range(b.num_slots + 1):
         b.mark_used([1])  # slot 0's mark falls out of the ring
     records = [e[1] for e in fake.log if e[0] == "record"]
     fake.log.clear()
-    b.unmap(0)
+    b.shrink(0, 0)
     assert [e for e in fake.log if e[0] == "sync"] == [("sync", records[0])]  # the oldest mark the ring holds
     assert "cuCtxSynchronize" not in calls(fake)
-    b.map(0)
+    b.grow(0, 1)
     b.mark_used([0])
     monkeypatch.setattr(vmm, "_current_stream", lambda device: 8)  # a second stream
     for _ in range(b.num_slots + 1):
         b.mark_used([1])
     fake.log.clear()
-    b.unmap(0)
+    b.shrink(0, 0)
     assert "cuCtxSynchronize" in calls(fake) and not [e for e in fake.log if e[0] == "sync"]
     assert len(fake.events) == b.num_slots + 1
     b.close()
     assert not fake.events
 
 
-def test_fake_refuses_map_and_unmap_during_capture(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fake_refuses_mapping_during_capture(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
     b = open_fake(small_spec())
-    b.map(0)
+    b.grow(0, 1)
     monkeypatch.setattr(vmm, "_capturing", lambda: True)
-    for action in (lambda: b.map(1), lambda: b.unmap(0), lambda: b.zero(0), lambda: b.mark_used([0])):
+    for action in (lambda: b.grow(1, 1), lambda: b.grow(0, 2), lambda: b.shrink(0, 0), lambda: b.zero(0),
+                   lambda: b.mark_used([0]), lambda: b.copy_prefix(0, 0, 10)):
         with pytest.raises(StateError, match="capture"):
             action()
     monkeypatch.setattr(vmm, "_capturing", lambda: False)
+    assert b.pages(0) == 1 and b.pages(1) == 0
     b.close()
 
 
@@ -553,9 +593,9 @@ def test_fake_context_is_made_current_on_other_threads(fake: FakeDriver) -> None
 
     def work() -> None:
         try:  # a fresh thread has no current context: the fake fails any call made before binding
-            b.map(0)
+            b.grow(0, 2)
             b.zero(0)
-            b.unmap(0)
+            b.shrink(0, 0)
         except BaseException as e:  # reported below, on the test's thread
             errors.append(e)
 
@@ -568,15 +608,15 @@ def test_fake_context_is_made_current_on_other_threads(fake: FakeDriver) -> None
 
 def test_fake_close_releases_everything_in_reverse_order(fake: FakeDriver) -> None:
     b = open_fake(small_spec())
-    for s in (0, 2):
-        b.map(s)
+    b.grow(0, 1)
+    b.grow(2, 2)
     b.mark_used([0, 2])
     fake.log.clear()
     b.close()
     order = [c for c in calls(fake) if c not in ("cuCtxSetCurrent",)]
     assert order[0] == "cuCtxSynchronize"
     unmaps = [i for i, c in enumerate(order) if c == "cuMemUnmap"]
-    assert len(unmaps) == 2 + b.slot_bytes // GRANULARITY  # slots 2, 0 and each page of the spare
+    assert len(unmaps) == 3 + b.slot_bytes // GRANULARITY  # slot 2's two pages, slot 0's, each page of the spare
     assert order.index("cuMemAddressFree") > max(unmaps)
     assert order.index("cuEventDestroy") > order.index("cuMemAddressFree")
     assert order[-1] == "cuDevicePrimaryCtxRelease"
@@ -587,42 +627,44 @@ def test_fake_close_releases_everything_in_reverse_order(fake: FakeDriver) -> No
         b.views()
 
 
-def test_fake_table_cycles_return_every_byte(fake: FakeDriver) -> None:
+def test_fake_table_grow_close_cycles_return_every_byte(fake: FakeDriver) -> None:
     table = SessionTable(open_fake(small_spec(), capacity=4))
     baseline = fake.free
-    parent = table.create()
+    parent = table.create(40)
     for i in range(1000):
         a = table.create()
+        table.ensure(a, i % 41)
         b = table.clone(parent, used=i % 41)
+        assert table.pages(b) == max(1, table.spec.pages_for(i % 41, GRANULARITY))  # what it holds, no more
         table.free(a)
         table.free(b)
     table.free(parent)
-    assert fake.free == baseline
+    assert fake.free == baseline  # the parent's pages are back too
     assert len(fake.handles) == 1  # the spare
     assert len(fake.events) <= table.capacity + 2
     table.close()
     assert fake.free == fake.total
 
 
-
-def test_fake_kept_slots_take_no_driver_allocation_and_trim_waits_then_releases(fake: FakeDriver) -> None:
+def test_fake_kept_slots_keep_one_page_and_trim_waits_then_releases(fake: FakeDriver) -> None:
     table = SessionTable(open_fake(small_spec(), capacity=4), keep_mapped=4)
     baseline = fake.free
-    parent = table.create()
+    parent = table.create(40)
     first = [table.create(), table.create()]
     for slot in first:
         table.free(slot)
     fake.log.clear()
     for i in range(100):
         a = table.create()
-        b = table.clone(parent, used=i % 41)
+        b = table.clone(parent, used=i % 11)  # within a slot's first page
         table.free(a)
         table.free(b)
     made = calls(fake)
     assert "cuMemCreate" not in made and "cuMemMap" not in made and "cuMemUnmap" not in made
     assert made.count("cuMemsetD8Async") == 200  # every reused slot zeroed: create, and clone before its copy
-    assert table.kept == 2 and len(fake.handles) == 4  # the spare, the parent, two kept
-    table.free(parent)
+    assert table.kept == 2 and len(fake.handles) == 1 + 4 + 2  # the spare, the parent's 4 pages, a page per kept
+    table.free(parent)  # kept: with one page, its other 3 released at once
+    assert len(fake.handles) == 1 + 3
     fake.log.clear()
     assert table.trim() == 3
     made = calls(fake)
@@ -631,6 +673,7 @@ def test_fake_kept_slots_take_no_driver_allocation_and_trim_waits_then_releases(
     assert fake.free == baseline and len(fake.handles) == 1  # the spare only
     table.close()
     assert fake.free == fake.total
+
 
 # -- the real driver (-m gpu) ----------------------------------------------------------------------
 
@@ -661,10 +704,11 @@ def gpu() -> Iterator[torch.device]:
     modules (memset and copy kernels) do not count against a test's baseline."""
     device = torch.device("cuda", 0)
     warm = vmm.VmmBackend(kv_spec(64), 2, device)
-    warm.map(0)
-    warm.copy_prefix(0, warm.spare_slot, 10)
-    warm.mark_used([0])
-    warm.unmap(0)
+    warm.grow(0, 1)
+    warm.grow(1, 1)
+    warm.copy_prefix(0, 1, 10)
+    warm.mark_used([0, 1])
+    warm.shrink(0, 0)
     warm.close()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -680,10 +724,11 @@ def test_gpu_slots_follow_the_allocation_granularity(gpu: torch.device) -> None:
     b = vmm.VmmBackend(spec, 4, gpu)
     try:
         assert b.granularity >= 2 << 20 and b.granularity & (b.granularity - 1) == 0
-        assert b.slot_bytes == spec.slot_bytes(b.granularity)
+        assert b.page_bytes == b.granularity and b.slot_bytes == spec.slot_bytes(b.granularity)
         k = b.views()["k"]
         assert k.device == gpu and k.shape == (5, 4, 2, 1000, 64) and k.dtype == torch.bfloat16
         assert k[1].data_ptr() - k[0].data_ptr() == b.slot_bytes
+        assert k.stride()[3] == spec.token_bytes // 2  # a position steps over every layer's K and V
         spare = b.views()["k"][b.spare_slot]
         assert int(torch.count_nonzero(spare)) == 0  # zeroed at construction
     finally:
@@ -693,19 +738,19 @@ def test_gpu_slots_follow_the_allocation_granularity(gpu: torch.device) -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_the_spare_is_one_page_mapped_at_each_of_its_pages(gpu: torch.device) -> None:
-    spec = kv_spec(8192, layers=8)  # K alone is 16 MiB per session: 8 granules of 2 MiB
+    spec = kv_spec(8192, layers=8)  # 32 MiB per session: 16 pages of 2 MiB
     baseline = device_free_bytes()
     b = vmm.VmmBackend(spec, 2, gpu)
     try:
         assert abs((baseline - device_free_bytes()) - b.granularity) <= PAGE_TABLE_SLACK
         assert b.spare_bytes == b.granularity and b.mapped_bytes() == b.granularity
-        k = b.views()["k"][b.spare_slot].reshape(-1)
-        assert int(torch.count_nonzero(k)) == 0  # zeroed: every page reads the zeroed one
-        k[0] = 1.0  # one write shows up at the same offset of every granule
-        per_granule = b.granularity // k.element_size()
-        assert k.numel() % per_granule == 0
-        assert int(torch.count_nonzero(k)) == k.numel() // per_granule
-        assert bool((k[::per_granule] == 1.0).all())
+        raw = b.views()["k"]
+        whole = torch.as_strided(raw, (b.slot_bytes // 2,), (1,), b.spare_slot * b.slot_bytes // 2)
+        assert int(torch.count_nonzero(whole)) == 0  # zeroed: every page reads the zeroed one
+        whole[0] = 1.0  # one write shows up at the same offset of every page
+        per_page = b.granularity // 2
+        assert int(torch.count_nonzero(whole)) == whole.numel() // per_page
+        assert bool((whole[::per_page] == 1.0).all())
         torch.cuda.synchronize()
     finally:
         b.close()
@@ -713,29 +758,31 @@ def test_gpu_the_spare_is_one_page_mapped_at_each_of_its_pages(gpu: torch.device
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_zero_copy_prefix_and_unmap_one_slot_leaves_others_intact(gpu: torch.device) -> None:
-    spec = kv_spec(300)
+def test_gpu_grow_copy_and_shrink_one_slot_leaves_others_intact(gpu: torch.device) -> None:
+    spec = kv_spec(3000)  # 2 KiB a token: 1,024 tokens a page, 3 pages a slot
     b = vmm.VmmBackend(spec, 4, gpu)
     try:
+        assert spec.token_bytes == 4 * 2 * 64 * 2 * 2 and spec.tokens_in(1, b.page_bytes) == 1024
         for s in range(4):
-            b.map(s)
-            b.zero(s)
+            b.grow(s, 2)
         k = b.views()["k"]
-        assert int(torch.count_nonzero(k[:4])) == 0
-        patterns = [torch.randn(k[0].shape, device=gpu, dtype=k.dtype) for _ in range(4)]
+        assert int(torch.count_nonzero(k[:4, :, :, :2048])) == 0  # mapped pages come zeroed
+        patterns = [torch.randn(k[0, :, :, :2048].shape, device=gpu, dtype=k.dtype) for _ in range(4)]
         for s in range(4):
-            k[s].copy_(patterns[s])
-        b.mark_used([0, 1, 2, 3])  # torch wrote the slots on the stream: an unmap must wait for that
-        b.copy_prefix(3, 0, 123)
+            k[s, :, :, :2048].copy_(patterns[s])
+        b.mark_used([0, 1, 2, 3])  # torch wrote the slots on the stream: a shrink must wait for that
+        b.copy_prefix(3, 0, spec.bytes_for(123))
         b.mark_used([0, 3])
         expected3 = patterns[3].clone()
         expected3[:, :, :123] = patterns[0][:, :, :123]
-        assert torch.equal(k[3], expected3)
-        b.unmap(1)
-        assert torch.equal(k[0], patterns[0]) and torch.equal(k[2], patterns[2]) and torch.equal(k[3], expected3)
-        b.map(1)
-        b.zero(1)
-        assert int(torch.count_nonzero(k[1])) == 0 and torch.equal(k[2], patterns[2])
+        assert torch.equal(k[3, :, :, :2048], expected3)
+        b.shrink(1, 0)
+        assert torch.equal(k[0, :, :, :2048], patterns[0]) and torch.equal(k[2, :, :, :2048], patterns[2])
+        b.shrink(2, 1)  # its first 1,024 tokens stay
+        assert torch.equal(k[2, :, :, :1024], patterns[2][:, :, :1024])
+        b.grow(2, 3)  # the pages past them come back zeroed
+        assert int(torch.count_nonzero(k[2, :, :, 1024:])) == 0
+        assert torch.equal(k[2, :, :, :1024], patterns[2][:, :, :1024])
         torch.cuda.synchronize()
     finally:
         b.close()
@@ -743,40 +790,43 @@ def test_gpu_zero_copy_prefix_and_unmap_one_slot_leaves_others_intact(gpu: torch
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_memory_accounting_matches_slot_bytes(gpu: torch.device) -> None:
-    spec = kv_spec(8192, layers=8)  # 16 MiB of K/V per session: several granules per slot
+def test_gpu_memory_is_the_pages_sessions_hold(gpu: torch.device) -> None:
+    spec = kv_spec(8192, layers=8)  # 4 KiB a token: 512 tokens a page
     baseline = device_free_bytes()
     b = vmm.VmmBackend(spec, 8, gpu)
+    table = SessionTable(b)
     try:
         opened = device_free_bytes()
         assert abs((baseline - opened) - b.granularity) <= PAGE_TABLE_SLACK  # the spare only: one page
-        for s in range(6):
-            b.map(s)
-            b.zero(s)
+        slots = [table.create(tokens) for tokens in (1, 200, 512, 513, 2000, 8192)]
+        pages = [b.pages(s) for s in slots]
+        assert pages == [1, 1, 1, 2, 4, 16]
         used = opened - device_free_bytes()
-        assert abs(used - 6 * b.slot_bytes) <= 0.01 * 6 * b.slot_bytes
-        assert b.mapped_bytes() == 6 * b.slot_bytes + b.granularity
-        for s in range(6):
-            b.unmap(s)
+        assert abs(used - sum(pages) * b.page_bytes) <= PAGE_TABLE_SLACK
+        assert b.mapped_bytes() == (sum(pages) + 1) * b.page_bytes
+        for s in slots:
+            table.free(s)
         assert abs(device_free_bytes() - opened) <= PAGE_TABLE_SLACK
     finally:
-        b.close()
+        table.close()
     assert abs(device_free_bytes() - baseline) <= PAGE_TABLE_SLACK
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_map_unmap_cycles_return_to_baseline(gpu: torch.device) -> None:
-    table = SessionTable(vmm.VmmBackend(kv_spec(512), 4, gpu))
+def test_gpu_grow_close_cycles_return_to_baseline(gpu: torch.device) -> None:
+    table = SessionTable(vmm.VmmBackend(kv_spec(4096), 4, gpu), ahead_tokens=16)
     try:
-        parent = table.create()
+        parent = table.create(3000)
         for i in range(10):  # first uses (events, driver-internal pools) happen before the baseline
             table.free(table.clone(parent, used=1 + i))
         mapped = table.backend.mapped_bytes()
         baseline = device_free_bytes()
         for i in range(1000):
             a = table.create()
-            c = table.clone(parent, used=1 + i % 500)
+            for tokens in range(0, 1 + (i * 37) % 3000, 256):  # grows page by page, as decoding does
+                table.ensure(a, tokens)
+            c = table.clone(parent, used=1 + (i * 13) % 3000)
             table.free(a)
             table.free(c)
         assert table.backend.mapped_bytes() == mapped
@@ -788,13 +838,21 @@ def test_gpu_map_unmap_cycles_return_to_baseline(gpu: torch.device) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_capacity_is_capped_by_free_memory(gpu: torch.device) -> None:
+def test_gpu_page_budget_is_capped_by_free_memory(gpu: torch.device) -> None:
     spec = kv_spec(8192, layers=32)  # 64 MiB per session
     free = device_free_bytes()
-    reserve = free - 5 * spec.slot_bytes(2 << 20) - (2 << 20) - (1 << 20)
+    reserve = free - 5 * (2 << 20) - (2 << 20) - (1 << 20)
     b = vmm.VmmBackend(spec, 1000, gpu, reserve_bytes=reserve)
     try:
-        assert b.num_slots - 1 == 5  # 5 slots fit after the reserve, beside the spare's one page
+        assert b.page_budget == 5 and b.num_slots - 1 == 1000  # 5 pages fit after the reserve, beside the spare
+        table = SessionTable(b)
+        assert table.free_slots == 5
+        slots = [table.create() for _ in range(5)]
+        with pytest.raises(CapacityExhausted, match="no free page"):
+            table.create()
+        with pytest.raises(CapacityExhausted):
+            table.ensure(slots[0], 2000)
+        assert b.pages(slots[0]) == 1
     finally:
         b.close()
     with pytest.raises(CapacityExhausted):
@@ -808,26 +866,21 @@ def test_gpu_out_of_memory_is_capacity_exhausted(gpu: torch.device) -> None:
     b = vmm.VmmBackend(spec, 4, gpu)
     hog: list[torch.Tensor] = []
     try:
-        b.map(0)
+        b.grow(0, 1)
         chunk = 1 << 32
-        while chunk >= (8 << 20):  # fill the device until less than one slot is left
+        while chunk >= (1 << 20):  # fill the device until less than one page is left
             try:
                 hog.append(torch.empty(chunk, dtype=torch.uint8, device=gpu))
             except torch.cuda.OutOfMemoryError:
                 chunk //= 2
-        assert device_free_bytes() < b.slot_bytes
-        mapped = [0]
+        assert device_free_bytes() < 4 * b.page_bytes
         with pytest.raises(CapacityExhausted):
-            for s in (1, 2, 3):
-                b.map(s)
-                mapped.append(s)
-        assert b.mapped_bytes() == len(mapped) * b.slot_bytes + b.granularity  # the refused map left nothing
+            b.grow(1, 8)
+        assert b.pages(1) == 0 and b.mapped_bytes() == 2 * b.page_bytes  # the refused growth left nothing
         hog.clear()
         torch.cuda.empty_cache()
-        for s in (1, 2, 3):  # memory is back: every slot maps
-            if s not in mapped:
-                b.map(s)
-        assert b.mapped_bytes() == 4 * b.slot_bytes + b.granularity
+        b.grow(1, 8)  # memory is back
+        assert b.mapped_bytes() == 10 * b.page_bytes
     finally:
         hog.clear()
         torch.cuda.empty_cache()
@@ -836,18 +889,17 @@ def test_gpu_out_of_memory_is_capacity_exhausted(gpu: torch.device) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_unmap_while_inflight_waits_for_the_stream(gpu: torch.device) -> None:
+def test_gpu_shrink_while_inflight_waits_for_the_stream(gpu: torch.device) -> None:
     b = vmm.VmmBackend(kv_spec(4096), 2, gpu)
     try:
-        b.map(0)
-        b.zero(0)
+        b.grow(0, b.pages_per_slot)
         k = b.views()["k"]
         sink = torch.empty((), device=gpu, dtype=torch.float32)
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the read
         sink.copy_(k[0].float().sum())  # reads slot 0 after the sleep
         b.mark_used([0])
         start = time.perf_counter()
-        b.unmap(0)  # must wait for the read
+        b.shrink(0, 0)  # must wait for the read
         waited = time.perf_counter() - start
         assert torch.cuda.current_stream(gpu).query()  # nothing queued is left
         assert float(sink) == 0.0
@@ -865,10 +917,10 @@ def test_gpu_backend_works_from_another_thread(gpu: torch.device) -> None:
 
     def work() -> None:
         try:
-            b.map(0)
+            b.grow(0, 1)
             b.zero(0)
             b.mark_used([0])
-            b.unmap(0)
+            b.shrink(0, 0)
         except BaseException as e:  # reported on the test's thread
             errors.append(e)
 
@@ -877,28 +929,29 @@ def test_gpu_backend_works_from_another_thread(gpu: torch.device) -> None:
         t.start()
         t.join()
         assert not errors, errors
-        assert b.mapped_bytes() == b.slot_bytes
+        assert b.mapped_bytes() == b.page_bytes
     finally:
         b.close()
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_a_hybrid_slot_clones_the_kv_prefix_and_the_fixed_state_whole(gpu: torch.device) -> None:
-    """A hybrid model's slot (K/V of its full-attention layers, then a conv state and an fp32 recurrent state of
-    several granules): a clone copies the K/V prefix and every fixed buffer whole; zero clears them; the other slots
-    keep theirs."""
+def test_gpu_a_hybrid_slot_keeps_its_fixed_state_in_the_first_pages(gpu: torch.device) -> None:
+    """A hybrid model's slot: a conv state and an fp32 recurrent state of several pages come first, then the K/V of its
+    full-attention layers token by token. A clone copies the fixed state whole and the K/V prefix; zero clears them;
+    the other slots keep theirs."""
     spec = StateSpec((
         BufferSpec("k", (2, 2, 300, 64), torch.bfloat16, seq_axis=2),
         BufferSpec("v", (2, 2, 300, 64), torch.bfloat16, seq_axis=2),
         BufferSpec("conv", (6, 1000, 3), torch.bfloat16),
-        BufferSpec("recurrent", (6, 8, 128, 128), torch.float32),  # 3 MiB: crosses granules
+        BufferSpec("recurrent", (6, 8, 128, 128), torch.float32),  # 3 MiB: crosses pages
     ))
+    assert spec.offsets["conv"] == 0 and spec.token_offset >= spec.fixed_bytes
     b = vmm.VmmBackend(spec, 3, gpu)
     try:
+        assert spec.pages_for(0, b.page_bytes) == 2  # the fixed state alone: its first two pages
         for s in range(3):
-            b.map(s)
-            b.zero(s)
+            b.grow(s, b.pages_per_slot)
         views = b.views()
         patterns = {name: [torch.randn(view[0].shape, device=gpu).to(view.dtype) for _ in range(3)]
                     for name, view in views.items()}
@@ -906,7 +959,7 @@ def test_gpu_a_hybrid_slot_clones_the_kv_prefix_and_the_fixed_state_whole(gpu: t
             for s in range(3):
                 view[s].copy_(patterns[name][s])
         b.mark_used([0, 1, 2])
-        b.copy_prefix(2, 0, 77)
+        b.copy_prefix(2, 0, spec.bytes_for(77))
         b.mark_used([0, 2])
         for name in ("k", "v"):
             expected = patterns[name][2].clone()

@@ -63,7 +63,7 @@ class FakeEngine:
     def free_slots(self) -> int:
         return self.capacity - len(self.lengths)
 
-    def create_session(self, session_id: str | None = None) -> str:
+    def create_session(self, session_id: str | None = None, owner: str = "") -> str:
         if len(self.lengths) >= self.capacity:
             raise CapacityExhausted("full")
         assert session_id is not None
@@ -104,6 +104,9 @@ class FakeEngine:
 
     def sessions(self) -> list[str]:
         return list(self.lengths)
+
+    def session_owner(self, session_id: str) -> str:
+        return ""
 
     def session_length(self, session_id: str) -> int:
         return self.lengths[self._known(session_id)]

@@ -145,8 +145,7 @@ def test_gpu_rope_and_store_writes_a_vmm_slab_whose_first_slots_are_unmapped() -
     spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
     backend = VmmBackend(spec, 4, torch.device("cuda", 0))
     try:
-        backend.map(2)
-        backend.zero(2)
+        backend.grow(2, backend.pages_per_slot)
         k_all, v_all = backend.views()["k"], backend.views()["v"]
         spare = backend.num_slots - 1
         gen = torch.Generator().manual_seed(3)
@@ -233,7 +232,7 @@ def eager_steps(engine: object, prompt: list[int], n: int, fused: bool,
     executor = EagerExecutor(engine.model, engine.table)
     kernels = engine.model.kernels
     engine.model.kernels = dataclasses.replace(kernels, fused_layers=fused_layers if fused else None)
-    slot = engine.table.create()
+    slot = engine.table.create(engine.max_context)  # backed whole: the rows reach past a page
     try:
         p = len(prompt)
         rows = [executor.execute(StepRows(prompt, list(range(p)), [slot] * p, [p - 1]))[0]]

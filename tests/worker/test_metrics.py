@@ -255,3 +255,29 @@ def test_worker_readiness() -> None:
     assert worker_readiness(registered=True, draining=False) == (True, "ready")
     assert worker_readiness(registered=False, draining=False) == (False, "not registered with the broker")
     assert worker_readiness(registered=True, draining=True) == (False, "draining")
+
+
+def test_where_sessions_are_pages_and_restore_latency() -> None:
+    snapshot = WorkerSnapshot(sessions=7, capacity=8, free_slots=3, running=1, bytes_per_session=1 << 20,
+                              mapped_bytes=6 << 21, resident=4, in_host=2, on_disk=1, pages=5, page_budget=40,
+                              hibernated=9)
+    metrics = new_metrics(snapshot)
+    metrics.restored(0.0015, "host")
+    metrics.restored(0.004, "host")
+    metrics.restored(0.2, "disk")
+    metrics.restored(1.0, "elsewhere")  # not a source: ignored
+    got = scrape(metrics)
+    assert [got[("sessionserve:sessions", labels(where=w))] for w in ("resident", "host", "disk")] == [4, 2, 1]
+    assert got[("sessionserve:state_pages", LABELS)] == 5
+    assert got[("sessionserve:state_page_budget", LABELS)] == 40
+    assert got[("sessionserve:sessions_hibernated_total", LABELS)] == 9
+    host = {dict(k[1])["le"]: v for k, v in got.items()
+            if k[0] == "sessionserve:session_restore_seconds_bucket" and dict(k[1])["source"] == "host"}
+    assert host["0.001"] == 0 and host["0.002"] == 1 and host["0.005"] == 2 and host["+Inf"] == 2
+    assert got[("sessionserve:session_restore_seconds_count", labels(source="disk"))] == 1
+    assert got[("sessionserve:session_restore_seconds_sum", labels(source="disk"))] == pytest.approx(0.2)
+
+
+def test_a_worker_that_does_not_hibernate_has_no_residency_gauges() -> None:
+    got = scrape(new_metrics())
+    assert not [k for k in got if k[0] in ("sessionserve:sessions", "sessionserve:state_pages")]

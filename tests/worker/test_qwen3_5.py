@@ -190,7 +190,7 @@ def test_a_second_turn_continues_as_transformers_continues_its_cache(engine: Eng
 
 def teacher_forced(engine: Engine, prompt: list[int], tokens: list[int], chunk: int) -> torch.Tensor:
     """Logits after the prompt (prefilled in chunks of `chunk`) and after each of `tokens` but the last (decode rows)."""
-    slot = engine.table.create()
+    slot = engine.table.create(engine.max_context)
     try:
         for start in range(0, len(prompt), chunk):
             part = prompt[start : start + chunk]
@@ -219,7 +219,7 @@ def test_every_state_is_read_and_carried(engine: Engine, folder: Folder) -> None
     assert uneven.argmax(-1).tolist() == tokens and float((uneven - reference).abs().max()) < 1e-3
     state = engine.table.views()
     for name in ("k", "conv", "recurrent"):
-        slot = engine.table.create()
+        slot = engine.table.create(engine.max_context)
         try:
             engine.executor.execute(StepRows(prompt, list(range(len(prompt))), [slot] * len(prompt), [0]))
             state[name][slot].zero_()
@@ -462,3 +462,28 @@ def test_the_fields_that_change_nothing_of_the_text_model_are_taken(tmp_path: Pa
     assert (config.rotary_dim, config.rope_theta, config.layer_types) == (8, 1e7, ("linear_attention", "full_attention"))
     del cfg["layer_types"]  # from the interval, as transformers derives them
     assert read_hf_config(cfg, "x", "test").layer_types == ("linear_attention", "full_attention")
+
+
+def test_a_hibernated_session_continues_exactly_from_host_memory_and_from_disk(folder: Folder, tmp_path: Path) -> None:
+    """The recurrent and convolution states (the slot's first pages) and the K/V of the full-attention layer go out
+    and come back with every bit: a session hibernated to host memory, or to the session store and read back by a
+    new engine (a worker restart), continues with transformers' greedy tokens."""
+    prompt, want = folder.prompts[2], folder.expected[2]  # 100 tokens: over a 64-token block
+    eng = Engine.load(str(folder.path), device="cpu", max_sessions=2, max_context=512, host_cache_bytes=64 << 20,
+                      session_store=tmp_path)
+    try:
+        sid = eng.create_session(owner="alice")
+        eng.append(sid, token_ids=prompt)
+        got = eng.generate(sid, max_tokens=8, ignore_eos=True).token_ids
+        assert eng.hibernate(sid) and eng.residency() == (0, 1, 0)
+        got += eng.generate(sid, max_tokens=8, ignore_eos=True).token_ids  # from host memory
+        assert eng.hibernate(sid) and eng.persist() == 1  # to disk: the clean stop
+    finally:
+        eng.table.close()  # the worker stops: its session is in the store, not closed
+    again = Engine.load(str(folder.path), device="cpu", max_sessions=2, max_context=512, session_store=tmp_path)
+    try:
+        assert again.sessions() == [sid] and again.session_owner(sid) == "alice"
+        got += again.generate(sid, max_tokens=NEW_TOKENS - 16, ignore_eos=True).token_ids  # from disk
+        assert got == want
+    finally:
+        again.unload()

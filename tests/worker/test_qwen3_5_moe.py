@@ -126,7 +126,7 @@ def test_a_fork_mid_generation_continues_exactly_as_its_parent(engine: Engine, f
 
 def teacher_forced(engine: Engine, prompt: list[int], tokens: list[int], chunk: int = CHUNK) -> torch.Tensor:
     """Logits after the prompt (prefilled in chunks of `chunk`) and after each of `tokens` but the last (decode rows)."""
-    slot = engine.table.create()
+    slot = engine.table.create(engine.max_context)
     try:
         for start in range(0, len(prompt), chunk):
             part = prompt[start : start + chunk]

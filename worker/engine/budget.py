@@ -11,3 +11,7 @@ from __future__ import annotations
 CPU_STEP_TOKENS = 256
 GPU_STEP_TOKENS = 2048  # also the rows of the largest prefill graph (worker.engine.graphs)
 PREFILL_CHUNK = {"cpu": 256, "cuda": 512}
+
+# Positions a session's slot is backed ahead of its next rows when pages allow (cuda_state.table): its next page is
+# mapped this many tokens before the first token that needs it, between steps.
+AHEAD_TOKENS = 16

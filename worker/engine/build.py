@@ -13,7 +13,7 @@ import torch
 
 from cuda_state import SessionTable
 from cuda_state.select import Choice, open_backend, select_backend
-from worker.engine.budget import CPU_STEP_TOKENS, GPU_STEP_TOKENS
+from worker.engine.budget import AHEAD_TOKENS, CPU_STEP_TOKENS, GPU_STEP_TOKENS
 from worker.engine.executor import EagerExecutor, Executor
 from worker.engine.options import EngineOptions
 from worker.model.batch import NO_KERNELS
@@ -37,7 +37,7 @@ class Parts(NamedTuple):
 
 
 def build_parts(model: str | None, device: str, max_sessions: int, max_context: int, step_tokens: int | None,
-                options: EngineOptions) -> Parts:
+                options: EngineOptions, state_pages: int | None = None, host_page_bytes: int | None = None) -> Parts:
     """Load weights once, build the model on the chosen device, open the session table and make the executor."""
     if max_sessions < 1:
         raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
@@ -49,7 +49,7 @@ def build_parts(model: str | None, device: str, max_sessions: int, max_context: 
         configure_gpu(options)
     loaded = load_model(model)
     llama = build_model(loaded, choice.device, max_context, options)
-    table = open_table(choice, llama, max_sessions)
+    table = open_table(choice, llama, max_sessions, state_pages, host_page_bytes)
     executor = make_executor(llama, table, options)
     return Parts(llama, loaded.tokenizer, table, executor, loaded.config.name,
                  step_tokens or (GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS))
@@ -92,16 +92,19 @@ def build_model(loaded: LoadedModel, device: torch.device, max_context: int, opt
     return llama
 
 
-def open_table(choice: Choice, llama: Llama, max_sessions: int) -> SessionTable:
-    """The session table, sized by free memory after the weights and the GPU workspace. On the GPU closed sessions'
-    slots stay mapped for the next ones (no driver allocation per session); the worker releases those unused for
-    a while (Engine.release_idle_slots)."""
+def open_table(choice: Choice, llama: Llama, max_sessions: int, state_pages: int | None = None,
+               host_page_bytes: int | None = None) -> SessionTable:
+    """The session table: `max_sessions` slots of max_context each in virtual memory, backed page by page as sessions
+    grow, the pages bounded by `state_pages` and, on the GPU, by free memory after the weights and the workspace.
+    On the GPU closed sessions' slots keep their first page for the next ones (no driver allocation per session);
+    the worker releases those unused for a while (Engine.release_idle_slots)."""
     if choice.device.type != "cuda":
-        return SessionTable(open_backend(choice, llama.state_spec(), max_sessions))
+        return SessionTable(open_backend(choice, llama.state_spec(), max_sessions, page_budget=state_pages,
+                                         host_page_bytes=host_page_bytes), ahead_tokens=AHEAD_TOKENS)
     from worker.engine.workspace import workspace_bytes
 
-    backend = open_backend(choice, llama.state_spec(), max_sessions, workspace_bytes(llama))
-    return SessionTable(backend, keep_mapped=backend.num_slots - 1)
+    backend = open_backend(choice, llama.state_spec(), max_sessions, workspace_bytes(llama), page_budget=state_pages)
+    return SessionTable(backend, keep_mapped=backend.num_slots - 1, ahead_tokens=AHEAD_TOKENS)
 
 
 def make_executor(llama: Llama, table: SessionTable, options: EngineOptions) -> Executor:

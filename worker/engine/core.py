@@ -26,21 +26,25 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections import deque
-from collections.abc import Generator, Sequence
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
+from typing import TypeVar
 
 import structlog
 import torch
 
-from cuda_state import SessionTable
+from cuda_state import CapacityExhausted, SessionTable
 from worker.engine.budget import PREFILL_CHUNK
 from worker.engine.build import build_parts
 from worker.engine.detokenizer import Detokenizer
 from worker.engine.executor import Executor
+from worker.engine.hibernation import Hibernation, SessionLost, Stored
 from worker.engine.options import EngineOptions
 from worker.engine.sampling import RowRandom, SamplingParams, sample_ids, step_logprobs
 from worker.engine.scheduler import StepPlan, schedule
-from worker.engine.session import Chunk, Generation, Launched, Request, Session, TokenLogprob
+from worker.engine.session import NO_SLOT, Chunk, Generation, Launched, Request, Session, TokenLogprob
 from worker.errors import BadRequest, ContextOverflow, EngineError, SessionBusy, SessionExists, SessionNotFound
 from worker.model.llama import Llama
 from worker.model.tokenizer import Tokenizer
@@ -48,12 +52,14 @@ from worker.model.tokenizer import Tokenizer
 __all__ = ["Chunk", "Engine", "Generation", "Launched", "SamplingParams"]
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 MAX_APPEND_TOKENS = 1 << 20
 # Pinned host buffers (and their events) the sampled ids of a step are copied into, used in turn: at most two
 # launched steps are unread at a time (the one in flight and the one being launched), so a buffer is free again
 # long before its turn comes back.
 ID_COPIES = 4
+MAX_LOST_REMEMBERED = 1 << 16  # sessions whose stored state was lost, answered session_lost (oldest forgotten first)
 
 
 class Engine:
@@ -92,6 +98,11 @@ class Engine:
         # rewrites them. A state that is not laid out by position (a recurrent state, seq_axis None) is advanced by
         # every token run into it, so `computed` must always say what the launched steps leave there (see _retire).
         self._rewritable = table.spec.positional
+        self._starved: list[Request] = []  # requests whose session could not get its next pages: they end "capacity"
+        self.hibernation: Hibernation | None = None  # set by enable_hibernation
+        self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose stored state was lost
+        self.on_restore: Callable[[float, str], None] | None = None  # (seconds, "host" | "disk") of each restore
+        self.hibernated = self.restored = 0  # counts, for the metrics
 
     # -- construction -------------------------------------------------------------------------
 
@@ -105,18 +116,47 @@ class Engine:
         step_tokens: int | None = None,
         cuda_graphs: bool = True,
         options: EngineOptions | None = None,
+        state_pages: int | None = None,
+        host_cache_bytes: int = 0,
+        session_store: str | Path | None = None,
+        host_page_bytes: int | None = None,
     ) -> Engine:
         """Load weights once and open the session table. model None = the bundled SmolLM2.
 
         `options`: the GPU path's switches (None: read from the WORKER_* variables, EngineOptions.from_env);
-        cuda_graphs False turns graphs off whatever they say."""
+        cuda_graphs False turns graphs off whatever they say. `state_pages`: the pages all sessions may hold together
+        (None: as many as fit). `host_cache_bytes`, `session_store`: where hibernated sessions go (see
+        enable_hibernation); sessions found in the store are served again. `host_page_bytes`: the CPU backend's page
+        (default 2 MiB, the GPU's); the GPU's is its allocation granularity."""
         options = EngineOptions.from_env() if options is None else options
         if not cuda_graphs:
             options = dataclasses.replace(options, cuda_graphs=False)
-        engine = cls(*build_parts(model, device, max_sessions, max_context, step_tokens, options))
-        log.info("engine_ready", model=engine.model_name, device=engine.device, capacity=engine.table.capacity,
-                 bytes_per_session=engine.table.bytes_per_session, max_context=engine.max_context)
+        engine = cls(*build_parts(model, device, max_sessions, max_context, step_tokens, options, state_pages,
+                                  host_page_bytes))
+        if host_cache_bytes > 0 or session_store is not None:
+            engine.enable_hibernation(host_cache_bytes, session_store)
+        table = engine.table
+        log.info("engine_ready", model=engine.model_name, device=engine.device, capacity=table.capacity,
+                 bytes_per_session=table.bytes_per_session, max_context=engine.max_context, page_bytes=table.page_bytes,
+                 page_budget=table.page_budget, token_bytes=table.spec.token_bytes,
+                 tokens_per_page=table.page_bytes // max(1, table.spec.token_bytes))
         return engine
+
+    def enable_hibernation(self, host_cache_bytes: int, session_store: str | Path | None) -> list[str]:
+        """Idle sessions may hibernate: their state copied to host memory (at most `host_cache_bytes`, pinned on a
+        GPU) and, with `session_store`, on to checksummed files there, and their pages released. Sessions the store
+        already holds (a worker stopped cleanly) are served again: their ids, oldest first."""
+        self.hibernation = Hibernation(self.model_name, self.table.spec.fingerprint(), host_cache_bytes, session_store,
+                                       pin=self.model.device.type == "cuda")
+        found = self.hibernation.index()
+        for stored in found:
+            if stored.session_id in self._sessions:
+                continue
+            self._sessions[stored.session_id] = Session(stored.session_id, NO_SLOT, stored.tokens, stored.computed,
+                                                        owner=stored.owner)
+        if found:
+            log.info("sessions_found_in_store", sessions=len(found), store=str(session_store))
+        return [s.session_id for s in found]
 
     def unload(self) -> None:
         """Free what load() built, in reverse: the steps in flight end, then the executor's graphs, the session
@@ -146,7 +186,14 @@ class Engine:
 
     @property
     def free_slots(self) -> int:
-        return self.table.free_slots
+        """Sessions a create can admit now: free slots as far as free pages go, and, with hibernation on, every idle
+        session in a slot (the least recently used one hibernates for a create that finds no page). What the broker
+        places sessions by."""
+        free = self.table.free_slots
+        h = self.hibernation
+        if h is None or not h.enabled:
+            return free
+        return free + sum(1 for s in self._sessions.values() if s.resident and s.request is None)
 
     @property
     def bytes_per_session(self) -> int:
@@ -154,6 +201,22 @@ class Engine:
 
     def sessions(self) -> list[str]:
         return list(self._sessions)
+
+    def session_owner(self, session_id: str) -> str:
+        return self._session(session_id).owner
+
+    def set_owner(self, session_id: str, owner: str) -> None:
+        """The client a session belongs to: kept with its state when it hibernates, and given back after a restart."""
+        self._session(session_id).owner = owner
+
+    def residency(self) -> tuple[int, int, int]:
+        """Sessions (resident in a slot, hibernated in host memory, hibernated on disk)."""
+        h = self.hibernation
+        host, disk = (0, 0) if h is None else (len(h.host), len(h.disk))
+        return len(self._sessions) - host - disk, host, disk
+
+    def is_resident(self, session_id: str) -> bool:
+        return self._session(session_id).resident
 
     def session_length(self, session_id: str) -> int:
         return len(self._session(session_id).tokens)
@@ -163,11 +226,13 @@ class Engine:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def create_session(self, session_id: str | None = None) -> str:
-        """A new empty session. Raises CapacityExhausted when the table is full."""
+    def create_session(self, session_id: str | None = None, owner: str = "") -> str:
+        """A new empty session. Raises CapacityExhausted when no slot or page is left (after hibernating idle sessions
+        when that is enabled)."""
         sid = self._new_id(session_id)
-        slot = self.table.create()
-        self._sessions[sid] = Session(sid, slot)
+        slot = self._with_room(self.table.create)
+        self._lost.pop(sid, None)
+        self._sessions[sid] = Session(sid, slot, owner=owner)
         log.debug("session_created", session=sid, slot=slot)
         return sid
 
@@ -182,18 +247,27 @@ class Engine:
         if parent.request is not None:
             raise SessionBusy(f"session {session_id} is generating: fork it after the generation ends")
         sid = self._new_id(child_id)
-        slot = self.table.clone(parent.slot, parent.computed)
-        self._sessions[sid] = Session(sid, slot, list(parent.tokens), parent.computed)
+        self._resident(parent)
+        slot = self._with_room(lambda: self.table.clone(parent.slot, parent.computed), keep=parent)
+        parent.used_at = time.monotonic()
+        self._lost.pop(sid, None)
+        self._sessions[sid] = Session(sid, slot, list(parent.tokens), parent.computed, owner=parent.owner)
         log.debug("session_forked", session=sid, parent=session_id, slot=slot, copied=parent.computed)
         return sid
 
     def close(self, session_id: str) -> None:
         """Free the session's slot. An in-flight generation on it ends with finish_reason "cancelled"."""
+        if session_id in self._lost and session_id not in self._sessions:
+            del self._lost[session_id]  # its state was lost: nothing is left of it
+            return
         session = self._session(session_id)
         if session.request is not None:
             self._cancel(session.request)
         del self._sessions[session_id]
-        self.table.free(session.slot)  # waits for device work that used the slot
+        if session.resident:
+            self.table.free(session.slot)  # waits for device work that used the slot
+        elif self.hibernation is not None:
+            self.hibernation.drop(session_id)
         log.debug("session_closed", session=session_id)
 
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int:
@@ -202,7 +276,9 @@ class Engine:
         ids = self._prompt(session, token_ids, text)
         if session.request is not None:
             raise SessionBusy(f"session {session_id} is generating: append after the generation ends")
+        self._resident(session)  # a hibernated copy holds the session's tokens too: it comes back before they change
         session.tokens.extend(ids)
+        session.used_at = time.monotonic()
         return len(session.tokens)
 
     def _prompt(self, session: Session, token_ids: Sequence[int] | None, text: str | None) -> list[int]:
@@ -343,6 +419,8 @@ class Engine:
             raise BadRequest(f"request id {rid} is already in flight")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids)
         request = Request(rid, session, params, RowRandom.for_params(params), Detokenizer(self.tokenizer, params.stop), stop_ids)
+        self._resident(session)  # a hibernated session is restored first: refused whole if it cannot be
+        session.used_at = time.monotonic()
         session.tokens.extend(ids)
         if params.max_tokens == 0 and session.computed >= len(session.tokens) - 1:
             self._finished.append(Chunk(rid, session.id, [], "", "length"))  # nothing to prefill
@@ -382,7 +460,7 @@ class Engine:
             if self._unread is None:
                 self._unread = self._launch(self._plan(None))
                 if self._unread is None or self.overlap:
-                    return chunks  # read in the next call: meanwhile the caller takes requests
+                    return chunks + self._end_starved()  # read in the next call: meanwhile the caller takes requests
             elif self.overlap and self._ahead is None:
                 self._ahead = self._launch_after(self._unread)
             launched = self._unread
@@ -391,6 +469,7 @@ class Engine:
             self._unread, self._ahead = self._ahead, None
             self.last_read = True
             chunks += self._update(launched)
+            chunks += self._end_starved()
         except BaseException:
             if not self._rewritable:  # the failed steps may have advanced their sessions' state: rebuild it
                 self._forget_state([*self._active.values(), *self._rows_of(self._unread), *self._rows_of(self._ahead)])
@@ -399,7 +478,53 @@ class Engine:
         return chunks
 
     def _plan(self, last: Launched | None) -> StepPlan:
-        return schedule(self._active.values(), last, self.step_tokens, self.prefill_chunk, self.max_context)
+        """The next step, every session in it backed for its rows (pages mapped here, between steps, never under a
+        step that reads them). A request whose session cannot get its pages, even after idle sessions hibernate, is
+        starved: the step is planned again without it, and it ends "capacity" once no launched step holds it."""
+        while True:
+            plan = schedule(self._active.values(), last, self.step_tokens, self.prefill_chunk, self.max_context)
+            starved = self._back(plan)
+            if not starved:
+                return plan
+            for request in starved:
+                request.starved = True
+                self._starved.append(request)
+            log.info("generations_out_of_pages", requests=len(starved), free_pages=self.table.free_pages)
+
+    def _back(self, plan: StepPlan) -> list[Request]:
+        """Map the pages the plan's rows reach into; the requests whose sessions could not get them."""
+        table = self.table
+        starved: list[Request] = []
+        for request, tokens in plan.reach:
+            slot = request.session.slot
+            if table.covers(slot, tokens):
+                continue
+            try:
+                self._with_room(lambda: table.ensure(slot, tokens), keep=request.session)  # noqa: B023  (called now)
+            except CapacityExhausted:
+                starved.append(request)
+        return starved
+
+    def _end_starved(self) -> list[Chunk]:
+        """The starved requests that no launched step holds any more end "capacity": their sessions keep every token
+        accepted so far, the last one pending, as after any generation."""
+        if not self._starved:
+            return []
+        in_flight = {id(r) for r in (*self._rows_of(self._unread), *self._rows_of(self._ahead))}
+        chunks: list[Chunk] = []
+        waiting: list[Request] = []
+        for request in self._starved:
+            if request.finish_reason is not None:
+                continue
+            if id(request) in in_flight:
+                waiting.append(request)
+                continue
+            request.finish_reason = "capacity"
+            request.detok.flush()
+            self._retire(request)
+            chunks.append(Chunk(request.id, request.session.id, [], request.detok.take(True), "capacity"))
+        self._starved = waiting
+        return chunks
 
     def _launch_after(self, last: Launched) -> Launched | None:
         """The step after `last`, queued before `last` is read: what the scheduler will pick once it is read.
@@ -563,6 +688,7 @@ class Engine:
 
     def _retire(self, request: Request) -> None:
         request.session.request = None
+        request.session.used_at = time.monotonic()
         self._active.pop(request.id, None)
         if not self._rewritable:
             end = self._state_after(request, sample_dropped=request.finish_reason == "cancelled")
@@ -616,8 +742,134 @@ class Engine:
     def _session(self, session_id: str) -> Session:
         session = self._sessions.get(session_id) if isinstance(session_id, str) else None
         if session is None:
+            if isinstance(session_id, str) and session_id in self._lost:
+                raise SessionLost(f"session {session_id}: its hibernated state was lost")
             raise SessionNotFound(f"no session {session_id!r} on this worker")
         return session
+
+    # -- hibernation ----------------------------------------------------------------------------
+
+    def hibernate(self, session_id: str) -> bool:
+        """Copy an idle session's state to host memory (or disk) and release its pages. False when it cannot now
+        (generating, in a step still running, hibernation off or full); its next request restores it."""
+        return self._hibernate(self._session(session_id))
+
+    def hibernate_idle(self, older_than_s: float) -> int:
+        """Hibernate the sessions no request has touched for `older_than_s`. Returns how many hibernated."""
+        cutoff = time.monotonic() - older_than_s
+        idle = sorted((s for s in self._sessions.values() if s.resident and s.request is None and s.used_at <= cutoff),
+                      key=lambda s: s.used_at)
+        return sum(self._hibernate(s) for s in idle)
+
+    def persist(self) -> int:
+        """Write every session to the session store (a clean stop): resident ones hibernate, host copies go to disk.
+        Returns how many sessions the store holds; those that could not be written are logged."""
+        h = self.hibernation
+        if h is None or h.store is None:
+            return 0
+        for session in list(self._sessions.values()):
+            if session.resident and not self._hibernate(session):
+                log.warning("session_not_persisted", session=session.id)
+        h.persist()
+        return len(h.disk)
+
+    def restore(self, session_id: str) -> None:
+        """Bring a hibernated session back into a slot (a no-op for a resident one)."""
+        self._resident(self._session(session_id))
+
+    def _in_flight(self) -> set[int]:
+        return {id(r.session) for r in (*self._rows_of(self._unread), *self._rows_of(self._ahead))}
+
+    def _hibernate(self, session: Session, in_flight: set[int] | None = None) -> bool:
+        h = self.hibernation
+        if h is None or not h.enabled or not session.resident or session.request is not None:
+            return False
+        if id(session) in (self._in_flight() if in_flight is None else in_flight):
+            return False  # a step still running holds a row of it: its state is not final yet
+        nbytes = self.table.spec.bytes_for(session.computed)
+        if not h.admits(nbytes, session.id):
+            return False
+        state = h.buffer(nbytes)
+        state.copy_(self.table.prefix(session.slot, session.computed), non_blocking=True)  # ordered after the steps
+        if self.model.device.type == "cuda":
+            self.table.mark_used([session.slot])
+            torch.cuda.current_stream(self.model.device).synchronize()
+        try:
+            h.put(Stored(session.id, session.owner, list(session.tokens), session.computed, nbytes, state))
+        except (OSError, SessionLost) as e:
+            log.warning("hibernation_failed", session=session.id, error=str(e))
+            return False
+        self.table.free(session.slot)
+        session.slot = NO_SLOT
+        self.hibernated += 1
+        log.debug("session_hibernated", session=session.id, tokens=session.computed, bytes=nbytes)
+        return True
+
+    def _resident(self, session: Session) -> None:
+        """Restore a hibernated session into a slot: refused with CapacityExhausted (it stays hibernated) when no
+        slot or page can be had, SessionLost (it is gone) when its stored state is missing or corrupt."""
+        if session.resident:
+            return
+        h = self.hibernation
+        if h is None:
+            raise SessionLost(f"session {session.id} has no slot and no stored state")
+        start = time.perf_counter()
+        source = "host" if session.id in h.host else "disk"
+        try:
+            stored = h.take(session.id)
+        except SessionLost:
+            self._lose(session)
+            raise
+        assert stored.state is not None
+        try:
+            slot = self._with_room(lambda: self.table.create(stored.computed), keep=session)
+        except CapacityExhausted:
+            if source == "disk":
+                stored.state = None  # read again next time: the file stays the truth
+            raise
+        self.table.prefix(slot, stored.computed).copy_(stored.state, non_blocking=True)
+        if self.model.device.type == "cuda":
+            self.table.mark_used([slot])
+            torch.cuda.current_stream(self.model.device).synchronize()  # the host copy is released below
+        session.slot, session.computed = slot, stored.computed
+        h.drop(session.id)
+        self.restored += 1
+        seconds = time.perf_counter() - start
+        if self.on_restore is not None:
+            self.on_restore(seconds, source)
+        log.debug("session_restored", session=session.id, source=source, tokens=stored.computed,
+                  ms=round(seconds * 1e3, 3))
+
+    def _lose(self, session: Session) -> None:
+        """A hibernated session whose state cannot be read back: gone, answered session_lost from now on."""
+        log.warning("session_lost", session=session.id, reason="stored state missing or corrupt")
+        self._sessions.pop(session.id, None)
+        if self.hibernation is not None:
+            self.hibernation.forget(session.id)
+        self._lost[session.id] = None
+        if len(self._lost) > MAX_LOST_REMEMBERED:
+            self._lost.popitem(last=False)
+
+    def _with_room(self, make: Callable[[], _T], keep: Session | None = None) -> _T:
+        """make(), hibernating the least recently used idle session while it finds no slot or page."""
+        in_flight: set[int] | None = None
+        while True:
+            try:
+                return make()
+            except CapacityExhausted:
+                if in_flight is None:
+                    in_flight = self._in_flight()
+                if not self._evict_one(keep, in_flight):
+                    raise
+
+    def _evict_one(self, keep: Session | None, in_flight: set[int]) -> bool:
+        h = self.hibernation
+        if h is None or not h.enabled:
+            return False
+        idle = sorted((s for s in self._sessions.values()
+                       if s.resident and s.request is None and s is not keep and id(s) not in in_flight),
+                      key=lambda s: s.used_at)
+        return any(self._hibernate(s, in_flight) for s in idle)
 
     def _new_id(self, session_id: str | None) -> str:
         if session_id is None:

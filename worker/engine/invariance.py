@@ -68,10 +68,10 @@ def keep_row_invariant_buckets(ex: Replays) -> None:
     dropped_prefill: list[int] = []
     try:
         wanted = max(ex.buckets[-2] if len(ex.buckets) > 1 else 0, INVARIANCE_CHECK_CHUNKS)
-        for _ in range(min(wanted, ex.table.capacity)):
-            slots.append(ex.table.create())
         span = min(INVARIANCE_CHECK_POSITIONS, ex.model.max_context - 1)
         filled = min(span + (ex.long_rows_from or 0), ex.model.max_context - 1)  # long rows reach past span
+        for _ in range(min(wanted, ex.table.capacity)):
+            slots.append(ex.table.create(filled + 1))  # backed for every position the check's rows reach
         for buf in ex.table.spec.buffers:
             view = ex.state[buf.name]
             for slot in slots:

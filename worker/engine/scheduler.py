@@ -43,6 +43,7 @@ class StepPlan:
         self._sampled_positions: list[int] = []
         self.partial: list[tuple[Request, int, int]] = []  # prompt chunks that sample nothing
         self.prefill_tokens = 0
+        self.reach: list[tuple[Request, int]] = []  # per request: the positions its slot must back (one past its last)
 
     def __len__(self) -> int:
         """Requests in the step."""
@@ -58,11 +59,13 @@ class StepPlan:
         self._ahead_positions.append(position)
         self._ahead_slots.append(request.session.slot)
         self._picks.append(pick)
+        self.reach.append((request, position + 1))
 
     def add(self, request: Request, start: int, n: int) -> None:
         """`n` of the session's tokens from position `start`; the request samples if they end its tokens
         (a decode row always does)."""
         s = request.session
+        self.reach.append((request, start + n))
         if n == 1:
             self._decode.append(request)
             self._decode_positions.append(start)
@@ -83,6 +86,7 @@ class StepPlan:
     def prefill(self, request: Request, start: int, n: int) -> None:
         """`n` prompt tokens from position `start` that sample nothing, even one alone (a prefill-only request)."""
         s = request.session
+        self.reach.append((request, start + n))
         self._tokens += s.tokens[start : start + n]
         self._positions += range(start, start + n)
         self._slots += [s.slot] * n
@@ -109,12 +113,14 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
     """The next step: a decode row for every generating session, then whole prompt chunks of at most `prefill_chunk`
     tokens in arrival order while they fit `budget` tokens. With `last` (launched, not read yet), its generating
     sessions decode the ids it samples, read on the device, unless it ends them by length; its prompt chunks count
-    as computed."""
+    as computed. A request whose session could not get the pages for its next rows (`starved`) gets no more rows."""
     sampled = {} if last is None else {id(r): i for i, r in enumerate(last.sampled)}
     computed = {} if last is None else {id(r): p + n for r, p, n in last.partial}
     plan = StepPlan(None if last is None else last.ids)
     limit = max_context - 1
     for request in active:
+        if request.starved:
+            continue
         i = sampled.get(id(request))
         if i is not None:
             assert last is not None

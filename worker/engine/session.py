@@ -17,7 +17,8 @@ TokenLogprob = tuple[float, bytes, tuple[tuple[int, float, bytes], ...]]
 
 @dataclass(slots=True)
 class Chunk:
-    """What one step produced for one request. finish_reason: None, "stop", "length" or "cancelled"."""
+    """What one step produced for one request. finish_reason: None, "stop", "length", "cancelled"
+    or "capacity" (its session could not get the pages to grow)."""
 
     request_id: str
     session_id: str
@@ -51,6 +52,10 @@ class Request:
     generated: int = 0  # sampled tokens, EOS included
     finish_reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    starved: bool = False  # its session could not get the pages for its next rows: it ends "capacity"
+
+
+NO_SLOT = -1  # a hibernated session's slot
 
 
 @dataclass
@@ -63,10 +68,16 @@ class Session:
     engine ran ahead has already taken it in: then computed counts it, see Engine._state_after)."""
 
     id: str
-    slot: int
+    slot: int  # NO_SLOT while hibernated (its state in host memory or on disk)
     tokens: list[int] = field(default_factory=list)
     computed: int = 0
     request: Request | None = None
+    owner: str = ""  # the client it belongs to, kept with its state when it hibernates
+    used_at: float = field(default_factory=time.monotonic)  # when a request last touched it
+
+    @property
+    def resident(self) -> bool:
+        return self.slot != NO_SLOT
 
     @property
     def pending(self) -> int:

@@ -57,7 +57,7 @@ def attend(  # type: ignore[no-untyped-def]  # Triton reads the signature
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK):
-        n = start + offs_n
+        n = (start + offs_n).to(tl.int64)  # a position steps over a whole token block (cuda_state.spec): 64-bit offsets
         kv_mask = (n < hi)[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK, BLOCK_D)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (ROWS, BLOCK) fp32

@@ -21,6 +21,7 @@ class WorkerConfig:
     curve: CurveClient | None = None  # the broker's public key and this worker's pair
     session_idle_timeout_s: float = 0.0  # 0: sessions never expire
     metrics: bool = False  # keep Prometheus metrics (for --metrics-port)
+    hibernate_after_s: float = 0.0  # idle sessions hibernate after this long (0: only when pages run out)
 
 
 @dataclass(frozen=True)

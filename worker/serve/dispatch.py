@@ -62,7 +62,8 @@ class EngineAPI(Protocol):
     def bytes_per_session(self) -> int: ...
     @property
     def prefill_running(self) -> bool: ...
-    def create_session(self, session_id: str | None = None) -> str: ...
+    def create_session(self, session_id: str | None = None, owner: str = "") -> str: ...
+    def session_owner(self, session_id: str) -> str: ...
     def fork(self, session_id: str, child_id: str | None = None) -> str: ...
     def close(self, session_id: str) -> None: ...
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int: ...
@@ -171,6 +172,14 @@ class Dispatch:
         self.tokenized_chars = 0  # characters tokenized off the loop since the loop last looked (it trims the heap)
         self._tokenizer: ThreadPoolExecutor | None = None
 
+    def adopt_sessions(self) -> None:
+        """Take on the sessions the engine already holds (brought back from its session store after a restart):
+        their owners, and now as their last use."""
+        now = time.monotonic()
+        for sid in self.engine.sessions():
+            self.owners[sid] = self.engine.session_owner(sid)
+            self._last_used[sid] = now
+
     # -- requests --
 
     def handle(self, request: p.Message, ids: list[int] | None = None) -> list[p.Message]:
@@ -233,6 +242,10 @@ class Dispatch:
             log.info("request_refused", command=request.COMMAND.name, code=code.value, error=str(e)[:512], request=rid,
                      session=sid or None)
         self.metrics.error(code)
+        if code is p.ErrorCode.SESSION_LOST and sid and sid in self.owners:  # its stored state was lost: not ours now
+            self.owners.pop(sid, None)
+            self._last_used.pop(sid, None)
+            self.sessions_changed = True
         answer = p.Error(request_id=rid, code=code, message=str(e) or type(e).__name__).routed(
             getattr(request, "route", b""))
         self._remember((sid, rid), answer)
@@ -312,7 +325,7 @@ class Dispatch:
             self._refuse_if_draining("new sessions")
             if request.session_id is None:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "CREATE needs the broker's session_id")
-            sid = e.create_session(request.session_id)
+            sid = e.create_session(request.session_id, owner=request.owner)
             self.owners[sid] = request.owner
             self.routes[sid] = request.route
             self._last_used[sid] = time.monotonic()

@@ -13,16 +13,20 @@
   PREFILL_WAIT_SLICE_S. They queue their device work behind the running steps instead of waiting for them.
 - Sessions idle longer than `session_idle_timeout_s` (no request, no generation) are closed; the broker
   hears of it in the next HEARTBEAT (`expired`), and a later request gets `session_expired`.
+- Sessions idle longer than `hibernate_after_s` hibernate (worker.engine.hibernation): their state goes to host
+  memory or the session store and their pages are released; their next request brings them back.
 - A long text is tokenized on a thread of its own (worker.serve.dispatch): the loop takes the request's ids when
   they are there (`Dispatch.completed`, woken by the link), and afterwards gives the C heap's free memory back to
   the system (a 4M-character text's tokenization takes hundreds of MB for a moment).
 - SIGTERM/SIGINT: drain. New sessions and generations get worker_draining (the broker stops placing
-  here when the next heartbeat says so), generations in flight finish, then DISCONNECT and exit.
+  here when the next heartbeat says so), generations in flight finish; with a session store every session is
+  written there (a worker started with the same store serves them again); then DISCONNECT and exit.
   A second signal, or the drain timeout, cancels what is still running.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +54,7 @@ PREFILL_WAIT_SLICE_S = 1e-4
 # thread each of those cost the loop ~150 us (H100) against ~60 us read by the loop itself.
 BUSY_LINGER_S = 0.25
 SLOT_KEEP_S = 2.0  # a closed session's slot stays mapped this long for a new session, then is released
+COUNT_REFRESH_S = 0.25  # how often free slots and where sessions are is read again for the heartbeat and metrics
 MAX_STEP_FAILURES = 3  # consecutive failed engine steps before the worker gives up and leaves
 TRIM_AFTER_CHARS = 1 << 18  # characters tokenized off the loop after which the heap is trimmed, once none is left
 
@@ -65,6 +70,9 @@ class Serve:
         self.steps = 0  # engine steps read: the progress the broker watches for
         self._next_expiry_check = float("inf") if config.session_idle_timeout_s <= 0 else 0.0
         self._next_slot_release = 0.0
+        self._next_hibernation = float("inf") if config.hibernate_after_s <= 0 else 0.0
+        self._residency_now = (0, 0, 0)  # sessions resident / in host memory / on disk, for the metrics thread
+        self._next_count = 0.0
         self.state = WorkerState(engine.free_slots, tuple(engine.sessions()))
         self.link = Link(config, self.ready_message, lambda: self.state, lambda: self.steps)
         self.pulse = Pulse()  # /healthz: run() beats it every turn
@@ -75,15 +83,26 @@ class Serve:
                                          memory=torch_memory(engine.device))
         self.dispatch = Dispatch(engine, config, sampling, self.metrics)
         self.dispatch.on_tokenized = self.link.wake_loop
+        self.dispatch.adopt_sessions()
+        if isinstance(self.metrics, WorkerMetrics) and hasattr(engine, "on_restore"):
+            engine.on_restore = self.metrics.restored
+        self.state = WorkerState(engine.free_slots, tuple(engine.sessions()), False,
+                                 tuple(self.dispatch.owners.get(sid, "") for sid in engine.sessions()))
 
     def metrics_snapshot(self) -> WorkerSnapshot:
         """Read on the metrics thread: only values this loop replaces whole."""
         state = self.state
         table = getattr(self.engine, "table", None)  # the real engine's session table (not the test fakes)
+        if table is None:
+            return WorkerSnapshot(sessions=len(state.sessions), capacity=self.engine.capacity,
+                                  free_slots=state.free_slots, running=len(self.dispatch.active),
+                                  bytes_per_session=self.engine.bytes_per_session, draining=state.draining)
+        resident, in_host, on_disk = self._residency
         return WorkerSnapshot(sessions=len(state.sessions), capacity=self.engine.capacity, free_slots=state.free_slots,
                               running=len(self.dispatch.active), bytes_per_session=self.engine.bytes_per_session,
-                              draining=state.draining,
-                              mapped_bytes=None if table is None else table.backend.mapped_bytes())
+                              draining=state.draining, mapped_bytes=table.backend.mapped_bytes(),
+                              resident=resident, in_host=in_host, on_disk=on_disk, pages=table.backend.mapped_pages,
+                              page_budget=table.page_budget, hibernated=getattr(self.engine, "hibernated", 0))
 
     def ready_message(self) -> p.Ready:
         """On the link thread: the state the loop replaced last, and each session's latest client (single dict reads)."""
@@ -126,6 +145,10 @@ class Serve:
                     self._expire_idle(now)
                 if now >= self._next_slot_release:
                     self._release_slots(now)
+                if now >= self._next_hibernation:
+                    self._hibernate_idle(now)
+                if now >= self._next_count:
+                    self._refresh_counts(now)
                 if self.engine.has_work() and not self._step():
                     self.link.stop("engine failed", refuse=p.ErrorCode.SESSION_LOST)
                     return 1
@@ -135,6 +158,7 @@ class Serve:
             raise
         finally:
             self.dispatch.close()
+        self._persist()
         log.info("worker_drained")
         self.link.stop("drained")
         return 0
@@ -215,8 +239,47 @@ class Serve:
         if released:
             log.debug("slots_released", slots=released)
 
+    def _hibernate_idle(self, now: float) -> None:
+        """Hibernate the sessions idle longer than hibernate_after_s (their state to host memory or disk)."""
+        after = self.config.hibernate_after_s
+        self._next_hibernation = now + min(1.0, after / 4)
+        hibernate = getattr(self.engine, "hibernate_idle", None)
+        if hibernate is not None and hibernate(after):
+            self._refresh_state()
+
+    def _persist(self) -> None:
+        """A clean stop with a session store: every session is written there, for the next worker to serve."""
+        persist = getattr(self.engine, "persist", None)
+        if persist is None:
+            return
+        try:
+            stored = persist()
+        except Exception:
+            log.exception("sessions_not_persisted")
+            return
+        if stored:
+            log.info("sessions_persisted", sessions=stored)
+
+    @property
+    def _residency(self) -> tuple[int, int, int]:
+        return self._residency_now
+
+    def _refresh_counts(self, now: float) -> None:
+        """Free slots move as sessions grow and hibernate, not only as they come and go: the heartbeat's and the
+        metrics' numbers are refreshed every COUNT_REFRESH_S."""
+        self._next_count = now + COUNT_REFRESH_S
+        free = self.engine.free_slots
+        if free != self.state.free_slots:
+            self.state = dataclasses.replace(self.state, free_slots=free)
+        residency = getattr(self.engine, "residency", None)
+        if residency is not None:
+            self._residency_now = residency()
+
     def _refresh_state(self) -> None:
         self.dispatch.sessions_changed = False
         sessions = tuple(self.engine.sessions())
         owners = tuple(self.dispatch.owners.get(sid, "") for sid in sessions)
         self.state = WorkerState(self.engine.free_slots, sessions, self.draining, owners)
+        residency = getattr(self.engine, "residency", None)
+        if residency is not None:
+            self._residency_now = residency()

@@ -24,12 +24,16 @@ count; the sum may be one step ahead. Names follow vLLM's (`vllm:time_to_first_t
     sessionserve:session_bytes, session_state_bytes                gauges   one session's state; memory mapped for slots
     sessionserve:num_requests_running                              gauge    generations in flight
     sessionserve:draining                                          gauge    1 while draining
+    sessionserve:sessions{where}                                   gauge    sessions resident / host / disk (hibernated)
+    sessionserve:state_pages, state_page_budget                    gauges   pages sessions hold; the most they may hold
+    sessionserve:sessions_hibernated_total                         counter  sessions hibernated (idle, or pages short)
+    sessionserve:session_restore_seconds{source}                   histogram a hibernated session back in a slot
     sessionserve:gpu_memory_allocated_bytes, ..._reserved_bytes    gauges   torch's CUDA allocator (CUDA only)
     sessionserve:engine_steps_total                                counter  engine steps that ran a batch
     sessionserve:prompt_tokens_total, generation_tokens_total      counters tokens prefilled / delivered
     sessionserve:requests_total{command}                           counter  requests from the broker
     sessionserve:request_errors_total{code}                        counter  requests answered with an error
-    sessionserve:request_success_total{finished_reason}            counter  generations ended: stop, length, cancelled
+    sessionserve:request_success_total{finished_reason}            counter  generations ended: stop, length, cancelled, capacity
     sessionserve:time_to_first_token_seconds                       histogram admission -> first token
     sessionserve:inter_token_latency_seconds                       histogram between two tokens of a generation
     sessionserve:e2e_request_latency_seconds                       histogram admission -> end of a generation
@@ -73,7 +77,9 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025,
                 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-FINISH_REASONS = ("stop", "length", "cancelled")  # "error": counted in request_errors_total, not here
+RESTORE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+RESTORE_SOURCES = ("host", "disk")
+FINISH_REASONS = ("stop", "length", "cancelled", "capacity")  # "error": counted in request_errors_total, not here
 MAX_OPEN = 1 << 16  # generations tracked at once; past this the oldest is forgotten (a missed finish)
 LABELS = ("worker", "model", "device")
 
@@ -133,6 +139,12 @@ class WorkerSnapshot:
     bytes_per_session: int = 0
     draining: bool = False
     mapped_bytes: int | None = None  # what the session table has mapped (slots in use plus the spare), if known
+    resident: int | None = None  # sessions in a slot; None: the engine does not hibernate sessions
+    in_host: int = 0  # hibernated sessions in host memory
+    on_disk: int = 0  # hibernated sessions in the session store
+    pages: int | None = None  # pages the sessions hold, if known
+    page_budget: int = 0
+    hibernated: int = 0  # sessions hibernated so far
 
 
 def torch_memory(device: str) -> Callable[[], dict[str, float]] | None:
@@ -211,6 +223,7 @@ class WorkerMetrics:
         self.batch = Buckets(BATCH_BUCKETS)
         self.iteration_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
         self.request_tokens = Buckets(buckets_1_2_5(max(max_context, 1)))
+        self.restore = {source: Buckets(RESTORE_BUCKETS) for source in RESTORE_SOURCES}
         # generations in flight: key -> start time; and those still waiting for their first token
         self._started: dict[str, float] = {}
         self._waiting_first: dict[str, float] = {}
@@ -282,6 +295,12 @@ class WorkerMetrics:
         self.e2e.observe(t - start)
         self.request_tokens.observe(tokens)
 
+    def restored(self, seconds: float, source: str) -> None:
+        """A hibernated session was brought back from `source` ("host" or "disk") in `seconds`."""
+        buckets = self.restore.get(source)
+        if buckets is not None:
+            buckets.observe(seconds)
+
     # -- the scrape ---------------------------------------------------------------------------------
 
     def snapshot(self) -> WorkerSnapshot:
@@ -321,6 +340,13 @@ class _WorkerCollector(Collector):
                               m.batch)
         yield self._histogram("iteration_tokens_total", "Tokens per engine step (prefill and generated).",
                               m.iteration_tokens)
+        restore = HistogramMetricFamily(PREFIX + "session_restore_seconds",
+                                        "Time to bring a hibernated session back into a slot, by where it was.",
+                                        labels=[*LABELS, "source"])
+        for source, buckets in m.restore.items():
+            cumulative, total = buckets.cumulative()
+            restore.add_metric([*m.labels, source], cumulative, total)
+        yield restore
 
     def _gauges(self, s: WorkerSnapshot, memory: dict[str, float]) -> Iterator[Metric]:
         used = s.capacity - s.free_slots
@@ -336,11 +362,22 @@ class _WorkerCollector(Collector):
             values.append(("session_bytes", "Device memory of one session's state.", s.bytes_per_session))
             values.append(("session_state_bytes", "Memory mapped for session state (slots in use, and the spare).",
                            used * s.bytes_per_session if s.mapped_bytes is None else s.mapped_bytes))
+        if s.pages is not None:
+            values.append(("state_pages", "Pages of state memory the sessions hold.", s.pages))
+            values.append(("state_page_budget", "Pages of state memory the sessions may hold together.", s.page_budget))
         values += [(name, name.replace("_", " ") + ".", value) for name, value in sorted(memory.items())]
         for name, doc, value in values:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
             family.add_metric(self.m.labels, value)
             yield family
+        if s.resident is not None:
+            where = GaugeMetricFamily(PREFIX + "sessions", "Sessions by where their state is: resident (in a slot), "
+                                      "host (hibernated in host memory), disk (hibernated in the session store).",
+                                      labels=[*LABELS, "where"])
+            for name, value in (("resident", s.resident), ("host", s.in_host), ("disk", s.on_disk)):
+                where.add_metric([*self.m.labels, name], value)
+            yield where
+            yield self._counter("sessions_hibernated", "Sessions hibernated (idle, or pages short).", s.hibernated)
 
     def _counter(self, name: str, doc: str, value: int) -> Metric:
         family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)

@@ -34,7 +34,7 @@ def cpu_greedy(engine: object, prompts: list[list[int]], n: int) -> list[Referen
 
     assert isinstance(engine, Engine)
     table, executor = engine.table, engine.executor
-    slots = [table.create() for _ in prompts]
+    slots = [table.create(len(p) + n) for p in prompts]  # backed for every position the rows reach
     try:
         tokens: list[int] = []
         positions: list[int] = []
@@ -92,11 +92,11 @@ def teacher_forced(cpu: Engine, gpu: Engine, prompt: list[int], tokens: list[int
     the sequence forced: on the CPU in one step, on the GPU the prompt in prefill replays of `chunk` tokens (all of
     it in one when None), then every token a decode step (a graph). Each engine's slot is freed after."""
     seq, n = prompt + tokens, len(prompt)
-    cpu_slot = cpu.table.create()
+    cpu_slot = cpu.table.create(cpu.max_context)
     expected = cpu.executor.execute(StepRows(seq, list(range(len(seq))), [cpu_slot] * len(seq),
                                              list(range(n - 1, len(seq)))))
     cpu.table.free(cpu_slot)
-    slot = gpu.table.create()
+    slot = gpu.table.create(gpu.max_context)
     try:
         step = chunk or n
         for start in range(0, n, step):

@@ -160,8 +160,7 @@ def test_triton_decode_reads_a_vmm_slab_whose_first_slots_are_unmapped() -> None
     spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
     backend = VmmBackend(spec, 4, torch.device("cuda", 0))
     try:
-        backend.map(2)
-        backend.zero(2)
+        backend.grow(2, backend.pages_per_slot)
         k_all, v_all = backend.views()["k"], backend.views()["v"]
         k_all[2].normal_()
         v_all[2].normal_()
@@ -175,6 +174,41 @@ def test_triton_decode_reads_a_vmm_slab_whose_first_slots_are_unmapped() -> None
             expected = attention_reference(q, k, v, slots, lengths)
             torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
         backend.mark_used([2])
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_triton_decode_reads_only_the_pages_a_session_holds() -> None:
+    """A slot backed page by page: a row reads its first `length` positions and never past them, so a session whose
+    slot maps only the pages its tokens need is read right, and nothing touches the unmapped rest (an access there
+    would kill the process)."""
+    from cuda_state import BufferSpec, StateSpec
+    from cuda_state.vmm import VmmBackend
+    from worker.kernels.attention import decode_attention
+
+    shape = (8, 8, 4096, 128)  # 32 KiB a token: 64 tokens a 2 MiB page
+    spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
+    backend = VmmBackend(spec, 4, torch.device("cuda", 0))
+    try:
+        tokens = spec.tokens_in(2, backend.page_bytes)
+        assert tokens == 128 and backend.pages_per_slot == 64
+        backend.grow(1, 2)  # 128 of its 4,096 positions
+        k_all, v_all = backend.views()["k"], backend.views()["v"]
+        k_all[1, :, :, :tokens].normal_()
+        v_all[1, :, :, :tokens].normal_()
+        k, v = k_all[:, 5], v_all[:, 5]
+        spare = backend.num_slots - 1
+        q = torch.randn(4, 16, 128, device="cuda", dtype=torch.bfloat16)
+        slots = torch.tensor([1, spare, 1, 1], device="cuda")
+        lengths = torch.tensor([100, 1, tokens, 64], device="cuda", dtype=torch.int32)
+        for splits in (None, 1, 4):
+            out = decode_attention(q, k, v, slots, lengths, splits=splits)
+            expected = attention_reference(q, k, v, slots, lengths)
+            torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+        torch.cuda.synchronize()
+        backend.mark_used([1])
     finally:
         backend.close()
 

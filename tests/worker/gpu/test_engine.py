@@ -65,10 +65,10 @@ def test_gpu_logits_match_the_cpu_within_bf16_tolerance(
     for ref in references[:3]:
         seq = ref.prompt + ref.tokens
         n = len(ref.prompt)
-        cpu_slot = cpu_engine.table.create()
+        cpu_slot = cpu_engine.table.create(cpu_engine.max_context)
         cpu = cpu_engine.executor.execute(StepRows(seq, list(range(len(seq))), [cpu_slot] * len(seq), list(range(n - 1, len(seq)))))
         cpu_engine.table.free(cpu_slot)
-        slot = gpu_engine.table.create()
+        slot = gpu_engine.table.create(gpu_engine.max_context)
         try:
             rows = [gpu_engine.executor.execute(StepRows(ref.prompt, list(range(n)), [slot] * n, [n - 1]))]
             for i, token in enumerate(ref.tokens):

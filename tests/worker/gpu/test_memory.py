@@ -1,6 +1,6 @@
-"""Memory: the weights packed in one allocation and loaded once, each session's slot as large as the table
-says, device memory back to its baseline after session churn, and a closed slot that a running step still
-uses neither reused unzeroed nor released under it."""
+"""Memory: the weights packed in one allocation and loaded once, each session holding the pages its tokens need,
+device memory back to its baseline after session churn, and a closed slot that a running step still uses neither
+reused unzeroed nor released under it."""
 
 from __future__ import annotations
 
@@ -64,8 +64,10 @@ def test_weights_once_and_memory_per_session(loaded: Loaded, gpu_engine: object)
     base = device_free_bytes()
     sids = [gpu_engine.create_session() for _ in range(table.capacity)]
     used = base - device_free_bytes()
-    expected = table.capacity * table.slot_bytes
-    assert abs(used - expected) <= 0.01 * expected, (used, expected)
+    first = table.spec.pages_for(table.ahead_tokens, table.page_bytes)  # an empty session: its first positions
+    assert [table.pages(gpu_engine._sessions[sid].slot) for sid in sids] == [first] * table.capacity
+    expected = table.capacity * first * table.page_bytes  # the pages sessions hold, not their slots
+    assert abs(used - expected) <= PAGE_TABLE_SLACK, (used, expected)
     assert table.slot_bytes == table.spec.slot_bytes(table.backend.granularity)
     with pytest.raises(CapacityExhausted):
         gpu_engine.create_session()
@@ -147,7 +149,8 @@ def test_closing_a_session_inflight_waits_for_the_step(gpu_engine: object, refer
     assert gpu_engine._sessions[c].slot == sa.slot  # slot a again, its zeroing queued behind the step
     torch.cuda.synchronize()
     state = gpu_engine.table.views()
-    assert all(torch.count_nonzero(state[name][sa.slot]) == 0 for name in ("k", "v"))  # the step's K/V: zeroed
+    room = gpu_engine.table.room(sa.slot)  # the positions its mapped page holds (the rest is not mapped)
+    assert all(torch.count_nonzero(state[name][sa.slot][:, :, :room]) == 0 for name in ("k", "v"))  # zeroed
     assert logits[1].argmax().item() == references[1].tokens[1]
 
     torch.cuda._sleep(400_000_000)
