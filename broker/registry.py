@@ -54,6 +54,7 @@ class WorkerRecord:
     closing: set[str] = field(default_factory=set)
     bytes_per_session: int = 0
     seen_at: float = 0.0  # when the broker last heard from it (monotonic)
+    cordoned: bool = False  # `broker drain`: no new session is placed here (kept while the worker stays registered)
 
     @property
     def free(self) -> int:
@@ -95,8 +96,11 @@ class Registry:
 
     # -- workers ---------------------------------------------------------------------------------
 
-    def register(self, identity: bytes, ready: Ready, now: float = 0.0) -> WorkerRecord:
-        """Add a worker, or refresh one that registers again; its session list is authoritative."""
+    def register(self, identity: bytes, ready: Ready, now: float = 0.0,
+                 conflicts: list[str] | None = None) -> WorkerRecord:
+        """Add a worker, or refresh one that registers again; its session list is authoritative, but for the sessions
+        another live worker holds already: those it claims are added to `conflicts` (not its own: it is to drop
+        them)."""
         record = self.workers.get(identity)
         if record is None:
             record = self.workers[identity] = WorkerRecord(identity, "", "", 0, 0, 0)
@@ -112,7 +116,8 @@ class Registry:
         owners = ready.owners or ("",) * len(ready.sessions)
         holders = ready.holders or (NO_CLIENT,) * len(ready.sessions)
         for sid, owner, client in zip(ready.sessions, owners, holders, strict=True):
-            self.add_session(identity, sid, owner, client, now)
+            if not self.add_session(identity, sid, owner, client, now) and conflicts is not None:
+                conflicts.append(sid)
         return record
 
     def remove(self, identity: bytes) -> WorkerRecord | None:
@@ -139,8 +144,8 @@ class Registry:
             return False
         known = self._sessions.get(session_id)
         if known is not None and known.worker != identity:
-            log.error("session_conflict", session=session_id, holder=self.workers[known.worker].name,
-                      claimant=record.name)
+            log.warning("session_conflict", session=session_id, holder=self.workers[known.worker].name,
+                        claimant=record.name, detail="the first to register keeps it; the other is told to drop it")
             return False
         if known is None:
             self._sessions[session_id] = SessionRecord(identity, owner, client, now, length)
@@ -150,6 +155,19 @@ class Registry:
         record.sessions.add(session_id)
         self._gone.pop(session_id, None)
         return True
+
+    def move_session(self, session_id: str, identity: bytes) -> None:
+        """The session is held by worker `identity` from now on (a move ended), with its owner, client and length."""
+        known = self._sessions.get(session_id)
+        record = self.workers.get(identity)
+        if known is None or record is None:
+            return
+        old = self.workers.get(known.worker)
+        if old is not None:
+            old.sessions.discard(session_id)
+            old.closing.discard(session_id)
+        known.worker = identity
+        record.sessions.add(session_id)
 
     def drop_session(self, session_id: str, why: Gone | None = None) -> None:
         """The session is closed (why None), expired or closed by its lease."""

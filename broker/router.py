@@ -47,6 +47,8 @@ from broker.admission import DEFAULT_MAX_WORKER_SESSIONS, Admission
 from broker.common import protocol as p
 from broker.counters import RouterCounters
 from broker.liveness import Liveness
+from broker.moves import Held as MoveHeld
+from broker.moves import Moves
 from broker.placement import NoPlacement, place
 from broker.registry import NO_CLIENT, Gone, Registry, WorkerRecord
 
@@ -58,6 +60,7 @@ MAX_LOST_SESSIONS = 1 << 16  # sessions declared lost, remembered (per worker) t
 DROP_LOG_S = 10.0  # dropped messages are logged at warning at most this often per reason (a flood is counted)
 ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNKS, p.Command.ERROR, p.Command.FANOUT})
 CONTROL = frozenset({p.Command.READY, p.Command.HEARTBEAT, p.Command.DISCONNECT})  # what else a worker sends
+MOVE_RELAYED = frozenset({p.Command.MOVE_STATE, p.Command.MOVE_CHUNK})  # source -> target, through the broker
 LEASE_ROUTE = b"\x00lease"  # the route of the broker's own CLOSEs: no client has it (ids from a zero byte are ZeroMQ's)
 ADMIN_COMMANDS = frozenset({p.Command.INFO, p.Command.CLOSE, p.Command.CANCEL})  # what an admin key may do to any session
 
@@ -149,6 +152,7 @@ class Router:
         self._now = now
         self._out: list[Send] = []
         self.counters = RouterCounters()  # read by broker.metrics at scrape time
+        self.moves = Moves(self.registry, self._move_send, self._route_held, self._move_answer)
 
     # -- entry points (each returns what to send) ---------------------------------------------------
 
@@ -158,7 +162,7 @@ class Router:
         self._client_gone.pop(route, None)  # it spoke: it is there
         try:
             envelope = p.decode_envelope(frames)
-            if envelope.command not in p.REQUEST_COMMANDS:
+            if envelope.command not in p.REQUEST_COMMANDS and envelope.command not in p.BROKER_COMMANDS:
                 raise p.ProtocolError(
                     p.ErrorCode.BAD_REQUEST, f"{envelope.command.name} is not a client request",
                     request_id=p.request_id_of(envelope.header),
@@ -177,6 +181,8 @@ class Router:
             self._create(route, message, now, user)
         elif isinstance(message, p.SESSION_REQUEST_TYPES):
             self._route(route, message, now, user)
+        elif isinstance(message, (p.DrainWorker, p.Rebalance)):
+            self._moves_request(route, message, now, user)
         return self._flush()
 
     def worker_message(self, identity: bytes, frames: list[bytes], now: float) -> list[Send]:
@@ -204,6 +210,9 @@ class Router:
                 self._drop("malformed", identity, f"{command.name}: {e.message}")
                 return []
             self._answer(record, envelope, frames, now)
+            return self._flush()
+        if command in MOVE_RELAYED or command is p.Command.MOVE_REPORT:
+            self._move_message(identity, record, command, frames, now)
             return self._flush()
         if command not in CONTROL:  # a request, WELCOME, RECONNECT, DROP...: nothing a worker sends; dropped unread
             self._drop("unexpected", identity, f"{command.name} is not a worker's message")
@@ -262,6 +271,7 @@ class Router:
                 self._time_out(now)
         if self.held and not self.recovering(now):
             self._release_held(now)
+        self.moves.tick(now)
         return self._flush()
 
     def undeliverable(self, send: Send, failure: Failure, now: float) -> list[Send]:
@@ -400,11 +410,16 @@ class Router:
             log.info("admin_request", command=request.COMMAND.name, session=request.session_id, admin=user)
         else:  # the session's own client (without keys, any client): its connection holds the lease now
             self.registry.used(request.session_id, route, now)
-        if isinstance(request, p.Cancel):  # one-way: nothing to track
+        if isinstance(request, p.Cancel):  # one-way: nothing to track (during a move: to the source, which may run it)
             self._to_worker(worker, request.routed(route), None)
             return
         key = (route, request.request_id)
         flight = self.inflight.get(key)
+        if request.session_id in self.moves.moving and not (flight is not None and flight.worker == worker.identity):
+            refused = self.moves.hold(route, request, user)  # a resend of what runs on the source goes there
+            if refused is not None:
+                self._error(route, request.request_id, refused.code, refused.message)
+            return
         if flight is not None and (flight.command is not request.COMMAND or flight.worker != worker.identity):
             self._reused_id(route, request.request_id, flight)
             return
@@ -543,8 +558,8 @@ class Router:
 
     def _close_for_lease(self, session_id: str, now: float) -> None:
         worker = self.registry.worker_of(session_id)
-        if worker is None or session_id in worker.closing:
-            return
+        if worker is None or session_id in worker.closing or session_id in self.moves.moving:
+            return  # (a moving session is closed by a later round, on the worker it moved to)
         key = (LEASE_ROUTE, f"lease-{secrets.token_hex(8)}")
         close = p.Close(request_id=key[1], session_id=session_id, route=LEASE_ROUTE)
         self.inflight[key] = InFlight(worker.identity, p.Command.CLOSE, session_id, now)
@@ -561,12 +576,15 @@ class Router:
             self._refuse_ready(identity, problem)
             return
         ready, dropped = self._without_lost(identity, ready)
+        ready = self._without_moving_in(identity, ready)
         before = self.registry.workers.get(identity)
         again = before is not None
         # A worker cut off for a while re-sends READY on its backoff; they all arrive when the link is back.
         # Repeats that change nothing are logged at debug.
         unchanged = before is not None and (before.sessions, before.draining) == (set(ready.sessions), ready.draining)
-        self.registry.register(identity, ready, now)
+        conflicts: list[str] = []
+        record = self.registry.register(identity, ready, now, conflicts)
+        dropped += tuple(conflicts)  # another worker holds them (a move's two copies after a broker restart)
         self.counters.worker_registered(again)
         self.liveness.seen(identity, now)
         self._asked_to_register.pop(identity, None)
@@ -589,6 +607,18 @@ class Router:
             self._out.append(Send(Peer.WORKER, identity, p.encode(p.Drop(sessions=dropped))))
         if self.held:
             self._release_held(now)
+        if ready.evacuate:
+            self.moves.evacuate(record, now)
+
+    def _without_moving_in(self, identity: bytes, ready: p.Ready) -> p.Ready:
+        """The READY without the sessions moving to this worker: the copy it imported is not routed to before the
+        source has closed its own (broker.moves)."""
+        kept = [i for i, sid in enumerate(ready.sessions) if not self.moves.claimed_by_target(identity, sid)]
+        if len(kept) == len(ready.sessions):
+            return ready
+        return replace(ready, sessions=tuple(ready.sessions[i] for i in kept),
+                       owners=tuple(ready.owners[i] for i in kept) if ready.owners else (),
+                       holders=tuple(ready.holders[i] for i in kept) if ready.holders else ())
 
     def _without_lost(self, identity: bytes, ready: p.Ready) -> tuple[p.Ready, tuple[str, ...]]:
         """The READY without the sessions declared lost with this worker, and those (to be dropped there). The worker's
@@ -616,6 +646,8 @@ class Router:
         self._out.append(Send(Peer.WORKER, identity, p.encode(error)))
 
     def _heartbeat(self, record: WorkerRecord, beat: p.Heartbeat) -> None:
+        if beat.evacuate:  # it drains and asks for its sessions to move where they can (once per evacuation)
+            self.moves.evacuate(record, self._now)
         record.draining = beat.draining
         if beat.free_slots is not None:
             record.free_slots = beat.free_slots
@@ -672,6 +704,12 @@ class Router:
             if flight is not None:
                 del self.inflight[key]
                 self._account(identity, flight, envelope, key)
+                if flight.create is not None and envelope.command is p.Command.ERROR and \
+                        envelope.header.get("code") == p.ErrorCode.WORKER_DRAINING.value:
+                    record.draining = True  # it drains (its heartbeat will say so): the create goes elsewhere
+                    self.counters.creates_replaced += 1
+                    self._create(route, flight.create, now, flight.user)
+                    return
         if route == LEASE_ROUTE:  # the answer to a close of the broker's own
             return
         if envelope.command is p.Command.ERROR:
@@ -759,9 +797,13 @@ class Router:
         self.liveness.forget(identity)
         self._ready_owed.discard(identity)
         self._suspended.pop(identity, None)
+        if identity not in self.registry.workers:
+            return
+        copies, held = self.moves.worker_gone(identity, now)
         record = self.registry.remove(identity)
         if record is None:
             return
+        self._remember_lost(identity, copies)  # copies of sessions moving to it: dropped there should it come back
         self.counters.worker_lost(reason, len(record.sessions))
         failed = [key for key, flight in self.inflight.items() if flight.worker == identity]
         planned = reason == "disconnected: drained" and not record.sessions and not failed  # a clean shutdown
@@ -783,6 +825,7 @@ class Router:
             log.info("create_placed_again", request=request_id, lost_worker=record.name)
             self.counters.creates_replaced += 1
             self._create(route, request, now, user)
+        self._route_held(held)
 
     def _remember_lost(self, identity: bytes, sessions: Iterable[str]) -> None:
         known = self._lost.setdefault(identity, set())
@@ -820,6 +863,59 @@ class Router:
             elif self.admission.has_token(identity, p.Command.READY, now):
                 self._ready_owed.discard(identity)
                 self._out.append(Send(Peer.WORKER, identity, p.encode(p.Reconnect(broker_id=self.broker_id))))
+
+    # -- moving sessions (broker.moves) -----------------------------------------------------------
+
+    def _moves_request(self, route: bytes, request: p.DrainWorker | p.Rebalance, now: float, user: str) -> None:
+        """DRAIN or REBALANCE from a client (with keys, an admin's): answered once the moves have ended."""
+        if self.settings.authenticated and user not in self.admins:
+            self._error(route, request.request_id, p.ErrorCode.UNAUTHORIZED,
+                        f"{request.COMMAND.name} is for admin keys (the broker's keys/admins/)")
+            return
+        key = (route, request.request_id)
+        if isinstance(request, p.Rebalance):
+            self.moves.rebalance(key, now, lambda sid: not any(
+                f.session_id == sid for f in self.inflight.values()))
+            return
+        named = [w for w in self.registry.workers.values() if w.name == request.worker]
+        if len(named) != 1:
+            self._error(route, request.request_id, p.ErrorCode.BAD_REQUEST,
+                        f"no worker named {request.worker!r}" if not named else
+                        f"{len(named)} workers are named {request.worker!r}")
+            return
+        self.moves.drain(named[0], key, now)
+
+    def _move_message(self, identity: bytes, record: WorkerRecord | None, command: p.Command, frames: list[bytes],
+                      now: float) -> None:
+        """MOVE_STATE and MOVE_CHUNK (relayed to their move's target) and MOVE_REPORT from a registered worker."""
+        if record is None:
+            self._drop("unregistered", identity, f"{command.name} from a peer that is not registered")
+            self._ask_to_register(identity, now)
+            return
+        if command in MOVE_RELAYED:
+            why = self.moves.relay(record, command, frames)
+        else:
+            try:
+                report = p.decode(frames)
+            except p.ProtocolError as e:
+                self._drop("malformed", identity, f"{command.name}: {e.message}")
+                return
+            assert isinstance(report, p.MoveReport)
+            why = self.moves.report(record, report, now)
+        if why is not None:
+            self._drop("unexpected", identity, why)
+
+    def _move_send(self, identity: bytes, message: p.Message | list[bytes]) -> None:
+        frames = message if isinstance(message, list) else p.encode(message)
+        self._out.append(Send(Peer.WORKER, identity, frames))
+
+    def _route_held(self, held: list[MoveHeld]) -> None:
+        """Requests held while their session moved, routed now (to where it is, or answered if it is gone)."""
+        for route, request, user in held:
+            self._route(route, request, self._now, user)
+
+    def _move_answer(self, key: RequestKey, message: p.Message) -> None:
+        self._reply(key[0], message)
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -128,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = WorkerConfig(
         broker=args.broker, name=args.name, drain_timeout_s=args.drain_timeout, reconnect_max_ms=args.reconnect_max_ms,
         curve=curve, session_idle_timeout_s=args.session_idle_timeout, metrics=args.metrics_port is not None,
-        hibernate_after_s=args.hibernate_after,
+        hibernate_after_s=args.hibernate_after, test_move_pause=move_pause_option(os.environ.get("WORKER_TEST_MOVE_PAUSE")),
+        test_corrupt_moves=os.environ.get("WORKER_TEST_CORRUPT_MOVES") == "1",
     )
     serve: Serve | None = None
     stop_requested = False
@@ -187,6 +188,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if metrics_server is not None:
             metrics_server.close()
+
+
+MOVE_STEPS = ("export", "release", "import")
+
+
+def move_pause_option(value: str | None) -> tuple[str, float] | None:
+    """WORKER_TEST_MOVE_PAUSE=STEP:SECONDS (tests only): where a move sleeps (see WorkerConfig.test_move_pause)."""
+    if not value:
+        return None
+    step, _, seconds = value.partition(":")
+    try:
+        pause = float(seconds)
+    except ValueError:
+        pause = -1.0
+    if step not in MOVE_STEPS or not 0 < pause <= 600:
+        raise SystemExit(f"worker: WORKER_TEST_MOVE_PAUSE: expected one of {', '.join(MOVE_STEPS)}:SECONDS "
+                         f"(0 < SECONDS <= 600), got {value!r}")
+    return step, pause
 
 
 def announce_waiting(registered: threading.Event, broker: str) -> None:

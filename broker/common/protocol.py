@@ -8,10 +8,12 @@ Every message is one ZeroMQ multipart message (a ROUTER adds the peer's routing 
 - command is one of `Command` (ASCII).
 - header is a msgpack map with string keys. Its fields are validated into the typed message of the
   command (REPLY: of its `kind`); unknown fields are ignored so that a newer peer may add some.
-- payload: no command defines payload frames yet; a message that carries any is a `bad_request`.
+- payload: only MOVE_CHUNK carries one (the state bytes it moves); any other message that carries any is a
+  `bad_request`.
 
 Legs:
     client -> broker:          CREATE APPEND CHAT GENERATE FORK CLOSE INFO CANCEL STATUS SESSIONS
+                               DRAIN REBALANCE (answered by the broker once their moves are done)
     broker -> worker:          the same requests plus `route` (the client's routing id), and for
                                CREATE and FORK the session id the broker made (STATUS and SESSIONS are
                                answered by the broker itself)
@@ -19,6 +21,9 @@ Legs:
     worker -> broker:          FANOUT (a step's CHUNKS for several clients, sent on by the broker)
     broker -> client:          LEASE (the broker holds sessions for this client; nothing answers it)
     worker <-> broker:         READY WELCOME HEARTBEAT RECONNECT DISCONNECT DROP
+    moving a session:          broker -> source MOVE; source -> broker -> target MOVE_STATE then MOVE_CHUNKs;
+                               workers -> broker MOVE_REPORT; broker -> workers MOVE_END; broker -> a draining
+                               worker EVACUATED (docs/architecture.md, "Moving sessions")
 
 Streaming: each client gets ONE CHUNKS message per engine step, whose `chunks` list holds a
 {request_id, token_ids, text, offset} map for every streamed request of that client that moved in the step; the
@@ -115,6 +120,15 @@ class Command(Enum):
     RECONNECT = b"RECONNECT"
     DISCONNECT = b"DISCONNECT"
     DROP = b"DROP"  # broker -> worker: sessions declared lost with it, to close
+    # moving a live session between workers (broker.moves, worker.serve.moves)
+    MOVE = b"MOVE"  # broker -> source: send this session's state to the target
+    MOVE_STATE = b"MOVE_STATE"  # source -> broker -> target: the session (tokens, owner, layout, digest)
+    MOVE_CHUNK = b"MOVE_CHUNK"  # source -> broker -> target: a range of its state bytes, as a payload frame
+    MOVE_REPORT = b"MOVE_REPORT"  # worker -> broker: imported / released / aborted / failed
+    MOVE_END = b"MOVE_END"  # broker -> worker: release (the source closes it) or abort (each side forgets the move)
+    EVACUATED = b"EVACUATED"  # broker -> draining worker: the sessions it could move have moved
+    DRAIN = b"DRAIN"  # client -> broker: move every session off a worker and place nothing more there
+    REBALANCE = b"REBALANCE"  # client -> broker: move sessions from fuller to emptier workers of each model
 
 
 COMMANDS: Final = {c.value: c for c in Command}
@@ -135,6 +149,7 @@ class ErrorCode(str, Enum):
 
 
 ERROR_CODES: Final = {c.value: c for c in ErrorCode}
+
 # "capacity": the worker had no memory for the session to grow (its session keeps what it generated).
 FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled", "capacity"})
 
@@ -171,6 +186,10 @@ def error_code(name: str, value: Any) -> Any:
     if not isinstance(value, str):
         raise FieldError(f"{name} must be a string, got {type(value).__name__}")
     return ERROR_CODES.get(value, ErrorCode.INTERNAL)  # a newer peer's code still ends the request
+
+def error_code_or_none(name: str, value: Any) -> Any:
+    """Field check: a wire error code, or None."""
+    return None if value is None else error_code(name, value)
 
 
 
@@ -488,6 +507,7 @@ SESSION_COMMANDS: Final = frozenset(
     {Command.APPEND, Command.CHAT, Command.GENERATE, Command.FORK, Command.CLOSE, Command.INFO, Command.CANCEL}
 )
 REQUEST_COMMANDS: Final = SESSION_COMMANDS | {Command.CREATE, Command.STATUS, Command.SESSIONS}
+BROKER_COMMANDS: Final = frozenset({Command.DRAIN, Command.REBALANCE})  # client -> broker, answered by the broker
 
 
 # -- answers ----------------------------------------------------------------------------------------------
@@ -758,9 +778,45 @@ class Error(Message):
     route: Route = b""
 
 
-Reply = Created | Appended | Generated | Forked | Closed | SessionInfo | StatusReport | SessionList
+@dataclass(frozen=True, slots=True)
+class DrainWorker(Message):
+    """Move every session off the worker named `worker` (to the other workers of its model with room) and place
+    nothing more on it. Answered (MovesDone) once the moves have ended. With keys, for admin keys only."""
+
+    COMMAND: ClassVar[Command] = Command.DRAIN
+    request_id: RequestId
+    worker: Name
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Rebalance(Message):
+    """Move idle sessions from the fullest workers of each model to the emptiest, until their session counts differ by
+    at most one. Answered (MovesDone) once the moves have ended. With keys, for admin keys only."""
+
+    COMMAND: ClassVar[Command] = Command.REBALANCE
+    request_id: RequestId
+    route: Route = b""
+
+
+@dataclass(frozen=True, slots=True)
+class MovesDone(Message):
+    """The answer to DRAIN and REBALANCE: sessions moved, moves that failed (those sessions stayed where they were, or
+    were lost with a worker that died), and sessions left in place (no other worker had room)."""
+
+    COMMAND: ClassVar[Command] = Command.REPLY
+    KIND: ClassVar[str] = "moves"
+    request_id: RequestId
+    moved: Count = 0
+    failed: Count = 0
+    kept: Count = 0
+    route: Route = b""
+
+
+Reply = Created | Appended | Generated | Forked | Closed | SessionInfo | StatusReport | SessionList | MovesDone
 REPLY_KINDS: Final[dict[str, type[Message]]] = {
-    c.KIND: c for c in (Created, Appended, Generated, Forked, Closed, SessionInfo, StatusReport, SessionList)
+    c.KIND: c for c in (Created, Appended, Generated, Forked, Closed, SessionInfo, StatusReport, SessionList,
+                        MovesDone)
 }
 
 
@@ -795,6 +851,7 @@ class Ready(Message):
     # One per session: the route of the client connection that last used it (b"" = none known), so that the broker's
     # leases on sessions (whose client is gone) survive a broker restart.
     holders: Annotated[tuple[bytes, ...], blob_list(MAX_SESSIONS_LISTED, MAX_ROUTE_BYTES)] = ()
+    evacuate: Annotated[bool, boolean] = False  # it drains and asks for its sessions to be moved (as Heartbeat's)
 
     def _check(self) -> None:
         if self.owners and len(self.owners) != len(self.sessions):
@@ -826,6 +883,8 @@ class Heartbeat(Message):
     draining: Annotated[bool, boolean] = False
     steps: Annotated[int | None, integer(0, 2**62, optional=True)] = None
     expired: SessionIds = ()
+    # From a draining worker: move my sessions to the other workers of my model (answered EVACUATED once done).
+    evacuate: Annotated[bool, boolean] = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -853,12 +912,137 @@ class Drop(Message):
     sessions: SessionIds
 
 
+# -- moving sessions between workers ----------------------------------------------------------------------
+
+MOVE_CHUNK_BYTES: Final = 4 << 20  # state bytes in one MOVE_CHUNK's payload frame (the sockets take 8 MiB a frame)
+MAX_STATE_BYTES: Final = 1 << 40
+MAX_CHUNKS_PER_MOVE: Final = MAX_STATE_BYTES // MOVE_CHUNK_BYTES
+DIGEST_BYTES: Final = 32  # BLAKE2b-256
+MAX_KEPT_ANSWERS: Final = 64  # a moved session's recent answers carried along (MoveState.answers)
+MAX_ANSWERS_BYTES: Final = 1 << 20  # and their bytes at most, so that a MOVE_STATE stays far below the frame limit
+MOVE_STATUSES: Final = frozenset({"imported", "released", "aborted", "failed"})
+MOVE_OUTCOMES: Final = frozenset({"release", "abort"})
+MoveId = Annotated[str, text(64, ID_PATTERN)]
+
+
+@dataclass(frozen=True, slots=True)
+class Move(Message):
+    """Broker -> source worker: send session `session_id`'s state (through the broker) to worker `target`, once no
+    request of it is running. The broker holds the session's new requests meanwhile."""
+
+    COMMAND: ClassVar[Command] = Command.MOVE
+    migration: MoveId
+    session_id: SessionId
+    target: Name
+
+
+@dataclass(frozen=True, slots=True)
+class MoveState(Message):
+    """Source -> broker -> target: the moved session, before its `chunks` MOVE_CHUNKs of `nbytes` state bytes. `layout`
+    is the state's layout (cuda_state's StateSpec.fingerprint) and `model` the source's model: the target refuses
+    anything but its own. `digest`: BLAKE2b-256 of this header's session fields and the state bytes
+    (worker.engine.migration.state_digest), checked by the target before it takes the session."""
+
+    COMMAND: ClassVar[Command] = Command.MOVE_STATE
+    migration: MoveId
+    session_id: SessionId
+    tokens: TokenIds
+    computed: Count
+    nbytes: Annotated[int, integer(0, MAX_STATE_BYTES)]
+    chunks: Annotated[int, integer(0, MAX_CHUNKS_PER_MOVE)]
+    model: Name
+    layout: Annotated[str, text(4096)]
+    digest: Annotated[bytes, blob(DIGEST_BYTES)]
+    owner: Owner = ""
+    holder: Route = b""  # the route of the client connection that last used it (its lease)
+    # The source's kept answers to the session's recent requests, each the [command, header] of an answer message, so
+    # that a resent request is answered on the target as on the source, never run again.
+    answers: Annotated[tuple[bytes, ...], blob_list(MAX_KEPT_ANSWERS, MAX_HEADER_BYTES)] = ()
+
+    def _check(self) -> None:
+        if self.computed > len(self.tokens):
+            raise _bad(f"computed {self.computed} exceeds the session's {len(self.tokens)} tokens")
+        if len(self.digest) != DIGEST_BYTES:
+            raise _bad(f"digest must be {DIGEST_BYTES} bytes")
+        if -(-self.nbytes // MOVE_CHUNK_BYTES) != self.chunks:
+            raise _bad(f"{self.nbytes} state bytes come in {-(-self.nbytes // MOVE_CHUNK_BYTES)} chunks, not {self.chunks}")
+
+
+@dataclass(frozen=True, slots=True)
+class MoveChunk(Message):
+    """Source -> broker -> target: state bytes [index * MOVE_CHUNK_BYTES, ...) of a move, as the message's one payload
+    frame (not in the header: the broker forwards it unread)."""
+
+    COMMAND: ClassVar[Command] = Command.MOVE_CHUNK
+    migration: MoveId
+    index: Annotated[int, integer(0, MAX_CHUNKS_PER_MOVE)]
+    data: Annotated[bytes, blob(MOVE_CHUNK_BYTES)]
+
+    def to_header(self) -> dict[str, Any]:
+        return {"migration": self.migration, "index": self.index}
+
+
+@dataclass(frozen=True, slots=True)
+class MoveReport(Message):
+    """Worker -> broker, about a move: the target `imported` the session (digest checked, in its table), the source
+    `released` it (closed), either side `aborted` it (forgot it, as MOVE_END abort asked) or it `failed` there
+    (`code` and `message` say why: a checksum or layout mismatch, no room, the session gone)."""
+
+    COMMAND: ClassVar[Command] = Command.MOVE_REPORT
+    migration: MoveId
+    session_id: SessionId
+    status: Annotated[str, one_of(MOVE_STATUSES)]
+    code: Annotated[ErrorCode | None, error_code_or_none] = None
+    message: Annotated[str, clipped_text(4096)] = ""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveEnd(Message):
+    """Broker -> worker: `release` (to the source, once the target imported it: close the session and report
+    `released`) or `abort` (to either: forget the move; a target closes what it imported, then reports `aborted`)."""
+
+    COMMAND: ClassVar[Command] = Command.MOVE_END
+    migration: MoveId
+    session_id: SessionId
+    outcome: Annotated[str, one_of(MOVE_OUTCOMES)]
+
+
+@dataclass(frozen=True, slots=True)
+class Evacuated(Message):
+    """Broker -> draining worker: the sessions that could move have (`moved`), the rest (`kept`) stay for its drain."""
+
+    COMMAND: ClassVar[Command] = Command.EVACUATED
+    moved: Count = 0
+    kept: Count = 0
+
+
+def pack_answer(message: Message) -> bytes:
+    """An answer message as one MoveState.answers item (its command and header, without route)."""
+    frames = encode(message.routed(b"") if hasattr(message, "route") else message)
+    return bytes(msgpack.packb([frames[1], frames[2]], use_bin_type=True))
+
+
+def unpack_answer(data: bytes) -> Message:
+    """A MoveState.answers item back as its message, every field checked. ProtocolError when it is not one."""
+    try:
+        command, header = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # the trust boundary
+        raise _bad(f"a moved answer is not [command, header]: {type(e).__name__}") from e
+    if not isinstance(command, bytes) or not isinstance(header, bytes) or command not in (
+            Command.REPLY.value, Command.ERROR.value):
+        raise _bad("a moved answer must be a REPLY or an ERROR")
+    return decode([VERSION, command, header])
+
+
+MOVE_TYPES: Final = (Move, MoveState, MoveChunk, MoveEnd, Evacuated)  # what the broker sends a worker about moves
+
+
 _BY_COMMAND: Final[dict[Command, type[Message]]] = {
     c.COMMAND: c
     for c in (
         CreateSession, Append, Chat, Generate, Fork, Close, Info, Cancel, Status,
         Chunks, Fanout, Error, Ready, Welcome, Heartbeat, Reconnect, Disconnect,
-        Sessions, Lease, Drop,
+        Sessions, Lease, Drop, Move, MoveState, MoveReport, MoveEnd, Evacuated, DrainWorker, Rebalance,
     )
 }
 
@@ -876,7 +1060,10 @@ class Envelope:
 
 
 def encode(message: Message) -> list[bytes]:
-    return [VERSION, message.COMMAND.value, msgpack.packb(message.to_header(), use_bin_type=True)]
+    frames = [VERSION, message.COMMAND.value, msgpack.packb(message.to_header(), use_bin_type=True)]
+    if isinstance(message, MoveChunk):
+        frames.append(message.data)
+    return frames
 
 
 def decode_envelope(frames: Sequence[bytes]) -> Envelope:
@@ -906,6 +1093,10 @@ def parse(envelope: Envelope) -> Message:
     """The typed message of a well-formed envelope. Raises ProtocolError (with request_id and route when known)."""
     header = envelope.header
     try:
+        if envelope.command is Command.MOVE_CHUNK:
+            if len(envelope.payload) != 1:
+                raise _bad(f"MOVE_CHUNK takes one payload frame, got {len(envelope.payload)}")
+            return build(MoveChunk, {**header, "data": envelope.payload[0]})
         if envelope.payload:
             raise _bad(f"{envelope.command.name} takes no payload frames, got {len(envelope.payload)}")
         if envelope.command is Command.REPLY:

@@ -36,6 +36,7 @@ import structlog
 import torch
 
 from cuda_state import CapacityExhausted, SessionTable
+from worker.engine import migration
 from worker.engine.budget import PREFILL_CHUNK
 from worker.engine.build import build_parts
 from worker.engine.detokenizer import Detokenizer
@@ -776,6 +777,21 @@ class Engine:
     def restore(self, session_id: str) -> None:
         """Bring a hibernated session back into a slot (a no-op for a resident one)."""
         self._resident(self._session(session_id))
+
+    # -- moving sessions between workers (worker.engine.migration) --------------------------------
+
+    def export_session(self, session_id: str) -> migration.Snapshot | None:
+        """An idle session's snapshot (it stays here); None while a step launched ahead holds a row of it."""
+        return migration.export_session(self, session_id)
+
+    def check_import(self, session_id: str, tokens: list[int], computed: int, nbytes: int, model: str,
+                     layout: str) -> None:
+        """MoveRefused unless a snapshot with these fields fits this engine (before any byte of it is taken)."""
+        migration.check_snapshot(self, session_id, tokens, computed, nbytes, model, layout)
+
+    def import_session(self, snapshot: migration.Snapshot, digest: bytes) -> str:
+        """A moved session, checked against `digest`, into a slot of its own; refused whole on any mismatch."""
+        return migration.import_session(self, snapshot, digest)
 
     def _in_flight(self) -> set[int]:
         return {id(r.session) for r in (*self._rows_of(self._unread), *self._rows_of(self._ahead))}

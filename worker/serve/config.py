@@ -22,6 +22,11 @@ class WorkerConfig:
     session_idle_timeout_s: float = 0.0  # 0: sessions never expire
     metrics: bool = False  # keep Prometheus metrics (for --metrics-port)
     hibernate_after_s: float = 0.0  # idle sessions hibernate after this long (0: only when pages run out)
+    # Tests of moves only (WORKER_TEST_MOVE_PAUSE=STEP:SECONDS, WORKER_TEST_CORRUPT_MOVES=1, read once by `worker
+    # start`): sleep that long at a step of a move (export, release, import), so that a test can kill a process
+    # there; flip a byte of every state this worker sends.
+    test_move_pause: tuple[str, float] | None = None
+    test_corrupt_moves: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,8 @@ class WorkerState:
     sessions: tuple[str, ...]
     draining: bool = False
     owners: tuple[str, ...] = ()  # one per session
+    evacuate: bool = False  # draining, and waiting for the broker to move its sessions (EVACUATED)
 
     def heartbeat(self, steps: int, expired: tuple[str, ...] = ()) -> p.Heartbeat:
         return p.Heartbeat(free_slots=self.free_slots, sessions=len(self.sessions), draining=self.draining,
-                           steps=steps, expired=expired)
+                           steps=steps, expired=expired, evacuate=self.evacuate)

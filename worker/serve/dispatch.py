@@ -171,6 +171,8 @@ class Dispatch:
         self.on_tokenized: Callable[[], None] = lambda: None  # called on the tokenizer's thread when ids are ready
         self.tokenized_chars = 0  # characters tokenized off the loop since the loop last looked (it trims the heap)
         self._tokenizer: ThreadPoolExecutor | None = None
+        self.moving: set[str] = set()  # sessions being moved to another worker (worker.serve.moves): not expired
+        self.evacuating = False  # draining, its sessions moving off: new sessions are refused, the rest is served
 
     def adopt_sessions(self) -> None:
         """Take on the sessions the engine already holds (brought back from its session store after a restart):
@@ -179,6 +181,58 @@ class Dispatch:
         for sid in self.engine.sessions():
             self.owners[sid] = self.engine.session_owner(sid)
             self._last_used[sid] = now
+
+    # -- moving sessions (worker.serve.moves) --
+
+    def busy(self, session_id: str) -> bool:
+        """Whether a request of the session runs (a generation, a text being tokenized, requests behind it)."""
+        return session_id in self._by_session or session_id in self.tokenizing
+
+    def adopt(self, session_id: str, owner: str, route: bytes, answers: Sequence[bytes] = ()) -> None:
+        """Take on a session moved here: its owner, its client's route, and its kept answers (for resends)."""
+        self.owners[session_id] = owner
+        if route:
+            self.routes[session_id] = route
+        self._last_used[session_id] = time.monotonic()
+        self._expired.pop(session_id, None)
+        for packed in answers:
+            try:
+                answer = p.unpack_answer(packed)
+            except p.ProtocolError as e:
+                log.info("moved_answer_invalid", session=session_id, error=e.message)
+                continue
+            rid = getattr(answer, "request_id", None)
+            if isinstance(rid, str):
+                self._remember((session_id, rid), answer)
+        self.sessions_changed = True
+
+    def release(self, session_id: str) -> None:
+        """The session moved away (or a move into here was aborted): closed here, nothing answered."""
+        try:
+            self.engine.close(session_id)
+        except Exception as e:
+            log.info("release_failed", session=session_id, error=str(e))
+        self.owners.pop(session_id, None)
+        self.routes.pop(session_id, None)
+        self._last_used.pop(session_id, None)
+        self.sessions_changed = True
+
+    def answers_of(self, session_id: str) -> tuple[bytes, ...]:
+        """The answers kept for the session's requests, newest first, packed (at most MAX_KEPT_ANSWERS, within
+        MAX_ANSWERS_BYTES): they go with it when it moves."""
+        packed: list[bytes] = []
+        size = 0
+        for (sid, _), answer in reversed(self._done.items()):
+            if sid != session_id:
+                continue
+            data = p.pack_answer(answer)
+            if size + len(data) > p.MAX_ANSWERS_BYTES:
+                continue
+            packed.append(data)
+            size += len(data)
+            if len(packed) == p.MAX_KEPT_ANSWERS:
+                break
+        return tuple(reversed(packed))
 
     # -- requests --
 
@@ -322,7 +376,7 @@ class Dispatch:
         e = self.engine
         name = self.config.name
         if isinstance(request, p.CreateSession):
-            self._refuse_if_draining("new sessions")
+            self._refuse_if_draining("new sessions", sessions=True)
             if request.session_id is None:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "CREATE needs the broker's session_id")
             sid = e.create_session(request.session_id, owner=request.owner)
@@ -366,7 +420,7 @@ class Dispatch:
             self.metrics.generation_started(engine_id, time.perf_counter())
             return None  # answered when the generation finishes
         if isinstance(request, p.Fork):
-            self._refuse_if_draining("new sessions")
+            self._refuse_if_draining("new sessions", sessions=True)
             if request.child_id is None:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "FORK needs the broker's child_id")
             child = e.fork(request.session_id, request.child_id)
@@ -391,8 +445,8 @@ class Dispatch:
                                  max_context=e.max_context, busy=request.session_id in self._by_session)
         raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"a worker does not serve {request.COMMAND.name}")
 
-    def _refuse_if_draining(self, what: str) -> None:
-        if self.draining:
+    def _refuse_if_draining(self, what: str, sessions: bool = False) -> None:
+        if self.draining or (sessions and self.evacuating):
             raise Draining(f"worker {self.config.name} is draining: it takes no {what}")
 
     def _remember(self, key: tuple[str, str], answer: p.Message) -> None:
@@ -516,7 +570,8 @@ class Dispatch:
     def expire_idle(self, now: float) -> list[str]:
         """Close the sessions idle longer than the timeout (not generating); their ids, for the broker."""
         timeout = self.config.session_idle_timeout_s
-        idle = [sid for sid, t in self._last_used.items() if now - t > timeout and sid not in self._by_session]
+        idle = [sid for sid, t in self._last_used.items()
+                if now - t > timeout and sid not in self._by_session and sid not in self.moving]
         for sid in idle:
             try:
                 self.engine.close(sid)

@@ -41,7 +41,8 @@ BUSY_WAIT_S = 1e-3
 MAX_INBOX_BATCH = 1024  # requests taken in one receive
 HANDSHAKE_LOG_S = 10.0  # a refused handshake is logged at most this often (ZeroMQ retries every reconnect)
 REQUEST_COMMANDS = frozenset(t.COMMAND.value for t in p.REQUEST_TYPES)
-LOOP_COMMANDS = REQUEST_COMMANDS | {p.Command.DROP.value}  # passed to the compute loop undecoded
+# Passed to the compute loop undecoded: requests, DROP, and the moves of sessions (worker.serve.moves).
+LOOP_COMMANDS = REQUEST_COMMANDS | {p.Command.DROP.value} | {t.COMMAND.value for t in p.MOVE_TYPES}
 LINK_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 Frames = list[bytes]

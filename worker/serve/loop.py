@@ -40,6 +40,7 @@ from worker.serve.config import WorkerConfig, WorkerState
 from worker.serve.dispatch import Active, Dispatch, EngineAPI
 from worker.serve.link import BUSY_WAIT_S, Link
 from worker.serve.metrics import NoMetrics, WorkerMetrics, WorkerSnapshot, torch_memory
+from worker.serve.moves import Moves
 
 __all__ = ["Active", "Serve", "WorkerConfig"]
 
@@ -84,6 +85,9 @@ class Serve:
         self.dispatch = Dispatch(engine, config, sampling, self.metrics)
         self.dispatch.on_tokenized = self.link.wake_loop
         self.dispatch.adopt_sessions()
+        self.moves = Moves(engine, self.dispatch, lambda: self.link.broker_id, config.test_move_pause,
+                           config.test_corrupt_moves)
+        self.evacuating = False  # draining, and the broker is moving its sessions to other workers
         if isinstance(self.metrics, WorkerMetrics) and hasattr(engine, "on_restore"):
             engine.on_restore = self.metrics.restored
         self.state = WorkerState(engine.free_slots, tuple(engine.sessions()), False,
@@ -113,23 +117,49 @@ class Serve:
             free_slots=state.free_slots, max_context=self.engine.max_context, sessions=state.sessions,
             draining=state.draining, device=self.engine.device, bytes_per_session=self.engine.bytes_per_session,
             owners=state.owners, holders=tuple(routes.get(sid, b"") for sid in state.sessions),
+            evacuate=state.evacuate,
         )
 
     def drain(self) -> None:
-        """Stop taking new work; a second call cancels what is still running."""
+        """Stop taking new work; a second call cancels what is still running.
+
+        With a broker to ask, the sessions first move to the other workers of the model that have room (the
+        worker serves them until they move, and takes no new session): the heartbeat says `evacuate` until the broker
+        answers EVACUATED. Then (or at once, with no broker) the drain goes on as before: new generations are refused,
+        those in flight finish, the sessions left are written to the store (if any)."""
         if self.draining:
             self._drain_deadline = 0.0
             return
-        self.draining = self.dispatch.draining = True
+        self.draining = True
         self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        if self.moves.supported and self.link.registered.is_set() and self.engine.sessions():
+            self.evacuating = self.dispatch.evacuating = True
+            self._refresh_state()
+            self.link.send([self.state.heartbeat(self.steps)])  # the broker hears of it now, not in a heartbeat
+            log.info("worker_draining", generations=len(self.dispatch.active), sessions=len(self.state.sessions),
+                     moving_sessions=True)
+            return
+        self.dispatch.draining = True
         self._refresh_state()
         log.info("worker_draining", generations=len(self.dispatch.active))
+
+    def _evacuation_over(self, now: float) -> None:
+        """The broker moved what it could (EVACUATED), the broker is silent, or the drain timed out: drain the rest."""
+        evacuated = self.moves.evacuated
+        if evacuated is None and now < self._drain_deadline and self.link.registered.is_set():
+            return
+        self.evacuating = self.dispatch.evacuating = False
+        self.dispatch.draining = True
+        self._refresh_state()
+        log.info("worker_evacuation_over", moved=evacuated.moved if evacuated else 0,
+                 kept=len(self.state.sessions), answered=evacuated is not None)
 
     def run(self) -> int:
         """Serve until drained. Returns the process exit code."""
         self.link.start()
         try:
-            while not (self.draining and not self.engine.has_work() and not self.dispatch.tokenizing):
+            while not (self.draining and not self.evacuating and not self.engine.has_work()
+                       and not self.dispatch.tokenizing):
                 if not self.link.alive:
                     log.error("worker_link_died")
                     return 1
@@ -137,7 +167,11 @@ class Serve:
                 self._admit(self.link.receive(self._wait_s(time.monotonic())))
                 if self.dispatch.tokenizing:
                     self._admit_tokenized()
+                if self.moves.exports:
+                    self._send_moves(self.moves.poll())
                 now = time.monotonic()
+                if self.evacuating:
+                    self._evacuation_over(now)
                 if self.draining and now >= self._drain_deadline:
                     self.dispatch.cancel_all()
                     self._drain_deadline = float("inf")
@@ -180,6 +214,9 @@ class Serve:
         if requests:
             self._busy_at = time.monotonic()
         for request in requests:
+            if isinstance(request, p.MOVE_TYPES):
+                self._send_moves(self.moves.handle(request))
+                continue
             answers = self.dispatch.handle(request)
             if answers:
                 self.link.send(answers)
@@ -198,6 +235,13 @@ class Serve:
         if not self.dispatch.tokenizing and self.dispatch.tokenized_chars >= TRIM_AFTER_CHARS:
             self.dispatch.tokenized_chars = 0
             heap.release_free_memory()
+
+    def _send_moves(self, messages: list[p.Message]) -> None:
+        """A move's messages: its state's chunks (up to MOVE_CHUNK_BYTES each) go out one by one."""
+        if messages:
+            self.link.send(messages)
+            if self.dispatch.sessions_changed:
+                self._refresh_state()
 
     # -- steps --
 
@@ -279,7 +323,7 @@ class Serve:
         self.dispatch.sessions_changed = False
         sessions = tuple(self.engine.sessions())
         owners = tuple(self.dispatch.owners.get(sid, "") for sid in sessions)
-        self.state = WorkerState(self.engine.free_slots, sessions, self.draining, owners)
+        self.state = WorkerState(self.engine.free_slots, sessions, self.draining, owners, self.evacuating)
         residency = getattr(self.engine, "residency", None)
         if residency is not None:
             self._residency_now = residency()

@@ -1,0 +1,144 @@
+"""A session's state as a move takes it out of one engine and puts it into another.
+
+What moves is exactly what a hibernation copies out (worker.engine.hibernation): the session's tokens, its computed
+count, its owner, and its state, `table.prefix(slot, computed)` (one contiguous byte range in the layout of
+cuda_state.spec, named by `StateSpec.fingerprint()`). The bytes are opaque here: an engine takes a snapshot only into
+the same model and layout, and checks its digest (BLAKE2b-256 of the session's fields and the bytes) first.
+
+- `export_session`: the snapshot of an idle session, resident (copied from its slot after the steps launched before,
+  as a hibernation copies it) or hibernated (its host copy, or its file read and checked). The session stays in the
+  engine unchanged: the source closes it only once the target has it (worker.serve.moves).
+- `import_session`: a new session from a snapshot, in a slot backed for its computed tokens (idle sessions hibernate
+  for it as for a create), the bytes copied in; refused whole (nothing changes) on any mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgpack
+import torch
+
+from cuda_state import CapacityExhausted
+from worker.engine.hibernation import SessionLost
+from worker.engine.session import Session
+from worker.errors import BadRequest, EngineError, SessionBusy
+
+if TYPE_CHECKING:
+    from worker.engine.core import Engine
+
+DIGEST_BYTES = 32
+
+__all__ = ["CapacityExhausted", "MoveRefused", "Snapshot", "export_session", "import_session", "state_digest"]
+
+
+class MoveRefused(EngineError):
+    """A snapshot this engine cannot take: another model or layout, sizes that do not add up, a bad digest."""
+
+    code = "bad_request"
+
+
+@dataclass
+class Snapshot:
+    """A session as it moves: its fields, and its state's bytes (host memory, `nbytes` long)."""
+
+    session_id: str
+    owner: str
+    tokens: list[int]
+    computed: int
+    model: str
+    layout: str
+    state: torch.Tensor  # uint8, (nbytes,), on the host
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.state.numel())
+
+    def digest(self) -> bytes:
+        return state_digest(self.session_id, self.owner, self.tokens, self.computed, self.model, self.layout,
+                            self.state.numpy().data)
+
+
+def state_digest(session_id: str, owner: str, tokens: list[int], computed: int, model: str, layout: str,
+                 state: memoryview | bytes | bytearray) -> bytes:
+    """BLAKE2b-256 of a moved session's fields and state bytes: what the target checks before it takes the session."""
+    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    digest.update(msgpack.packb([session_id, owner, tokens, computed, model, layout, len(state)], use_bin_type=True))
+    digest.update(state)
+    return digest.digest()
+
+
+def export_session(engine: Engine, session_id: str) -> Snapshot | None:
+    """The snapshot of an idle session, or None while a step launched ahead still holds a row of it (ask again after
+    the next step). SessionBusy while it generates; SessionNotFound / SessionLost as any request for it."""
+    session = engine._session(session_id)
+    if session.request is not None:
+        raise SessionBusy(f"session {session_id} is generating: it moves once the generation ends")
+    if session.resident:
+        if id(session) in engine._in_flight():
+            return None
+        nbytes = engine.table.spec.bytes_for(session.computed)
+        state = torch.empty(nbytes, dtype=torch.uint8, pin_memory=engine.model.device.type == "cuda")
+        state.copy_(engine.table.prefix(session.slot, session.computed), non_blocking=True)  # after the steps
+        if engine.model.device.type == "cuda":
+            engine.table.mark_used([session.slot])
+            torch.cuda.current_stream(engine.model.device).synchronize()
+        computed = session.computed
+    else:
+        h = engine.hibernation
+        if h is None:
+            raise SessionLost(f"session {session_id} has no slot and no stored state")
+        on_disk = session_id not in h.host
+        try:
+            stored = h.take(session_id)
+        except SessionLost:
+            engine._lose(session)
+            raise
+        assert stored.state is not None
+        state, computed = stored.state[: stored.nbytes], stored.computed
+        if on_disk:
+            stored.state = None  # the file stays the truth until the session is released
+    return Snapshot(session.id, session.owner, list(session.tokens), computed, engine.model_name,
+                    engine.table.spec.fingerprint(), state)
+
+
+def check_snapshot(engine: Engine, session_id: str, tokens: list[int], computed: int, nbytes: int, model: str,
+                   layout: str) -> None:
+    """MoveRefused (nothing changes) unless a snapshot with these fields fits this engine: its model and layout, the
+    state size its computed count takes, tokens within the context and the vocabulary, a session id not in use."""
+    if model != engine.model_name:
+        raise MoveRefused(f"the session is of model {model!r}; this worker serves {engine.model_name!r}")
+    if layout != engine.table.spec.fingerprint():
+        raise MoveRefused("the session's state layout is not this worker's (another build or configuration)")
+    if not 0 <= computed <= len(tokens) or len(tokens) > engine.max_context:
+        raise MoveRefused(f"a session of {len(tokens)} tokens ({computed} computed) does not fit max_context "
+                          f"{engine.max_context}")
+    if nbytes != engine.table.spec.bytes_for(computed):
+        raise MoveRefused(f"{nbytes} state bytes for {computed} computed tokens; this layout takes "
+                          f"{engine.table.spec.bytes_for(computed)}")
+    vocab = engine.model.config.vocab_size
+    if any(not 0 <= t < vocab for t in tokens):
+        raise MoveRefused(f"a token id is out of this model's vocabulary [0, {vocab})")
+    try:
+        engine._new_id(session_id)
+    except BadRequest as e:
+        raise MoveRefused(str(e)) from e
+
+
+def import_session(engine: Engine, snapshot: Snapshot, digest: bytes) -> str:
+    """Take a moved session: checked (check_snapshot, then the digest), then a slot backed for its computed tokens
+    and its bytes copied in. MoveRefused, SessionExists or CapacityExhausted leave the engine unchanged."""
+    s = snapshot
+    check_snapshot(engine, s.session_id, s.tokens, s.computed, s.nbytes, s.model, s.layout)
+    if s.digest() != digest:
+        raise MoveRefused(f"session {s.session_id}: its state does not match its digest (checksum mismatch)")
+    slot = engine._with_room(lambda: engine.table.create(s.computed))
+    engine.table.prefix(slot, s.computed).copy_(s.state, non_blocking=True)
+    if engine.model.device.type == "cuda":
+        engine.table.mark_used([slot])
+        torch.cuda.current_stream(engine.model.device).synchronize()  # the host copy is released by the caller
+    engine._lost.pop(s.session_id, None)
+    engine._sessions[s.session_id] = Session(s.session_id, slot, list(s.tokens), s.computed, owner=s.owner)
+    return s.session_id

@@ -1,0 +1,278 @@
+"""Moving live sessions between workers: the worker's half (the broker's, and the whole protocol, is broker.moves).
+
+As a source: a MOVE names a session and its target. Once no request of the session runs here (a generation in
+flight ends first; the broker holds its new requests), the session's snapshot (worker.engine.migration: tokens,
+computed count, owner, state bytes, layout, digest) goes to the broker as one MOVE_STATE and MOVE_CHUNKs of
+MOVE_CHUNK_BYTES, with the answers this worker keeps for the session's recent requests (so that a resent request is
+answered on the target, never run again). The session stays here, unchanged, until MOVE_END: `release` closes it
+(reported `released`), `abort` keeps it.
+
+As a target: a MOVE_STATE is checked against this engine (model, layout, sizes, a free session id) before any byte
+is taken, then the chunks must come in order and add up to its size; the last one makes the digest checked and the
+session imported into a slot (idle sessions hibernate for it if needed). Reported `imported`, or `failed` with the
+reason (nothing kept). A MOVE_END abort closes what was imported (reported `aborted`).
+
+A worker that registers with a new broker (its id changed) forgets the moves in progress: the new broker knows none,
+and sorts out a session two workers list (the first to register keeps it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from broker.common import protocol as p
+from worker.serve.dispatch import Dispatch, error_code
+
+log = structlog.get_logger()
+
+MAX_IMPORTS = 64  # moves received at once; a MOVE_STATE past this is refused (the broker starts few per source)
+# An imported session's move is remembered this long (the broker may still abort it; it never says it switched):
+# well past the broker's MOVE_TIMEOUT_S, after which it aborts a move that has not reached its release.
+IMPORT_KEEP_S = 120.0
+
+
+@dataclass
+class Export:
+    migration: str
+    session_id: str
+    target: str
+    sent: bool = False  # the state went out: waiting for MOVE_END
+
+
+@dataclass
+class Import:
+    header: p.MoveState
+    state: torch.Tensor  # uint8 (nbytes,), filled chunk by chunk
+    next_index: int = 0
+    session_id: str | None = None  # set once imported (an abort closes it)
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class MoveCounts:
+    """For the metrics: sessions moved out and in, moves that failed here."""
+
+    sent: int = 0
+    released: int = 0
+    imported: int = 0
+    failed: int = 0
+
+
+class Moves:
+    """Both halves of the moves of one worker. The compute loop hands it the broker's move messages (`handle`) and
+    calls `poll` every turn (the exports whose sessions became idle go out then)."""
+
+    def __init__(self, engine: Any, dispatch: Dispatch, broker_id: Callable[[], str | None],
+                 pause_for_tests: tuple[str, float] | None = None, corrupt_for_tests: bool = False) -> None:
+        self.engine = engine
+        self.dispatch = dispatch
+        self._broker_id = broker_id
+        self._epoch: str | None = None  # the broker these moves are with
+        self._pause = pause_for_tests
+        self.exports: dict[str, Export] = {}  # migration id -> export
+        self.imports: dict[str, Import] = {}  # migration id -> import in progress or imported
+        self.evacuated: p.Evacuated | None = None  # the broker's answer to this worker's evacuation
+        self.counts = MoveCounts()
+        self._corrupt = corrupt_for_tests  # flip a state byte of every export (tests of the checksum only)
+
+    @property
+    def supported(self) -> bool:
+        return hasattr(self.engine, "export_session")
+
+    def handle(self, message: p.Message) -> list[p.Message]:
+        """One of the broker's move messages; what to send now."""
+        self.check_broker()
+        if isinstance(message, p.Move):
+            return self._move(message)
+        if isinstance(message, p.MoveState):
+            return self._begin_import(message)
+        if isinstance(message, p.MoveChunk):
+            return self._chunk(message)
+        if isinstance(message, p.MoveEnd):
+            return self._end(message)
+        if isinstance(message, p.Evacuated):
+            self.evacuated = message
+            log.info("worker_evacuated", moved=message.moved, kept=message.kept)
+        return []
+
+    def check_broker(self) -> None:
+        """Moves are with one broker: a new one (its id changed: it restarted) knows none of them."""
+        broker = self._broker_id()
+        if broker != self._epoch:
+            if self._epoch is not None:
+                self.forget_all()
+            self._epoch = broker
+
+    def _pause_at(self, step: str) -> None:
+        """Tests only: sleep at this step of a move (WORKER_TEST_MOVE_PAUSE), so that a process can be killed there."""
+        if self._pause is not None and self._pause[0] == step:
+            log.warning("move_paused_for_test", step=step, seconds=self._pause[1])
+            time.sleep(self._pause[1])
+            self.check_broker()
+
+    def forget_all(self) -> None:
+        """A new broker: it knows none of these moves. Exported sessions stay here; partial imports are dropped;
+        imported sessions stay (the broker keeps whichever copy registers first)."""
+        if self.exports or self.imports:
+            log.info("moves_forgotten", exports=len(self.exports), imports=len(self.imports),
+                     detail="registered with a new broker")
+        self.exports.clear()
+        self.imports.clear()
+        self.dispatch.moving.clear()
+
+    # -- source ------------------------------------------------------------------------------------
+
+    def _move(self, move: p.Move) -> list[p.Message]:
+        if move.migration in self.exports:
+            return []
+        if not self.supported:
+            return [self._report(move.migration, move.session_id, "failed", p.ErrorCode.BAD_REQUEST,
+                                 "this worker's engine cannot move sessions")]
+        self._pause_at("export")
+        self.exports[move.migration] = Export(move.migration, move.session_id, move.target)
+        self.dispatch.moving.add(move.session_id)
+        return self.poll()
+
+    def poll(self) -> list[p.Message]:
+        """Send the state of every export whose session no request runs on any more."""
+        out: list[p.Message] = []
+        if self.imports:
+            now = time.perf_counter()
+            for mid in [m for m, w in self.imports.items() if w.session_id is not None and now - w.started > IMPORT_KEEP_S]:
+                del self.imports[mid]
+        for export in list(self.exports.values()):
+            if export.sent or self.dispatch.busy(export.session_id):
+                continue
+            try:
+                snapshot = self.engine.export_session(export.session_id)
+            except Exception as e:  # the session is gone here (closed, lost), or busy after all
+                if error_code(e) is p.ErrorCode.BAD_REQUEST:
+                    continue  # busy: a generation started meanwhile (a resend); it moves after it
+                del self.exports[export.migration]
+                self.dispatch.moving.discard(export.session_id)
+                self.counts.failed += 1
+                out.append(self._report(export.migration, export.session_id, "failed", error_code(e), str(e)))
+                continue
+            if snapshot is None:
+                continue  # a step launched ahead still holds a row of it: after the next step
+            out += self._state_messages(export, snapshot)
+            export.sent = True
+            self.counts.sent += 1
+        return out
+
+    def _state_messages(self, export: Export, snapshot: Any) -> list[p.Message]:
+        digest = snapshot.digest()
+        data = snapshot.state.numpy().tobytes()
+        if self._corrupt and data:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        size = p.MOVE_CHUNK_BYTES
+        chunks = -(-len(data) // size)
+        header = p.MoveState(
+            migration=export.migration, session_id=snapshot.session_id, tokens=tuple(snapshot.tokens),
+            computed=snapshot.computed, nbytes=len(data), chunks=chunks, model=snapshot.model, layout=snapshot.layout,
+            digest=digest, owner=snapshot.owner, holder=self.dispatch.routes.get(snapshot.session_id, b""),
+            answers=self.dispatch.answers_of(snapshot.session_id))
+        log.info("session_sending", session=snapshot.session_id, target=export.target, tokens=len(snapshot.tokens),
+                 bytes=len(data), migration=export.migration)
+        return [header, *(p.MoveChunk(migration=export.migration, index=i, data=data[i * size:(i + 1) * size])
+                          for i in range(chunks))]
+
+    # -- target ------------------------------------------------------------------------------------
+
+    def _begin_import(self, header: p.MoveState) -> list[p.Message]:
+        mid, sid = header.migration, header.session_id
+        if mid in self.imports:
+            return []
+        epoch = self._epoch
+        self._pause_at("import")
+        if self._epoch != epoch:
+            return []  # a new broker meanwhile: it knows nothing of this move
+        try:
+            if not self.supported:
+                raise ValueError("this worker's engine cannot take moved sessions")
+            if len(self.imports) >= MAX_IMPORTS:
+                raise ValueError(f"{MAX_IMPORTS} moves are being received already")
+            self.engine.check_import(sid, list(header.tokens), header.computed, header.nbytes, header.model,
+                                     header.layout)
+        except Exception as e:
+            return [self._failed(mid, sid, e)]
+        state = torch.empty(header.nbytes, dtype=torch.uint8, pin_memory=self.engine.device.startswith("cuda"))
+        self.imports[mid] = Import(header, state)
+        return self._complete(mid) if header.chunks == 0 else []
+
+    def _chunk(self, chunk: p.MoveChunk) -> list[p.Message]:
+        work = self.imports.get(chunk.migration)
+        if work is None or work.session_id is not None:
+            log.info("move_chunk_unexpected", migration=chunk.migration, index=chunk.index)
+            return []
+        header = work.header
+        start = chunk.index * p.MOVE_CHUNK_BYTES
+        expected = min(p.MOVE_CHUNK_BYTES, header.nbytes - start)
+        if chunk.index != work.next_index or len(chunk.data) != expected:
+            del self.imports[chunk.migration]
+            return [self._failed(chunk.migration, header.session_id, ValueError(
+                f"chunk {chunk.index} of {len(chunk.data)} bytes where chunk {work.next_index} of {expected} was due"))]
+        if expected:
+            work.state[start:start + expected].copy_(torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8))
+        work.next_index += 1
+        return self._complete(chunk.migration) if work.next_index == header.chunks else []
+
+    def _complete(self, mid: str) -> list[p.Message]:
+        """Every byte is here: the digest is checked and the session taken (or the move reported failed)."""
+        work = self.imports[mid]
+        h = work.header
+        from worker.engine.migration import Snapshot
+
+        snapshot = Snapshot(h.session_id, h.owner, list(h.tokens), h.computed, h.model, h.layout, work.state)
+        try:
+            self.engine.import_session(snapshot, h.digest)
+        except Exception as e:
+            del self.imports[mid]
+            return [self._failed(mid, h.session_id, e)]
+        work.session_id = h.session_id
+        work.state = torch.empty(0, dtype=torch.uint8)  # the bytes are in the slot now
+        self.dispatch.adopt(h.session_id, h.owner, h.holder, h.answers)
+        self.counts.imported += 1
+        log.info("session_received", session=h.session_id, tokens=len(h.tokens), bytes=h.nbytes, migration=mid,
+                 ms=round((time.perf_counter() - work.started) * 1e3, 3))
+        return [self._report(mid, h.session_id, "imported")]
+
+    # -- either side -------------------------------------------------------------------------------
+
+    def _end(self, end: p.MoveEnd) -> list[p.Message]:
+        if end.outcome == "release" and end.migration in self.exports:
+            self._pause_at("release")
+        export = self.exports.pop(end.migration, None)
+        if export is not None and export.session_id == end.session_id:
+            self.dispatch.moving.discard(export.session_id)
+            if end.outcome == "release":
+                self.dispatch.release(export.session_id)
+                self.counts.released += 1
+                log.info("session_released", session=export.session_id, target=export.target,
+                         migration=end.migration)
+                return [self._report(end.migration, end.session_id, "released")]
+            log.info("session_move_aborted", session=export.session_id, side="source", migration=end.migration)
+            return [self._report(end.migration, end.session_id, "aborted")]
+        work = self.imports.pop(end.migration, None)
+        if work is not None and end.outcome == "abort":
+            if work.session_id is not None:
+                self.dispatch.release(work.session_id)
+            log.info("session_move_aborted", session=end.session_id, side="target", migration=end.migration)
+        return [self._report(end.migration, end.session_id, "aborted")] if end.outcome == "abort" else []
+
+    def _failed(self, mid: str, sid: str, e: BaseException) -> p.MoveReport:
+        self.counts.failed += 1
+        log.warning("session_move_refused", session=sid, migration=mid, error=str(e)[:512])
+        code = error_code(e)
+        return self._report(mid, sid, "failed", code if code is not p.ErrorCode.INTERNAL else p.ErrorCode.BAD_REQUEST,
+                            str(e))
+
+    @staticmethod
+    def _report(mid: str, sid: str, status: str, code: p.ErrorCode | None = None, message: str = "") -> p.MoveReport:
+        return p.MoveReport(migration=mid, session_id=sid, status=status, code=code, message=message[:4096])
