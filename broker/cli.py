@@ -1,6 +1,7 @@
 """`broker start`: run the broker until SIGTERM or SIGINT (SIGHUP re-reads the allowed keys).
-`broker keygen DIR NAME`: make a CURVE key pair. `broker status`, `broker sessions`, `broker close-session ID`: ask a
-running broker (broker/status_cmd.py, broker/sessions_cmd.py). Every flag of `start` falls back to an environment
+`broker keygen DIR NAME`: make a CURVE key pair. `broker status`, `broker sessions`, `broker close-session ID`,
+`broker drain WORKER`, `broker rebalance`: ask a running broker (broker/status_cmd.py, broker/sessions_cmd.py,
+broker/moves_cmd.py). Every flag of `start` falls back to an environment
 variable.
 
 Exit codes: 0 after a clean shutdown, 2 for bad arguments (e.g. an address that is not tcp://HOST:PORT), 3
@@ -20,7 +21,7 @@ from types import FrameType
 
 import structlog
 
-from broker import sessions_cmd, status_cmd
+from broker import moves_cmd, sessions_cmd, status_cmd
 from broker.admission import MAX_WORKER_SESSIONS_FLAG
 from broker.common import heap, keys, logs
 from broker.common.arguments import env_int, non_negative_int, positive_int, zmq_address
@@ -83,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
                        help="interface of the metrics port [env BROKER_METRICS_HOST] (default %(default)s)")
     status_cmd.add_parser(sub)
     sessions_cmd.add_parsers(sub)
+    moves_cmd.add_parsers(sub)
     keygen = sub.add_parser("keygen", help="write a CURVE key pair: DIR/NAME.key (public), DIR/NAME.key_secret")
     keygen.add_argument("directory", type=Path, help="where to write (made if missing)")
     keygen.add_argument("name", help="the key's name, e.g. broker, a worker's or a client's name")
@@ -109,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return sessions_cmd.run_sessions(args)
     if args.command == "close-session":
         return sessions_cmd.run_close(args)
+    if args.command in ("drain", "rebalance"):
+        return moves_cmd.run(args)
     logs.configure(args.log_level, role="broker")
     log = structlog.get_logger()
     config = BrokerConfig(

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 from client import AsyncClient, AsyncSession
 from worker.engine import Engine
@@ -26,22 +27,33 @@ def prompt(i: int) -> str:
     return f"Write one sentence about the number {i} and a city whose name starts with the letter {'ABCDEFGHIJKLMNOP'[i]}."
 
 
-def reference(prompts: list[str], turns: tuple[int, ...]) -> list[list[list[int]]]:
-    """The same conversations in this process, undisturbed: per session, the tokens of every turn."""
-    eng = Engine.load(MODEL, device="cpu", max_sessions=len(prompts), max_context=CONTEXT)
-    try:
-        sids = [eng.create_session() for _ in prompts]
-        for sid, text in zip(sids, prompts, strict=True):
-            eng.append(sid, text=text)
-        out: list[list[list[int]]] = [[] for _ in sids]
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The daemons run beside this process: two OpenMP pools spinning on two cores crawl."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def reference(engine: Engine, prompts: list[str], turns: tuple[int, ...]) -> list[list[list[int]]]:
+    """The same conversations in this process (the shared engine, 8 sessions at a time: a row's tokens do not depend
+    on its batch), undisturbed: per session, the tokens of every turn."""
+    out: list[list[list[int]]] = []
+    for at in range(0, len(prompts), 8):
+        sids = [engine.create_session() for _ in prompts[at:at + 8]]
+        for sid, text in zip(sids, prompts[at:at + 8], strict=True):
+            engine.append(sid, text=text)
+        batch: list[list[list[int]]] = [[] for _ in sids]
         for n in turns:
-            results = eng.generate_many([(sid, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True})
-                                         for sid in sids])
-            for tokens, result in zip(out, results, strict=True):
+            results = engine.generate_many([(sid, {"max_tokens": n, "temperature": 0.0, "ignore_eos": True})
+                                            for sid in sids])
+            for tokens, result in zip(batch, results, strict=True):
                 tokens.append(result.token_ids)
-        return out
-    finally:
-        eng.unload()
+        for sid in sids:
+            engine.close(sid)
+        out += batch
+    return out
 
 
 async def streamed(session: AsyncSession, n: int) -> list[int]:
@@ -52,7 +64,8 @@ async def streamed(session: AsyncSession, n: int) -> list[int]:
     return tokens
 
 
-def test_sigterm_moves_every_session_to_the_other_worker(cluster: Cluster) -> None:
+@pytest.mark.slow
+def test_sigterm_moves_every_session_to_the_other_worker(cluster: Cluster, engine: Engine, one_thread: None) -> None:
     """16 sessions on w1, mid-conversation (streams running), w1 gets SIGTERM: every generation running finishes on
     w1, every session moves to w2 and its next turns run there, with the tokens of an undisturbed run; no client sees
     an error, and w1 exits 0 once its sessions are gone."""
@@ -88,5 +101,5 @@ def test_sigterm_moves_every_session_to_the_other_worker(cluster: Cluster) -> No
     got, where = asyncio.run(run())
     assert where == ["w2"] * SESSIONS
     assert cluster.broker is not None and cluster.broker.log_text().count('"session_moved"') == SESSIONS
-    assert got == reference(prompts, TURNS)
+    assert got == reference(engine, prompts, TURNS)
     assert len({t for session in got for turn in session for t in turn}) > 20  # real text, not one token repeated

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import msgpack
 import torch
@@ -26,8 +26,9 @@ from worker.engine.hibernation import SessionLost
 from worker.engine.session import Session
 from worker.errors import BadRequest, EngineError, SessionBusy
 
-if TYPE_CHECKING:
-    from worker.engine.core import Engine
+# `engine` below is a worker.engine.core.Engine (not imported: core imports this module); these functions are its
+# export_session / check_import / import_session, kept here with the rest of what a move needs.
+Engine = Any
 
 DIGEST_BYTES = 32
 

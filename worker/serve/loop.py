@@ -88,6 +88,7 @@ class Serve:
         self.moves = Moves(engine, self.dispatch, lambda: self.link.broker_id, config.test_move_pause,
                            config.test_corrupt_moves)
         self.evacuating = False  # draining, and the broker is moving its sessions to other workers
+        self._announce = False  # a heartbeat to send now (the drain began)
         if isinstance(self.metrics, WorkerMetrics) and hasattr(engine, "on_restore"):
             engine.on_restore = self.metrics.restored
         self.state = WorkerState(engine.free_slots, tuple(engine.sessions()), False,
@@ -135,7 +136,7 @@ class Serve:
         if self.moves.supported and self.link.registered.is_set() and self.engine.sessions():
             self.evacuating = self.dispatch.evacuating = True
             self._refresh_state()
-            self.link.send([self.state.heartbeat(self.steps)])  # the broker hears of it now, not in a heartbeat
+            self._announce = True  # the loop says so at once (a signal handler must not take the link's lock)
             log.info("worker_draining", generations=len(self.dispatch.active), sessions=len(self.state.sessions),
                      moving_sessions=True)
             return
@@ -167,10 +168,14 @@ class Serve:
                 self._admit(self.link.receive(self._wait_s(time.monotonic())))
                 if self.dispatch.tokenizing:
                     self._admit_tokenized()
-                if self.moves.exports:
+                self.moves.check_broker()
+                if self.moves.exports or self.moves.imports:
                     self._send_moves(self.moves.poll())
                 now = time.monotonic()
                 if self.evacuating:
+                    if self._announce:
+                        self._announce = False
+                        self.link.send([self.state.heartbeat(self.steps)])  # not a heartbeat interval later
                     self._evacuation_over(now)
                 if self.draining and now >= self._drain_deadline:
                     self.dispatch.cancel_all()
@@ -237,7 +242,8 @@ class Serve:
             heap.release_free_memory()
 
     def _send_moves(self, messages: list[p.Message]) -> None:
-        """A move's messages: its state's chunks (up to MOVE_CHUNK_BYTES each) go out one by one."""
+        """What a move sends (a state and its chunks, reports); the heartbeat's state is refreshed after a session came
+        or went."""
         if messages:
             self.link.send(messages)
             if self.dispatch.sessions_changed:

@@ -191,8 +191,9 @@ class Moves:
             return []
         epoch = self._epoch
         self._pause_at("import")
-        if self._epoch != epoch:
-            return []  # a new broker meanwhile: it knows nothing of this move
+        if self._epoch != epoch:  # a new broker meanwhile: it knows nothing of this move
+            log.info("moves_forgotten", exports=0, imports=1, detail="registered with a new broker")
+            return []
         try:
             if not self.supported:
                 raise ValueError("this worker's engine cannot take moved sessions")
