@@ -41,6 +41,11 @@ worker). What a broker exports:
     sessionserve:clients_gone                     gauge    client connections holding sessions that are gone
     sessionserve:broker_stalls_total              counter  times the broker's process did not run for half a
                                                    heartbeat window (connection losses then get a window)
+    sessionserve:session_moves_running            gauge    sessions moving between workers now (broker.moves)
+    sessionserve:session_moves_total{outcome}     counter  moves ended: moved, failed (the session stayed on its
+                                                   source), lost (its source died before the release)
+    sessionserve:session_move_pause_seconds       histogram  how long a moved session's requests were held (from
+                                                   the MOVE to the switch of its route)
     process_*                                              resident memory, CPU seconds, open fds
 """
 
@@ -51,12 +56,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from broker.common.metrics import PREFIX, label
 from broker.common.metrics_http import Readiness
 from broker.counters import RouterCounters
+from broker.moves import PAUSE_BUCKETS
 
 if TYPE_CHECKING:
     from broker.registry import WorkerRecord
@@ -113,6 +119,19 @@ class _BrokerCollector(Collector):
                      "after the grace period).", router.clients_gone())
         yield from self._per_worker(workers)
         yield from self._counters()
+        yield from self._moves()
+
+    def _moves(self) -> Iterable[Metric]:
+        moves = self.router.moves
+        stats = moves.stats
+        yield _gauge("session_moves_running", "Sessions moving between workers now.", len(moves.moving))
+        yield _counter("session_moves", "Session moves ended, by outcome (moved, failed, lost).", "outcome",
+                       dict(stats.outcomes))
+        buckets = [(str(b) if b != float("inf") else "+Inf", n) for b, n in zip(PAUSE_BUCKETS, list(stats.pause_buckets),
+                                                                            strict=True)]
+        yield HistogramMetricFamily(PREFIX + "session_move_pause_seconds",
+                                    "How long a moved session's requests were held (MOVE to the switch of its route).",
+                                    buckets=buckets, sum_value=stats.pause_sum)
 
     def _per_worker(self, workers: list[WorkerRecord]) -> Iterable[Metric]:
         families = {

@@ -281,6 +281,7 @@ class Moves:
             log.warning("session_move_failed", session=migration.session_id, side=side, code=_code(message),
                         error=message.message[:256], migration=migration.id)
             self._abort_target(migration)
+        self.pump(now)  # the next moves start; a job whose moves have all ended is answered
         return None
 
     def tick(self, now: float) -> None:
@@ -317,7 +318,7 @@ class Moves:
                 job.kept += len(job.queue)
                 job.queue.clear()
         self._route_again = route_again
-        return copies, held
+        return copies, held  # (the next tick starts what is queued: the registry still holds this worker now)
 
     def claimed_by_target(self, identity: bytes, session_id: str) -> bool:
         """Whether `identity` is the target of the session's move (its READY may list the copy it imported)."""

@@ -1,0 +1,97 @@
+"""The broker's half of moving sessions (broker.moves through the router), without sockets: the order of a move's
+messages, requests held and sent on, the route switched only after the source released the session, a dead target
+giving the session back, a session two workers claim dropped on the second, rebalance's plan and the metrics."""
+
+from __future__ import annotations
+
+from broker.common import protocol as p
+from broker.router import Peer, Router, Send
+
+from .test_router import C1, W1, W2, decoded, ready, running
+
+W3 = b"w3-id"
+A, B, C = "a" * 32, "b" * 32, "c" * 32
+
+
+def to(sends: list[Send], identity: bytes) -> list[p.Message]:
+    return [m for peer, i, m in decoded(sends) if i == identity]
+
+
+def report(router: Router, worker: bytes, move: p.Move, status: str, now: float = 3.0) -> list[Send]:
+    return router.worker_message(worker, p.encode(p.MoveReport(migration=move.migration, session_id=move.session_id,
+                                                               status=status)), now)
+
+
+def drain_w1(router: Router) -> p.Move:
+    sends = router.client_message(C1, p.encode(p.DrainWorker(request_id="d1", worker="w1")), 2.5)
+    (move,) = to(sends, W1)
+    assert isinstance(move, p.Move) and move.session_id == A and move.target == "w2"
+    return move
+
+
+def test_a_move_holds_requests_relays_the_state_and_switches_only_after_the_release() -> None:
+    router = running((W1, ready("w1", 2, (A,))), (W2, ready("w2", 2)))
+    move = drain_w1(router)
+    assert router.client_message(C1, p.encode(p.Append(request_id="r1", session_id=A, token_ids=(1,))), 2.6) == []
+    state = p.MoveState(migration=move.migration, session_id=A, tokens=(1, 2), computed=2, nbytes=3, chunks=1,
+                        model="m", layout="x", digest=bytes(32))
+    chunk = p.MoveChunk(migration=move.migration, index=0, data=b"abc")
+    relayed = router.worker_message(W1, p.encode(state), 2.7) + router.worker_message(W1, p.encode(chunk), 2.7)
+    assert [(s.identity, s.frames) for s in relayed] == [(W2, p.encode(state)), (W2, p.encode(chunk))]
+    assert router.worker_message(W2, p.encode(chunk), 2.7) == []  # from the wrong side: dropped
+    released = to(report(router, W2, move, "imported"), W1)
+    assert released == [p.MoveEnd(migration=move.migration, session_id=A, outcome="release")]
+    assert router.registry.worker_of(A) is router.registry.workers[W1]  # not switched before the source closed it
+    out = decoded(report(router, W1, move, "released", now=3.5))
+    assert router.registry.worker_of(A) is router.registry.workers[W2]
+    assert (Peer.WORKER, W2, p.Append(request_id="r1", session_id=A, token_ids=(1,), route=C1)) in out
+    assert (Peer.CLIENT, C1, p.MovesDone(request_id="d1", moved=1, failed=0, kept=0)) in out
+    assert router.registry.workers[W1].cordoned and router.moves.stats.outcomes == {"moved": 1}
+    assert router.moves.stats.pause_count == 1 and abs(router.moves.stats.pause_sum - 1.0) < 1e-9
+
+
+def test_a_target_that_dies_gives_the_session_back_and_its_copy_is_dropped_should_it_return() -> None:
+    router = running((W1, ready("w1", 2, (A,))), (W2, ready("w2", 2)))
+    move = drain_w1(router)
+    router.client_message(C1, p.encode(p.Info(request_id="r1", session_id=A)), 2.6)
+    out = decoded(router.worker_message(W2, p.encode(p.Disconnect(reason="killed")), 2.8))
+    assert (Peer.WORKER, W1, p.MoveEnd(migration=move.migration, session_id=A, outcome="abort")) in out
+    assert (Peer.WORKER, W1, p.Info(request_id="r1", session_id=A, route=C1)) in out  # served where it is
+    assert (Peer.CLIENT, C1, p.MovesDone(request_id="d1", moved=0, failed=1, kept=1)) in out
+    back = decoded(router.worker_message(W2, p.encode(ready("w2", 2, (A,))), 3.0))
+    assert (Peer.WORKER, W2, p.Drop(sessions=(A,))) in back
+    assert router.registry.worker_of(A) is router.registry.workers[W1]
+
+
+def test_a_session_two_workers_claim_stays_with_the_first_and_the_second_drops_it() -> None:
+    router = running((W1, ready("w1", 2, (A,))))
+    out = decoded(router.worker_message(W2, p.encode(ready("w2", 2, (A, B))), 2.0))
+    assert (Peer.WORKER, W2, p.Drop(sessions=(A,))) in out
+    assert router.registry.worker_of(A) is router.registry.workers[W1]
+    assert router.registry.worker_of(B) is router.registry.workers[W2]
+
+
+def test_a_draining_worker_that_asks_is_evacuated_and_told_when_done() -> None:
+    router = running((W1, ready("w1", 4, (A, B))), (W2, ready("w2", 1)))
+    out = to(router.worker_message(W1, p.encode(p.Heartbeat(draining=True, evacuate=True)), 2.5), W1)
+    moves = [m for m in out if isinstance(m, p.Move)]
+    assert [m.session_id for m in moves] in ([A], [B])  # w2 has room for one
+    (move,) = moves
+    report(router, W2, move, "imported")
+    done = to(report(router, W1, move, "released"), W1)
+    assert done == [p.Evacuated(moved=1, kept=1)]
+
+
+def test_rebalance_moves_idle_sessions_from_the_fullest_to_the_emptiest() -> None:
+    router = running((W1, ready("w1", 4, (A, B, C))), (W2, ready("w2", 4)))
+    sends = router.client_message(C1, p.encode(p.Rebalance(request_id="r1")), 2.5)
+    moves = [m for m in to(sends, W1) if isinstance(m, p.Move)]
+    assert len(moves) == 1 and moves[0].target == "w2"  # 3 and 0 become 2 and 1
+
+
+def test_drain_and_rebalance_are_for_admins_with_keys() -> None:
+    from broker.router import Settings
+
+    router = Router(Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0, authenticated=True), now=0.0)
+    (out,) = decoded(router.client_message(C1, p.encode(p.Rebalance(request_id="r1")), 2.0, user="k" * 40))
+    assert isinstance(out[2], p.Error) and out[2].code is p.ErrorCode.UNAUTHORIZED
