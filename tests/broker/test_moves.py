@@ -57,6 +57,7 @@ def test_a_target_that_dies_gives_the_session_back_and_its_copy_is_dropped_shoul
     out = decoded(router.worker_message(W2, p.encode(p.Disconnect(reason="killed")), 2.8))
     assert (Peer.WORKER, W1, p.MoveEnd(migration=move.migration, session_id=A, outcome="abort")) in out
     assert (Peer.WORKER, W1, p.Info(request_id="r1", session_id=A, route=C1)) in out  # served where it is
+    router.worker_message(W1, p.encode(p.Heartbeat()), 2.85)  # w1 lives on
     assert (Peer.CLIENT, C1, p.MovesDone(request_id="d1", moved=0, failed=1, kept=1)) in decoded(router.tick(2.9))
     back = decoded(router.worker_message(W2, p.encode(ready("w2", 2, (A,))), 3.0))
     assert (Peer.WORKER, W2, p.Drop(sessions=(A,))) in back
