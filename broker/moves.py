@@ -43,7 +43,7 @@ from enum import Enum
 import structlog
 
 from broker.common import protocol as p
-from broker.registry import Gone, Registry, WorkerRecord
+from broker.registry import Gone, Registry, SessionRecord, WorkerRecord
 
 log = structlog.get_logger()
 
@@ -90,6 +90,7 @@ class Migration:
     job: Job
     phase: Phase = Phase.SENDING
     held: list[Held] = field(default_factory=list)
+    record: SessionRecord | None = None  # the session's owner, client and length as the move began
 
 
 @dataclass(slots=True)
@@ -216,7 +217,8 @@ class Moves:
         return max(candidates, key=lambda w: (w.free, -len(w.sessions), w.identity))
 
     def _start(self, job: Job, session_id: str, source: WorkerRecord, target: WorkerRecord, now: float) -> None:
-        migration = Migration(f"mv-{secrets.token_hex(8)}", session_id, source.identity, target.identity, now, job)
+        migration = Migration(f"mv-{secrets.token_hex(8)}", session_id, source.identity, target.identity, now, job,
+                              record=self.registry.session(session_id))
         self.moving[session_id] = migration
         self._by_id[migration.id] = migration
         job.running.add(migration.id)
@@ -330,6 +332,10 @@ class Moves:
     def _commit(self, migration: Migration, now: float) -> None:
         """The source closed its copy (or is gone): the session is the target's from now on."""
         self._end(migration, "moved", now)
+        known = migration.record
+        if self.registry.session(migration.session_id) is None and known is not None:  # the source re-registered
+            self.registry.add_session(migration.target, migration.session_id, known.owner, known.client, now,
+                                      known.length)  # without it meanwhile (it had closed it)
         self.registry.move_session(migration.session_id, migration.target)
         pause = now - migration.started
         self.stats.paused(pause)
