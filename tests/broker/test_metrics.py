@@ -53,6 +53,10 @@ def two_workers() -> Router:
     return router
 
 
+NO_MOVE_PAUSES: Samples = {("sessionserve:session_move_pause_seconds_bucket", (("le", le),)): 0 for le in (
+    "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "+Inf")}
+
+
 def labels(worker: str, model: str, device: str) -> tuple[tuple[str, str], ...]:
     return (("device", device), ("model", model), ("worker", worker))
 
@@ -88,8 +92,7 @@ def test_the_collector_reads_the_router_state_at_scrape_time() -> None:
         ("sessionserve:sessions_dropped_total", ()): 0,
         ("sessionserve:sessions_lease_expired_total", ()): 0,
         ("sessionserve:session_moves_running", ()): 0,
-        **{("sessionserve:session_move_pause_seconds_bucket", (("le", le),)): 0
-           for le in ("0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "+Inf")},
+        **NO_MOVE_PAUSES,
         ("sessionserve:session_move_pause_seconds_count", ()): 0,
         ("sessionserve:session_move_pause_seconds_sum", ()): 0,
     }
