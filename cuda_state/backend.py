@@ -90,3 +90,11 @@ def slab_views(slab: torch.Tensor, spec: StateSpec, num_slots: int, slot_bytes: 
             offsets[buf.name] // item,
         )
     return out
+
+
+def zeroed_views(spec: StateSpec, num_slots: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every buffer's view for `num_slots` slots, laid out as a table lays them out, over a fresh zeroed slab (for
+    tests and tools that run a model without a session table)."""
+    slot_bytes = spec.slot_bytes(4096)
+    slab = torch.zeros(num_slots * slot_bytes, dtype=torch.uint8, device=device)
+    return slab_views(slab, spec, num_slots, slot_bytes)

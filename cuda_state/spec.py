@@ -225,14 +225,6 @@ class StateSpec:
                 return b
         raise KeyError(name)
 
-    def zeros(self, slots: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Views of every buffer for `slots` slots laid out as a table lays them out, over a fresh zeroed slab."""
-        from cuda_state.backend import slab_views
-
-        slot_bytes = self.slot_bytes(BUFFER_ALIGN)
-        slab = torch.zeros(slots * slot_bytes, dtype=torch.uint8, device=device)
-        return slab_views(slab, self, slots, slot_bytes)
-
     def slot_bytes(self, granularity: int) -> int:
         """Bytes a slot takes once rounded up to a backend's allocation granularity."""
         return _align(self.bytes_per_session, granularity)

@@ -32,13 +32,10 @@ def slab_caches(slots: int, layers: int, kv: int, ctx: int, hd: int, dtype: torc
     """K and V as the session table lays them out: (slots, layers, KV, blocks, block, hd) strided views of one byte
     slab."""
     from cuda_state import BufferSpec, StateSpec
-    from cuda_state.backend import slab_views
+    from cuda_state.backend import zeroed_views
 
     shape = (layers, kv, ctx, hd)
-    spec = StateSpec((BufferSpec("k", shape, dtype, 2), BufferSpec("v", shape, dtype, 2)))
-    slot_bytes = spec.slot_bytes(4096)
-    slab = torch.zeros(slots * slot_bytes, dtype=torch.uint8, device=device)
-    views = slab_views(slab, spec, slots, slot_bytes)
+    views = zeroed_views(StateSpec((BufferSpec("k", shape, dtype, 2), BufferSpec("v", shape, dtype, 2))), slots, device)
     return views["k"], views["v"]
 
 

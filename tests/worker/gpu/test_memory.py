@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cuda_state import CapacityExhausted
+from cuda_state.backend import zeroed_views
 from worker.engine.executor import StepRows
 from worker.engine.workspace import workspace_bytes
 
@@ -45,8 +46,8 @@ def test_packed_weights_are_views_of_one_block_whatever_order_the_tensors_come_i
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # no shared byte
         spec = llama.state_spec()
-        before = llama.forward(ids, positions, slots, spec.zeros(2))
-        state = spec.zeros(2)
+        before = llama.forward(ids, positions, slots, zeroed_views(spec, 2))
+        state = zeroed_views(spec, 2)
         assert torch.equal(backwards.forward(ids, positions, slots, state), before)
 
 
