@@ -3,7 +3,7 @@
 from cuda_state.errors import BackendUnavailable, CapacityExhausted, CudaDriverError, SlotError, StateError
 from cuda_state.host import HostBackend
 from cuda_state.select import select_backend
-from cuda_state.spec import BufferSpec, StateSpec
+from cuda_state.spec import BufferSpec, StateSpec, positions, store_positions
 from cuda_state.table import SessionTable
 
 __all__ = [
@@ -16,5 +16,7 @@ __all__ = [
     "SlotError",
     "StateError",
     "StateSpec",
+    "positions",
     "select_backend",
+    "store_positions",
 ]

@@ -31,7 +31,7 @@ class StateBackend(Protocol):
     device: torch.device
 
     def views(self) -> dict[str, torch.Tensor]:
-        """name -> tensor of shape (num_slots, *buffer.shape) over the slab, zero copy."""
+        """name -> tensor of shape (num_slots, *spec.view_shape(name)) over the slab, zero copy."""
         ...
 
     def prefix(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -77,15 +77,24 @@ class StateBackend(Protocol):
 
 def slab_views(slab: torch.Tensor, spec: StateSpec, num_slots: int, slot_bytes: int) -> dict[str, torch.Tensor]:
     """Typed strided views of each buffer over a flat uint8 slab of num_slots * slot_bytes bytes (see
-    cuda_state.spec for the layout: a growing buffer's position axis steps over a whole token block)."""
+    cuda_state.spec for the layout: a growing buffer's position axis is split into (blocks, positions of a block))."""
     assert slab.dtype == torch.uint8 and slab.numel() == num_slots * slot_bytes
     out: dict[str, torch.Tensor] = {}
     offsets = spec.offsets
     for buf in spec.buffers:
         item = buf.itemsize
-        assert slot_bytes % item == 0 and offsets[buf.name] % item == 0 and spec.token_bytes % item == 0
+        assert slot_bytes % item == 0 and offsets[buf.name] % item == 0 and spec.block_bytes % item == 0
         typed = slab.view(buf.dtype)
         out[buf.name] = typed.as_strided(
-            (num_slots, *buf.shape), (slot_bytes // item, *spec.strides(buf.name)), offsets[buf.name] // item
+            (num_slots, *spec.view_shape(buf.name)), (slot_bytes // item, *spec.strides(buf.name)),
+            offsets[buf.name] // item,
         )
     return out
+
+
+def zeroed_views(spec: StateSpec, num_slots: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every buffer's view for `num_slots` slots, laid out as a table lays them out, over a fresh zeroed slab (for
+    tests and tools that run a model without a session table)."""
+    slot_bytes = spec.slot_bytes(4096)
+    slab = torch.zeros(num_slots * slot_bytes, dtype=torch.uint8, device=device)
+    return slab_views(slab, spec, num_slots, slot_bytes)

@@ -4,17 +4,21 @@ A buffer either grows with the sequence (K/V: its `seq_axis` is the position) or
 convolution state). A slot is one contiguous byte range laid out so that a session's memory is its tokens rounded
 up to a page:
 
-    [fixed-size buffers, one after the other] [token 0: every growing buffer's slice] [token 1: ...] ...
+    [fixed-size buffers, one after the other] [block 0: positions 0..C-1] [block 1: positions C..2C-1] ...
 
-The fixed-size state comes first, then one block per position holding that position's slice of every growing
-buffer (for a Llama: the K of every layer and head, then the V of every layer and head). The first N tokens of
-every layer are therefore the slot's first `bytes_for(N)` bytes, so backing a slot page by page from its start
-as the session grows backs exactly what it holds, and a clone, a hibernation or a restore of a session is one
-contiguous copy of that prefix.
+The fixed-size state comes first, then blocks of C = `block_tokens` positions. A block holds each growing buffer's
+slice for its C positions, laid out as the buffer itself with its position axis cut to C (for a Llama's K of shape
+(layers, kv_heads, max_context, head_dim): (layers, kv_heads, C, head_dim), then V the same). So:
 
-Each buffer is still a plain strided view over the slab (`strides`): the position axis of a growing buffer
-steps over a whole token block (`token_bytes`), its other axes are contiguous among themselves. So every
-kernel that takes a buffer's strides (all of worker.kernels do) reads the new layout unchanged.
+- the first N tokens of every layer are the slot's first `bytes_for(N)` bytes: backing a slot page by page from its
+  start as the session grows backs what it holds (rounded to a block, then to a page), and a clone, a hibernation
+  or a restore of a session is one contiguous copy of that prefix;
+- one layer and head's keys for C consecutive positions are contiguous (C x head_dim elements), so attention reads
+  K/V in runs of C rows, not row by row.
+
+Each buffer is a strided view over the slab (`view_shape`, `strides`) with its position axis split in two, (blocks,
+C): a position p is at block p // C, row p % C. The kernels (worker.kernels) address K/V that way; the plain-torch
+paths index the two axes (`store_positions`, `positions`).
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ from functools import cached_property
 
 import torch
 
-# Offsets of fixed-size buffers, and the start of the token blocks, are aligned to this many bytes (a cache line,
+# Offsets of fixed-size buffers, and the start of the blocks, are aligned to this many bytes (a cache line,
 # and enough for any vectorised load of bf16/fp32 rows).
 BUFFER_ALIGN = 256
-# Each growing buffer's slice inside a token block, and the block itself, are aligned to this many bytes.
+# Each growing buffer's slice inside a block, and the block itself, are aligned to this many bytes.
 TOKEN_ALIGN = 16
+# Positions per block (a power of two): one layer and head's K for 16 positions is 2-8 KiB contiguous (head_dim 64
+# to 256, bf16), and a block of an 8B Llama (128 KiB a position) is one 2 MiB page.
+BLOCK_TOKENS = 16
 
 
 def _align(n: int, to: int) -> int:
@@ -75,8 +82,11 @@ class StateSpec:
     """All buffers of one session and their layout in a slot (see the module docstring)."""
 
     buffers: tuple[BufferSpec, ...]
+    block_tokens: int = BLOCK_TOKENS  # positions per block (fewer when max_context is smaller)
 
     def __post_init__(self) -> None:
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         names = [b.name for b in self.buffers]
         if not names:
             raise ValueError("a StateSpec needs at least one buffer")
@@ -88,7 +98,7 @@ class StateSpec:
 
     @cached_property
     def _layout(self) -> tuple[dict[str, int], int, int]:
-        """(offset of each buffer's element 0 in a slot, where the token blocks start, bytes per token block)."""
+        """(offset of each buffer's element 0 in a slot, where the blocks start, bytes per block)."""
         offsets: dict[str, int] = {}
         pos = 0
         for b in self.buffers:
@@ -101,23 +111,38 @@ class StateSpec:
             if b.seq_axis is not None:
                 inner = _align(inner, max(TOKEN_ALIGN, b.itemsize))
                 offsets[b.name] = token_offset + inner
-                inner += b.bytes_per_token
+                inner += b.bytes_per_token * self.block
         return offsets, token_offset, _align(inner, TOKEN_ALIGN) if inner else 0
 
     @property
     def offsets(self) -> dict[str, int]:
-        """Byte offset of each buffer's first element inside a slot (a growing buffer: its slice of token 0)."""
+        """Byte offset of each buffer's first element inside a slot (a growing buffer: its slice of position 0)."""
         return dict(self._layout[0])
 
     @property
     def token_offset(self) -> int:
-        """Where the token blocks start: the fixed-size state's bytes, aligned."""
+        """Where the blocks start: the fixed-size state's bytes, aligned."""
         return self._layout[1]
+
+    @property
+    def block(self) -> int:
+        """Positions per block: `block_tokens`, or max_context when that is smaller (0 when nothing grows)."""
+        return min(self.block_tokens, self.max_context)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: `block` positions of every growing buffer (0 when nothing grows)."""
+        return self._layout[2]
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of a slot: max_context positions, the last block possibly part used."""
+        return -(-self.max_context // self.block) if self.block else 0
 
     @property
     def token_bytes(self) -> int:
         """Bytes of one position of every growing buffer together (0 when nothing grows)."""
-        return self._layout[2]
+        return sum(b.bytes_per_token for b in self.buffers)
 
     @property
     def max_context(self) -> int:
@@ -130,16 +155,17 @@ class StateSpec:
     @property
     def bytes_per_session(self) -> int:
         """Bytes one session's state takes at max_context, before any backend granularity."""
-        if self.token_bytes:
-            return self.token_offset + self.max_context * self.token_bytes
+        if self.block_bytes:
+            return self.token_offset + self.blocks * self.block_bytes
         last = [b for b in self.buffers if b.seq_axis is None][-1]
         return self._layout[0][last.name] + last.nbytes
 
     def bytes_for(self, tokens: int) -> int:
-        """Bytes of a slot's prefix that hold the fixed-size state and the first `tokens` positions."""
-        if not self.token_bytes:
+        """Bytes of a slot's prefix that hold the fixed-size state and the first `tokens` positions (whole blocks)."""
+        if not self.block_bytes:
             return self.bytes_per_session
-        return self.token_offset + max(0, min(tokens, self.max_context)) * self.token_bytes
+        tokens = max(0, min(tokens, self.max_context))
+        return self.token_offset + -(-tokens // self.block) * self.block_bytes
 
     def pages_for(self, tokens: int, page_bytes: int) -> int:
         """Pages of `page_bytes` that back the first `tokens` positions (and the fixed-size state)."""
@@ -147,24 +173,33 @@ class StateSpec:
 
     def tokens_in(self, pages: int, page_bytes: int) -> int:
         """Positions that `pages` pages hold whole (max_context at most)."""
-        if not self.token_bytes:
+        if not self.block_bytes:
             return 0
         room = pages * page_bytes - self.token_offset
-        return max(0, min(self.max_context, room // self.token_bytes))
+        return max(0, min(self.max_context, room // self.block_bytes * self.block))
+
+    def view_shape(self, name: str) -> tuple[int, ...]:
+        """A buffer's shape in a slot's view: a growing buffer's position axis split into (blocks, block)."""
+        b = self.buffer(name)
+        if b.seq_axis is None:
+            return b.shape
+        return (*b.shape[: b.seq_axis], self.blocks, self.block, *b.shape[b.seq_axis + 1 :])
 
     def strides(self, name: str) -> tuple[int, ...]:
-        """Element strides of a buffer inside one slot: its position axis steps over a token block, its other axes
-        are contiguous among themselves (C order with the position axis taken out)."""
+        """Element strides of `view_shape(name)` inside one slot. A fixed buffer: C order. A growing one: its slice
+        of a block in C order (position axis cut to `block`), and its block axis steps over a whole block."""
         b = self.buffer(name)
-        out = [0] * len(b.shape)
+        if b.seq_axis is None:
+            shape = b.shape
+        else:
+            shape = (*b.shape[: b.seq_axis], self.block, *b.shape[b.seq_axis + 1 :])
+        out = [0] * len(shape)
         step = 1
-        for axis in range(len(b.shape) - 1, -1, -1):
-            if axis == b.seq_axis:
-                continue
+        for axis in range(len(shape) - 1, -1, -1):
             out[axis] = step
-            step *= b.shape[axis]
+            step *= shape[axis]
         if b.seq_axis is not None:
-            out[b.seq_axis] = self.token_bytes // b.itemsize
+            out.insert(b.seq_axis, self.block_bytes // b.itemsize)
         return tuple(out)
 
     @property
@@ -182,7 +217,7 @@ class StateSpec:
         """The layout in one line: a stored state is only read back into the same layout."""
         parts = [f"{b.name}:{'x'.join(map(str, b.shape))}:{str(b.dtype).removeprefix('torch.')}:{b.seq_axis}"
                  for b in self.buffers]
-        return ";".join(parts) + f";tokens@{self.token_offset}+{self.token_bytes}"
+        return ";".join(parts) + f";blocks@{self.token_offset}+{self.block}x{self.block_bytes}"
 
     def buffer(self, name: str) -> BufferSpec:
         for b in self.buffers:
@@ -193,3 +228,16 @@ class StateSpec:
     def slot_bytes(self, granularity: int) -> int:
         """Bytes a slot takes once rounded up to a backend's allocation granularity."""
         return _align(self.bytes_per_session, granularity)
+
+
+def store_positions(cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[slots[t], :, positions[t]] = values[t] for a layer's K or V view (slots, heads, blocks, block, dim)."""
+    block = cache.shape[3]
+    cache[slots, :, positions // block, positions % block] = values
+
+
+def positions(cache: torch.Tensor, slot: int, end: int) -> torch.Tensor:
+    """Positions 0..end-1 of one slot of a layer's K or V view: (heads, end, dim), a copy unless one block holds
+    them all."""
+    block = cache.shape[3]
+    return cache[slot, :, : -(-end // block)].flatten(1, 2)[:, :end]

@@ -3,7 +3,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_state import BufferSpec, CapacityExhausted, HostBackend, SessionTable, SlotError, StateSpec
+from cuda_state import (
+    BufferSpec,
+    CapacityExhausted,
+    HostBackend,
+    SessionTable,
+    SlotError,
+    StateSpec,
+    positions,
+    store_positions,
+)
 from cuda_state.backend import slab_views
 
 SPEC = StateSpec(
@@ -11,35 +20,53 @@ SPEC = StateSpec(
         BufferSpec("k", (2, 3, 16, 4), torch.float32, seq_axis=2),
         BufferSpec("v", (2, 3, 16, 4), torch.float32, seq_axis=2),
         BufferSpec("conv", (5,), torch.bfloat16),  # fixed-size state: first in the slot, copied whole
-    )
+    ),
+    block_tokens=2,
 )
-PAGE = 1024  # 4 tokens of 192 bytes after the fixed state's 256 in the first page, 5 in each next
+PAGE = 1024  # 2 blocks of 384 bytes after the fixed state's 256 in the first page
 
 
-def test_spec_layout_puts_the_fixed_state_then_every_buffer_token_by_token() -> None:
+def by_position(view: torch.Tensor) -> torch.Tensor:
+    """One slot's K or V view (layers, heads, blocks, block, dim) as (layers, heads, positions, dim), a copy."""
+    return view.flatten(2, 3)
+
+
+def test_spec_layout_puts_the_fixed_state_then_blocks_of_every_buffer() -> None:
     assert SPEC.buffer("k").nbytes == 2 * 3 * 16 * 4 * 4 == 1536
     assert SPEC.buffer("k").bytes_per_token == 2 * 3 * 4 * 4 == 96
     assert SPEC.token_offset == 256  # conv's 10 bytes, aligned
     assert SPEC.token_bytes == 192  # one position of K and of V, every layer and head
-    assert SPEC.offsets == {"conv": 0, "k": 256, "v": 256 + 96}
-    assert SPEC.bytes_per_session == 256 + 16 * 192 == 3328
+    assert (SPEC.block, SPEC.block_bytes, SPEC.blocks) == (2, 2 * 192, 8)  # two positions of K, then two of V
+    assert SPEC.offsets == {"conv": 0, "k": 256, "v": 256 + 2 * 96}
+    assert SPEC.bytes_per_session == 256 + 8 * 384 == 3328
     assert SPEC.max_context == 16
-    assert [SPEC.bytes_for(n) for n in (0, 1, 5, 16, 99)] == [256, 448, 1216, 3328, 3328]
-    assert [SPEC.pages_for(n, PAGE) for n in (0, 3, 4, 5, 9, 10, 16)] == [1, 1, 1, 2, 2, 3, 4]
-    assert [SPEC.tokens_in(p, PAGE) for p in (0, 1, 2, 3, 4, 9)] == [0, 4, 9, 14, 16, 16]
-    assert SPEC.strides("k") == (3 * 4, 4, 192 // 4, 1) and SPEC.strides("conv") == (1,)
+    assert [SPEC.bytes_for(n) for n in (0, 1, 2, 5, 16, 99)] == [256, 640, 640, 1408, 3328, 3328]  # whole blocks
+    assert [SPEC.pages_for(n, PAGE) for n in (0, 3, 4, 5, 9, 10, 16)] == [1, 1, 1, 2, 3, 3, 4]
+    assert [SPEC.tokens_in(p, PAGE) for p in (0, 1, 2, 3, 4, 9)] == [0, 4, 8, 14, 16, 16]
+    assert SPEC.view_shape("k") == (2, 3, 8, 2, 4) and SPEC.view_shape("conv") == (5,)
+    # layer, head, block (a whole block of K and V), position in the block, dim
+    assert SPEC.strides("k") == (3 * 2 * 4, 2 * 4, 384 // 4, 4, 1) and SPEC.strides("conv") == (1,)
     assert SPEC.slot_bytes(4096) == 4096
     assert SPEC.slot_bytes(2 << 20) == 2 << 20
     assert SPEC.fixed_bytes == 10 and not SPEC.positional
-    kv = StateSpec(SPEC.buffers[:2])
-    assert kv.positional and kv.fixed_bytes == 0 and kv.token_offset == 0 and kv.bytes_for(3) == 3 * 192
+    kv = StateSpec(SPEC.buffers[:2], block_tokens=2)
+    assert kv.positional and kv.fixed_bytes == 0 and kv.token_offset == 0 and kv.bytes_for(3) == 2 * 384
+    assert StateSpec(SPEC.buffers[:2]).block == 16  # the default block, max_context at most
+    assert StateSpec(SPEC.buffers[:2], block_tokens=64).block == 16
 
 
-def test_smollm2_holds_23040_bytes_a_token_and_91_tokens_a_page() -> None:
+def test_smollm2_holds_23040_bytes_a_token_and_80_tokens_a_page() -> None:
     shape = (30, 3, 32768, 64)
     spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
     assert spec.token_bytes == 30 * 2 * 3 * 64 * 2 == 23_040
-    assert spec.tokens_in(1, 2 << 20) == 91 and spec.pages_for(200, 2 << 20) == 3
+    assert spec.block == 16 and spec.block_bytes == 16 * 23_040
+    assert spec.tokens_in(1, 2 << 20) == 80 and spec.pages_for(200, 2 << 20) == 3  # 5 blocks a page
+
+
+def test_an_8b_llama_block_is_one_page() -> None:
+    shape = (32, 8, 8192, 128)
+    spec = StateSpec((BufferSpec("k", shape, torch.bfloat16, 2), BufferSpec("v", shape, torch.bfloat16, 2)))
+    assert spec.block_bytes == 2 << 20 and spec.pages_for(1000, 2 << 20) == 63
 
 
 def test_bad_specs() -> None:
@@ -54,15 +81,27 @@ def test_bad_specs() -> None:
 def test_views_alias_the_slab() -> None:
     slab = torch.zeros(3 * 4096, dtype=torch.uint8)
     views = slab_views(slab, SPEC, 3, 4096)
-    assert views["k"].shape == (3, 2, 3, 16, 4)
-    views["k"][1, 1, 2, 15, 3] = 1.0
-    offset = 4096 + 256 + 15 * 192 + ((1 * 3 + 2) * 4 + 3) * 4  # slot, fixed state, token 15, layer 1 head 2 dim 3
+    assert views["k"].shape == (3, 2, 3, 8, 2, 4)
+    views["k"][1, 1, 2, 7, 1, 3] = 1.0  # slot 1, layer 1, head 2, position 15 (block 7, row 1), dim 3
+    offset = 4096 + 256 + 7 * 384 + (((1 * 3 + 2) * 2 + 1) * 4 + 3) * 4
     assert slab[offset : offset + 4].view(torch.float32).item() == 1.0
-    views["v"][2, 0, 0, 3, 0] = 2.0
-    offset = 2 * 4096 + 256 + 3 * 192 + 96
+    views["v"][2, 0, 0, 1, 1, 0] = 2.0  # slot 2, layer 0, head 0, position 3 (block 1, row 1): after the block's K
+    offset = 2 * 4096 + 256 + 1 * 384 + 192 + 1 * 4 * 4
     assert slab[offset : offset + 4].view(torch.float32).item() == 2.0
     views["conv"][2, 4] = 3.0
     assert slab[2 * 4096 + 8 : 2 * 4096 + 10].view(torch.bfloat16).item() == 3.0
+
+
+def test_positions_are_written_and_read_through_the_blocks() -> None:
+    slab = torch.zeros(3 * 4096, dtype=torch.uint8)
+    k = slab_views(slab, SPEC, 3, 4096)["k"][:, 1]  # layer 1, as the models pass it: (slots, heads, blocks, block, dim)
+    values = torch.arange(3 * 3 * 4, dtype=torch.float32).view(3, 3, 4)
+    store_positions(k, torch.tensor([1, 1, 2]), torch.tensor([0, 5, 5]), values)
+    assert torch.equal(k[1, :, 2, 1], values[1]) and torch.equal(k[2, :, 2, 1], values[2])
+    got = positions(k, 1, 6)
+    assert got.shape == (3, 6, 4)
+    assert torch.equal(got[:, 0], values[0]) and torch.equal(got[:, 5], values[1])
+    assert int(torch.count_nonzero(got[:, 1:5])) == 0
 
 
 def test_the_first_tokens_of_every_layer_are_the_slots_first_bytes() -> None:
@@ -71,12 +110,15 @@ def test_the_first_tokens_of_every_layer_are_the_slots_first_bytes() -> None:
     slot = table.create(16)
     views = table.views()
     for name in ("k", "v"):
-        views[name][slot, :, :, :5].fill_(1.0)
+        store_positions(views[name][:, 0], torch.tensor([slot] * 5), torch.arange(5), torch.ones(5, 3, 4))
+        store_positions(views[name][:, 1], torch.tensor([slot] * 5), torch.arange(5), torch.ones(5, 3, 4))
     views["conv"][slot].fill_(1.0)
     prefix = table.prefix(slot, 5)
     assert prefix.numel() == SPEC.bytes_for(5)
     assert int(torch.count_nonzero(backend.prefix(slot, SPEC.bytes_per_session)[prefix.numel():])) == 0
-    assert bool((prefix[256:].view(torch.float32) == 1.0).all())  # the 5 tokens of every layer and head, nothing else
+    ones = prefix[256:].view(torch.float32).view(3, 2, 2, 3, 2, 4)  # blocks, K/V, layer, head, row, dim
+    assert bool((ones[:2] == 1.0).all())  # positions 0-3 of every layer and head
+    assert bool((ones[2, :, :, :, 0] == 1.0).all()) and int(torch.count_nonzero(ones[2, :, :, :, 1])) == 0  # 4, not 5
     assert bool((prefix[:10].view(torch.bfloat16) == 1.0).all())  # and the fixed state before them
 
 
@@ -110,7 +152,7 @@ def test_sessions_grow_page_by_page_ahead_of_need_and_free_everything() -> None:
     table.ensure(s, 2)
     assert table.pages(s) == 1  # 2 + 2 = 4 tokens: still the first page
     table.ensure(s, 3)
-    assert (table.pages(s), table.room(s)) == (2, 9)  # 3 + 2 = 5 tokens: the next page, before token 4 needs it
+    assert (table.pages(s), table.room(s)) == (2, 8)  # 3 + 2 = 5 tokens: the next page, before token 4 needs it
     table.ensure(s, 16)
     assert table.pages(s) == 4 and table.free_pages == 8  # a whole slot, no more
     table.free(s)
@@ -145,13 +187,15 @@ def test_clone_copies_the_fixed_state_and_the_used_prefix() -> None:
     src = table.create(16)
     views = backend.views()
     for name in ("k", "v"):
-        views[name][src].copy_(torch.arange(views[name][src].numel(), dtype=torch.float32).view(2, 3, 16, 4))
+        views[name][src].copy_(torch.arange(1, views[name][src].numel() + 1, dtype=torch.float32).view(2, 3, 8, 2, 4))
     views["conv"][src].fill_(3.0)
     dst = table.clone(src, used=5)
     assert table.pages(dst) == 2  # the pages 5 tokens need
     for name in ("k", "v"):
-        assert torch.equal(views[name][dst][:, :, :5], views[name][src][:, :, :5])
-        assert int(torch.count_nonzero(views[name][dst][:, :, 5:9])) == 0  # its pages hold 9: zero past the prefix
+        # Whole blocks are copied: positions 0-5 (the block of position 4 holds 5 too), zero after them.
+        assert torch.equal(by_position(views[name][dst])[:, :, :6], by_position(views[name][src])[:, :, :6])
+        assert int(torch.count_nonzero(by_position(views[name][dst])[:, :, 6:8])) == 0  # its pages hold 8
+    assert bool((views["conv"][dst] == 3.0).all())
     assert bool((views["conv"][dst] == 3.0).all())
 
 
@@ -187,7 +231,7 @@ def test_kept_slots_keep_a_page_are_reused_zeroed_and_released_by_trim(monkeypat
     k[b].fill_(3.0)
     d = table.clone(b, used=2)
     assert d == c and table.room(d) == 4  # one page: 4 positions mapped, the rest of the slot is not
-    assert (k[d][:, :, :2] == 3.0).all() and torch.count_nonzero(k[d][:, :, 2:4]) == 0
+    assert (by_position(k[d])[:, :, :2] == 3.0).all() and torch.count_nonzero(by_position(k[d])[:, :, 2:4]) == 0
     # At most keep_mapped kept: the third free unmaps.
     e = table.create()
     clock[0] = 101.0

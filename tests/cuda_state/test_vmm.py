@@ -36,14 +36,16 @@ from cuda_state.select import probe_cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def small_spec(context: int = 40, dtype: torch.dtype = torch.float32) -> StateSpec:
-    """Two growing buffers like a KV cache plus one fixed-size buffer, like a recurrent state."""
+def small_spec(context: int = 40, dtype: torch.dtype = torch.float32, block_tokens: int = 1) -> StateSpec:
+    """Two growing buffers like a KV cache plus one fixed-size buffer, like a recurrent state. One position a block
+    unless asked: these tests count pages by positions."""
     return StateSpec(
         (
             BufferSpec("k", (2, 3, context, 8), dtype, seq_axis=2),
             BufferSpec("v", (2, 3, context, 8), dtype, seq_axis=2),
             BufferSpec("h", (5, 7), torch.float32),
-        )
+        ),
+        block_tokens=block_tokens,
     )
 
 
@@ -362,7 +364,7 @@ def test_fake_construction_maps_one_page_at_every_page_of_the_spare_and_zeroes_i
     spare = fake.memory[4 * b.slot_bytes : 4 * b.slot_bytes + GRANULARITY]
     assert int(spare.max()) == 0  # zeroed: the page behind the whole spare
     assert int(fake.memory[: 4 * b.slot_bytes].min()) == 0xAB  # session slots untouched
-    assert b.views()["k"].shape == (5, 2, 3, 40, 8)
+    assert b.views()["k"].shape == (5, 2, 3, 40, 1, 8)
     b.close()
 
 
@@ -726,9 +728,10 @@ def test_gpu_slots_follow_the_allocation_granularity(gpu: torch.device) -> None:
         assert b.granularity >= 2 << 20 and b.granularity & (b.granularity - 1) == 0
         assert b.page_bytes == b.granularity and b.slot_bytes == spec.slot_bytes(b.granularity)
         k = b.views()["k"]
-        assert k.device == gpu and k.shape == (5, 4, 2, 1000, 64) and k.dtype == torch.bfloat16
+        assert k.device == gpu and k.shape == (5, 4, 2, 63, 16, 64) and k.dtype == torch.bfloat16  # 63 blocks of 16
         assert k[1].data_ptr() - k[0].data_ptr() == b.slot_bytes
-        assert k.stride()[3] == spec.token_bytes // 2  # a position steps over every layer's K and V
+        assert k.stride()[3] == spec.block_bytes // 2  # a block steps over 16 positions of every layer's K and V
+        assert k.stride()[4] == 64  # a position within its block: the next row of this layer and head
         spare = b.views()["k"][b.spare_slot]
         assert int(torch.count_nonzero(spare)) == 0  # zeroed at construction
     finally:
@@ -759,30 +762,30 @@ def test_gpu_the_spare_is_one_page_mapped_at_each_of_its_pages(gpu: torch.device
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_grow_copy_and_shrink_one_slot_leaves_others_intact(gpu: torch.device) -> None:
-    spec = kv_spec(3000)  # 2 KiB a token: 1,024 tokens a page, 3 pages a slot
+    spec = kv_spec(3000)  # 2 KiB a token, 32 KiB a block of 16: 1,024 tokens (64 blocks) a page, 3 pages a slot
     b = vmm.VmmBackend(spec, 4, gpu)
     try:
         assert spec.token_bytes == 4 * 2 * 64 * 2 * 2 and spec.tokens_in(1, b.page_bytes) == 1024
         for s in range(4):
             b.grow(s, 2)
-        k = b.views()["k"]
-        assert int(torch.count_nonzero(k[:4, :, :, :2048])) == 0  # mapped pages come zeroed
-        patterns = [torch.randn(k[0, :, :, :2048].shape, device=gpu, dtype=k.dtype) for _ in range(4)]
+        k = b.views()["k"]  # (slots, layers, heads, blocks, 16, 64): 2,048 positions are blocks 0-127
+        assert int(torch.count_nonzero(k[:4, :, :, :128])) == 0  # mapped pages come zeroed
+        patterns = [torch.randn(k[0, :, :, :128].shape, device=gpu, dtype=k.dtype) for _ in range(4)]
         for s in range(4):
-            k[s, :, :, :2048].copy_(patterns[s])
+            k[s, :, :, :128].copy_(patterns[s])
         b.mark_used([0, 1, 2, 3])  # torch wrote the slots on the stream: a shrink must wait for that
-        b.copy_prefix(3, 0, spec.bytes_for(123))
+        b.copy_prefix(3, 0, spec.bytes_for(123))  # 123 positions: 8 whole blocks
         b.mark_used([0, 3])
         expected3 = patterns[3].clone()
-        expected3[:, :, :123] = patterns[0][:, :, :123]
-        assert torch.equal(k[3, :, :, :2048], expected3)
+        expected3[:, :, :8] = patterns[0][:, :, :8]
+        assert torch.equal(k[3, :, :, :128], expected3)
         b.shrink(1, 0)
-        assert torch.equal(k[0, :, :, :2048], patterns[0]) and torch.equal(k[2, :, :, :2048], patterns[2])
+        assert torch.equal(k[0, :, :, :128], patterns[0]) and torch.equal(k[2, :, :, :128], patterns[2])
         b.shrink(2, 1)  # its first 1,024 tokens stay
-        assert torch.equal(k[2, :, :, :1024], patterns[2][:, :, :1024])
+        assert torch.equal(k[2, :, :, :64], patterns[2][:, :, :64])
         b.grow(2, 3)  # the pages past them come back zeroed
-        assert int(torch.count_nonzero(k[2, :, :, 1024:])) == 0
-        assert torch.equal(k[2, :, :, :1024], patterns[2][:, :, :1024])
+        assert int(torch.count_nonzero(k[2, :, :, 64:])) == 0
+        assert torch.equal(k[2, :, :, :64], patterns[2][:, :, :64])
         torch.cuda.synchronize()
     finally:
         b.close()
@@ -791,7 +794,7 @@ def test_gpu_grow_copy_and_shrink_one_slot_leaves_others_intact(gpu: torch.devic
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_memory_is_the_pages_sessions_hold(gpu: torch.device) -> None:
-    spec = kv_spec(8192, layers=8)  # 4 KiB a token: 512 tokens a page
+    spec = kv_spec(8192, layers=8)  # 4 KiB a token, 64 KiB a block: 512 tokens a page
     baseline = device_free_bytes()
     b = vmm.VmmBackend(spec, 8, gpu)
     table = SessionTable(b)
@@ -938,7 +941,7 @@ def test_gpu_backend_works_from_another_thread(gpu: torch.device) -> None:
 @needs_cuda
 def test_gpu_a_hybrid_slot_keeps_its_fixed_state_in_the_first_pages(gpu: torch.device) -> None:
     """A hybrid model's slot: a conv state and an fp32 recurrent state of several pages come first, then the K/V of its
-    full-attention layers token by token. A clone copies the fixed state whole and the K/V prefix; zero clears them;
+    full-attention layers block by block. A clone copies the fixed state whole and the K/V prefix; zero clears them;
     the other slots keep theirs."""
     spec = StateSpec((
         BufferSpec("k", (2, 2, 300, 64), torch.bfloat16, seq_axis=2),
@@ -959,11 +962,11 @@ def test_gpu_a_hybrid_slot_keeps_its_fixed_state_in_the_first_pages(gpu: torch.d
             for s in range(3):
                 view[s].copy_(patterns[name][s])
         b.mark_used([0, 1, 2])
-        b.copy_prefix(2, 0, spec.bytes_for(77))
+        b.copy_prefix(2, 0, spec.bytes_for(77))  # 77 positions: 5 whole blocks of 16
         b.mark_used([0, 2])
         for name in ("k", "v"):
             expected = patterns[name][2].clone()
-            expected[:, :, :77] = patterns[name][0][:, :, :77]
+            expected[:, :, :5] = patterns[name][0][:, :, :5]
             assert torch.equal(views[name][2], expected)
         for name in ("conv", "recurrent"):
             assert torch.equal(views[name][2], patterns[name][0])

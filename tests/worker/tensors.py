@@ -29,16 +29,29 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def slab_caches(slots: int, layers: int, kv: int, ctx: int, hd: int, dtype: torch.dtype,
                 device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as the session table lays them out: (slots, layers, KV, ctx, hd) strided views of one byte slab."""
+    """K and V as the session table lays them out: (slots, layers, KV, blocks, block, hd) strided views of one byte
+    slab."""
     from cuda_state import BufferSpec, StateSpec
-    from cuda_state.backend import slab_views
+    from cuda_state.backend import zeroed_views
 
     shape = (layers, kv, ctx, hd)
-    spec = StateSpec((BufferSpec("k", shape, dtype, 2), BufferSpec("v", shape, dtype, 2)))
-    slot_bytes = spec.slot_bytes(4096)
-    slab = torch.zeros(slots * slot_bytes, dtype=torch.uint8, device=device)
-    views = slab_views(slab, spec, slots, slot_bytes)
+    views = zeroed_views(StateSpec((BufferSpec("k", shape, dtype, 2), BufferSpec("v", shape, dtype, 2))), slots, device)
     return views["k"], views["v"]
+
+
+def blocked(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V given by position, (slots, KV, ctx, hd), copied into the session table's layout of one layer: layer 1
+    of two in slab_caches, (slots, KV, blocks, block, hd) views; the positions past ctx in the last block are NaN."""
+    slots, kv, ctx, hd = k.shape
+    k_all, v_all = slab_caches(slots, 2, kv, ctx, hd, k.dtype, str(k.device))
+    k_all.fill_(float("nan"))
+    v_all.fill_(float("nan"))
+    kb, vb = k_all[:, 1], v_all[:, 1]
+    blocks, block = kb.shape[2], kb.shape[3]
+    pad = (0, 0, 0, blocks * block - ctx)
+    kb.copy_(torch.nn.functional.pad(k, pad, value=float("nan")).unflatten(2, (blocks, block)))
+    vb.copy_(torch.nn.functional.pad(v, pad, value=float("nan")).unflatten(2, (blocks, block)))
+    return kb, vb
 
 
 def rope_rows(hd: int, theta: float, ctx: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from cuda_state import store_positions
 from tests.worker.interpreted import run_interpreted
 from tests.worker.tensors import rope_rows, same_bits, slab_caches, ulps
 from worker.model import llama as reference
@@ -101,7 +102,7 @@ def rope_case(rows: int, gen: torch.Generator, k_cache: torch.Tensor, slots: lis
     dev = k_cache.device
     qkv = torch.randn(rows, 15 * 64, generator=gen).to(dev, torch.bfloat16)
     pos = torch.tensor(positions, device=dev)
-    cos, sin = rope_rows(64, THETA, k_cache.shape[2], pos)
+    cos, sin = rope_rows(64, THETA, k_cache.shape[2] * k_cache.shape[3], pos)
     return qkv, cos, sin, torch.tensor(slots, device=dev), pos
 
 
@@ -109,8 +110,8 @@ def expected_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
                   slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """What the torch layer loop does: q roped, returned; k roped and v written in place."""
     q, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
-    k_cache[slots, :, positions] = reference.apply_rope(k.view(-1, 3, 64), cos, sin)
-    v_cache[slots, :, positions] = v.view(-1, 3, 64)
+    store_positions(k_cache, slots, positions, reference.apply_rope(k.view(-1, 3, 64), cos, sin))
+    store_positions(v_cache, slots, positions, v.view(-1, 3, 64))
     return reference.apply_rope(q.view(-1, 9, 64), cos, sin)
 
 

@@ -1,7 +1,7 @@
 """Sessions bounded by the tokens they hold: growth page by page, admission by free pages, a generation that cannot
 grow, hibernation to host memory and to the session store, and a restart from the store. On the CPU, whose host
-backend accounts pages exactly as the GPU maps them; here with pages of 8 tokens of SmolLM2-135M in fp32 (46,080 bytes
-a token), so that sessions grow in a few tokens (a GPU page of 2 MiB holds 91 tokens in bf16)."""
+backend accounts pages exactly as the GPU maps them; here with pages of one block, 16 tokens of SmolLM2-135M in fp32
+(46,080 bytes a token), so that sessions grow in a few tokens (a GPU page of 2 MiB holds 5 blocks, 80 tokens, in bf16)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from worker.engine.options import EngineOptions
 MODEL = None  # the bundled SmolLM2-135M-Instruct: real text, so a state that came back wrong shows in the tokens
 CONTEXT = 256
 TOKEN_BYTES = 30 * 2 * 3 * 64 * 4
-PAGE = 8 * TOKEN_BYTES
+PAGE = 16 * TOKEN_BYTES  # one block of the slot layout
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a wooden press adapted from")
 PROMPT: list[int] = []  # TEXT's 30 tokens (set by the reference fixture)
@@ -95,14 +95,14 @@ def test_a_session_holds_its_tokens_rounded_to_a_page(model: Model, reference: E
         assert table.spec.token_bytes == TOKEN_BYTES and table.page_bytes == PAGE and table.page_budget == 40
         sid = eng.create_session()
         slot = eng._sessions[sid].slot
-        assert table.pages(slot) == 2  # no token yet, 16 ahead
+        assert table.pages(slot) == 1  # no token yet, 16 ahead
         eng.append(sid, token_ids=PROMPT)
         first = greedy(eng, sid, 4)
-        assert eng._sessions[sid].computed == 33 and table.pages(slot) == pages_after(eng, 33) == 7
-        second = greedy(eng, sid, 8)
-        assert eng._sessions[sid].computed == 41 and table.pages(slot) == pages_after(eng, 41) == 8
-        assert [first, second] == expected(reference, PROMPT, [4, 8])
-        assert table.backend.mapped_pages == 8
+        assert eng._sessions[sid].computed == 33 and table.pages(slot) == pages_after(eng, 33) == 4
+        second = greedy(eng, sid, 16)
+        assert eng._sessions[sid].computed == 49 and table.pages(slot) == pages_after(eng, 49) == 5
+        assert [first, second] == expected(reference, PROMPT, [4, 16])
+        assert table.backend.mapped_pages == 5
         eng.close(sid)
         assert table.backend.mapped_pages == 0 and table.free_pages == 40
     finally:
@@ -110,12 +110,12 @@ def test_a_session_holds_its_tokens_rounded_to_a_page(model: Model, reference: E
 
 
 def test_admission_is_by_free_pages(model: Model) -> None:
-    eng = model.engine(state_pages=10)
+    eng = model.engine(state_pages=5)
     try:
         a = eng.create_session()
         eng.append(a, token_ids=PROMPT)
         greedy(eng, a, 1)
-        assert eng.table.pages(eng._sessions[a].slot) == 6  # 31 positions, 16 ahead
+        assert eng.table.pages(eng._sessions[a].slot) == 3  # 31 positions, 16 ahead
         b = eng.create_session()
         c = eng.create_session()  # the last two pages
         assert eng.table.free_pages == 0 and eng.free_slots == 0  # a slot is left, no page
@@ -123,21 +123,21 @@ def test_admission_is_by_free_pages(model: Model) -> None:
             eng.create_session()
         assert eng.sessions() == [a, b, c]
         eng.close(a)
-        assert eng.free_slots == 2  # pages for 6, slots for 2
+        assert eng.free_slots == 2  # pages for 3, slots for 2
         eng.create_session()
     finally:
         close(eng)
 
 
 def test_a_generation_that_cannot_grow_ends_capacity_and_its_session_goes_on(model: Model, reference: Engine) -> None:
-    eng = model.engine(state_pages=6)
+    eng = model.engine(state_pages=4)
     try:
-        a, b = eng.create_session(), eng.create_session()  # 2 pages each (16 positions ahead), 2 left
+        a, b = eng.create_session(), eng.create_session()  # 1 page each (16 positions ahead), 2 left
         prompt = PROMPT[:10]
         eng.append(a, token_ids=prompt)
-        first = eng.generate(a, max_tokens=30, temperature=0.0, ignore_eos=True)
-        room = eng.table.spec.tokens_in(4, PAGE)
-        assert first.finish_reason == "capacity" and room == 32 and eng.table.free_pages == 0
+        first = eng.generate(a, max_tokens=50, temperature=0.0, ignore_eos=True)
+        room = eng.table.spec.tokens_in(3, PAGE)
+        assert first.finish_reason == "capacity" and room == 48 and eng.table.free_pages == 0
         # its last row was the page's last position: its token is the last one, pending as after any generation
         assert len(first.token_ids) == room - len(prompt) + 1
         assert eng.session_length(a) == room + 1 and eng._sessions[a].computed == room
@@ -147,14 +147,14 @@ def test_a_generation_that_cannot_grow_ends_capacity_and_its_session_goes_on(mod
         other = eng.generate(b, max_tokens=3, temperature=0.0, ignore_eos=True)
         assert other.finish_reason == "length"  # the other session is unaffected
         eng.close(b)  # its pages are free again: the session goes on where it stopped
-        second = greedy(eng, a, 30 - len(first.token_ids))
-        assert first.token_ids + second == expected(reference, prompt, [30])[0]
+        second = greedy(eng, a, 50 - len(first.token_ids))
+        assert first.token_ids + second == expected(reference, prompt, [50])[0]
     finally:
         close(eng)
 
 
 def test_hibernated_sessions_restore_and_give_the_same_tokens(model: Model, reference: Engine, tmp_path: Path) -> None:
-    # host memory for a's 41 positions (1.9 MB) or b's 34 (1.6 MB), not both
+    # host memory for a's 41 positions or b's 34 (3 blocks, 2.2 MB, each), not both
     eng = model.engine(host_cache_bytes=3 << 20, session_store=tmp_path)
     try:
         a, b = eng.create_session(owner="alice"), eng.create_session(owner="bob")
@@ -182,26 +182,26 @@ def test_hibernated_sessions_restore_and_give_the_same_tokens(model: Model, refe
 
 
 def test_the_least_recently_used_idle_session_hibernates_when_pages_run_out(model: Model, reference: Engine) -> None:
-    eng = model.engine(state_pages=9, host_cache_bytes=64 << 20)
+    eng = model.engine(state_pages=5, host_cache_bytes=64 << 20)
     try:
         a = eng.create_session()
         eng.append(a, token_ids=PROMPT)
-        turns = [greedy(eng, a, 4)]  # 7 pages
-        b = eng.create_session()  # the last 2
+        turns = [greedy(eng, a, 4)]  # 4 pages
+        b = eng.create_session()  # the last one
         assert eng.table.free_slots == 0 and eng.free_slots == 2  # what the broker sees: a and b may hibernate
         c = eng.create_session()  # none left: a, idle longest, hibernates
         assert not eng.is_resident(a) and eng.is_resident(b) and eng.is_resident(c)
-        # a comes back into the 5 free pages its 33 positions need; growing past them it takes b's (idle longest)
-        turns.append(greedy(eng, a, 10))
+        # a comes back into the 3 free pages its 33 positions need; growing past them it takes b's (idle longest)
+        turns.append(greedy(eng, a, 20))
         assert eng.is_resident(a) and not eng.is_resident(b) and eng.is_resident(c)
-        assert turns == expected(reference, PROMPT, [4, 10])
+        assert turns == expected(reference, PROMPT, [4, 20])
         assert eng.hibernated == 2 and eng.restored == 1
     finally:
         close(eng)
 
 
 def test_without_hibernation_a_full_table_refuses(model: Model) -> None:
-    eng = model.engine(state_pages=2)
+    eng = model.engine(state_pages=1)
     try:
         eng.create_session()
         with pytest.raises(CapacityExhausted):

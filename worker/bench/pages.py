@@ -5,7 +5,7 @@ Five parts, each printed as soon as it is measured (a part that fails prints its
 - **live**: `--model` (random:smollm2-135m) at `--max-context` 32768: sessions are opened and given
   `--live-tokens` tokens each (the prompt, then one generated token: real prefill, real pages) until the table
   refuses; how many are live, how many pages each holds, and what the device held. With the default 200 and 75
-  tokens: 3 pages and 1 page of 2 MiB each for SmolLM2 (23,040 bytes a token, 91 tokens a page, 16 positions
+  tokens: 3 pages and 1 page of 2 MiB each for SmolLM2 (23,040 bytes a token, 80 tokens a page, 16 positions
   mapped ahead of need).
 - **decode**: `--decode-sessions` (64) sessions, each a `--prompt-tokens` (128) prompt then `--new-tokens` (256)
   generated, EOS ignored, through the engine's step loop at `--decode-context` (1024, as `client.bench.gpu`),

@@ -140,7 +140,7 @@ class Engine:
         log.info("engine_ready", model=engine.model_name, device=engine.device, capacity=table.capacity,
                  bytes_per_session=table.bytes_per_session, max_context=engine.max_context, page_bytes=table.page_bytes,
                  page_budget=table.page_budget, token_bytes=table.spec.token_bytes,
-                 tokens_per_page=table.page_bytes // max(1, table.spec.token_bytes))
+                 tokens_per_page=table.spec.tokens_in(1, table.page_bytes), block_tokens=table.spec.block)
         return engine
 
     def enable_hibernation(self, host_cache_bytes: int, session_store: str | Path | None) -> list[str]:

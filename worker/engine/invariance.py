@@ -72,10 +72,11 @@ def keep_row_invariant_buckets(ex: Replays) -> None:
         filled = min(span + (ex.long_rows_from or 0), ex.model.max_context - 1)  # long rows reach past span
         for _ in range(min(wanted, ex.table.capacity)):
             slots.append(ex.table.create(filled + 1))  # backed for every position the check's rows reach
-        for buf in ex.table.spec.buffers:
+        spec = ex.table.spec
+        for buf in spec.buffers:
             view = ex.state[buf.name]
-            for slot in slots:
-                part = view[slot] if buf.seq_axis is None else view[slot].narrow(buf.seq_axis, 0, filled)
+            for slot in slots:  # a growing buffer: its first blocks, through position filled - 1
+                part = view[slot] if buf.seq_axis is None else view[slot].narrow(buf.seq_axis, 0, -(-filled // spec.block))
                 part.copy_(torch.randn(part.shape, generator=gen, device=part.device, dtype=torch.float32))
         restore = _restorer(ex, slots)
         if ex.long_rows_from is not None and not _split_graphs_agree(ex, slots, gen, restore):
@@ -164,6 +165,8 @@ def _prefill_invariant(ex: Replays, b: int, slots: list[int], span: int, gen: to
     for slot, offset, n in zip(slots, offsets, lengths, strict=True):
         runs.append(Run(slot=slot, start=len(positions), n=n, pos=offset))
         positions += range(offset, offset + n)
+    for run in runs:  # a chunk may reach past what the slot was backed for: map its pages first
+        ex.table.ensure(run.slot, run.pos + run.n)
     tokens = torch.randint(0, vocab, (len(positions),), generator=gen, device=device).tolist()
     ends = {run.start + run.n - 1 for run in runs}
     restore()

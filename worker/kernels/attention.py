@@ -37,7 +37,9 @@ def attend(  # type: ignore[no-untyped-def]  # Triton reads the signature
     q,  # (ROWS, BLOCK_D) query rows (padding rows zero)
     k_ptr,  # K at (slot, kv_head), position 0
     v_ptr,
-    stride_kt,
+    stride_kb,  # a block of BLOCK_T positions (cuda_state.spec)
+    stride_kt,  # a position within its block
+    stride_vb,
     stride_vt,
     lo,  # first position to attend to
     hi,  # one past the last position read
@@ -47,9 +49,12 @@ def attend(  # type: ignore[no-untyped-def]  # Triton reads the signature
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # positions per block of the slot layout
 ):
     """Online-softmax attention over positions [lo, limit) of each row, in blocks of BLOCK from lo: unnormalised acc,
-    running max (log2), sum. A block wholly past a row's limit leaves that row's three exactly as they were."""
+    running max (log2), sum. A block wholly past a row's limit leaves that row's three exactly as they were.
+
+    Position n is row n % BLOCK_T of layout block n // BLOCK_T: BLOCK_T consecutive keys are contiguous."""
     offs_n = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -57,16 +62,20 @@ def attend(  # type: ignore[no-untyped-def]  # Triton reads the signature
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK):
-        n = (start + offs_n).to(tl.int64)  # a position steps over a whole token block (cuda_state.spec): 64-bit offsets
+        n = start + offs_n
+        block = (n // BLOCK_T).to(tl.int64)  # 64-bit: a slot's blocks may span more than 2^31 elements
+        row = n % BLOCK_T
         kv_mask = (n < hi)[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK, BLOCK_D)
+        k_off = block * stride_kb + row * stride_kt
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK, BLOCK_D)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (ROWS, BLOCK) fp32
         s = tl.where(n[None, :] < limit, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a row's first block holds one of its keys
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v_off = block * stride_vb + row * stride_vt
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
@@ -89,8 +98,8 @@ def _load_group(  # type: ignore[no-untyped-def]  # Triton reads the signature
 def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     Q, K, V, Out, Slots, Lengths, anchor,
     stride_qb, stride_qh,
-    stride_ks, stride_kh, stride_kt,
-    stride_vs, stride_vh, stride_vt,
+    stride_ks, stride_kh, stride_kb, stride_kt,
+    stride_vs, stride_vh, stride_vb, stride_vt,
     stride_ob, stride_oh,
     qk_scale,
     GROUP: tl.constexpr,
@@ -98,6 +107,7 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     GROUP_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (rows, kv_heads): the whole key range of one row in one program.
@@ -112,8 +122,8 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     q = _load_group(Q, row, kvh, stride_qb, stride_qh, GROUP, HEAD_DIM, GROUP_PAD, BLOCK_D)
     k_ptr = K + slot * stride_ks + kvh * stride_kh
     v_ptr = V + slot * stride_vs + kvh * stride_vh
-    acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kt, stride_vt, 0, length, length, qk_scale,
-                           HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK)
+    acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kb, stride_kt, stride_vb, stride_vt, 0, length, length,
+                           qk_scale, HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK, BLOCK_T)
     out = acc / l_i[:, None]
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -127,8 +137,8 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
 def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     Q, K, V, Slots, Lengths, anchor, PartAcc, PartMax, PartSum,
     stride_qb, stride_qh,
-    stride_ks, stride_kh, stride_kt,
-    stride_vs, stride_vh, stride_vt,
+    stride_ks, stride_kh, stride_kb, stride_kt,
+    stride_vs, stride_vh, stride_vb, stride_vt,
     qk_scale,
     HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -138,6 +148,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     GROUP_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (rows, kv_heads, SPLITS): split `s` covers its share of [0, length), in whole blocks.
@@ -161,8 +172,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     q = _load_group(Q, row, kvh, stride_qb, stride_qh, GROUP, HEAD_DIM, GROUP_PAD, BLOCK_D)
     k_ptr = K + slot * stride_ks + kvh * stride_kh
     v_ptr = V + slot * stride_vs + kvh * stride_vh
-    acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kt, stride_vt, lo, hi, hi, qk_scale,
-                           HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK)
+    acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kb, stride_kt, stride_vb, stride_vt, lo, hi, hi, qk_scale,
+                           HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK, BLOCK_T)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUP
@@ -227,9 +238,11 @@ def num_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int
 
 
 def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                  lengths: torch.Tensor, out: torch.Tensor) -> None:
+                 lengths: torch.Tensor, out: torch.Tensor) -> None:
     rows, heads, head_dim = q.shape
-    _, kv_heads, _, kv_dim = k_cache.shape
+    if k_cache.dim() != 5:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} is not (slots, kv_heads, blocks, block, head_dim)")
+    _, kv_heads, _, _, kv_dim = k_cache.shape
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     if kv_dim != head_dim or heads % kv_heads:
@@ -253,14 +266,19 @@ def spare_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, torc
 
 
 def slab_strides(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
-    """A slab kernel's strides after its pointers: q's (row, head), then K's and V's (slot, KV head, position)."""
-    return (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    """A slab kernel's strides after its pointers: q's (row, head), then K's and V's (slot, KV head, block, position
+    in the block)."""
+    return (q.stride(0), q.stride(1), *k_cache.stride()[:4], *v_cache.stride()[:4])
+
+
+def context(k_cache: torch.Tensor) -> int:
+    """Positions a (slots, kv_heads, blocks, block, head_dim) cache holds: blocks x block."""
+    return int(k_cache.shape[2] * k_cache.shape[3])
 
 
 def decode_attention(
     q: torch.Tensor,  # (B, H, hd)
-    k_cache: torch.Tensor,  # (num_slots, KV, max_context, hd), any strides with a contiguous hd; the last slot mapped
+    k_cache: torch.Tensor,  # (num_slots, KV, blocks, block, hd), any strides with a contiguous hd; last slot mapped
     v_cache: torch.Tensor,  # same
     slots: torch.Tensor,  # (B,) int64: the slot each row reads
     lengths: torch.Tensor,  # (B,) int32 or int64, >= 1: positions 0..length-1 are attended to
@@ -272,7 +290,7 @@ def decode_attention(
         out = torch.empty_like(q)
     check_shapes(q, k_cache, v_cache, slots, lengths, out)
     rows, heads, head_dim = q.shape
-    _, kv_heads, max_context, _ = k_cache.shape
+    kv_heads, max_context = k_cache.shape[1], context(k_cache)
     if rows == 0:
         return out
     anchor, k_anchor, v_anchor = spare_views(k_cache, v_cache)
@@ -285,6 +303,7 @@ def decode_attention(
         GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK=BLOCK_N,
+        BLOCK_T=k_cache.shape[3],
     )
     qk_scale = LOG2E / math.sqrt(head_dim)
     pdl = launch_options(q)

@@ -163,8 +163,8 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     QKV, Cos, Sin, Q, K, V, Slots, Positions, anchor,
     stride_qkv, stride_cos, stride_sin, stride_slot, stride_pos,
     stride_qt, stride_qh,
-    stride_ks, stride_kh, stride_kt,
-    stride_vs, stride_vh, stride_vt,
+    stride_ks, stride_kh, stride_kb, stride_kt,
+    stride_vs, stride_vh, stride_vb, stride_vt,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -173,6 +173,7 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     KV_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # positions per block of the slot layout (cuda_state.spec)
     PDL: tl.constexpr,
 ):
     """Grid (T,): token t's q heads -> Q[t]; its k (rotated) and v -> the caches at slot, position.
@@ -184,6 +185,8 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t * stride_slot).to(tl.int64) - anchor
     pos = tl.load(Positions + t * stride_pos).to(tl.int64)
+    k_pos = (pos // BLOCK_T) * stride_kb + (pos % BLOCK_T) * stride_kt  # block, then row within it
+    v_pos = (pos // BLOCK_T) * stride_vb + (pos % BLOCK_T) * stride_vt
     offs_d = tl.arange(0, HALF_PAD)
     d_mask = offs_d < HALF
     cos1 = tl.load(Cos + t * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
@@ -203,14 +206,14 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     mask = (offs_kv < KV_HEADS)[:, None] & d_mask[None, :]
     k_src = row + (HEADS + offs_kv[:, None]) * HEAD_DIM + offs_d[None, :]
     k1, k2 = _rotate_half(k_src, mask, cos1, cos2, sin1, sin2, HALF)
-    k_ptrs = K + slot * stride_ks + offs_kv[:, None] * stride_kh + pos * stride_kt + offs_d[None, :]
+    k_ptrs = K + slot * stride_ks + offs_kv[:, None] * stride_kh + k_pos + offs_d[None, :]
     tl.store(k_ptrs, k1.to(K.dtype.element_ty), mask=mask)
     tl.store(k_ptrs + HALF, k2.to(K.dtype.element_ty), mask=mask)
 
     offs_dv = tl.arange(0, BLOCK_D)
     mask = (offs_kv < KV_HEADS)[:, None] & (offs_dv < HEAD_DIM)[None, :]
     v = tl.load(row + (HEADS + KV_HEADS + offs_kv[:, None]) * HEAD_DIM + offs_dv[None, :], mask=mask, other=0.0)
-    v_ptrs = V + slot * stride_vs + offs_kv[:, None] * stride_vh + pos * stride_vt + offs_dv[None, :]
+    v_ptrs = V + slot * stride_vs + offs_kv[:, None] * stride_vh + v_pos + offs_dv[None, :]
     tl.store(v_ptrs, v.to(V.dtype.element_ty), mask=mask)
 
 
@@ -222,8 +225,8 @@ def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
     _check_rows("sin", sin, tokens, head_dim)
     if head_dim % 2:
         raise ValueError(f"rotate-half RoPE needs an even head_dim, got {head_dim}")
-    if k_cache.dim() != 4 or k_cache.shape[1] != kv_heads or k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} is not (slots, {kv_heads}, context, {head_dim})")
+    if k_cache.dim() != 5 or k_cache.shape[1] != kv_heads or k_cache.shape[4] != head_dim:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} is not (slots, {kv_heads}, blocks, block, {head_dim})")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -238,7 +241,7 @@ def rope_and_store(
     qkv: torch.Tensor,  # (T, (H + 2*KV) * hd): the fused projection, [q | k | v]
     cos: torch.Tensor,  # (T, hd) fp32: the rope table's rows at each token's position
     sin: torch.Tensor,  # (T, hd) fp32
-    k_cache: torch.Tensor,  # (num_slots, KV, max_context, hd), any strides with a contiguous hd; the last slot mapped
+    k_cache: torch.Tensor,  # (num_slots, KV, blocks, block, hd), any strides with a contiguous hd; last slot mapped
     v_cache: torch.Tensor,  # same
     slots: torch.Tensor,  # (T,) int64: the slot each token writes
     positions: torch.Tensor,  # (T,) int64: the position each token writes
@@ -247,7 +250,8 @@ def rope_and_store(
     head_dim: int,
     out: torch.Tensor | None = None,  # (T, H, hd) preallocated q
 ) -> torch.Tensor:
-    """q = rope(q) (T, H, hd); k_cache[slots, :, positions] = rope(k); v_cache[...] = v. One launch.
+    """q = rope(q) (T, H, hd); K/V of position p (block p // block, row p % block) of each slot = rope(k), v. One
+    launch.
 
     As worker.model.llama.apply_rope plus the cache write: rotated in fp32, rounded to the cache's dtype.
     """
@@ -264,12 +268,11 @@ def rope_and_store(
         qkv, cos, sin, out, k_cache[anchor], v_cache[anchor], slots, positions, anchor,
         qkv.stride(0), cos.stride(0), sin.stride(0), slots.stride(0), positions.stride(0),
         out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k_cache.stride()[:4], *v_cache.stride()[:4],
         HEADS=n_heads, KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         HEADS_PAD=triton.next_power_of_2(n_heads), KV_PAD=triton.next_power_of_2(n_kv_heads),
         HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=ROPE_WARPS, **STRICT, **launch_options(qkv),
+        BLOCK_T=k_cache.shape[3], num_warps=ROPE_WARPS, **STRICT, **launch_options(qkv),
     )
     return out
 

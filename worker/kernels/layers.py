@@ -45,7 +45,7 @@ def fused_layers(
     sin: torch.Tensor,  # (T, hd) fp32
     positions: torch.Tensor,  # int64 (T,)
     slots: torch.Tensor,  # int64 (T,)
-    state: dict[str, torch.Tensor],  # "k", "v": (num_slots, layers, kv_heads, max_context, head_dim)
+    state: dict[str, torch.Tensor],  # "k", "v": (num_slots, layers, kv_heads, blocks, block, head_dim)
     batch: Batch,
 ) -> torch.Tensor:
     """The residual stream after the last layer (T, dim), before the final norm; K/V written to `state`."""
@@ -56,7 +56,7 @@ def fused_layers(
     h = h.contiguous()  # a no-op on the GPU; the CPU's transposed embedding (interpreter tests) gives strided rows
     x = rms_norm(h, layers[0].input_norm, eps)
     for li, layer in enumerate(layers):
-        k_cache, v_cache = state["k"][:, li], state["v"][:, li]  # (num_slots, kv_heads, max_context, hd)
+        k_cache, v_cache = state["k"][:, li], state["v"][:, li]  # (num_slots, kv_heads, blocks, block, hd)
         attn = layer.wo(_attend(model, layer, layer.wqkv(x), cos, sin, positions, slots, k_cache, v_cache, batch))
         x, h = add_rms_norm(attn, h, layer.post_norm, eps)
         mlp = layer.w_down(silu_mul(layer.w_gate_up(x)))  # (T, dim)

@@ -41,8 +41,8 @@ NUM_WARPS = 4
 def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     Q, K, V, Out, Slots, Lengths, TileStart, TileRows, anchor,
     stride_qb, stride_qh,
-    stride_ks, stride_kh, stride_kt,
-    stride_vs, stride_vh, stride_vt,
+    stride_ks, stride_kh, stride_kb, stride_kt,
+    stride_vs, stride_vh, stride_vb, stride_vt,
     stride_ob, stride_oh,
     qk_scale,
     GROUP: tl.constexpr,
@@ -50,6 +50,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatu
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (heads, tiles): query head `head` of the tile's rows, all in one slot.
@@ -74,8 +75,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatu
         q = tl.load(Q + rows[:, None] * stride_qb + head * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
         k_ptr = K + slot * stride_ks + kvh * stride_kh
         v_ptr = V + slot * stride_vs + kvh * stride_vh
-        acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kt, stride_vt, 0, hi, lengths[:, None], qk_scale,
-                               HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK)
+        acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kb, stride_kt, stride_vb, stride_vt, 0, hi, lengths[:, None],
+                               qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK, BLOCK_T)
         out = acc / l_i[:, None]
         tl.store(Out + rows[:, None] * stride_ob + head * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=q_mask)
@@ -83,7 +84,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatu
 
 def prefill_attention(
     q: torch.Tensor,  # (T, H, hd)
-    k_cache: torch.Tensor,  # (num_slots, KV, max_context, hd), any strides with a contiguous hd; the last slot mapped
+    k_cache: torch.Tensor,  # (num_slots, KV, blocks, block, hd), any strides with a contiguous hd; last slot mapped
     v_cache: torch.Tensor,  # same
     slots: torch.Tensor,  # (T,) int64: the slot each row reads
     lengths: torch.Tensor,  # (T,) int32 or int64, >= 1: positions 0..length-1 are attended to
@@ -108,6 +109,6 @@ def prefill_attention(
         q, k_anchor, v_anchor, out, slots, lengths, tiles[0], tiles[1], anchor,
         *slab_strides(q, k_cache, v_cache), out.stride(0), out.stride(1), LOG2E / math.sqrt(head_dim),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=TILE_ROWS, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK=BLOCK_N, num_warps=NUM_WARPS, **launch_options(q),
+        BLOCK=BLOCK_N, BLOCK_T=k_cache.shape[3], num_warps=NUM_WARPS, **launch_options(q),
     )
     return out

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cuda_state import BufferSpec, StateSpec
+from cuda_state import BufferSpec, StateSpec, store_positions
+from cuda_state import positions as positions_of
 from worker.model.batch import NO_KERNELS, Batch, Kernels, Run, runs_of
 from worker.model.config import ModelConfig, ModelLoadError
 from worker.model.draw import Draw
@@ -172,7 +173,7 @@ class Llama:
         token_ids: torch.Tensor,  # int64 (T,)
         positions: torch.Tensor,  # int64 (T,)
         slots: torch.Tensor,  # int64 (T,)
-        state: dict[str, torch.Tensor],  # "k", "v": (num_slots, layers, kv_heads, max_context, head_dim)
+        state: dict[str, torch.Tensor],  # "k", "v": (num_slots, layers, kv_heads, blocks, block, head_dim)
         batch: Batch | None = None,
         logits_at: torch.Tensor | None = None,  # int64 (R,): rows whose logits are wanted; None = all
     ) -> torch.Tensor:
@@ -213,9 +214,9 @@ class Llama:
             q = apply_rope(q.view(-1, c.n_heads, c.head_dim), cos, sin)
             k = apply_rope(k.view(-1, c.n_kv_heads, c.head_dim), cos, sin)
             v = v.view(-1, c.n_kv_heads, c.head_dim)
-            k_cache, v_cache = k_all[:, li], v_all[:, li]  # (num_slots, kv_heads, max_context, hd)
-            k_cache[slots, :, positions] = k
-            v_cache[slots, :, positions] = v
+            k_cache, v_cache = k_all[:, li], v_all[:, li]  # (num_slots, kv_heads, blocks, block, hd)
+            store_positions(k_cache, slots, positions, k)
+            store_positions(v_cache, slots, positions, v)
             attn = self.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
             h = h + layer.wo(attn.reshape(-1, q_size))
             x = rms_norm(h, layer.post_norm, c.norm_eps)
@@ -234,7 +235,7 @@ class Llama:
     def attention(
         self,
         q: torch.Tensor,  # (T, H, hd)
-        k_cache: torch.Tensor,  # (num_slots, KV, max_context, hd)
+        k_cache: torch.Tensor,  # (num_slots, KV, blocks, block, hd)
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # (T,)
         batch: Batch,
@@ -262,8 +263,8 @@ class Llama:
         run = batch.runs[i]
         end = run.pos + run.n
         qs = q[run.start : run.start + run.n].transpose(0, 1)  # (H, n, hd)
-        k = k_cache[run.slot, :, :end]  # (KV, end, hd), a view of the slab
-        v = v_cache[run.slot, :, :end]
+        k = positions_of(k_cache, run.slot, end)  # (KV, end, hd)
+        v = positions_of(v_cache, run.slot, end)
         mask = None
         if run.n > 1 and run.pos > 0:
             mask = batch.masks.get(i)

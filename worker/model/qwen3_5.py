@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cuda_state import BufferSpec, StateSpec
+from cuda_state import BufferSpec, StateSpec, store_positions
 from worker.model import delta_rule
 from worker.model.batch import NO_KERNELS, Batch, HybridKernels, Kernels, Run
 from worker.model.config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttention, ModelConfig, ModelLoadError
@@ -423,8 +423,8 @@ class Qwen3_5(Llama):
         key = k.offset_rms_norm(key.reshape(rows * kv_heads, hd), layer.k_norm, c.norm_eps).view(rows, kv_heads, hd)
         q, key = partial_rope(q, cos, sin), partial_rope(key, cos, sin)
         k_cache, v_cache = state["k"][:, layer.index], state["v"][:, layer.index]
-        k_cache[slots, :, positions] = key
-        v_cache[slots, :, positions] = value.reshape(rows, kv_heads, hd)
+        store_positions(k_cache, slots, positions, key)
+        store_positions(v_cache, slots, positions, value.reshape(rows, kv_heads, hd))
         attn = self.attention(q, k_cache, v_cache, slots, batch)
         return attn.reshape(rows, heads * hd) * torch.sigmoid(pairs[:, hd:].reshape(rows, heads * hd))
 
@@ -456,9 +456,9 @@ class Qwen3_5(Llama):
         q, gate = qg.view(rows, heads, 2 * hd).chunk(2, dim=-1)
         q = partial_rope(offset_rms_norm(q, layer.q_norm, c.norm_eps), cos, sin)
         k = partial_rope(offset_rms_norm(k.view(rows, kv_heads, hd), layer.k_norm, c.norm_eps), cos, sin)
-        k_cache, v_cache = state["k"][:, layer.index], state["v"][:, layer.index]  # (num_slots, KV, max_context, hd)
-        k_cache[slots, :, positions] = k
-        v_cache[slots, :, positions] = v.view(rows, kv_heads, hd)
+        k_cache, v_cache = state["k"][:, layer.index], state["v"][:, layer.index]  # (num_slots, KV, blocks, block, hd)
+        store_positions(k_cache, slots, positions, k)
+        store_positions(v_cache, slots, positions, v.view(rows, kv_heads, hd))
         attn = self.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
         return layer.wo(attn.reshape(rows, heads * hd) * torch.sigmoid(gate.reshape(rows, heads * hd)))
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_state import positions
 from tests.worker.interpreted import run_interpreted
+from tests.worker.tensors import blocked
 from worker.kernels.tiles import TILE_ROWS, max_tiles, prefill_tiles
 
 from .device import needs_cuda
@@ -47,8 +49,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots
     out = torch.empty(rows, heads, hd, dtype=torch.float64, device=q.device)
     for r in range(rows):
         n, s = int(lengths[r]), int(slots[r])
-        kk = k[s, :, :n].double().repeat_interleave(group, 0)  # (H, n, hd)
-        vv = v[s, :, :n].double().repeat_interleave(group, 0)
+        kk = positions(k, s, n).double().repeat_interleave(group, 0)  # (H, n, hd)
+        vv = positions(v, s, n).double().repeat_interleave(group, 0)
         w = torch.softmax(torch.einsum("hd,hnd->hn", q[r].double(), kk) / hd**0.5, -1)
         out[r] = torch.einsum("hn,hnd->hd", w, vv)
     return out
@@ -57,8 +59,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots
 def random_decode_case(rows: int, heads: int, kv: int, hd: int, ctx: int, dtype: torch.dtype,
                        gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     dev = torch.device("cuda")
-    slab = torch.randn(rows + 3, 3, kv, ctx, hd, generator=gen).to(dev, dtype)  # (slot, layer, KV, ctx, hd)
-    k, v = slab[:, 1], slab[:, 2]  # strided views, as the model passes them
+    k = torch.randn(rows + 3, kv, ctx, hd, generator=gen).to(dev, dtype)  # (slot, KV, ctx, hd)
+    v = torch.randn(rows + 3, kv, ctx, hd, generator=gen).to(dev, dtype)
     slots = torch.randperm(rows + 3, generator=gen)[:rows].to(dev)
     lengths = torch.randint(1, ctx + 1, (rows,), generator=gen, dtype=torch.int32)
     lengths[0] = ctx
@@ -68,7 +70,8 @@ def random_decode_case(rows: int, heads: int, kv: int, hd: int, ctx: int, dtype:
         k[int(slots[r]), :, int(lengths[r]):] = float("nan")
         v[int(slots[r]), :, int(lengths[r]):] = float("nan")
     q = torch.randn(rows, heads, hd, generator=gen).to(dev, dtype)
-    return q, k, v, slots, lengths.to(dev)
+    kb, vb = blocked(k, v)  # the table's layout of one layer, as the model passes it
+    return q, kb, vb, slots, lengths.to(dev)
 
 
 KERNEL_CASES = [  # (dtype, (rows, heads, kv_heads, head_dim, max_context), splits); None = chosen from shapes
@@ -196,8 +199,8 @@ def test_triton_decode_reads_only_the_pages_a_session_holds() -> None:
         assert tokens == 128 and backend.pages_per_slot == 64
         backend.grow(1, 2)  # 128 of its 4,096 positions
         k_all, v_all = backend.views()["k"], backend.views()["v"]
-        k_all[1, :, :, :tokens].normal_()
-        v_all[1, :, :, :tokens].normal_()
+        k_all[1, :, :, : tokens // spec.block].normal_()  # (slot, layer, KV, blocks, block, hd)
+        v_all[1, :, :, : tokens // spec.block].normal_()
         k, v = k_all[:, 5], v_all[:, 5]
         spare = backend.num_slots - 1
         q = torch.randn(4, 16, 128, device="cuda", dtype=torch.bfloat16)
@@ -218,8 +221,9 @@ def random_prefill_case(chunks: list[tuple[int, int, int]], heads: int, kv: int,
     """Prompt chunks (slot, first position, rows) packed in order, then `padding` rows at position 0 of the spare
     (the last slot); K/V past each chunk's last row poisoned. q, k, v, slots, lengths on the GPU."""
     dev = torch.device("cuda")
-    slab = torch.randn(max(c[0] for c in chunks) + 2, 3, kv, ctx, hd, generator=gen).to(dev, dtype)
-    k, v = slab[:, 1], slab[:, 2]  # strided views, as the model passes them
+    n_slots = max(c[0] for c in chunks) + 2
+    k = torch.randn(n_slots, kv, ctx, hd, generator=gen).to(dev, dtype)  # (slot, KV, ctx, hd)
+    v = torch.randn(n_slots, kv, ctx, hd, generator=gen).to(dev, dtype)
     slots: list[int] = []
     positions: list[int] = []
     for slot, pos, n in chunks:
@@ -227,11 +231,12 @@ def random_prefill_case(chunks: list[tuple[int, int, int]], heads: int, kv: int,
         positions += range(pos, pos + n)
         k[slot, :, pos + n :] = float("nan")
         v[slot, :, pos + n :] = float("nan")
-    slots += [slab.shape[0] - 1] * padding
+    slots += [n_slots - 1] * padding
     positions += [0] * padding
     q = torch.randn(len(slots), heads, hd, generator=gen).to(dev, dtype)
     lengths = torch.tensor(positions, dtype=torch.int32, device=dev) + 1
-    return q, k, v, torch.tensor(slots, device=dev), lengths
+    kb, vb = blocked(k, v)  # the table's layout of one layer, as the model passes it
+    return q, kb, vb, torch.tensor(slots, device=dev), lengths
 
 
 def tiles_of(counts: list[int], grid: int) -> torch.Tensor:

@@ -63,8 +63,8 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            lengths: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """What the Triton kernel computes, in plain torch (a stand-in on the CPU)."""
     group = q.shape[1] // k_cache.shape[1]
-    k = k_cache[slots].repeat_interleave(group, 1)  # (B, H, ctx, hd)
-    v = v_cache[slots].repeat_interleave(group, 1)
+    k = k_cache[slots].flatten(2, 3).repeat_interleave(group, 1)  # (B, H, ctx, hd)
+    v = v_cache[slots].flatten(2, 3).repeat_interleave(group, 1)
     scores = torch.einsum("bhd,bhnd->bhn", q, k) / q.shape[-1] ** 0.5
     keep = torch.arange(k.shape[2])[None, :] < lengths[:, None].long()
     weights = scores.masked_fill(~keep[:, None, :], float("-inf")).softmax(-1)
@@ -207,7 +207,8 @@ def test_graph_executor_glue_with_a_stand_in_graph_on_the_cpu(monkeypatch: pytes
     assert graphs.execute(StepRows([], [], [], [])).shape == (0, loaded.config.vocab_size)
     spare = graph_table.views()["k"][graph_table.spare_slot]
     # padding rows wrote position 0 of the spare only (within its first page: every later page is the first again)
-    assert torch.count_nonzero(spare[:, :, 1 : graph_table.spec.tokens_in(1, graph_table.page_bytes)]) == 0
+    by_position = spare.flatten(2, 3)  # (layers, KV, positions, hd)
+    assert torch.count_nonzero(by_position[:, :, 1 : graph_table.spec.tokens_in(1, graph_table.page_bytes)]) == 0
 
 
 @pytest.mark.gpu

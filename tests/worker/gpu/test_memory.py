@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cuda_state import CapacityExhausted
+from cuda_state.backend import zeroed_views
 from worker.engine.executor import StepRows
 from worker.engine.workspace import workspace_bytes
 
@@ -45,8 +46,8 @@ def test_packed_weights_are_views_of_one_block_whatever_order_the_tensors_come_i
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # no shared byte
         spec = llama.state_spec()
-        state = {b.name: torch.zeros((2, *b.shape), dtype=b.dtype) for b in spec.buffers}
-        before = llama.forward(ids, positions, slots, {k: v.clone() for k, v in state.items()})
+        before = llama.forward(ids, positions, slots, zeroed_views(spec, 2))
+        state = zeroed_views(spec, 2)
         assert torch.equal(backwards.forward(ids, positions, slots, state), before)
 
 
@@ -150,7 +151,8 @@ def test_closing_a_session_inflight_waits_for_the_step(gpu_engine: object, refer
     torch.cuda.synchronize()
     state = gpu_engine.table.views()
     room = gpu_engine.table.room(sa.slot)  # the positions its mapped page holds (the rest is not mapped)
-    assert all(torch.count_nonzero(state[name][sa.slot][:, :, :room]) == 0 for name in ("k", "v"))  # zeroed
+    blocks = room // gpu_engine.table.spec.block  # whole blocks: (layers, KV, blocks, block, hd) of the slot
+    assert all(torch.count_nonzero(state[name][sa.slot][:, :, :blocks]) == 0 for name in ("k", "v"))  # zeroed
     assert logits[1].argmax().item() == references[1].tokens[1]
 
     torch.cuda._sleep(400_000_000)

@@ -21,7 +21,7 @@ CONTEXT = 1024
 
 @pytest.fixture(scope="module")
 def paged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A GPU engine of 16 slots whose sessions may hold 40 pages together (91 tokens a page), hibernating to 64 MiB
+    """A GPU engine of 16 slots whose sessions may hold 40 pages together (80 tokens a page), hibernating to 64 MiB
     of pinned host memory and then to a store."""
     from worker.engine import Engine
 
@@ -49,7 +49,7 @@ def test_gpu_sessions_grow_page_by_page_with_the_cpus_tokens(paged: object, refe
     eng = fresh(paged)
     assert isinstance(eng, Engine)
     table = eng.table
-    assert table.page_bytes == 2 << 20 and table.spec.tokens_in(1, table.page_bytes) == 91
+    assert table.page_bytes == 2 << 20 and table.spec.tokens_in(1, table.page_bytes) == 80  # 5 blocks of 16
     for ref in references[:4]:
         sid = open_with(eng, ref.prompt)
         assert eng.generate(sid, **greedy(TOKENS)).token_ids == ref.tokens
@@ -104,7 +104,7 @@ def test_gpu_admission_by_pages_and_a_generation_that_cannot_grow(paged: object,
             eng.generate(hog, max_tokens=1, ignore_eos=True)
             hogs.append(hog)
         assert table.backend.mapped_pages == 35
-        sid = open_with(eng, ref.prompt)  # 1 page; 4 left: it may grow to 5 pages, 455 tokens
+        sid = open_with(eng, ref.prompt)  # 1 page; 4 left: it may grow to 5 pages, 448 tokens (28 blocks)
         others = [eng.create_session() for _ in range(4)]  # a page each: every page is held, 4 slots still free
         with pytest.raises(CapacityExhausted, match="no free page"):
             eng.create_session()
@@ -112,7 +112,7 @@ def test_gpu_admission_by_pages_and_a_generation_that_cannot_grow(paged: object,
             eng.close(other)
         eng.release_idle_slots(0.0)
         out = eng.generate(sid, max_tokens=600, temperature=0.0, ignore_eos=True)
-        assert out.finish_reason == "capacity" and eng.session_length(sid) == 5 * 91 + 1
+        assert out.finish_reason == "capacity" and eng.session_length(sid) == table.spec.tokens_in(5, table.page_bytes) + 1 == 449
         for hog in hogs:
             eng.close(hog)
         more = eng.generate(sid, max_tokens=10, temperature=0.0, ignore_eos=True)

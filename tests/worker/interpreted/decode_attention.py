@@ -1,5 +1,6 @@
 """The Triton decode attention (worker.kernels.attention) against a float64 reference, in fp32 and fp16: GQA and
-not, head dims that are not powers of two, one to five key splits, K/V as strided views of a slab, and the keys
+not, head dims that are not powers of two, one to five key splits, K/V as the table's block-strided views of a slab
+(contexts that end inside a block), and the keys
 past each row's length poisoned with NaN. Run by tests/worker/gpu/test_attention.py (see this package)."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import math
 import os
 
 import torch
+
+from tests.worker.tensors import blocked
 
 CASES = [  # (rows, heads, kv_heads, head_dim, max_context, splits)
     (3, 9, 3, 64, 300, 1), (3, 9, 3, 64, 300, 4), (2, 4, 4, 32, 130, 3),
@@ -37,8 +40,7 @@ def main() -> None:
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
         for rows, heads, kv, hd, ctx, splits in CASES:
             slots_n = rows + 2
-            slab = torch.randn(slots_n, 2, 2, kv, ctx, hd).to(dtype)  # (slot, layer, k|v, KV, ctx, hd)
-            k, v = slab[:, 1, 0], slab[:, 1, 1]  # strided views, as the model passes them
+            k, v = torch.randn(slots_n, kv, ctx, hd).to(dtype), torch.randn(slots_n, kv, ctx, hd).to(dtype)
             slots = torch.randperm(slots_n)[:rows]
             lengths = torch.randint(1, ctx + 1, (rows,), dtype=torch.int32)
             lengths[0], lengths[-1] = ctx, 1
@@ -47,7 +49,8 @@ def main() -> None:
                 v[slots[r], :, int(lengths[r]):] = float("nan")
             q = torch.randn(rows, heads, hd).to(dtype)
             out = torch.full((rows, heads, hd), float("nan"), dtype=dtype)
-            got = decode_attention(q, k, v, slots, lengths, out=out, splits=splits)
+            kb, vb = blocked(k, v)  # strided views of a slab, block by block, as the model passes them
+            got = decode_attention(q, kb, vb, slots, lengths, out=out, splits=splits)
             assert got is out
             err = (out.double() - reference(q, k, v, slots, lengths)).abs().max().item()
             assert err < tol, (dtype, rows, heads, kv, hd, ctx, splits, err)

@@ -9,6 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from cuda_state import store_positions
 from tests.worker.tensors import rope_rows, same_bits, slab_caches, ulps
 from worker.model import llama as M
 
@@ -76,8 +77,8 @@ def check_rope_and_store(dtype: torch.dtype) -> None:
         cos, sin = rope_rows(hd, 10000.0, ctx, positions)
         expect_k, expect_v = k_all.clone(), v_all.clone()
         q_ref, k_ref, v_ref = qkv.split([heads * hd, kv * hd, kv * hd], dim=-1)
-        expect_k[:, 1][slots, :, positions] = M.apply_rope(k_ref.view(t, kv, hd), cos, sin)
-        expect_v[:, 1][slots, :, positions] = v_ref.view(t, kv, hd)
+        store_positions(expect_k[:, 1], slots, positions, M.apply_rope(k_ref.view(t, kv, hd), cos, sin))
+        store_positions(expect_v[:, 1], slots, positions, v_ref.view(t, kv, hd))
         q_out = torch.full((t, heads, hd), NAN, dtype=dtype)
         q = rope_and_store(qkv, cos, sin, k_cache, v_cache, slots, positions, heads, kv, hd, out=q_out)
         assert q is q_out

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from tests.worker.tensors import blocked
+
 CHUNKS = [(2, 100, 130), (0, 0, 70), (1, 298, 2)]  # (slot, first position, rows)
 CONTEXT = 300
 SPARE = 4  # the slab's last slot: padding rows read position 0 of it
@@ -24,8 +26,7 @@ def main() -> None:
 
     torch.manual_seed(1)
     for dtype, tol, heads, kv, hd in ((torch.float32, 1e-5, 9, 3, 64), (torch.float16, 3e-3, 4, 4, 80)):
-        slab = torch.randn(SPARE + 1, 2, 2, kv, CONTEXT, hd).to(dtype)  # (slot, layer, k|v, KV, ctx, hd)
-        k, v = slab[:, 1, 0], slab[:, 1, 1]
+        k, v = torch.randn(SPARE + 1, kv, CONTEXT, hd).to(dtype), torch.randn(SPARE + 1, kv, CONTEXT, hd).to(dtype)
         row_slots: list[int] = []
         positions: list[int] = []
         starts: list[int] = []
@@ -46,8 +47,9 @@ def main() -> None:
         out = torch.full_like(q, 7.0)
         rows = len(slots)
         pad_slots, pad_lengths = torch.cat([slots, slots[:LOOSE]]), torch.cat([lengths, lengths[:LOOSE]])
-        assert prefill_attention(q, k, v, pad_slots, pad_lengths, tiles, out=out) is out
-        expected = decode_attention(q[:rows].double(), k.double(), v.double(), slots, lengths, splits=1)
+        kb, vb = blocked(k, v)  # the table's layout of one layer
+        assert prefill_attention(q, kb, vb, pad_slots, pad_lengths, tiles, out=out) is out
+        expected = decode_attention(q[:rows].double(), kb.double(), vb.double(), slots, lengths, splits=1)
         err = (out[:rows].double() - expected).abs().max().item()
         assert err < tol, (dtype, err)
         assert (out[rows:] == 7.0).all()
