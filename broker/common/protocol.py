@@ -917,7 +917,7 @@ class Drop(Message):
 MOVE_CHUNK_BYTES: Final = 4 << 20  # state bytes in one MOVE_CHUNK's payload frame (the sockets take 8 MiB a frame)
 MAX_STATE_BYTES: Final = 1 << 40
 MAX_CHUNKS_PER_MOVE: Final = MAX_STATE_BYTES // MOVE_CHUNK_BYTES
-DIGEST_BYTES: Final = 32  # BLAKE2b-256
+DIGEST_BYTES: Final = 16  # XXH3-128
 MAX_KEPT_ANSWERS: Final = 64  # a moved session's recent answers carried along (MoveState.answers)
 MAX_ANSWERS_BYTES: Final = 1 << 20  # and their bytes at most, so that a MOVE_STATE stays far below the frame limit
 MOVE_STATUSES: Final = frozenset({"imported", "released", "aborted", "failed"})
@@ -940,7 +940,7 @@ class Move(Message):
 class MoveState(Message):
     """Source -> broker -> target: the moved session, before its `chunks` MOVE_CHUNKs of `nbytes` state bytes. `layout`
     is the state's layout (cuda_state's StateSpec.fingerprint) and `model` the source's model: the target refuses
-    anything but its own. `digest`: BLAKE2b-256 of this header's session fields and the state bytes
+    anything but its own. `digest`: XXH3-128 of this header's session fields and the state bytes
     (worker.engine.migration.state_digest), checked by the target before it takes the session."""
 
     COMMAND: ClassVar[Command] = Command.MOVE_STATE
@@ -976,7 +976,7 @@ class MoveChunk(Message):
     COMMAND: ClassVar[Command] = Command.MOVE_CHUNK
     migration: MoveId
     index: Annotated[int, integer(0, MAX_CHUNKS_PER_MOVE)]
-    data: Annotated[bytes, blob(MOVE_CHUNK_BYTES)]
+    data: Annotated[bytes | memoryview, blob(MOVE_CHUNK_BYTES)]  # a view of the sender's buffer on the way out
 
     def to_header(self) -> dict[str, Any]:
         return {"migration": self.migration, "index": self.index}

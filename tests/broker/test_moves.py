@@ -34,7 +34,7 @@ def test_a_move_holds_requests_relays_the_state_and_switches_only_after_the_rele
     move = drain_w1(router)
     assert router.client_message(C1, p.encode(p.Append(request_id="r1", session_id=A, token_ids=(1,))), 2.6) == []
     state = p.MoveState(migration=move.migration, session_id=A, tokens=(1, 2), computed=2, nbytes=3, chunks=1,
-                        model="m", layout="x", digest=bytes(32))
+                        model="m", layout="x", digest=bytes(p.DIGEST_BYTES))
     chunk = p.MoveChunk(migration=move.migration, index=0, data=b"abc")
     relayed = router.worker_message(W1, p.encode(state), 2.7) + router.worker_message(W1, p.encode(chunk), 2.7)
     assert [(s.identity, s.frames) for s in relayed] == [(W2, p.encode(state)), (W2, p.encode(chunk))]

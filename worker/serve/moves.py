@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -168,9 +169,9 @@ class Moves:
 
     def _state_messages(self, export: Export, snapshot: Any) -> list[p.Message]:
         digest = snapshot.digest()
-        data = snapshot.state.numpy().tobytes()
-        if self._corrupt and data:
-            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        data: bytes | memoryview = memoryview(snapshot.state.numpy())  # chunks are views of it: no copy until zmq's
+        if self._corrupt and len(data):
+            data = bytes([data[0] ^ 0xFF]) + bytes(data[1:])
         size = p.MOVE_CHUNK_BYTES
         chunks = -(-len(data) // size)
         header = p.MoveState(
@@ -220,7 +221,7 @@ class Moves:
             return [self._failed(chunk.migration, header.session_id, ValueError(
                 f"chunk {chunk.index} of {len(chunk.data)} bytes where chunk {work.next_index} of {expected} was due"))]
         if expected:
-            work.state[start:start + expected].copy_(torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8))
+            work.state.numpy()[start:start + expected] = np.frombuffer(chunk.data, dtype=np.uint8)  # one copy
         work.next_index += 1
         return self._complete(chunk.migration) if work.next_index == header.chunks else []
 

@@ -146,3 +146,40 @@ def test_gpu_grow_close_cycles_return_to_baseline(paged: object, references: lis
     assert eng.table.backend.mapped_pages == 0
     if not UNDER_SANITIZER:  # the sanitizer keeps device memory of its own
         assert device_free_bytes() == baseline
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_session_moves_to_another_engine_with_the_same_tokens(paged: object, references: list[Reference]) -> None:
+    """A move's two halves on the GPU: a resident session's snapshot (its slot's prefix through pinned host memory),
+    taken into a second engine of the same model, which generates the tokens the session would have; a hibernated
+    one moves too; a snapshot whose bytes changed is refused and leaves the target as it was."""
+    from worker.engine import Engine
+    from worker.engine.migration import MoveRefused
+
+    eng = fresh(paged)
+    assert isinstance(eng, Engine)
+    target = Engine.load(model=MODEL, device="cuda", max_sessions=4, max_context=CONTEXT)
+    try:
+        for ref, hibernate in zip(references[:2], (False, True), strict=True):
+            sid = open_with(eng, ref.prompt)
+            first = eng.generate(sid, **greedy(5)).token_ids
+            if hibernate:
+                assert eng.hibernate(sid)
+            snapshot = eng.export_session(sid)
+            assert snapshot is not None and snapshot.nbytes == eng.table.spec.bytes_for(snapshot.computed)
+            digest = snapshot.digest()
+            bad = snapshot.state.clone()
+            bad[len(bad) // 2] ^= 1
+            corrupt = type(snapshot)(snapshot.session_id, snapshot.owner, snapshot.tokens, snapshot.computed,
+                                     snapshot.model, snapshot.layout, bad)
+            with pytest.raises(MoveRefused, match="checksum"):
+                target.import_session(corrupt, digest)
+            assert target.sessions() == [] and target.table.live == 0
+            assert target.import_session(snapshot, digest) == sid
+            eng.close(sid)
+            rest = target.generate(sid, **greedy(TOKENS - 5)).token_ids
+            assert first + rest == ref.tokens
+            target.close(sid)
+    finally:
+        target.unload()
