@@ -193,12 +193,18 @@ def test_a_resent_request_is_answered_again_not_run_again(one_worker: Cluster) -
         sock.connect(one_worker.clients)
         try:
 
+            def answer() -> p.Message:
+                while True:  # the broker's lease notices come on the same socket, whenever they are due
+                    assert sock.poll(10_000)
+                    message = p.decode(sock.recv_multipart())
+                    if not isinstance(message, p.Lease):
+                        return message
+
             def twice(request: p.Message) -> list[p.Message]:
                 answers = []
                 for _ in range(2):
                     sock.send_multipart(p.encode(request))
-                    assert sock.poll(10_000)
-                    answers.append(p.decode(sock.recv_multipart()))
+                    answers.append(answer())
                 return answers
 
             first, again = twice(p.Append(request_id="append-1", session_id=s.id, token_ids=tuple(PROMPT)))

@@ -25,6 +25,7 @@ Not thread-safe: one thread owns an engine (the daemon's compute loop, or the ca
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import secrets
 import time
 from collections import OrderedDict, deque
@@ -882,10 +883,13 @@ class Engine:
         h = self.hibernation
         if h is None or not h.enabled:
             return False
-        idle = sorted((s for s in self._sessions.values()
-                       if s.resident and s.request is None and s is not keep and id(s) not in in_flight),
-                      key=lambda s: s.used_at)
-        return any(self._hibernate(s, in_flight) for s in idle)
+        idle = [(s.used_at, i, s) for i, s in enumerate(self._sessions.values())
+                if s.resident and s.request is None and s is not keep and id(s) not in in_flight]
+        heapq.heapify(idle)  # the least recently used first, without sorting tens of thousands for the first one
+        while idle:
+            if self._hibernate(heapq.heappop(idle)[2], in_flight):
+                return True
+        return False
 
     def _new_id(self, session_id: str | None) -> str:
         if session_id is None:
