@@ -976,7 +976,7 @@ class MoveChunk(Message):
     COMMAND: ClassVar[Command] = Command.MOVE_CHUNK
     migration: MoveId
     index: Annotated[int, integer(0, MAX_CHUNKS_PER_MOVE)]
-    data: Annotated[bytes | memoryview, blob(MOVE_CHUNK_BYTES)]  # a view of the sender's buffer on the way out
+    data: Annotated[bytes, blob(MOVE_CHUNK_BYTES)]
 
     def to_header(self) -> dict[str, Any]:
         return {"migration": self.migration, "index": self.index}

@@ -170,7 +170,7 @@ class Serve:
                     self._admit_tokenized()
                 self.moves.check_broker()
                 if self.moves.exports or self.moves.imports:
-                    self._send_moves(self.moves.poll())
+                    self._move_step(self.moves.poll)
                 now = time.monotonic()
                 if self.evacuating:
                     if self._announce:
@@ -220,7 +220,7 @@ class Serve:
             self._busy_at = time.monotonic()
         for request in requests:
             if isinstance(request, p.MOVE_TYPES):
-                self._send_moves(self.moves.handle(request))
+                self._move_step(lambda: self.moves.handle(request))  # noqa: B023  (called now)
                 continue
             answers = self.dispatch.handle(request)
             if answers:
@@ -240,6 +240,16 @@ class Serve:
         if not self.dispatch.tokenizing and self.dispatch.tokenized_chars >= TRIM_AFTER_CHARS:
             self.dispatch.tokenized_chars = 0
             heap.release_free_memory()
+
+    def _move_step(self, step: Callable[[], list[p.Message]]) -> None:
+        """A move's step and what it sends. A fault in it is logged and costs that move only (the broker aborts a move
+        that stalls): the worker and its other sessions go on."""
+        try:
+            messages = step()
+        except Exception:  # noqa: BLE001  (a bug in a move must not take the worker's sessions down)
+            log.exception("move_step_failed")
+            return
+        self._send_moves(messages)
 
     def _send_moves(self, messages: list[p.Message]) -> None:
         """What a move sends (a state and its chunks, reports); the heartbeat's state is refreshed after a session came

@@ -162,16 +162,25 @@ class Moves:
                 continue
             if snapshot is None:
                 continue  # a step launched ahead still holds a row of it: after the next step
-            out += self._state_messages(export, snapshot)
+            try:
+                messages = self._state_messages(export, snapshot)
+            except Exception as e:  # noqa: BLE001  (reported as this move's failure; the session stays here)
+                log.exception("move_state_failed", session=export.session_id, migration=export.migration)
+                del self.exports[export.migration]
+                self.dispatch.moving.discard(export.session_id)
+                self.counts.failed += 1
+                out.append(self._report(export.migration, export.session_id, "failed", p.ErrorCode.INTERNAL, str(e)))
+                continue
+            out += messages
             export.sent = True
             self.counts.sent += 1
         return out
 
     def _state_messages(self, export: Export, snapshot: Any) -> list[p.Message]:
         digest = snapshot.digest()
-        data: bytes | memoryview = memoryview(snapshot.state.numpy())  # chunks are views of it: no copy until zmq's
+        data = memoryview(snapshot.state.numpy())  # each chunk's bytes copied from it once
         if self._corrupt and len(data):
-            data = bytes([data[0] ^ 0xFF]) + bytes(data[1:])
+            data = memoryview(bytes([data[0] ^ 0xFF]) + bytes(data[1:]))
         size = p.MOVE_CHUNK_BYTES
         chunks = -(-len(data) // size)
         header = p.MoveState(
@@ -181,7 +190,7 @@ class Moves:
             answers=self.dispatch.answers_of(snapshot.session_id))
         log.info("session_sending", session=snapshot.session_id, target=export.target, tokens=len(snapshot.tokens),
                  bytes=len(data), migration=export.migration)
-        return [header, *(p.MoveChunk(migration=export.migration, index=i, data=data[i * size:(i + 1) * size])
+        return [header, *(p.MoveChunk(migration=export.migration, index=i, data=bytes(data[i * size:(i + 1) * size]))
                           for i in range(chunks))]
 
     # -- target ------------------------------------------------------------------------------------
