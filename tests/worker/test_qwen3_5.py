@@ -488,3 +488,26 @@ def test_a_hibernated_session_continues_exactly_from_host_memory_and_from_disk(f
         assert got == want
     finally:
         again.unload()
+
+
+def test_a_moved_session_continues_exactly_on_another_engine(folder: Folder) -> None:
+    """A move's two halves with a hybrid state: the snapshot of a session (its recurrent and convolution states and
+    the full-attention layer's K/V) taken into a second engine of the same model, which goes on with transformers'
+    greedy tokens; the source keeps the session until it is closed there."""
+    prompt, want = folder.prompts[2], folder.expected[2]
+    source = Engine.load(str(folder.path), device="cpu", max_sessions=2, max_context=512)
+    target = Engine.load(str(folder.path), device="cpu", max_sessions=2, max_context=512)
+    try:
+        sid = source.create_session(owner="alice")
+        source.append(sid, token_ids=prompt)
+        got = source.generate(sid, max_tokens=8, ignore_eos=True).token_ids
+        snapshot = source.export_session(sid)
+        assert snapshot is not None and snapshot.computed == len(prompt) + 7
+        assert target.import_session(snapshot, snapshot.digest()) == sid
+        assert source.sessions() == [sid] and target.session_owner(sid) == "alice"
+        source.close(sid)
+        got += target.generate(sid, max_tokens=NEW_TOKENS - 8, ignore_eos=True).token_ids
+        assert got == want
+    finally:
+        source.unload()
+        target.unload()
