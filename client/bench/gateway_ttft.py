@@ -22,8 +22,10 @@ processes of a host share, when each stage of the request ends:
     session        the live session found (models.check, the store) or opened (a CREATE round trip)
     send           GENERATE built and sent
     broker         GENERATE sent -> its first chunk back (the broker, the worker: what the native client pays too)
-    response       first chunk -> http.response.start sent (StreamingResponse, its headers)
-    first_body     -> the first body chunk handed to uvicorn (Starlette's task group, the event generator, SSE encoding)
+    response       first chunk -> http.response.start sent (the response object, the handler's metrics; since
+                   EventStream, the first event's encoding too: it is made before the status line goes out)
+    first_body     -> the first body chunk handed to uvicorn (the headers' write; before EventStream, Starlette's task
+                   group, the event generator and the SSE encoding)
     write          uvicorn's write of it
     http_out       -> the client has read and parsed the event (loopback, chunked decoding, json.loads)
 
