@@ -16,11 +16,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import structlog
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from broker.common.keys import CurveClient
@@ -29,6 +30,7 @@ from client.errors import ClientError
 from client.gateway import responses, schema
 from client.gateway.auth import ApiKeys
 from client.gateway.errors import ApiError, bad_request, from_client_error, no_worker
+from client.gateway.events import EventStream
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models
 from client.gateway.service import Service, chat_ask, completion_ask
@@ -108,7 +110,7 @@ def create_app(config: GatewayConfig) -> Starlette:
                 gw.metrics.running.dec()
             gw.metrics.requests.labels(endpoint, str(response.status_code)).inc()
             gw.metrics.sync_sessions()
-            if not isinstance(response, StreamingResponse):
+            if not isinstance(response, EventStream):
                 gw.metrics.duration.labels(endpoint).observe(time.perf_counter() - start)
             return response
 
@@ -183,7 +185,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if ask.name is not None:
             headers["X-Session-ID"] = ask.name
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return EventStream(events(), headers)
 
     async def close_session(request: Request) -> Response:
         owner = gw.keys.owner(request.headers.get("authorization"))
@@ -223,6 +225,10 @@ async def _json(request: Request) -> Any:
     body = await request.body()
     if len(body) > MAX_BODY_BYTES:
         raise bad_request(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass  # json says why, and takes what orjson alone refuses (a lone surrogate's escape, an integer beyond 64 bits)
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:

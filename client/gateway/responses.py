@@ -8,6 +8,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
+
 from broker.common.protocol import TokenLogprob
 from client.gateway.service import Answer, Usage
 
@@ -24,7 +26,12 @@ def now() -> int:
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON. orjson (several times faster than json on the token ids a streamed chunk or an answer
+    carries); json for what orjson refuses (an integer beyond 64 bits), with the same output otherwise."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def sse(obj: Any) -> bytes:

@@ -199,18 +199,20 @@ class CompletionRequest(_Common):
         prompt = self.prompt
         if not prompt:
             raise bad_request("prompt is empty", "prompt")
+        # Validated already: a string, or a list whose items are all ints, all strings or all lists of ints (the
+        # first item says which). Checked with builtins, not a loop in Python: a conversation resent whole is long.
         if isinstance(prompt, str):
             value: str | tuple[int, ...] = prompt
-        elif prompt and all(isinstance(x, int) for x in prompt):
-            value = tuple(prompt)  # type: ignore[arg-type]
-        elif len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        elif isinstance(prompt[0], int):
+            value = tuple(prompt)
+        elif len(prompt) == 1:
             one = prompt[0]
             value = one if isinstance(one, str) else tuple(one)
         else:
             raise bad_request("a batch of several prompts is not supported: send one prompt a request", "prompt")
         if not value:
             raise bad_request("prompt is empty", "prompt")
-        if isinstance(value, tuple) and not all(0 <= t <= 2**31 - 1 for t in value):
+        if isinstance(value, tuple) and (min(value) < 0 or max(value) > 2**31 - 1):
             raise bad_request("prompt token ids must be non-negative integers", "prompt")
         return value
 

@@ -11,7 +11,9 @@ word list) and generates M tokens streamed, in one request (`generate(prompt=...
 every K-th turn it may fork, run one turn on the child and close it. A session whose next turn would
 overflow the context is closed and a new one opened. The run lasts a number of generate requests or
 a duration, then closes every session and reports vLLM `bench serve` figures: throughput, TTFT, ITL,
-TPOT, end-to-end latency, session create/fork/close latency, failures by error code.
+TPOT, end-to-end latency, session create/fork/close latency, failures by error code. A conversation's
+first turn's TTFT counts from the request that opens its session (natively its CREATE; the gateway opens
+the session within that turn), as its user waits for both.
 
 The Python API (used by benchmark scripts):
 

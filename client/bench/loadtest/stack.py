@@ -85,6 +85,9 @@ class StackDriver:
         self.raw = raw
         self.tally = tally
         self.closing: set[asyncio.Task[None]] = set()  # closes sent and not answered yet
+        # When each new session's CREATE was sent: its first turn's TTFT counts from there, as a user waits for both
+        # (and as through the gateway, which opens the session within the conversation's first turn).
+        self._opened_at: dict[int, float] = {}
 
     async def settle(self) -> None:
         """Wait for the closes still on their way (before the client goes)."""
@@ -106,9 +109,9 @@ class StackDriver:
                 error = e
 
     async def _turn(self, turn: Turn) -> TurnDone:
-        sample = RequestSample(start=time.perf_counter(), forked=turn.forked)
-        self.raw.requests.append(sample)
         session: AsyncSession = turn.session
+        sample = RequestSample(start=self._opened_at.pop(id(session), time.perf_counter()), forked=turn.forked)
+        self.raw.requests.append(sample)
         p = turn.params
         try:
             stream = await session.generate(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
@@ -140,6 +143,7 @@ class StackDriver:
             result: Opened | None = None
             if isinstance(action, Create):
                 session = await self.client.session(self.model)
+                self._opened_at[id(session)] = start
                 result = Opened(session, session.max_context)
             elif isinstance(action, Fork):
                 child = await action.session.fork()
