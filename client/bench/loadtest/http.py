@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 import structlog
 
 from client.bench.loadtest.progress import Tally
@@ -65,7 +66,7 @@ class Connection:
 
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, str], asyncio.StreamReader]:
         reader, writer = await self._open()
-        data = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
+        data = b"" if body is None else orjson.dumps(body)
         head = [f"{method} {self.base}{path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(data)}"]
         if body is not None:
             head.append("Content-Type: application/json")
@@ -203,7 +204,7 @@ class HttpDriver:
                     event, buffer = buffer.split(b"\n\n", 1)
                     if not event.startswith(b"data: ") or event == b"data: [DONE]":
                         continue
-                    data = json.loads(event[6:])
+                    data = orjson.loads(event[6:])
                     if "error" in data:
                         raise HttpError(200, str(data["error"].get("code")), str(data["error"].get("message")))
                     if data.get("usage"):
