@@ -1,4 +1,4 @@
-"""The tiled prompt-chunk attention (worker.kernels.prefill) against the decode kernel's math in float64, in fp32
+"""The tiled prompt-chunk attention (worker.kernels.prefill) against a float64 reference (the decode check's), in fp32
 and fp16: chunks of 1 to 3 tiles at offsets, padding rows in the spare slot, K/V past each chunk poisoned, rows
 outside every tile untouched. Run by tests/worker/gpu/test_attention.py (see this package)."""
 
@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from tests.worker.interpreted.decode_attention import reference
 from tests.worker.tensors import blocked
 
 CHUNKS = [(2, 100, 130), (0, 0, 70), (1, 298, 2)]  # (slot, first position, rows)
@@ -20,7 +21,6 @@ LOOSE = 3  # rows in no tile: left as they are
 def main() -> None:
     assert os.environ["TRITON_INTERPRET"] == "1"
     # These import triton: after the check above.
-    from worker.kernels.attention import decode_attention
     from worker.kernels.prefill import prefill_attention
     from worker.kernels.tiles import prefill_tiles
 
@@ -49,7 +49,7 @@ def main() -> None:
         pad_slots, pad_lengths = torch.cat([slots, slots[:LOOSE]]), torch.cat([lengths, lengths[:LOOSE]])
         kb, vb = blocked(k, v)  # the table's layout of one layer
         assert prefill_attention(q, kb, vb, pad_slots, pad_lengths, tiles, out=out) is out
-        expected = decode_attention(q[:rows].double(), kb.double(), vb.double(), slots, lengths, splits=1)
+        expected = reference(q[:rows], k, v, slots, lengths)  # by position, in float64
         err = (out[:rows].double() - expected).abs().max().item()
         assert err < tol, (dtype, err)
         assert (out[rows:] == 7.0).all()
