@@ -138,6 +138,18 @@ class SessionTable:
         self._check_live(slot)
         return self.backend.prefix(slot, self.spec.bytes_for(tokens))
 
+    def save_prefix(self, slot: int, tokens: int, out: torch.Tensor) -> None:
+        """Copy the slot's state for its first `tokens` positions into `out` (host memory, `bytes_for(tokens)` bytes),
+        after the work queued on the current stream, and wait for the copy: a hibernation's or a move's copy out."""
+        out.copy_(self.prefix(slot, tokens), non_blocking=True)
+        self._settle(slot)
+
+    def load_prefix(self, slot: int, tokens: int, state: torch.Tensor) -> None:
+        """Copy `state` (what save_prefix took) into the slot's first positions and wait for the copy, so the caller
+        may release `state`: a restore's or a move's copy in."""
+        self.prefix(slot, tokens).copy_(state, non_blocking=True)
+        self._settle(slot)
+
     def free(self, slot: int) -> None:
         self._check_live(slot)
         self._give_back(slot)
@@ -216,6 +228,12 @@ class SessionTable:
         self.backend.shrink(slot, 0)
         self._room[slot] = 0
         self._free.append(slot)
+
+    def _settle(self, slot: int) -> None:
+        """A copy between the slot and host memory is done: on a GPU, marked as the slot's last use and waited for."""
+        if self.device.type == "cuda":
+            self.backend.mark_used([slot])
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _check_live(self, slot: int) -> None:
         if slot not in self._live:

@@ -807,10 +807,7 @@ class Engine:
         if not h.admits(nbytes, session.id):
             return False
         state = h.buffer(nbytes)
-        state.copy_(self.table.prefix(session.slot, session.computed), non_blocking=True)  # ordered after the steps
-        if self.model.device.type == "cuda":
-            self.table.mark_used([session.slot])
-            torch.cuda.current_stream(self.model.device).synchronize()
+        self.table.save_prefix(session.slot, session.computed, state)  # ordered after the steps
         try:
             h.put(Stored(session.id, session.owner, list(session.tokens), session.computed, nbytes, state))
         except (OSError, SessionLost) as e:
@@ -844,10 +841,7 @@ class Engine:
             if source == "disk":
                 stored.state = None  # read again next time: the file stays the truth
             raise
-        self.table.prefix(slot, stored.computed).copy_(stored.state, non_blocking=True)
-        if self.model.device.type == "cuda":
-            self.table.mark_used([slot])
-            torch.cuda.current_stream(self.model.device).synchronize()  # the host copy is released below
+        self.table.load_prefix(slot, stored.computed, stored.state)  # the host copy is released below
         session.slot, session.computed = slot, stored.computed
         h.drop(session.id)
         self.restored += 1

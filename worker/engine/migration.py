@@ -83,10 +83,7 @@ def export_session(engine: Engine, session_id: str) -> Snapshot | None:
             return None
         nbytes = engine.table.spec.bytes_for(session.computed)
         state = torch.empty(nbytes, dtype=torch.uint8, pin_memory=engine.model.device.type == "cuda")
-        state.copy_(engine.table.prefix(session.slot, session.computed), non_blocking=True)  # after the steps
-        if engine.model.device.type == "cuda":
-            engine.table.mark_used([session.slot])
-            torch.cuda.current_stream(engine.model.device).synchronize()
+        engine.table.save_prefix(session.slot, session.computed, state)  # after the steps
         computed = session.computed
     else:
         h = engine.hibernation
@@ -137,10 +134,7 @@ def import_session(engine: Engine, snapshot: Snapshot, digest: bytes) -> str:
     if s.digest() != digest:
         raise MoveRefused(f"session {s.session_id}: its state does not match its digest (checksum mismatch)")
     slot = engine._with_room(lambda: engine.table.create(s.computed))
-    engine.table.prefix(slot, s.computed).copy_(s.state, non_blocking=True)
-    if engine.model.device.type == "cuda":
-        engine.table.mark_used([slot])
-        torch.cuda.current_stream(engine.model.device).synchronize()  # the host copy is released by the caller
+    engine.table.load_prefix(slot, s.computed, s.state)  # the host copy is released by the caller
     engine._lost.pop(s.session_id, None)
     engine._sessions[s.session_id] = Session(s.session_id, slot, list(s.tokens), s.computed, owner=s.owner)
     return s.session_id
