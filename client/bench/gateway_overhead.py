@@ -108,6 +108,20 @@ async def streamed(url: str, model: str, turns: int, tokens: int, sessions: int)
     await asyncio.gather(*(one() for _ in range(sessions)))
 
 
+def gateway_model(url: str, gateway: Daemon, timeout_s: float = 60.0) -> str:
+    """The first model a just-started gateway lists (GET /v1/models), polled until it answers; RuntimeError with its
+    log's end when it does not within `timeout_s` or exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                return str(json.loads(r.read())["data"][0]["id"])
+        except (OSError, IndexError):
+            if time.monotonic() > deadline or not gateway.alive:
+                raise RuntimeError(gateway.log_text()[-3000:]) from None
+            time.sleep(0.1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:tiny")
@@ -125,16 +139,7 @@ def main() -> None:
         gw = Daemon("client.gateway.cli", ["--broker", stack.clients, "--port", str(port), "--log-level", "warning"],
                     stack.log_dir / "gateway.log", env=stack.env)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
-                    model = json.loads(r.read())["data"][0]["id"]
-                    break
-            except (OSError, IndexError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        model = gateway_model(url, gw)
         direct, through = asyncio.run(interleaved(stack.clients, url, model, args.turns))
         user0, sys0 = cpu_seconds(gw.pid)
         n = max(1, min(args.turns // 4, 3000 // (args.tokens + 1)))  # within one session's 4096 tokens

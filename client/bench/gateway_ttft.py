@@ -44,13 +44,13 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
 from client.aio import AsyncClient, AsyncSession
+from client.bench.gateway_overhead import gateway_model
 from client.bench.loadtest.http import Connection
 from client.stack import Daemon, LocalStack, free_port
 
@@ -341,16 +341,7 @@ def main() -> None:
             gw = Daemon("client.bench.gateway_ttft", gw_args, stack.log_dir / "gateway.log",
                         env={**stack.env, TRACE_ENV: str(trace_path)})
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
-                    model = json.loads(r.read())["data"][0]["id"]
-                    break
-            except (OSError, IndexError):
-                if time.monotonic() > deadline or not gw.alive:
-                    raise RuntimeError(gw.log_text()[-3000:]) from None
-                time.sleep(0.1)
+        model = gateway_model(url, gw)
         rows = asyncio.run(run(stack.clients, url, model, args))
         gw.stop()
     trace: dict[str, dict[str, float]] = {}
