@@ -79,14 +79,21 @@ def two_workers(cluster: Cluster, w1_env: dict[str, str], w2_env: dict[str, str]
     return w1, start_worker(cluster, "w2", **w2_env)
 
 
+def drain_killing(cluster: Cluster, client: Client, victim: Daemon) -> tuple[Session, Drain]:
+    """A conversation on w1, then `broker drain w1` while both workers run; `victim` is killed once its move has
+    paused at the step its WORKER_TEST_MOVE_PAUSE names. The session and the drain (still running)."""
+    s, _ = conversation(client)
+    cluster.wait_for_workers({"w1", "w2"})
+    drain = Drain(cluster, "w1")
+    wait_in_log(victim, "move_paused_for_test")
+    victim.kill()
+    return s, drain
+
+
 def test_target_killed_while_importing_leaves_the_session_on_its_source(cluster: Cluster) -> None:
     w1, w2 = two_workers(cluster, {}, {"WORKER_TEST_MOVE_PAUSE": f"import:{PAUSE_S}"})
     with cluster.client(timeout=30) as c:
-        s, _ = conversation(c)
-        cluster.wait_for_workers({"w1", "w2"})
-        drain = Drain(cluster, "w1")
-        wait_in_log(w2, "move_paused_for_test")
-        w2.kill()
+        s, drain = drain_killing(cluster, c, w2)
         assert drain.result() == (1, "moved 0, failed 1, kept 1")
         assert len(next_turn(s)) == 6 and s.info().worker == "w1" and s.info().length == len(PROMPT) + 12
 
@@ -94,11 +101,7 @@ def test_target_killed_while_importing_leaves_the_session_on_its_source(cluster:
 def test_source_killed_after_the_release_was_sent_leaves_the_session_on_its_target(cluster: Cluster) -> None:
     w1, w2 = two_workers(cluster, {"WORKER_TEST_MOVE_PAUSE": f"release:{PAUSE_S}"}, {})
     with cluster.client(timeout=30) as c:
-        s, _ = conversation(c)
-        cluster.wait_for_workers({"w1", "w2"})
-        drain = Drain(cluster, "w1")
-        wait_in_log(w1, "move_paused_for_test")
-        w1.kill()
+        s, drain = drain_killing(cluster, c, w1)
         assert drain.result() == (0, "moved 1, failed 0, kept 0")
         assert len(next_turn(s)) == 6 and s.info().worker == "w2" and s.info().length == len(PROMPT) + 12
 
@@ -106,11 +109,7 @@ def test_source_killed_after_the_release_was_sent_leaves_the_session_on_its_targ
 def test_source_killed_before_it_sent_the_state_loses_the_session(cluster: Cluster) -> None:
     w1, w2 = two_workers(cluster, {"WORKER_TEST_MOVE_PAUSE": f"export:{PAUSE_S}"}, {})
     with cluster.client(timeout=30) as c:
-        s, _ = conversation(c)
-        cluster.wait_for_workers({"w1", "w2"})
-        drain = Drain(cluster, "w1")
-        wait_in_log(w1, "move_paused_for_test")
-        w1.kill()
+        s, drain = drain_killing(cluster, c, w1)
         assert drain.result() == (1, "moved 0, failed 1, kept 0")
         with pytest.raises(SessionLost):
             next_turn(s)
