@@ -155,10 +155,7 @@ class Moves:
             except Exception as e:  # the session is gone here (closed, lost), or busy after all
                 if error_code(e) is p.ErrorCode.BAD_REQUEST:
                     continue  # busy: a generation started meanwhile (a resend); it moves after it
-                del self.exports[export.migration]
-                self.dispatch.moving.discard(export.session_id)
-                self.counts.failed += 1
-                out.append(self._report(export.migration, export.session_id, "failed", error_code(e), str(e)))
+                out.append(self._export_failed(export, error_code(e), str(e)))
                 continue
             if snapshot is None:
                 continue  # a step launched ahead still holds a row of it: after the next step
@@ -166,15 +163,19 @@ class Moves:
                 messages = self._state_messages(export, snapshot)
             except Exception as e:  # noqa: BLE001  (reported as this move's failure; the session stays here)
                 log.exception("move_state_failed", session=export.session_id, migration=export.migration)
-                del self.exports[export.migration]
-                self.dispatch.moving.discard(export.session_id)
-                self.counts.failed += 1
-                out.append(self._report(export.migration, export.session_id, "failed", p.ErrorCode.INTERNAL, str(e)))
+                out.append(self._export_failed(export, p.ErrorCode.INTERNAL, str(e)))
                 continue
             out += messages
             export.sent = True
             self.counts.sent += 1
         return out
+
+    def _export_failed(self, export: Export, code: p.ErrorCode, message: str) -> p.MoveReport:
+        """The source gives up a move it could not send: forgotten here, the session stays and serves, reported."""
+        del self.exports[export.migration]
+        self.dispatch.moving.discard(export.session_id)
+        self.counts.failed += 1
+        return self._report(export.migration, export.session_id, "failed", code, message)
 
     def _state_messages(self, export: Export, snapshot: Any) -> list[p.Message]:
         digest = snapshot.digest()
