@@ -63,6 +63,14 @@ def parser() -> argparse.ArgumentParser:
                        default=env_int("broker", "BROKER_SESSION_GRACE_MS", defaults.session_grace_ms),
                        help="close a session once the client connection that last used it has been gone this long, "
                             "0 for never [env BROKER_SESSION_GRACE_MS] (default %(default)s)")
+    start.add_argument("--io-threads", type=positive_int,
+                       default=env_int("broker", "BROKER_IO_THREADS", defaults.io_threads),
+                       help="ZeroMQ I/O threads (more move more bytes: session moves are relayed through the broker) "
+                            "[env BROKER_IO_THREADS] (default %(default)s)")
+    start.add_argument("--moves-per-worker", type=positive_int,
+                       default=env_int("broker", "BROKER_MOVES_PER_WORKER", defaults.moves_per_worker),
+                       help="session moves running at once from one worker in a drain or rebalance "
+                            "[env BROKER_MOVES_PER_WORKER] (default %(default)s)")
     start.add_argument("--hwm", type=positive_int, default=env_int("broker", "BROKER_HWM", defaults.hwm),
                        help="messages queued per peer [env BROKER_HWM] (default %(default)s)")
     start.add_argument("--keys", type=Path, default=os.environ.get("BROKER_KEYS") or None,
@@ -120,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         recovery_ms=args.recovery_ms, hwm=args.hwm, keys=args.keys, max_sessions_per_client=args.max_sessions_per_client,
         request_timeout_ms=args.request_timeout_ms, worker_silence_ms=args.worker_silence_ms,
         max_worker_sessions=args.max_worker_sessions, session_grace_ms=args.session_grace_ms,
+        io_threads=args.io_threads, moves_per_worker=args.moves_per_worker,
     )
     stop = False
 

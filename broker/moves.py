@@ -25,7 +25,7 @@ copies of X that exist hold the same state, and at most one of them is routed to
   the second), and each worker forgets its moves when it registers with a new broker.
 
 Moves come in jobs: a draining worker's evacuation (it asked by saying `draining` in its heartbeat), `broker drain
-WORKER`, `broker rebalance`. A job starts at most `MOVES_PER_SOURCE` moves at a time from one worker (each holds a
+WORKER`, `broker rebalance`. A job starts at most `per_source` (--moves-per-worker) moves at a time from one worker (each holds a
 copy of a session's state in flight), each to the worker of the model with the most free slots at that moment, and
 ends when its moves have: a draining worker is then told EVACUATED, a DRAIN or REBALANCE is answered.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -47,7 +47,8 @@ from broker.registry import Gone, Registry, SessionRecord, WorkerRecord
 
 log = structlog.get_logger()
 
-MOVES_PER_SOURCE = 4  # moves running at once from one worker: each holds a session's state in flight
+DEFAULT_MOVES_PER_SOURCE = 4  # moves running at once from one worker (broker --moves-per-worker): each holds a
+# session's state in flight
 MOVE_TIMEOUT_S = 30.0  # a move that has not reached its release by then is aborted
 MAX_HELD_PER_MOVE = 1024  # requests held for one moving session; past this they are refused (retry)
 PAUSE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
@@ -119,10 +120,12 @@ class Moves:
     it sends through `send` (a message to a worker), `route_again` (requests held for a session, routed as if they
     had just come) and `answer` (a DRAIN or REBALANCE is done)."""
 
-    def __init__(self, registry: Registry, send: Callable[[bytes, p.Message | list[bytes]], None],
+    def __init__(self, registry: Registry, send: Callable[[bytes, p.Message | Sequence[p.Frame]], None],
                  route_again: Callable[[list[Held]], None],
-                 answer: Callable[[tuple[bytes, str], p.Message], None]) -> None:
+                 answer: Callable[[tuple[bytes, str], p.Message], None],
+                 per_source: int = DEFAULT_MOVES_PER_SOURCE) -> None:
         self.registry = registry
+        self.per_source = per_source
         self._send = send
         self._route_again = route_again
         self._answer = answer
@@ -182,7 +185,7 @@ class Moves:
         self.pump(now)
 
     def pump(self, now: float) -> None:
-        """Start what the jobs have queued, within MOVES_PER_SOURCE per source; end the jobs that are done."""
+        """Start what the jobs have queued, within `per_source` moves per source; end the jobs that are done."""
         for job in list(self.jobs):
             while job.queue:
                 sid, target_id = job.queue[0]
@@ -190,7 +193,7 @@ class Moves:
                 if source is None or sid in self.moving or (job.source is not None and source.identity != job.source):
                     job.queue.popleft()  # closed, lost or moved meanwhile
                     continue
-                if self._running_from(source.identity) >= MOVES_PER_SOURCE:
+                if self._running_from(source.identity) >= self.per_source:
                     break
                 job.queue.popleft()
                 target = self._target(source, target_id)
@@ -244,7 +247,7 @@ class Moves:
         held.append((route, request, user))
         return None
 
-    def relay(self, record: WorkerRecord, command: p.Command, frames: list[bytes]) -> str | None:
+    def relay(self, record: WorkerRecord, command: p.Command, frames: Sequence[p.Frame]) -> str | None:
         """MOVE_STATE or MOVE_CHUNK from a worker: forwarded unread to its move's target. Why not, else None."""
         try:
             header = p.decode_envelope(frames[:3]).header

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -47,8 +47,8 @@ from broker.admission import DEFAULT_MAX_WORKER_SESSIONS, Admission
 from broker.common import protocol as p
 from broker.counters import RouterCounters
 from broker.liveness import Liveness
+from broker.moves import DEFAULT_MOVES_PER_SOURCE, Moves
 from broker.moves import Held as MoveHeld
-from broker.moves import Moves
 from broker.placement import NoPlacement, place
 from broker.registry import NO_CLIENT, Gone, Registry, WorkerRecord
 
@@ -81,7 +81,7 @@ class Failure(Enum):
 class Send:
     peer: Peer
     identity: bytes
-    frames: list[bytes]
+    frames: Sequence[p.Frame]
     key: RequestKey | None = None  # the client request this belongs to, for failure handling
 
 
@@ -96,6 +96,7 @@ class Settings:
     silence_s: float | None = None  # a connected worker silent this long is gone (None: heartbeat x liveness)
     max_worker_sessions: int = DEFAULT_MAX_WORKER_SESSIONS  # session slots one worker may offer (READY limits)
     session_grace_s: float = 0.0  # a gone client's sessions are closed after this; 0: never
+    moves_per_source: int = DEFAULT_MOVES_PER_SOURCE  # session moves running at once from one worker
 
 
 MAX_SESSIONS_FLAG = "--max-sessions-per-client"
@@ -152,11 +153,12 @@ class Router:
         self._now = now
         self._out: list[Send] = []
         self.counters = RouterCounters()  # read by broker.metrics at scrape time
-        self.moves = Moves(self.registry, self._move_send, self._route_held, self._move_answer)
+        self.moves = Moves(self.registry, self._move_send, self._route_held, self._move_answer,
+                           per_source=settings.moves_per_source)
 
     # -- entry points (each returns what to send) ---------------------------------------------------
 
-    def client_message(self, route: bytes, frames: list[bytes], now: float, user: str = "") -> list[Send]:
+    def client_message(self, route: bytes, frames: Sequence[p.Frame], now: float, user: str = "") -> list[Send]:
         """`user`: the client's CURVE public key (Z85) when the broker authenticates clients."""
         self._now = now
         self._client_gone.pop(route, None)  # it spoke: it is there
@@ -185,7 +187,7 @@ class Router:
             self._moves_request(route, message, now, user)
         return self._flush()
 
-    def worker_message(self, identity: bytes, frames: list[bytes], now: float) -> list[Send]:
+    def worker_message(self, identity: bytes, frames: Sequence[p.Frame], now: float) -> list[Send]:
         self._now = now
         command = _command_of(frames)
         record = self.registry.workers.get(identity)
@@ -657,7 +659,7 @@ class Router:
         if expired:
             log.info("sessions_expired", worker=record.name, sessions=len(expired))
 
-    def _answer(self, record: WorkerRecord, envelope: p.Envelope, frames: list[bytes], now: float) -> None:
+    def _answer(self, record: WorkerRecord, envelope: p.Envelope, frames: Sequence[p.Frame], now: float) -> None:
         """A registered worker's answer: forwarded to its client; only an answer to a request in flight on this very
         worker changes the tables."""
         identity = record.identity
@@ -885,7 +887,7 @@ class Router:
             return
         self.moves.drain(named[0], key, now)
 
-    def _move_message(self, identity: bytes, record: WorkerRecord | None, command: p.Command, frames: list[bytes],
+    def _move_message(self, identity: bytes, record: WorkerRecord | None, command: p.Command, frames: Sequence[p.Frame],
                       now: float) -> None:
         """MOVE_STATE and MOVE_CHUNK (relayed to their move's target) and MOVE_REPORT from a registered worker."""
         if record is None:
@@ -905,8 +907,8 @@ class Router:
         if why is not None:
             self._drop("unexpected", identity, why)
 
-    def _move_send(self, identity: bytes, message: p.Message | list[bytes]) -> None:
-        frames = message if isinstance(message, list) else p.encode(message)
+    def _move_send(self, identity: bytes, message: p.Message | Sequence[p.Frame]) -> None:
+        frames = p.encode(message) if isinstance(message, p.Message) else message
         self._out.append(Send(Peer.WORKER, identity, frames))
 
     def _route_held(self, held: list[MoveHeld]) -> None:
@@ -949,7 +951,7 @@ class Router:
         return out
 
 
-def _command_of(frames: list[bytes]) -> p.Command | None:
+def _command_of(frames: Sequence[p.Frame]) -> p.Command | None:
     """The command of a message whose version and frame count are right, read without unpacking its header."""
     if len(frames) < 3 or frames[0] != p.VERSION:
         return None
@@ -961,7 +963,7 @@ def _named_sessions(header: dict[str, Any]) -> set[str]:
     return {v for v in (header.get("session_id"), header.get("child_id")) if isinstance(v, str)}
 
 
-def _chunk_request_ids(frames: list[bytes]) -> list[str]:
+def _chunk_request_ids(frames: Sequence[p.Frame]) -> list[str]:
     """The request ids of a CHUNKS message the broker forwarded without reading it (a FANOUT part); none if its header
     is not valid (the client it was for would have dropped it)."""
     try:

@@ -17,7 +17,7 @@ import ipaddress
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from broker.admission import DEFAULT_MAX_WORKER_SESSIONS
 from broker.common import protocol as p
 from broker.common.keys import CLIENTS_DOMAIN, HANDSHAKE_FAILED, WORKERS_DOMAIN, BrokerKeys, drain_events
 from broker.common.metrics_http import Pulse
+from broker.moves import DEFAULT_MOVES_PER_SOURCE
 from broker.router import Failure, Peer, Router, Send, Settings
 
 log = structlog.get_logger()
@@ -42,6 +43,7 @@ LOOP_ERROR_LOG_S = 10.0  # a message whose handling raised is logged with its tr
 # Plain ints: pyzmq's send_multipart combines enum flags per frame, which costs ~10% of the broker's time.
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
+ZERO_COPY_BYTES = 1 << 16  # received frames at least this long are kept in ZeroMQ's message, not copied to bytes
 
 
 # A restarted broker waits at least this long for workers to re-register (more with slow heartbeats): a worker's
@@ -64,6 +66,8 @@ class BrokerConfig:
     worker_silence_ms: int = 30_000  # a connected worker that sends nothing this long is gone
     max_worker_sessions: int = DEFAULT_MAX_WORKER_SESSIONS  # session slots one worker may offer
     session_grace_ms: int = 60_000  # a gone client's sessions are closed after this; 0: never
+    io_threads: int = 1  # ZeroMQ's I/O threads (TCP reads and writes, off the broker's loop)
+    moves_per_worker: int = DEFAULT_MOVES_PER_SOURCE  # session moves running at once from one worker
 
     def recovery(self) -> int:
         if self.recovery_ms is not None:
@@ -76,6 +80,7 @@ class BrokerConfig:
             authenticated=self.keys is not None, max_sessions_per_client=self.max_sessions_per_client,
             request_timeout_s=self.request_timeout_ms / 1000, silence_s=self.worker_silence_ms / 1000,
             max_worker_sessions=self.max_worker_sessions, session_grace_s=self.session_grace_ms / 1000,
+            moves_per_source=self.moves_per_worker,
         )
 
 
@@ -84,7 +89,7 @@ class BrokerServer:
         self.config = config
         self.router = Router(config.settings(), time.monotonic())
         self.pulse = Pulse()  # /healthz: the loop below beats it every turn
-        self._context = zmq.Context()
+        self._context = zmq.Context(io_threads=config.io_threads)
         self._keys = BrokerKeys.load(config.keys) if config.keys is not None else None  # KeyFileError: bad keys
         self.auth: ThreadAuthenticator | None = None
         self._monitors: list[tuple[zmq.Socket[Any], str]] = []
@@ -216,17 +221,17 @@ class BrokerServer:
             self.auth.stop()
             self.auth = None
 
-    def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[bytes, list[bytes], float], list[Send]],
+    def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[bytes, Sequence[p.Frame], float], list[Send]],
                what: str) -> None:
         for _ in range(RECV_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = _recv(sock)
             except zmq.Again:
                 return
             if len(frames) < 2:  # a ROUTER always prepends the peer's id; nothing to answer to
                 continue
             try:
-                self._send_all(handle(frames[0], frames[1:], time.monotonic()))
+                self._send_all(handle(bytes(frames[0]), frames[1:], time.monotonic()))  # an id: bytes already
             except Exception as e:
                 self._failed(f"{what} message", e)
 
@@ -272,7 +277,8 @@ class BrokerServer:
             sock.send(send.identity, _MORE)
             last = len(send.frames) - 1
             for i, frame in enumerate(send.frames):
-                sock.send(frame, _MORE if i < last else _LAST)
+                # A received payload frame (a relayed MOVE_CHUNK) goes on as it came, without a copy.
+                sock.send(frame, _MORE if i < last else _LAST, copy=type(frame) is bytes)
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 return Failure.UNREACHABLE
@@ -281,6 +287,13 @@ class BrokerServer:
             log.error("send_failed", peer=send.peer.value, error=str(e))
             return Failure.UNREACHABLE
         return None
+
+
+def _recv(sock: zmq.Socket[bytes]) -> list[p.Frame]:
+    """One message (zmq.Again if none): short frames as bytes, long ones (a MOVE_CHUNK's state) as memoryviews of the
+    received message, relayed without a copy."""
+    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+    return [part.bytes if len(part) < ZERO_COPY_BYTES else part.buffer for part in parts]
 
 
 def _is_loopback(address: str) -> bool:

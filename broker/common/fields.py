@@ -93,6 +93,19 @@ def blob(max_bytes: int) -> Check:
     return check
 
 
+def payload(max_bytes: int) -> Check:
+    """Bytes, or a memoryview of a received frame (a payload frame taken without a copy)."""
+    def check(name: str, value: Any) -> Any:
+        if not isinstance(value, (bytes, memoryview)):
+            raise FieldError(f"{name} must be bytes, got {type(value).__name__}")
+        size = value.nbytes if isinstance(value, memoryview) else len(value)
+        if size > max_bytes:
+            raise FieldError(f"{name} is longer than {max_bytes} bytes")
+        return value
+
+    return check
+
+
 def _sequence(name: str, value: Any, max_items: int, of: str = "") -> Sequence[Any]:
     """The checks every list field starts with: a sequence (not a string), of at most `max_items` items."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):

@@ -70,6 +70,7 @@ from broker.common.fields import (
     nested_list,
     number,
     one_of,
+    payload,
     plain,
     str_list,
     text,
@@ -211,6 +212,9 @@ Name = Annotated[str, text(MAX_NAME_CHARS, r"(?s).+")]  # non-empty
 OptName = Annotated[str | None, text(MAX_NAME_CHARS, r"(?s).+", optional=True)]
 Label = Annotated[str, text(MAX_NAME_CHARS)]
 Route = Annotated[bytes, blob(MAX_ROUTE_BYTES)]
+# A payload frame: bytes, or a memoryview of a received frame (a MOVE_CHUNK's state bytes are taken without a copy).
+Payload = bytes | memoryview
+Frame = bytes | memoryview
 TokenIds = Annotated[tuple[int, ...], int_list(MAX_TOKENS)]
 Text = Annotated[str, text(MAX_TEXT_CHARS)]
 Count = Annotated[int, integer(0, 2**62)]
@@ -976,7 +980,7 @@ class MoveChunk(Message):
     COMMAND: ClassVar[Command] = Command.MOVE_CHUNK
     migration: MoveId
     index: Annotated[int, integer(0, MAX_CHUNKS_PER_MOVE)]
-    data: Annotated[bytes, blob(MOVE_CHUNK_BYTES)]
+    data: Annotated[Payload, payload(MOVE_CHUNK_BYTES)]
 
     def to_header(self) -> dict[str, Any]:
         return {"migration": self.migration, "index": self.index}
@@ -1056,17 +1060,24 @@ class Envelope:
 
     command: Command
     header: dict[str, Any]
-    payload: tuple[bytes, ...] = ()
+    payload: tuple[Payload, ...] = ()
 
 
 def encode(message: Message) -> list[bytes]:
     frames = [VERSION, message.COMMAND.value, msgpack.packb(message.to_header(), use_bin_type=True)]
     if isinstance(message, MoveChunk):
-        frames.append(message.data)
+        frames.append(bytes(message.data))  # no copy when it is bytes already
     return frames
 
 
-def decode_envelope(frames: Sequence[bytes]) -> Envelope:
+def encode_frames(message: Message) -> list[Frame]:
+    """`encode`, but a MOVE_CHUNK's payload is left as it is (a memoryview of the state: sent without a copy)."""
+    if isinstance(message, MoveChunk):
+        return [VERSION, message.COMMAND.value, msgpack.packb(message.to_header(), use_bin_type=True), message.data]
+    return list(encode(message))
+
+
+def decode_envelope(frames: Sequence[Frame]) -> Envelope:
     """Check version, command and header encoding. Raises ProtocolError."""
     if len(frames) < 3:
         if frames and frames[0] != VERSION:
@@ -1086,7 +1097,7 @@ def decode_envelope(frames: Sequence[bytes]) -> Envelope:
         raise _bad(f"header is not valid msgpack: {type(e).__name__}") from e
     if not isinstance(header, dict):
         raise _bad(f"header must be a msgpack map, got {type(header).__name__}")
-    return Envelope(command, header, tuple(bytes(f) for f in frames[3:]))
+    return Envelope(command, header, tuple(f if isinstance(f, (bytes, memoryview)) else bytes(f) for f in frames[3:]))
 
 
 def parse(envelope: Envelope) -> Message:
@@ -1114,7 +1125,7 @@ def parse(envelope: Envelope) -> Message:
         raise
 
 
-def decode(frames: Sequence[bytes]) -> Message:
+def decode(frames: Sequence[Frame]) -> Message:
     return parse(decode_envelope(frames))
 
 

@@ -96,3 +96,18 @@ def test_drain_and_rebalance_are_for_admins_with_keys() -> None:
     router = Router(Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0, authenticated=True), now=0.0)
     (out,) = decoded(router.client_message(C1, p.encode(p.Rebalance(request_id="r1")), 2.0, user="k" * 40))
     assert isinstance(out[2], p.Error) and out[2].code is p.ErrorCode.UNAUTHORIZED
+
+
+def test_a_drain_runs_at_most_moves_per_worker_at_once_and_starts_the_next_as_one_ends() -> None:
+    from broker.router import Settings
+
+    router = Router(Settings(heartbeat_s=0.25, liveness=3, recovery_s=1.0, moves_per_source=2), now=0.0)
+    router.worker_message(W1, p.encode(ready("w1", 4, (A, B, C))), 2.0)
+    router.worker_message(W2, p.encode(ready("w2", 4)), 2.0)
+    sends = router.client_message(C1, p.encode(p.DrainWorker(request_id="d1", worker="w1")), 2.5)
+    first = [m for m in to(sends, W1) if isinstance(m, p.Move)]
+    assert len(first) == 2 and len({m.session_id for m in first}) == 2  # two of three
+    report(router, W2, first[0], "imported")
+    started = [m for m in to(report(router, W1, first[0], "released"), W1) if isinstance(m, p.Move)]
+    (third,) = {A, B, C} - {m.session_id for m in first}
+    assert [m.session_id for m in started] == [third]  # the first's end starts the third

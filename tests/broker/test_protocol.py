@@ -302,3 +302,22 @@ def test_random_chunks_only_ever_raise_protocol_errors(chunks: list[Any], route:
         return
     assert isinstance(message, p.Chunks) and len(message.chunks) == len(chunks)
     assert p.decode(p.encode(message)) == message
+
+
+def test_a_move_chunk_received_as_a_memoryview_keeps_it_without_a_copy() -> None:
+    state = bytearray(range(256)) * 1024
+    frames = p.encode(p.MoveChunk(migration="m1", index=3, data=b"x"))[:3] + [memoryview(state)]
+    chunk = p.decode(frames)
+    assert isinstance(chunk, p.MoveChunk) and chunk.index == 3
+    assert isinstance(chunk.data, memoryview) and chunk.data.obj is state and bytes(chunk.data) == bytes(state)
+
+
+def test_a_payload_is_bytes_or_a_memoryview_within_its_limit() -> None:
+    from broker.common.fields import FieldError, payload
+
+    check = payload(4)
+    assert check("data", b"abcd") == b"abcd" and bytes(check("data", memoryview(b"abcd"))) == b"abcd"
+    with pytest.raises(FieldError, match="data must be bytes, got str"):
+        check("data", "abcd")
+    with pytest.raises(FieldError, match="data is longer than 4 bytes"):
+        check("data", memoryview(b"abcde"))

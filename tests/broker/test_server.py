@@ -4,7 +4,7 @@ and counted, and the loop goes on serving; liveness bookkeeping without sockets.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import zmq
@@ -51,8 +51,8 @@ def test_a_message_whose_handling_raises_is_counted_and_the_loop_serves_on(loop:
     real = router.worker_message
     calls: list[bytes] = []
 
-    def buggy(identity: bytes, frames: list[bytes], now: float) -> list[Send]:
-        calls.append(frames[1])
+    def buggy(identity: bytes, frames: Sequence[p.Frame], now: float) -> list[Send]:
+        calls.append(bytes(frames[1]))
         if frames[1] == b"HEARTBEAT":
             router._out.append(Send(Peer.WORKER, b"half-made", [b"junk"]))  # output queued before the bug: dropped
             raise RuntimeError("a bug in the broker")
@@ -91,3 +91,43 @@ def test_liveness_a_silent_worker_is_missing_after_a_heartbeat_window_and_gone_a
     assert live.expired(3.0) == [b"w"] and live.expired(4.0) == []
     assert Liveness(0.1, 3, now=0.0).silence_s == pytest.approx(0.3)  # by default the heartbeat window
     assert Liveness(0.1, 3, now=0.0, silence_s=0.01).silence_s == pytest.approx(0.3)  # never shorter
+
+
+def test_a_relayed_move_chunk_reaches_the_target_byte_for_byte(loop: BrokerServer) -> None:
+    """The broker keeps a received MOVE_CHUNK's state in ZeroMQ's message (no copy) and sends it on as it came."""
+    import time
+
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    w1, w2, admin = (context.socket(zmq.DEALER) for _ in range(3))
+    session = "a" * 32
+    try:
+        for sock in (w1, w2, admin):
+            sock.setsockopt(zmq.LINGER, 0)
+        time.sleep(0.2)  # past the recovery window: the session is placed where w1 says it is
+        for sock, name, held in ((w1, "w1", (session,)), (w2, "w2", ())):
+            sock.connect(loop.config.workers)
+            sock.send_multipart(p.encode(p.Ready(name=name, model="m", capacity=2, free_slots=2 - len(held),
+                                                 max_context=8, sessions=held)))
+            assert sock.poll(5000) and isinstance(p.decode(sock.recv_multipart()), p.Welcome)
+        admin.connect(loop.config.clients)
+        admin.send_multipart(p.encode(p.DrainWorker(request_id="d1", worker="w1")))
+        assert w1.poll(5000)
+        move = p.decode(w1.recv_multipart())
+        assert isinstance(move, p.Move) and move.session_id == session and move.target == "w2"
+        state = bytes(range(256)) * 8192  # 2 MiB: kept as ZeroMQ's message in the broker
+        header = p.MoveState(migration=move.migration, session_id=session, tokens=(1,), computed=1,
+                             nbytes=len(state), chunks=1, model="m", layout="x", digest=bytes(p.DIGEST_BYTES))
+        w1.send_multipart(p.encode(header))
+        w1.send_multipart(p.encode(p.MoveChunk(migration=move.migration, index=0, data=state)), copy=False)
+        got: list[p.Message] = []
+        while len(got) < 2:
+            assert w2.poll(5000), "nothing relayed"
+            message = p.decode(w2.recv_multipart())
+            if not isinstance(message, p.Heartbeat):
+                got.append(message)
+        assert got[0] == header
+        assert isinstance(got[1], p.MoveChunk) and got[1].index == 0 and got[1].data == state
+    finally:
+        for sock in (w1, w2, admin):
+            sock.close(linger=0)
+        context.term()

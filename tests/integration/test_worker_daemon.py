@@ -447,7 +447,7 @@ def test_requests_cross_the_link_as_bytes_and_the_compute_loop_decodes_and_answe
     bad = [p.VERSION, b"CLOSE", msgpack.packb({"request_id": "x1", "session_id": "nope", "route": b"c"})]
     nameless = [p.VERSION, b"CLOSE", b"\xc1"]  # not msgpack: no request id to answer
     for frames in (p.encode(good), bad, nameless):
-        link._inbox.put(frames)
+        link._inbox.put(list(frames))
     assert link.receive(0.0) == [good]
     [errors] = sent
     assert [(type(m).__name__, m.request_id, m.code, m.route) for m in errors] == [  # type: ignore[attr-defined]
@@ -498,7 +498,7 @@ def test_the_busy_compute_loop_reads_requests_itself_and_the_idle_one_has_the_li
     readers: list[str] = []
     on_message = link._on_message
 
-    def recording(dealer: zmq.Socket[bytes], frames: list[bytes]) -> None:
+    def recording(dealer: zmq.Socket[bytes], frames: list[p.Frame]) -> None:
         readers.append(threading.current_thread().name)
         on_message(dealer, frames)
 

@@ -45,7 +45,11 @@ REQUEST_COMMANDS = frozenset(t.COMMAND.value for t in p.REQUEST_TYPES)
 LOOP_COMMANDS = REQUEST_COMMANDS | {p.Command.DROP.value} | {t.COMMAND.value for t in p.MOVE_TYPES}
 LINK_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
-Frames = list[bytes]
+Frames = list[p.Frame]
+# Frames at least this long are taken as they arrived (a memoryview of ZeroMQ's message, no copy: a MOVE_CHUNK's 4 MiB
+# of state) and sent without a copy (the bytes stay referenced until ZeroMQ has sent them); shorter ones are copied,
+# which is cheaper than tracking them.
+ZERO_COPY_BYTES = 1 << 16
 WAKE: Frames = []  # in the inbox: no request, the compute loop has something else to do (Link.wake_loop)
 
 
@@ -123,7 +127,7 @@ class Link:
         On the compute thread only (it alone sets `busy`; busy, it reads the socket itself at its next receive)."""
         if not messages:
             return
-        encoded = [(m, p.encode(m)) for m in messages]
+        encoded = [(m, p.encode_frames(m)) for m in messages]
         with self._lock:
             dealer = self._dealer
             if dealer is None:
@@ -316,14 +320,14 @@ class Link:
             if not _readable(dealer):  # also takes the socket's pending signal
                 return False
             try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK)
+                frames = _recv(dealer)
             except zmq.Again:
                 return False
             self._last_heard = time.monotonic()
             self._on_message(dealer, frames)
         return _readable(dealer)
 
-    def _on_message(self, dealer: zmq.Socket[bytes], frames: list[bytes]) -> None:
+    def _on_message(self, dealer: zmq.Socket[bytes], frames: Frames) -> None:
         if len(frames) >= 3 and frames[0] == p.VERSION and frames[1] in LOOP_COMMANDS:
             self._inbox.put(frames)  # decoded (and checked) by the compute loop
             return
@@ -389,7 +393,7 @@ class Link:
                 break
         while True:
             try:
-                received.append(dealer.recv_multipart(zmq.NOBLOCK))
+                received.append(_recv(dealer))
             except zmq.Again:
                 break
         unserved: list[p.Message] = []
@@ -414,10 +418,16 @@ class Link:
 
     def _send(self, dealer: zmq.Socket[bytes], message: p.Message, frames: Frames | None = None) -> None:
         try:
-            dealer.send_multipart(p.encode(message) if frames is None else frames, zmq.NOBLOCK)
+            dealer.send_multipart(p.encode(message) if frames is None else frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             # Queue full (broker away for long): drop. Final answers stay cached for the client's resend.
             log.warning("send_dropped", command=message.COMMAND.name, request=getattr(message, "request_id", None))
+
+
+def _recv(dealer: zmq.Socket[bytes]) -> Frames:
+    """One message (zmq.Again if none): short frames as bytes, long ones as memoryviews of the received message."""
+    parts = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+    return [part.bytes if len(part) < ZERO_COPY_BYTES else part.buffer for part in parts]
 
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the enums' operators cost more than the call

@@ -179,7 +179,9 @@ class Moves:
 
     def _state_messages(self, export: Export, snapshot: Any) -> list[p.Message]:
         digest = snapshot.digest()
-        data = memoryview(snapshot.state.numpy())  # each chunk's bytes copied from it once
+        # The chunks are views of the snapshot's host copy, sent without a copy (ZeroMQ keeps the copy alive until
+        # they are out); nothing writes to it meanwhile (a fresh buffer, or a hibernated copy, read-only until dropped).
+        data = memoryview(snapshot.state.numpy())
         if self._corrupt and len(data):
             data = memoryview(bytes([data[0] ^ 0xFF]) + bytes(data[1:]))
         size = p.MOVE_CHUNK_BYTES
@@ -191,7 +193,7 @@ class Moves:
             answers=self.dispatch.answers_of(snapshot.session_id))
         log.info("session_sending", session=snapshot.session_id, target=export.target, tokens=len(snapshot.tokens),
                  bytes=len(data), migration=export.migration)
-        return [header, *(p.MoveChunk(migration=export.migration, index=i, data=bytes(data[i * size:(i + 1) * size]))
+        return [header, *(p.MoveChunk(migration=export.migration, index=i, data=data[i * size:(i + 1) * size])
                           for i in range(chunks))]
 
     # -- target ------------------------------------------------------------------------------------
