@@ -111,3 +111,21 @@ def test_a_drain_runs_at_most_moves_per_worker_at_once_and_starts_the_next_as_on
     started = [m for m in to(report(router, W1, first[0], "released"), W1) if isinstance(m, p.Move)]
     (third,) = {A, B, C} - {m.session_id for m in first}
     assert [m.session_id for m in started] == [third]  # the first's end starts the third
+
+
+def test_a_move_stalled_for_30_s_is_aborted_and_the_session_serves_on_its_source() -> None:
+    from broker.moves import MOVE_TIMEOUT_S
+
+    router = running((W1, ready("w1", 2, (A,))), (W2, ready("w2", 2)))
+    move = drain_w1(router)  # at 2.5; the target never reports
+    assert router.client_message(C1, p.encode(p.Info(request_id="r1", session_id=A)), 2.6) == []  # held
+    late = 2.5 + MOVE_TIMEOUT_S + 0.1
+    for worker in (W1, W2):  # both alive all along
+        router.worker_message(worker, p.encode(p.Heartbeat()), late - 0.05)
+    out = decoded(router.tick(late))
+    assert (Peer.WORKER, W2, p.MoveEnd(migration=move.migration, session_id=A, outcome="abort")) in out
+    assert not any(i == W1 and isinstance(m, p.Info) for _, i, m in out)  # not before the target has forgotten it
+    back = decoded(report(router, W2, move, "aborted", now=late + 0.01))
+    assert (Peer.WORKER, W1, p.Info(request_id="r1", session_id=A, route=C1)) in back  # served where it is
+    assert (Peer.CLIENT, C1, p.MovesDone(request_id="d1", moved=0, failed=1, kept=1)) in back
+    assert router.registry.worker_of(A) is router.registry.workers[W1]
