@@ -5,6 +5,8 @@ two. random:tiny workers (the tokens are checked byte for byte with SmolLM2 in t
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -145,3 +147,24 @@ def test_broker_killed_mid_move_leaves_the_session_on_one_worker(cluster: Cluste
         cluster.wait_for_workers({"w1", "w2"})
         listed = c._call(p.Sessions(request_id="list-1"), p.SessionList, 5).sessions
         assert [(e.session_id, e.worker) for e in listed] == [(s.id, "w1")]
+
+
+def broker_command(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "broker.cli", *args, "--clients", cluster.clients], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_broker_rebalance_and_drain_as_commands_move_sessions_and_say_what_moved(cluster: Cluster) -> None:
+    """The CLI processes: `broker rebalance` evens four sessions out over two workers (2 and 2), `broker drain w1`
+    moves w1's off; every conversation goes on where it went, with its whole history."""
+    two_workers(cluster, {}, {})
+    with cluster.client(timeout=30) as c:
+        talks = [conversation(c)[0] for _ in range(4)]
+        cluster.wait_for_workers({"w1", "w2"})
+        rebalanced = broker_command(cluster, "rebalance")
+        assert (rebalanced.returncode, rebalanced.stdout.strip()) == (0, "moved 2, failed 0, kept 0"), rebalanced.stderr
+        assert sorted(s.info().worker for s in talks) == ["w1", "w1", "w2", "w2"]
+        drained = broker_command(cluster, "drain", "w1")
+        assert (drained.returncode, drained.stdout.strip()) == (0, "moved 2, failed 0, kept 0"), drained.stderr
+        for s in talks:
+            assert len(next_turn(s)) == 6 and s.info().worker == "w2" and s.info().length == len(PROMPT) + 12

@@ -1,7 +1,7 @@
 """Sessions that move between workers, through the real broker and workers on loopback (CPU, the bundled SmolLM2:
 real text, so a state that arrived wrong shows in the tokens). SIGTERM on a worker moves its sessions to the other
-worker, mid-conversation, with exactly the tokens an undisturbed run gives; `broker drain` and `broker rebalance`
-move them on request; a move whose state arrives corrupt leaves the session where it was."""
+worker, mid-conversation, with exactly the tokens an undisturbed run gives. `broker drain` and `broker rebalance` as
+commands, and each failure of a move, are in test_move_failures.py."""
 
 from __future__ import annotations
 
