@@ -20,18 +20,17 @@ PROMPTS = ("The three most useful things to pack for a week of hiking in the mou
            "Water boils at a lower temperature at altitude because")
 
 
-def reference(prompt: str, turns: list[int]) -> list[list[int]]:
-    """The same model in this process, uninterrupted: the tokens every turn must give."""
-    eng = Engine.load(MODEL, device="cpu", max_sessions=1, max_context=CONTEXT)
+def reference(engine: Engine, prompt: str, turns: list[int]) -> list[list[int]]:
+    """The same model in this process (the shared engine), uninterrupted: the tokens every turn must give."""
+    sid = engine.create_session()
     try:
-        sid = eng.create_session()
-        eng.append(sid, text=prompt)
-        return [eng.generate(sid, max_tokens=n, temperature=0.0, ignore_eos=True).token_ids for n in turns]
+        engine.append(sid, text=prompt)
+        return [engine.generate(sid, max_tokens=n, temperature=0.0, ignore_eos=True).token_ids for n in turns]
     finally:
-        eng.unload()
+        engine.close(sid)
 
 
-def test_sessions_survive_a_worker_restart_through_the_store(tmp_path: Path) -> None:
+def test_sessions_survive_a_worker_restart_through_the_store(tmp_path: Path, engine: Engine) -> None:
     store = tmp_path / "store"
     worker_args = ["--session-store", str(store)]
     with LocalStack(tmp_path, env=TEST_ENV) as stack:
@@ -55,7 +54,7 @@ def test_sessions_survive_a_worker_restart_through_the_store(tmp_path: Path) -> 
                                extra=worker_args)
             stack.wait_for_workers({"w2"})
             second = kept.generate(max_tokens=12, temperature=0.0, ignore_eos=True).token_ids
-            assert [first, second] == reference(PROMPTS[0], [12, 12])
+            assert [first, second] == reference(engine, PROMPTS[0], [12, 12])
             assert len(set(first + second)) > 4  # real tokens, not one repeated: a wrong state would show
             with pytest.raises(SessionLost):
                 spoiled.generate(max_tokens=3, temperature=0.0, ignore_eos=True)
