@@ -76,8 +76,10 @@ def median_run(measure: Callable[[], Report], repeats: int, show: bool = False) 
     return median
 
 
-def bench_hf(model_name: str, batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int = 1) -> list[float]:
-    """transformers' greedy generate with a static cache: output tokens/s for one batch, per timed run."""
+def bench_hf(model_name: str, batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int = 1,
+             cache: str = "static") -> list[float]:
+    """transformers' greedy generate with a static cache (or its default dynamic one: `cache`): output tokens/s for one
+    batch, per timed run."""
     from transformers import AutoModelForCausalLM
 
     from worker.bench.hf_generate import hf_config
@@ -89,11 +91,13 @@ def bench_hf(model_name: str, batch: int, prompt_tokens: int, new_tokens: int, s
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(300, min(49000, c.vocab_size), (batch, prompt_tokens), generator=gen).cuda()
-    kwargs: dict[str, Any] = dict(do_sample=False, cache_implementation="static", pad_token_id=0, attention_mask=torch.ones_like(ids))
+    kwargs: dict[str, Any] = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
     with torch.inference_mode():
         # Warm-up with the timed shapes: with a static cache, transformers compiles the forward
         # (torch.compile) on first use for each shape; compilation stays out of the timing.
-        for _ in range(2):
+        for _ in range(2 if cache == "static" else 1):
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
         rates = []
         for _ in range(repeats):
@@ -107,12 +111,13 @@ def bench_hf(model_name: str, batch: int, prompt_tokens: int, new_tokens: int, s
     return sorted(rates)
 
 
-def bench_hf_apart(model: str, batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int) -> list[float]:
+def bench_hf_apart(model: str, batch: int, prompt_tokens: int, new_tokens: int, seed: int, repeats: int,
+                   cache: str = "static", timeout_s: float = HF_TIMEOUT_S) -> list[float]:
     """bench_hf in a child process started with this process's starting environment."""
     args = ["--model", model, "--hf-batch", str(batch), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens),
-            "--seed", str(seed), "--repeats", str(repeats)]
+            "--seed", str(seed), "--repeats", str(repeats), "--hf-cache", cache]
     done = subprocess.run([sys.executable, "-m", "client.bench.gpu", *args], env=_STARTING_ENV, capture_output=True,
-                          text=True, check=False, timeout=HF_TIMEOUT_S)
+                          text=True, check=False, timeout=timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith(HF_RESULT)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"the transformers run failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -182,30 +187,39 @@ TARGET_8B_ENGINE_64 = 9_000.0
 TARGET_8B_STACK_VS_ENGINE = 0.95
 TARGET_8B_STACK_1 = 170.0
 TARGET_8B_VS_HF = 2.5
+# The Qwen3.5-MoE's (35B-A3B shape, one H200); its 64-session target against the read floor is worker.bench.engine's.
+MOE_MODEL = "random:qwen3.5-35b-a3b"
+TARGET_MOE_STACK_1 = 400.0
+TARGET_MOE_VS_HF = 5.0
 
 
-def targets(model: str, runs: dict[int, Any]) -> list[tuple[str, float, float]]:
-    """(what, measured, target at least) for the runs made: SmolLM2's targets for it, the real-size ones else."""
-    checks: list[tuple[str, float, float]] = []
-    small = model == MODEL
+def targets(model: str, runs: dict[int, Any]) -> list[tuple[str, float | None, float]]:
+    """(what, measured or None, target at least) for the runs made: SmolLM2's targets for it, the MoE's for it, the
+    8B ones else."""
+    checks: list[tuple[str, float | None, float]] = []
+    small, moe = model == MODEL, model == MOE_MODEL
     if 64 in runs:
         r = runs[64]
         if small:
             checks += [("64 sessions, stack output tokens/s", r["stack"]["output_tokens_per_s"], TARGET_STACK_64),
                        ("64 sessions, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_VS_HF),
                        ("64 sessions, stack / engine in-process", r["ratios"]["stack_over_engine"], TARGET_STACK_VS_ENGINE)]
+        elif moe:
+            checks += [("64 sessions, stack / engine in-process", r["ratios"]["stack_over_engine"], TARGET_8B_STACK_VS_ENGINE),
+                       ("64 sessions, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_MOE_VS_HF)]
         else:
             checks += [("64 sessions, engine output tokens/s", r["engine"]["output_tokens_per_s"], TARGET_8B_ENGINE_64),
                        ("64 sessions, stack / engine in-process", r["ratios"]["stack_over_engine"], TARGET_8B_STACK_VS_ENGINE),
                        ("64 sessions, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_8B_VS_HF)]
     if 1 in runs:
         r = runs[1]
-        one = TARGET_STACK_1 if small else TARGET_8B_STACK_1
+        one = TARGET_STACK_1 if small else TARGET_MOE_STACK_1 if moe else TARGET_8B_STACK_1
         checks.append(("1 session, stack output tokens/s", r["stack"]["output_tokens_per_s"], one))
         if "stack_sized" in r:
             checks.append(("1 session, stack, worker --max-sessions 1", r["stack_sized"]["output_tokens_per_s"], one))
         if not small:
-            checks.append(("1 session, stack / transformers", r["ratios"]["stack_over_hf"], TARGET_8B_VS_HF))
+            checks.append(("1 session, stack / transformers", r["ratios"]["stack_over_hf"],
+                           TARGET_MOE_VS_HF if moe else TARGET_8B_VS_HF))
     return checks
 
 
@@ -221,11 +235,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hf-cache", choices=("static", "dynamic", "skip"), default="static",
+                    help="transformers' KV cache: static (compiled; its fastest), dynamic (no compile: for shapes whose "
+                         "compile takes too long), or skip transformers (default %(default)s)")
+    ap.add_argument("--hf-timeout", type=float, default=HF_TIMEOUT_S,
+                    help="seconds for each transformers run, compile included; past it the run is reported as not "
+                         "finished (default %(default)s)")
     ap.add_argument("--hf-batch", type=int, default=None, help=argparse.SUPPRESS)  # the transformers child
     args = ap.parse_args()
     logs.configure("warning")
     if args.hf_batch is not None:
-        rates = bench_hf(args.model, args.hf_batch, args.prompt_tokens, args.new_tokens, args.seed, args.repeats)
+        rates = bench_hf(args.model, args.hf_batch, args.prompt_tokens, args.new_tokens, args.seed, args.repeats,
+                         args.hf_cache)
         sys.stdout.write(HF_RESULT + json.dumps(rates) + "\n")
         return
     model, context = args.model, args.max_context
@@ -264,20 +285,29 @@ def main() -> None:
             progress(f"stack, {n} sessions", results["runs"][n]["stack"]["runs_output_tokens_per_s"])
     finally:
         stack.stop(STOP_TIMEOUT_S)
+    results["hf_cache"] = args.hf_cache
     for n in args.sessions:
-        rates = bench_hf_apart(model, n, args.prompt_tokens, args.new_tokens, args.seed, reps)
-        results["runs"][n]["hf_tokens_per_s"] = rates[len(rates) // 2]
+        rates = []
+        if args.hf_cache != "skip":
+            try:
+                rates = bench_hf_apart(model, n, args.prompt_tokens, args.new_tokens, args.seed, reps, args.hf_cache,
+                                       args.hf_timeout)
+            except subprocess.TimeoutExpired:
+                sys.stderr.write(f"transformers, {n} sessions: not finished in {args.hf_timeout:g} s\n")
+        results["runs"][n]["hf_tokens_per_s"] = rates[len(rates) // 2] if rates else None
         results["runs"][n]["hf_runs_tokens_per_s"] = rates
-        progress(f"transformers, {n} sessions", rates)
+        if rates:
+            progress(f"transformers ({args.hf_cache} cache), {n} sessions", rates)
     results["memory_64"] = memory_check(model, 64, max(context, 2048) if model == MODEL else context)
 
     print(f"\n{results['device']}, {model} (bf16), prompts of {args.prompt_tokens}, {args.new_tokens} new tokens each")
     print(f"worker and in-process engine: capacity {capacity} sessions, context {context}")
+    print(f"transformers: {args.hf_cache} cache" + (" (compiled)" if args.hf_cache == "static" else ""))
     print(f"{'sessions':>8} {'stack tok/s':>12} {'engine tok/s':>13} {'hf tok/s':>10} {'stack/engine':>13} {'stack/hf':>9}")
     for n, r in results["runs"].items():
         s, e, h = r["stack"]["output_tokens_per_s"], r["engine"]["output_tokens_per_s"], r["hf_tokens_per_s"]
-        print(f"{n:8d} {s:12.0f} {e:13.0f} {h:10.0f} {s / e:13.2f} {s / h:9.2f}")
-        r["ratios"] = {"stack_over_engine": s / e, "stack_over_hf": s / h}
+        print(f"{n:8d} {s:12.0f} {e:13.0f} {_rate(h):>10} {s / e:13.2f} {_rate(s / h if h else None, 2):>9}")
+        r["ratios"] = {"stack_over_engine": s / e, "stack_over_hf": s / h if h else None}
         if "stack_sized" in r:
             sized = r["stack_sized"]["output_tokens_per_s"]
             print(f"{'':8s} {sized:12.0f}  (stack, worker sized for {n}: --max-sessions {n})")
@@ -290,12 +320,19 @@ def main() -> None:
     print("\ntargets:")
     checks = targets(model, results["runs"])
     for name, value, target in checks:
+        if value is None:
+            print(f"  {name:42s} {'n/a':>10}  target >= {target:<8g} not measured")
+            continue
         print(f"  {name:42s} {value:10.2f}  target >= {target:<8g} {'met' if value >= target else 'MISSED'}")
     limit = 1 + TARGET_MEMORY_SLACK
     print(f"  {'GPU memory, 64 sessions / (weights + 64 x bytes)':42s} {mem['ratio']:10.3f}  target <= {limit:<8g} "
           f"{'met' if mem['ratio'] <= limit else 'MISSED'}  ({mem['used_bytes'] / 2**30:.2f} GiB used)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+
+
+def _rate(value: float | None, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 if __name__ == "__main__":
