@@ -105,8 +105,8 @@ def kernel_table(engine: Engine, n: int, steps: int = 20) -> None:
     _print_kernels(prof, steps)
     for sid in sids:
         engine.close(sid)
-    # A prefill forward: as many 128-token prompts as fit in one step.
-    prompts = engine.step_tokens // 128
+    # A prefill forward: as many 128-token prompts as fit in one step (and in the table).
+    prompts = min(engine.step_tokens // 128, engine.capacity)
     sids = []
     for i in range(prompts):
         sid = engine.create_session()
