@@ -51,3 +51,24 @@ def test_compare_runs_native_then_http_and_reports_both(gateways: Gateways, tmp_
     assert figures["native"]["completed"] == figures["http"]["completed"] == 4
     assert figures["native"]["mode"] == "full-stack" and figures["http"]["mode"] == "http"
     assert figures["comparison"]["output_throughput_ratio"] > 0 and figures["comparison"]["ttft_p50_added_ms"] is not None
+
+
+def test_compare_together_runs_half_the_sessions_each_way_at_once(gateways: Gateways, tmp_path: Path) -> None:
+    url = gateways.start(extra=["--max-idle-sessions", "2"])
+    out = tmp_path / "together.json"
+    code = main(["--http", url, "--broker", gateways.stack.clients, "--compare", "together", "--sessions", "2",
+                 "--processes", "2", "--prompt-tokens", "8", "--max-tokens", "3", "--turns", "2", "--ignore-eos",
+                 "--warmup", "0", "--no-progress", "--json", str(out)])
+    assert code == 0
+    figures = json.loads(out.read_text())
+    assert figures["native"]["completed"] == figures["http"]["completed"] == 2  # one conversation of 2 turns each way
+    assert figures["native"]["mode"] == "full-stack" and figures["http"]["mode"] == "http"
+    assert figures["native"]["total_output_tokens"] == figures["http"]["total_output_tokens"] == 6
+    assert figures["comparison"]["ttft_p50_added_ms"] is not None
+
+
+def test_compare_together_needs_a_side_for_each() -> None:
+    from client.bench.loadtest.cli import run_together
+
+    with pytest.raises(ValueError, match="at least 2 sessions and 2 processes"):
+        run_together(LoadConfig(broker="tcp://127.0.0.1:1", http="http://127.0.0.1:1", sessions=2, processes=1))

@@ -5,6 +5,7 @@
     loadtest --in-process --model random:smollm2-135m --device cuda --sessions 64 ...
     loadtest --http http://127.0.0.1:8000 --sessions 64 ...         (through the gateway's OpenAI API)
     loadtest --http http://127.0.0.1:8000 --broker tcp://127.0.0.1:5555 --compare ...  (native, then HTTP)
+    loadtest --http http://127.0.0.1:8000 --broker tcp://127.0.0.1:5555 --compare together ...  (both at once)
 
 Each turn of a session appends a prompt of P tokens (seeded random token ids, or text from a seeded
 word list) and generates M tokens streamed, in one request (`generate(prompt=...)`), for T turns;
@@ -42,7 +43,7 @@ import structlog
 from client.bench.loadtest.progress import ProgressView, Tally
 from client.bench.loadtest.report import Report, build_report
 from client.bench.loadtest.stack import LoadTestError
-from client.bench.loadtest.stats import RawRun
+from client.bench.loadtest.stats import RawRun, merge
 from client.bench.loadtest.workload import Budget, Workload
 from client.errors import ClientError
 
@@ -187,8 +188,8 @@ def _run_in_process(config: LoadConfig, engine: Engine | None) -> RawRun:
             engine.table.close()
 
 
-def _run_stack(config: LoadConfig, log_level: str) -> RawRun:
-    from client.bench.loadtest.stack import run_processes, split
+def _check_broker(config: LoadConfig) -> None:
+    """LoadTestError unless the broker answers a STATUS (its workers are logged)."""
     from client.sync import Client
 
     assert config.broker is not None  # validate() checked
@@ -199,6 +200,13 @@ def _run_stack(config: LoadConfig, log_level: str) -> RawRun:
     except ClientError as e:
         raise LoadTestError(f"no broker answers at {config.broker}: {e}") from e
     log.info("loadtest_workers", workers=[(w.name, w.model, w.capacity) for w in workers])
+
+
+def _run_stack(config: LoadConfig, log_level: str) -> RawRun:
+    from client.bench.loadtest.stack import run_processes, split
+
+    assert config.broker is not None  # validate() checked
+    _check_broker(config)
     if config.warmup:
         warm = split(config.broker, config.model, config.timeout, config.workload(warmup=True), min(config.sessions, config.warmup),
                      1, config.warmup, None, config.broker_key, config.key)
@@ -232,6 +240,52 @@ def _run_http(config: LoadConfig, log_level: str) -> RawRun:
                                   config.duration), tally, view.started, lambda: view.update(tally), log_level)
         view.update(tally)
     return raw
+
+
+def run_together(config: LoadConfig, log_level: str = "warning") -> tuple[Report, Report]:
+    """The native client and the gateway measured at once, on one engine: half the sessions (and processes and
+    requests) through the broker, half through the gateway's OpenAI API, the same users' prompts on both sides, every
+    process starting on one signal. Both see the same load at the same moments (the engine's steps, the host's other
+    work), which run-to-run differences no longer blur. The native report and the gateway's."""
+    from client.bench.loadtest.http import served_model
+    from client.bench.loadtest.stack import run_each, split
+
+    config.validate()
+    if config.http is None or config.broker is None:
+        raise ValueError("measuring together needs both a broker address and a gateway URL (http)")
+    if config.sessions < 2 or config.processes < 2:
+        raise ValueError("measuring together needs at least 2 sessions and 2 processes (one side each)")
+    native_config = replace(config, http=None)
+    _check_broker(native_config)
+    model = config.model or served_model(config.http, config.api_key, min(config.timeout, REACH_TIMEOUT_S))
+    half_sessions, half_processes = config.sessions // 2, config.processes // 2
+    limit = config.request_limit
+    native_requests, http_requests = (None, None) if limit is None else (limit // 2, limit - limit // 2)
+
+    def side(http: bool, workload: Workload, sessions: int, processes: int, requests: int | None,
+             duration: float | None) -> list[Any]:
+        if http:
+            return split("", model, config.timeout, workload, sessions, processes, requests, duration,
+                         http=config.http, api_key=config.api_key)
+        return split(config.broker or "", config.model, config.timeout, workload, sessions, processes, requests,
+                     duration, config.broker_key, config.key)
+
+    if config.warmup:
+        warm = min(half_sessions, config.warmup)
+        run_each([*side(False, config.workload(warmup=True), warm, 1, config.warmup, None),
+                  *side(True, config.workload(warmup=True), warm, 1, config.warmup, None)], Tally(), _nothing, _nothing)
+    native_parts = side(False, config.workload(), half_sessions, half_processes, native_requests, config.duration)
+    http_parts = side(True, config.workload(), config.sessions - half_sessions, config.processes - half_processes,
+                      http_requests, config.duration)
+    tally = Tally()
+    with ProgressView(config.request_limit, config.duration, config.progress) as view:
+        runs = run_each([*native_parts, *http_parts], tally, view.started, lambda: view.update(tally), log_level)
+        view.update(tally)
+    native = build_report(merge(runs[:len(native_parts)]), native_config.mode, asdict(native_config))
+    http = build_report(merge(runs[len(native_parts):]), config.mode, asdict(config))
+    log.info("loadtest_done", mode="together", native_output_tokens_per_s=round(native.output_tokens_per_s, 1),
+             http_output_tokens_per_s=round(http.output_tokens_per_s, 1))
+    return native, http
 
 
 def compare(native: Report, http: Report) -> dict[str, float | None]:
@@ -272,9 +326,11 @@ def parser() -> argparse.ArgumentParser:
                              "[env LOADTEST_HTTP]")
     target.add_argument("--api-key", default=_env("LOADTEST_API_KEY", None),
                         help="with --http: the gateway's API key [env LOADTEST_API_KEY]")
-    target.add_argument("--compare", action="store_true",
+    target.add_argument("--compare", nargs="?", const="after", choices=("after", "together"), default=None,
                         help="with --http: run the workload through the broker (--broker) first, then through the "
-                             "gateway, and report both and how they compare")
+                             "gateway (`after`, the default), or half the sessions each way at once (`together`: "
+                             "both measured under the same load at the same moments), and report both and how they "
+                             "compare")
     target.add_argument("--in-process", action="store_true",
                         help="drive worker.engine.Engine in this process instead of the stack (no broker)")
     target.add_argument("--model", default=_env("LOADTEST_MODEL", None),
@@ -339,10 +395,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(e))
     if args.compare and not config.http:
         ap.error("--compare needs --http (and --broker for the native run)")
+    native: Report | None
     try:
-        native = run(replace(config, http=None), log_level=args.log_level) if args.compare else None
-        report = run(config, log_level=args.log_level)
-    except LoadTestError as e:
+        if args.compare == "together":
+            native, report = run_together(config, log_level=args.log_level)
+        else:
+            native = run(replace(config, http=None), log_level=args.log_level) if args.compare else None
+            report = run(config, log_level=args.log_level)
+    except (LoadTestError, ValueError) as e:
         log.error("loadtest_failed", error=str(e))
         return 1
     except KeyboardInterrupt:

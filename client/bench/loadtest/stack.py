@@ -212,6 +212,12 @@ def run_processes(parts: list[Part], tally: Tally, on_start: Callable[[], None],
     if len(parts) == 1:
         on_start()
         return asyncio.run(run_part(parts[0], None, tally, on_progress))
+    return merge(run_each(parts, tally, on_start, on_progress, log_level))
+
+
+def run_each(parts: list[Part], tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None],
+             log_level: str = "warning") -> list[RawRun]:
+    """Run each part in its own client process, all starting on one signal: each part's run, in order."""
     ctx = mp.get_context("spawn")
     messages: Queue[tuple[str, int, Any]] = ctx.Queue()
     go = ctx.Event()
@@ -236,7 +242,7 @@ def run_processes(parts: list[Part], tally: Tally, on_start: Callable[[], None],
 
 
 def _collect(procs: Sequence[BaseProcess], messages: Queue[tuple[str, int, Any]], go: Event, start: Synchronized[float],
-             tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None]) -> RawRun:
+             tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None]) -> list[RawRun]:
     ready: set[int] = set()
     tallies: dict[int, Tally] = {}
     runs: dict[int, RawRun] = {}
@@ -263,7 +269,7 @@ def _collect(procs: Sequence[BaseProcess], messages: Queue[tuple[str, int, Any]]
             runs[index], tallies[index] = payload
         _sum(tally, tallies.values())
         on_progress()
-    return merge([runs[i] for i in sorted(runs)])
+    return [runs[i] for i in sorted(runs)]
 
 
 def _sum(tally: Tally, parts: Iterable[Tally]) -> None:
