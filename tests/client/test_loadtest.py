@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,7 @@ def test_ttft_itl_tpot_e2e_from_known_timestamps() -> None:
 def test_report_counts_throughput_and_latencies() -> None:
     raw = RawRun(start=100.0, finish=104.5)
     raw.requests = [
-        sample(100.0, [100.5, 101.0, 101.5], [1, 1, 2], end=101.5, prompt=8),
+        replace(sample(100.0, [100.5, 101.0, 101.5], [1, 1, 2], end=101.5, prompt=8), opened=True),
         sample(101.0, [101.25, 102.25], [1, 1], end=102.25, prompt=8),
         sample(102.0, [], [], end=102.5, prompt=0, error="session_lost"),
         sample(103.0, [103.5], [3], end=104.0, prompt=8, error="timeout"),  # failed after a chunk: not counted
@@ -84,6 +85,7 @@ def test_report_counts_throughput_and_latencies() -> None:
     assert report.tpot_ms == pytest.approx([1000.0 / 3, 1000.0])
     assert report.e2el_ms == [1500.0, 1250.0]
     assert report.ttft.mean == 375.0 and report.e2el.p50 == 1375.0
+    assert (report.ttft_later.count, report.ttft_later.p50) == (1, 250.0)  # the first opened its session
     assert report.ops["create"].count == 2 and report.ops["create"].mean == pytest.approx(3.0)
     d = report.to_dict()
     assert d["completed"] == 2 and d["errors"] == {"session_lost": 1, "timeout": 1}

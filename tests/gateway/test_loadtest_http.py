@@ -65,6 +65,9 @@ def test_compare_together_runs_half_the_sessions_each_way_at_once(gateways: Gate
     assert figures["native"]["mode"] == "full-stack" and figures["http"]["mode"] == "http"
     assert figures["native"]["total_output_tokens"] == figures["http"]["total_output_tokens"] == 6
     assert figures["comparison"]["ttft_p50_added_ms"] is not None
+    # each side's second turn: its TTFT has no session opening in it on either path
+    assert figures["native"]["p50_ttft_later_ms"] is not None and figures["http"]["p50_ttft_later_ms"] is not None
+    assert figures["comparison"]["ttft_later_p50_added_ms"] is not None
 
 
 def test_compare_together_needs_a_side_for_each() -> None:

@@ -295,6 +295,7 @@ def compare(native: Report, http: Report) -> dict[str, float | None]:
 
     return {"output_throughput_ratio": http.output_tokens_per_s / native.output_tokens_per_s if native.output_tokens_per_s else None,
             "ttft_p50_added_ms": added(http.ttft.p50, native.ttft.p50),
+            "ttft_later_p50_added_ms": added(http.ttft_later.p50, native.ttft_later.p50),
             "ttft_p99_added_ms": added(http.ttft.p99, native.ttft.p99),
             "tpot_p50_added_ms": added(http.tpot.p50, native.tpot.p50)}
 

@@ -177,7 +177,7 @@ class HttpDriver:
 
     async def _turn(self, conn: Connection, turn: Turn) -> TurnDone:
         conv: Conversation = turn.session
-        sample = RequestSample(start=time.perf_counter(), forked=turn.forked)
+        sample = RequestSample(start=time.perf_counter(), forked=turn.forked, opened=not conv.ids and not conv.text)
         self.raw.requests.append(sample)
         p = turn.params
         prompt: Any

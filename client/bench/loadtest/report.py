@@ -30,6 +30,7 @@ class Report:
     total_input_tokens: int
     total_output_tokens: int
     ttft: Summary
+    ttft_later: Summary  # the turns that did not open their session (no CREATE in their time on either path)
     tpot: Summary
     itl: Summary
     e2el: Summary
@@ -71,7 +72,7 @@ class Report:
             "output_tokens_per_s": self.output_tokens_per_s,  # the same, under the Report property's name
             "total_token_throughput": self.total_tokens_per_s,
         }
-        for name in ("ttft", "tpot", "itl", "e2el"):
+        for name in ("ttft", "ttft_later", "tpot", "itl", "e2el"):
             out.update(getattr(self, name).flat(name))
         out["session_ops"] = {
             kind: {"count": s.count, "mean_ms": s.mean, "p50_ms": s.p50, "p99_ms": s.p99,
@@ -109,6 +110,7 @@ def build_report(raw: RawRun, mode: str, config: dict[str, Any]) -> Report:
         total_input_tokens=sum(r.prompt_tokens for r in done),
         total_output_tokens=sum(r.output_tokens for r in done),
         ttft=Summary.of(ttft_ms),
+        ttft_later=Summary.of([t * 1e3 for r in done if not r.opened and (t := ttft(r)) is not None]),
         tpot=Summary.of(tpot_ms),
         itl=Summary.of(itl_ms),
         e2el=Summary.of(e2el_ms),
@@ -163,6 +165,8 @@ def report_table(report: Report) -> ReportTable:
     table.add_row("Output token throughput (tok/s)", f"{report.output_tokens_per_s:.1f}")
     table.add_row("Total token throughput (tok/s)", f"{report.total_tokens_per_s:.1f}")
     _latency_rows(table, "Time to first token", report.ttft)
+    if report.ttft_later.count != report.ttft.count:
+        _latency_rows(table, "TTFT, turns after a session's first", report.ttft_later)
     _latency_rows(table, "Time per output token", report.tpot)
     _latency_rows(table, "Inter-token latency", report.itl)
     _latency_rows(table, "End-to-end latency", report.e2el)

@@ -110,7 +110,9 @@ class StackDriver:
 
     async def _turn(self, turn: Turn) -> TurnDone:
         session: AsyncSession = turn.session
-        sample = RequestSample(start=self._opened_at.pop(id(session), time.perf_counter()), forked=turn.forked)
+        opened_at = self._opened_at.pop(id(session), None)
+        sample = RequestSample(start=time.perf_counter() if opened_at is None else opened_at, forked=turn.forked,
+                               opened=opened_at is not None)
         self.raw.requests.append(sample)
         p = turn.params
         try:

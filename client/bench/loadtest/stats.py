@@ -37,6 +37,7 @@ class RequestSample:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
     end: float = 0.0  # the final chunk (or the error) arrived
     error: str | None = None  # the wire error code when the request failed
+    opened: bool = False  # the turn opened its session (natively a CREATE before it): its TTFT counts from that
 
     @property
     def output_tokens(self) -> int:

@@ -2,9 +2,9 @@
 the attention kernels) against its torch forward, in fp32: steps shaped as the GPU executor shapes them (no runs: the
 prefill steps' runs come from the tiles, padding rows in the spare slot at position 0), a prefill step of two
 sessions' prompts, a decode step with row products and a session starting with one token, a prefill step continuing
-a session and another, and a mixed step planned by the model (a prompt's chunk beside two decode rows). The logits of every step and, at the end, every session's K/V,
-convolution and recurrent states agree (the weights sharpened: every state matters). Run by
-tests/worker/test_deltanet.py."""
+a session and another, and a mixed step planned by the model (a prompt's chunk beside two decode rows). The logits of
+every step and, at the end, every session's K/V, convolution and recurrent states agree (the weights sharpened: every
+state matters). Run by tests/worker/test_deltanet.py."""
 
 from __future__ import annotations
 
