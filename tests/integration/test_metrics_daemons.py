@@ -60,6 +60,7 @@ def test_both_daemons_serve_health_readiness_and_exact_counts(cluster: Cluster) 
     assert w["sessionserve:inter_token_latency_seconds_count{}"] == 8 - 2
     assert w["sessionserve:num_sessions{}"] == 0 and w["sessionserve:session_capacity{}"] == 4
     assert w["sessionserve:requests_total{command=generate}"] == 2
+    assert w["sessionserve:session_moves_total{event=sent}"] == w["sessionserve:session_moves_total{event=failed}"] == 0
     b = samples(get(f"{broker}/metrics")[1])
     assert b["sessionserve:num_workers{}"] == 1
     assert b["sessionserve:requests_total{command=generate}"] == 2

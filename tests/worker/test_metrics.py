@@ -281,3 +281,12 @@ def test_where_sessions_are_pages_and_restore_latency() -> None:
 def test_a_worker_that_does_not_hibernate_has_no_residency_gauges() -> None:
     got = scrape(new_metrics())
     assert not [k for k in got if k[0] in ("sessionserve:sessions", "sessionserve:state_pages")]
+
+
+def test_moves_are_counted_by_event_where_the_worker_moves_sessions() -> None:
+    moving = WorkerSnapshot(sessions=1, capacity=8, free_slots=7, running=0,
+                            moves={"sent": 3, "released": 2, "imported": 4, "failed": 1})
+    got = scrape(new_metrics(moving))
+    assert {e: got[("sessionserve:session_moves_total", labels(event=e))]
+            for e in ("sent", "released", "imported", "failed")} == {"sent": 3, "released": 2, "imported": 4, "failed": 1}
+    assert not [k for k in scrape(new_metrics()) if k[0] == "sessionserve:session_moves_total"]

@@ -107,7 +107,8 @@ class Serve:
                               running=len(self.dispatch.active), bytes_per_session=self.engine.bytes_per_session,
                               draining=state.draining, mapped_bytes=table.backend.mapped_bytes(),
                               resident=resident, in_host=in_host, on_disk=on_disk, pages=table.backend.mapped_pages,
-                              page_budget=table.page_budget, hibernated=getattr(self.engine, "hibernated", 0))
+                              page_budget=table.page_budget, hibernated=getattr(self.engine, "hibernated", 0),
+                              moves=self.moves.counts.as_dict() if self.moves.supported else None)
 
     def ready_message(self) -> p.Ready:
         """On the link thread: the state the loop replaced last, and each session's latest client (single dict reads)."""

@@ -28,6 +28,8 @@ count; the sum may be one step ahead. Names follow vLLM's (`vllm:time_to_first_t
     sessionserve:state_pages, state_page_budget                    gauges   pages sessions hold; the most they may hold
     sessionserve:sessions_hibernated_total                         counter  sessions hibernated (idle, or pages short)
     sessionserve:session_restore_seconds{source}                   histogram a hibernated session back in a slot
+    sessionserve:session_moves_total{event}                        counter  moves seen here: sent, released (out),
+                                                                            imported (in), failed (here)
     sessionserve:gpu_memory_allocated_bytes, ..._reserved_bytes    gauges   torch's CUDA allocator (CUDA only)
     sessionserve:engine_steps_total                                counter  engine steps that ran a batch
     sessionserve:prompt_tokens_total, generation_tokens_total      counters tokens prefilled / delivered
@@ -145,6 +147,7 @@ class WorkerSnapshot:
     pages: int | None = None  # pages the sessions hold, if known
     page_budget: int = 0
     hibernated: int = 0  # sessions hibernated so far
+    moves: dict[str, int] | None = None  # worker.serve.moves' counts by event; None: this worker does not move sessions
 
 
 def torch_memory(device: str) -> Callable[[], dict[str, float]] | None:
@@ -322,7 +325,11 @@ class _WorkerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = self.m
-        yield from self._gauges(m.snapshot(), m.memory())
+        s = m.snapshot()
+        yield from self._gauges(s, m.memory())
+        if s.moves is not None:
+            yield self._by("session_moves", "Session moves seen by this worker: states sent and sessions released (moved "
+                           "out), imported (moved in), failed here.", "event", s.moves)
         yield self._counter("engine_steps", "Engine steps run.", m.steps)
         yield self._counter("generation_tokens", "Tokens generated.", m.generation_tokens)
         yield self._counter("prompt_tokens", "Prompt tokens computed (prefill).", m.prompt_tokens)

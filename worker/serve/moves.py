@@ -64,6 +64,9 @@ class MoveCounts:
     imported: int = 0
     failed: int = 0
 
+    def as_dict(self) -> dict[str, int]:
+        return {"sent": self.sent, "released": self.released, "imported": self.imported, "failed": self.failed}
+
 
 class Moves:
     """Both halves of the moves of one worker. The compute loop hands it the broker's move messages (`handle`) and
