@@ -43,7 +43,11 @@ LOOP_ERROR_LOG_S = 10.0  # a message whose handling raised is logged with its tr
 # Plain ints: pyzmq's send_multipart combines enum flags per frame, which costs ~10% of the broker's time.
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
-ZERO_COPY_BYTES = 1 << 16  # received frames at least this long are kept in ZeroMQ's message, not copied to bytes
+_RCVMORE = int(zmq.RCVMORE)
+# A message from a peer: [its id (the ROUTER's), version, command, header, *payload]. The first four are taken as bytes
+# (as recv_multipart does: cheapest for small frames); payload frames (a MOVE_CHUNK's state, 4 MiB) stay in the
+# message ZeroMQ received, as memoryviews, and are relayed without a copy.
+ENVELOPE_FRAMES = 4
 
 
 # A restarted broker waits at least this long for workers to re-register (more with slow heartbeats): a worker's
@@ -290,10 +294,13 @@ class BrokerServer:
 
 
 def _recv(sock: zmq.Socket[bytes]) -> list[p.Frame]:
-    """One message (zmq.Again if none): short frames as bytes, long ones (a MOVE_CHUNK's state) as memoryviews of the
-    received message, relayed without a copy."""
-    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-    return [part.bytes if len(part) < ZERO_COPY_BYTES else part.buffer for part in parts]
+    """One message (zmq.Again if none): its envelope frames as bytes, its payload frames as memoryviews."""
+    frames: list[p.Frame] = [sock.recv(zmq.NOBLOCK)]
+    while len(frames) < ENVELOPE_FRAMES and sock.getsockopt(_RCVMORE):
+        frames.append(sock.recv())
+    while sock.getsockopt(_RCVMORE):
+        frames.append(sock.recv(copy=False).buffer)
+    return frames
 
 
 def _is_loopback(address: str) -> bool:

@@ -46,10 +46,12 @@ LOOP_COMMANDS = REQUEST_COMMANDS | {p.Command.DROP.value} | {t.COMMAND.value for
 LINK_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 Frames = list[p.Frame]
-# Frames at least this long are taken as they arrived (a memoryview of ZeroMQ's message, no copy: a MOVE_CHUNK's 4 MiB
-# of state) and sent without a copy (the bytes stay referenced until ZeroMQ has sent them); shorter ones are copied,
-# which is cheaper than tracking them.
-ZERO_COPY_BYTES = 1 << 16
+# A message from the broker: [version, command, header, *payload]. The first three are taken as bytes (as
+# recv_multipart does: cheapest for small frames); payload frames (a MOVE_CHUNK's 4 MiB of state) stay in the message
+# ZeroMQ received, as memoryviews (no copy). Sends pass copy=False: pyzmq still copies frames under its copy
+# threshold (64 KiB) and sends longer ones without a copy, keeping them referenced until ZeroMQ has sent them.
+ENVELOPE_FRAMES = 3
+_RCVMORE = int(zmq.RCVMORE)
 WAKE: Frames = []  # in the inbox: no request, the compute loop has something else to do (Link.wake_loop)
 
 
@@ -425,9 +427,13 @@ class Link:
 
 
 def _recv(dealer: zmq.Socket[bytes]) -> Frames:
-    """One message (zmq.Again if none): short frames as bytes, long ones as memoryviews of the received message."""
-    parts = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-    return [part.bytes if len(part) < ZERO_COPY_BYTES else part.buffer for part in parts]
+    """One message (zmq.Again if none): its envelope frames as bytes, its payload frames as memoryviews."""
+    frames: Frames = [dealer.recv(zmq.NOBLOCK)]
+    while len(frames) < ENVELOPE_FRAMES and dealer.getsockopt(_RCVMORE):
+        frames.append(dealer.recv())
+    while dealer.getsockopt(_RCVMORE):
+        frames.append(dealer.recv(copy=False).buffer)
+    return frames
 
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the enums' operators cost more than the call
