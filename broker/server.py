@@ -30,6 +30,7 @@ from broker.admission import DEFAULT_MAX_WORKER_SESSIONS
 from broker.common import protocol as p
 from broker.common.keys import CLIENTS_DOMAIN, HANDSHAKE_FAILED, WORKERS_DOMAIN, BrokerKeys, drain_events
 from broker.common.metrics_http import Pulse
+from broker.common.receive import ROUTED_ENVELOPE, receive
 from broker.moves import DEFAULT_MOVES_PER_SOURCE
 from broker.router import Failure, Peer, Router, Send, Settings
 
@@ -43,11 +44,6 @@ LOOP_ERROR_LOG_S = 10.0  # a message whose handling raised is logged with its tr
 # Plain ints: pyzmq's send_multipart combines enum flags per frame, which costs ~10% of the broker's time.
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
-_RCVMORE = int(zmq.RCVMORE)
-# A message from a peer: [its id (the ROUTER's), version, command, header, *payload]. The first four are taken as bytes
-# (as recv_multipart does: cheapest for small frames); payload frames (a MOVE_CHUNK's state, 4 MiB) stay in the
-# message ZeroMQ received, as memoryviews, and are relayed without a copy.
-ENVELOPE_FRAMES = 4
 
 
 # A restarted broker waits at least this long for workers to re-register (more with slow heartbeats): a worker's
@@ -229,7 +225,7 @@ class BrokerServer:
                what: str) -> None:
         for _ in range(RECV_BATCH):
             try:
-                frames = _recv(sock)
+                frames = receive(sock, ROUTED_ENVELOPE)  # payload frames (moves' state) stay uncopied
             except zmq.Again:
                 return
             if len(frames) < 2:  # a ROUTER always prepends the peer's id; nothing to answer to
@@ -291,16 +287,6 @@ class BrokerServer:
             log.error("send_failed", peer=send.peer.value, error=str(e))
             return Failure.UNREACHABLE
         return None
-
-
-def _recv(sock: zmq.Socket[bytes]) -> list[p.Frame]:
-    """One message (zmq.Again if none): its envelope frames as bytes, its payload frames as memoryviews."""
-    frames: list[p.Frame] = [sock.recv(zmq.NOBLOCK)]
-    while len(frames) < ENVELOPE_FRAMES and sock.getsockopt(_RCVMORE):
-        frames.append(sock.recv())
-    while sock.getsockopt(_RCVMORE):
-        frames.append(sock.recv(copy=False).buffer)
-    return frames
 
 
 def _is_loopback(address: str) -> bool:

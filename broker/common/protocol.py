@@ -212,8 +212,7 @@ Name = Annotated[str, text(MAX_NAME_CHARS, r"(?s).+")]  # non-empty
 OptName = Annotated[str | None, text(MAX_NAME_CHARS, r"(?s).+", optional=True)]
 Label = Annotated[str, text(MAX_NAME_CHARS)]
 Route = Annotated[bytes, blob(MAX_ROUTE_BYTES)]
-# A payload frame: bytes, or a memoryview of a received frame (a MOVE_CHUNK's state bytes are taken without a copy).
-Payload = bytes | memoryview
+# A frame: bytes, or a memoryview of a received message (payload frames: a MOVE_CHUNK's state is taken without a copy).
 Frame = bytes | memoryview
 TokenIds = Annotated[tuple[int, ...], int_list(MAX_TOKENS)]
 Text = Annotated[str, text(MAX_TEXT_CHARS)]
@@ -980,7 +979,7 @@ class MoveChunk(Message):
     COMMAND: ClassVar[Command] = Command.MOVE_CHUNK
     migration: MoveId
     index: Annotated[int, integer(0, MAX_CHUNKS_PER_MOVE)]
-    data: Annotated[Payload, payload(MOVE_CHUNK_BYTES)]
+    data: Annotated[Frame, payload(MOVE_CHUNK_BYTES)]
 
     def to_header(self) -> dict[str, Any]:
         return {"migration": self.migration, "index": self.index}
@@ -1060,11 +1059,15 @@ class Envelope:
 
     command: Command
     header: dict[str, Any]
-    payload: tuple[Payload, ...] = ()
+    payload: tuple[Frame, ...] = ()
+
+
+def _envelope(message: Message) -> list[bytes]:
+    return [VERSION, message.COMMAND.value, msgpack.packb(message.to_header(), use_bin_type=True)]
 
 
 def encode(message: Message) -> list[bytes]:
-    frames = [VERSION, message.COMMAND.value, msgpack.packb(message.to_header(), use_bin_type=True)]
+    frames = _envelope(message)
     if isinstance(message, MoveChunk):
         frames.append(bytes(message.data))  # no copy when it is bytes already
     return frames
@@ -1072,9 +1075,10 @@ def encode(message: Message) -> list[bytes]:
 
 def encode_frames(message: Message) -> list[Frame]:
     """`encode`, but a MOVE_CHUNK's payload is left as it is (a memoryview of the state: sent without a copy)."""
+    frames: list[Frame] = [*_envelope(message)]
     if isinstance(message, MoveChunk):
-        return [VERSION, message.COMMAND.value, msgpack.packb(message.to_header(), use_bin_type=True), message.data]
-    return list(encode(message))
+        frames.append(message.data)
+    return frames
 
 
 def decode_envelope(frames: Sequence[Frame]) -> Envelope:

@@ -31,6 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from broker.common import protocol as p
 from broker.common.keys import HANDSHAKE_FAILED
+from broker.common.receive import ENVELOPE, receive
 from worker.serve.config import WorkerConfig, WorkerState
 
 log = structlog.get_logger()
@@ -45,13 +46,10 @@ REQUEST_COMMANDS = frozenset(t.COMMAND.value for t in p.REQUEST_TYPES)
 LOOP_COMMANDS = REQUEST_COMMANDS | {p.Command.DROP.value} | {t.COMMAND.value for t in p.MOVE_TYPES}
 LINK_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
+# Received with broker.common.receive: a MOVE_CHUNK's state stays in ZeroMQ's message. Sends pass copy=False: pyzmq
+# still copies frames under its copy threshold (64 KiB) and sends longer ones without a copy, keeping them referenced
+# until ZeroMQ has sent them.
 Frames = list[p.Frame]
-# A message from the broker: [version, command, header, *payload]. The first three are taken as bytes (as
-# recv_multipart does: cheapest for small frames); payload frames (a MOVE_CHUNK's 4 MiB of state) stay in the message
-# ZeroMQ received, as memoryviews (no copy). Sends pass copy=False: pyzmq still copies frames under its copy
-# threshold (64 KiB) and sends longer ones without a copy, keeping them referenced until ZeroMQ has sent them.
-ENVELOPE_FRAMES = 3
-_RCVMORE = int(zmq.RCVMORE)
 WAKE: Frames = []  # in the inbox: no request, the compute loop has something else to do (Link.wake_loop)
 
 
@@ -322,7 +320,7 @@ class Link:
             if not _readable(dealer):  # also takes the socket's pending signal
                 return False
             try:
-                frames = _recv(dealer)
+                frames = receive(dealer, ENVELOPE)
             except zmq.Again:
                 return False
             self._last_heard = time.monotonic()
@@ -395,7 +393,7 @@ class Link:
                 break
         while True:
             try:
-                received.append(_recv(dealer))
+                received.append(receive(dealer, ENVELOPE))
             except zmq.Again:
                 break
         unserved: list[p.Message] = []
@@ -424,16 +422,6 @@ class Link:
         except zmq.Again:
             # Queue full (broker away for long): drop. Final answers stay cached for the client's resend.
             log.warning("send_dropped", command=message.COMMAND.name, request=getattr(message, "request_id", None))
-
-
-def _recv(dealer: zmq.Socket[bytes]) -> Frames:
-    """One message (zmq.Again if none): its envelope frames as bytes, its payload frames as memoryviews."""
-    frames: Frames = [dealer.recv(zmq.NOBLOCK)]
-    while len(frames) < ENVELOPE_FRAMES and dealer.getsockopt(_RCVMORE):
-        frames.append(dealer.recv())
-    while dealer.getsockopt(_RCVMORE):
-        frames.append(dealer.recv(copy=False).buffer)
-    return frames
 
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the enums' operators cost more than the call
