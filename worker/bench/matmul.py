@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 
 from worker.kernels.fused import add_rms_norm, silu_mul
-from worker.kernels.matmul import Tiles, row_matmul, tiles_for
+from worker.kernels.matmul import Tiles, row_matmul, squares_tiles, tiles_for
 from worker.model.config import ModelConfig
 
 REPS = 50
@@ -123,7 +123,8 @@ def bench_rows(rows: int, c: ModelConfig, weights: dict[str, torch.Tensor], norm
     def w(name: str, i: int) -> torch.Tensor:
         return weights[name][i % layers]
 
-    squares = torch.rand((triton.cdiv(c.dim, 16), rows), device=h.device)  # a producer's partial sums of squares
+    # the partial sums of squares a producer (down, o) leaves: as many tiles as in a step
+    squares = torch.rand((squares_tiles(c.dim, c.ffn_dim), rows), device=h.device)
 
     def squares_out(n: int, k: int, t: Tiles | None) -> torch.Tensor:
         block_n = (t or tiles_for(n, k)).block_n

@@ -69,9 +69,17 @@ def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
     if n >= 2048 and k >= 2048:
         # Real-size models (8B: 4096-14336 wide): one program covers 64 rows, so a step of up to 64 rows reads each
         # weight once (with 16-row programs a 64-row step read it four times: 3.6x cuBLAS's time for gate|up at 64
-        # rows on the H100). At one row these tiles stream the weight as fast as the 16-row ones (qkv 22.3 us
-        # against 21.3, o 15.2 against 14.2, H100, Llama-3-8B's shapes: python -m worker.bench.matmul --sweep).
-        return Tiles(block_m=64, block_n=32, block_k=128, warps=4, stages=4)
+        # rows). Then by the product's shape, from `python -m worker.bench.matmul --model random:llama3-8b --rows 1 64
+        # --sweep` on the H100 (time summed over 1 and 64 rows; 1 row, us, against the single 64x32x128 4-stage tile
+        # this replaced and cuBLAS): [gate | up] 3 stages (88.4 against 98.8; cuBLAS 81.6), the long inner
+        # dimensions (o, down) 256-wide steps (o 14.0 against 15.2, cuBLAS 16.4; down 42.8 against 47.2, cuBLAS
+        # 44.3), the wide ones (qkv) 64 columns in 5 stages (21.5 against 22.2, cuBLAS 20.2). A Llama-3-8B decode
+        # step: 5.89 ms at one session against 6.74, 6.56 ms at 64 against 7.11.
+        if silu:
+            return Tiles(block_m=64, block_n=32, block_k=128, warps=4, stages=3)
+        if k >= n:
+            return Tiles(block_m=64, block_n=32, block_k=256, warps=4, stages=4)
+        return Tiles(block_m=64, block_n=64, block_k=128, warps=4, stages=5)
     if k >= 1024:
         return Tiles(block_m=16, block_n=16, block_k=256, warps=2, stages=3)
     if silu:
