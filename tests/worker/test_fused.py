@@ -289,7 +289,8 @@ def test_gpu_fused_logits_and_greedy_tokens_match_the_torch_layers(fused_engine:
     pytest.fail(f"only {checked} of {CANDIDATES} random prompts had greedy margins >= {SAFE_MARGIN}")
 
 
-def kernels_in_decode_step(engine: object, fused: bool, row_products: bool = False, splits: int | None = None) -> int:
+def kernels_in_decode_step(engine: object, fused: bool, row_products: bool = False, splits: int | None = None,
+                           rope_in_attention: bool = False) -> int:
     """CUDA kernels launched by one eager 8-row decode step (the bucket's shape), counted by the profiler.
     `splits`: the attention's (default: the executor's, as in the split graphs)."""
     from torch.profiler import ProfilerActivity, profile
@@ -305,7 +306,7 @@ def kernels_in_decode_step(engine: object, fused: bool, row_products: bool = Fal
     slots = torch.full((rows,), spare, dtype=torch.long, device="cuda")  # padding rows: the spare only
     batch = Batch(runs=[], decode_only=True, lengths=torch.ones(rows, dtype=torch.int32, device="cuda"),
                   attention_splits=splits or engine.executor.attention_splits,  # type: ignore[attr-defined]
-                  row_products=row_products)
+                  row_products=row_products, rope_in_attention=rope_in_attention)
     kernels = model.kernels
     model.kernels = dataclasses.replace(kernels, fused_layers=fused_layers if fused else None)
     try:
@@ -344,7 +345,8 @@ def test_gpu_fused_decode_step_launches_about_ten_kernels_per_layer(fused_engine
 def test_gpu_row_products_decode_step_launches_seven_kernels_per_layer(fused_engine: object) -> None:
     """qkv (normed), rope_and_store, attention and its merge (2 splits), o (+ residual, squares), gate|up
     (normed, silu), down (+ residual, squares); per step the embedding, RoPE rows, the first squares and the head.
-    A step whose rows are all short (the graphs without split attention) has no merge: 6 per layer."""
+    A step whose rows are all short (the graphs without split attention) has no merge and RoPE in the attention's
+    launch: 5 per layer."""
     from worker.engine import Engine
 
     assert isinstance(fused_engine, Engine)
@@ -358,4 +360,5 @@ def test_gpu_row_products_decode_step_launches_seven_kernels_per_layer(fused_eng
     counts = f"{rows} kernels with row products, {cublas} without, {layers} layers"
     assert 7 * layers <= rows <= 7 * layers + 10, counts
     assert kernels_in_decode_step(fused_engine, True, row_products=True, splits=1) == rows - layers
+    assert kernels_in_decode_step(fused_engine, True, row_products=True, splits=1, rope_in_attention=True) == rows - 2 * layers
     assert cublas - rows >= 3 * layers, counts

@@ -422,7 +422,7 @@ class GraphExecutor:
         tokens, positions, slots, lengths = self._decode_in.device[:, :b]
         splits = self.attention_splits if long or self.long_rows_from is None else 1
         batch = Batch(runs=[], decode_only=True, lengths=lengths.to(torch.int32),
-                      attention_splits=splits, row_products=self.row_products)
+                      attention_splits=splits, row_products=self.row_products, rope_in_attention=splits == 1)
         logits = self.model.forward(tokens, positions, slots, self.state, batch)
         short = self._graphs.get(b)
         return _into(short[1] if long and short is not None else None, logits)

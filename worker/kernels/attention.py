@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from worker.kernels.pdl import launch_options, wait_then_release
 
@@ -129,6 +131,85 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_g
     mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    out_ptr = Out + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotated(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    ptrs, partner, mask, first, cos, sin, EXACT: tl.constexpr,
+):
+    """RoPE (rotate half) of vectors at `ptrs` whose other half is at `partner`, in fp32, rounded as
+    worker.kernels.fused's RoPE (compiled without FMA contraction): x * cos + (-x2 or x1) * sin, each product and
+    the sum rounded on its own (mul_rn / add_rn on the GPU; the interpreter's numpy does not contract)."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(partner, mask=mask, other=0.0).to(tl.float32)
+    p = tl.where(first, -p, p)
+    if EXACT:
+        return libdevice.add_rn(libdevice.mul_rn(x, cos), libdevice.mul_rn(p, sin))
+    return x * cos + p * sin
+
+
+@triton.jit
+def _rope_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    QKV, Cos, Sin, K, V, Out, Slots, Lengths, anchor,
+    stride_qkv, stride_cos, stride_sin,
+    stride_ks, stride_kh, stride_kb, stride_kt,
+    stride_vs, stride_vh, stride_vb, stride_vt,
+    stride_ob, stride_oh,
+    qk_scale,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    EXACT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid (rows, kv_heads): worker.kernels.fused's RoPE + K/V store and _decode_kernel in one launch, for rows
+    that are each a different session's one token (position length - 1).
+
+    The program rotates its KV head's k and stores it and v at the row's position, rotates its group of query heads
+    in registers (rounded to the model dtype, as the stored q would be), then attends as _decode_kernel, reading the
+    position it wrote back from the slab after a barrier: the same bits as the two launches."""
+    wait_then_release(PDL)
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    slot = tl.load(Slots + row).to(tl.int64) - anchor
+    length = tl.load(Lengths + row).to(tl.int32)
+    pos = (length - 1).to(tl.int64)
+    half = HEAD_DIM // 2
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    first = offs_d < half
+    other = tl.where(first, offs_d + half, offs_d - half)  # the rotation's partner of each dimension
+    cos = tl.load(Cos + row * stride_cos + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + row * stride_sin + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    src = QKV + row.to(tl.int64) * stride_qkv
+
+    k_src = src + (HEADS + kvh) * HEAD_DIM
+    k = _rotated(k_src + offs_d, k_src + other, d_mask, first, cos, sin, EXACT)
+    k_ptr = K + slot * stride_ks + kvh * stride_kh
+    v_ptr = V + slot * stride_vs + kvh * stride_vh
+    tl.store(k_ptr + (pos // BLOCK_T) * stride_kb + (pos % BLOCK_T) * stride_kt + offs_d, k.to(K.dtype.element_ty),
+             mask=d_mask)
+    v = tl.load(src + (HEADS + KV_HEADS + kvh) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+    tl.store(v_ptr + (pos // BLOCK_T) * stride_vb + (pos % BLOCK_T) * stride_vt + offs_d, v.to(V.dtype.element_ty),
+             mask=d_mask)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    heads = kvh * GROUP + offs_g
+    mask = (offs_g < GROUP)[:, None] & d_mask[None, :]
+    q_src = src + heads[:, None] * HEAD_DIM
+    q = _rotated(q_src + offs_d[None, :], q_src + other[None, :], mask, first[None, :], cos[None, :], sin[None, :],
+                 EXACT).to(QKV.dtype.element_ty)
+    tl.debug_barrier()  # this position's K/V, stored above by the program's threads, are read below
+    acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kb, stride_kt, stride_vb, stride_vt, 0, length, length,
+                           qk_scale, HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK, BLOCK_T)
+    out = acc / l_i[:, None]
     out_ptr = Out + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=mask)
 
@@ -325,5 +406,47 @@ def decode_attention(
         out.stride(0), out.stride(1),
         HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
         BLOCK_D=shape["BLOCK_D"], num_warps=NUM_WARPS, **pdl,
+    )
+    return out
+
+
+def rope_decode_attention(
+    qkv: torch.Tensor,  # (B, (H + 2 KV) * hd): the fused projection, [q | k | v]
+    cos: torch.Tensor,  # (B, hd) fp32: the rope table's rows at each row's position
+    sin: torch.Tensor,  # (B, hd) fp32
+    k_cache: torch.Tensor,  # (num_slots, KV, blocks, block, hd), any strides with a contiguous hd; last slot mapped
+    v_cache: torch.Tensor,  # same
+    slots: torch.Tensor,  # (B,) int64: each row's slot, a different one per row (padding rows: the spare)
+    lengths: torch.Tensor,  # (B,) int32 or int64, >= 1: each row's token is at position length - 1
+    n_heads: int,
+    out: torch.Tensor | None = None,  # (B, H, hd)
+) -> torch.Tensor:
+    """worker.kernels.fused.rope_and_store, then decode_attention unsplit, in one launch, with the same bits:
+    (B, H, hd) in qkv's dtype. Each row must be a different session's single token (a decode step's rows)."""
+    rows = qkv.shape[0]
+    if k_cache.dim() != 5:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} is not (slots, kv_heads, blocks, block, head_dim)")
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[4]
+    if head_dim % 2 or n_heads % kv_heads:
+        raise ValueError(f"{n_heads} heads and a cache of {tuple(k_cache.shape)}: an even head_dim and whole groups")
+    if qkv.shape[1] != (n_heads + 2 * kv_heads) * head_dim or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not ({rows}, {(n_heads + 2 * kv_heads) * head_dim}) contiguous")
+    if cos.shape != (rows, head_dim) or sin.shape != (rows, head_dim) or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be ({rows}, {head_dim})")
+    if out is None:
+        out = torch.empty((rows, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    check_shapes(out, k_cache, v_cache, slots, lengths, out)
+    if rows == 0:
+        return out
+    anchor, k_anchor, v_anchor = spare_views(k_cache, v_cache)
+    group = n_heads // kv_heads
+    _rope_decode_kernel[(rows, kv_heads)](
+        qkv, cos, sin, k_anchor, v_anchor, out, slots, lengths, anchor,
+        qkv.stride(0), cos.stride(0), sin.stride(0), *k_cache.stride()[:4], *v_cache.stride()[:4],
+        out.stride(0), out.stride(1), LOG2E / math.sqrt(head_dim),
+        HEADS=n_heads, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        GROUP_PAD=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK=BLOCK_N, BLOCK_T=k_cache.shape[3], EXACT=os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=NUM_WARPS, **launch_options(qkv),
     )
     return out

@@ -83,6 +83,10 @@ def _attend(
     stored, then attention: (T, H * hd), the o product's input."""
     c = model.config
     qkv = model.before_rope(layer, qkv)
+    fused = model.kernels.rope_decode_attention
+    if batch.rope_in_attention and fused is not None and batch.lengths is not None:
+        out: torch.Tensor = fused(qkv, cos, sin, k_cache, v_cache, slots, batch.lengths, c.n_heads)
+        return out.reshape(-1, c.n_heads * c.head_dim)
     q = rope_and_store(qkv, cos, sin, k_cache, v_cache, slots, positions, c.n_heads, c.n_kv_heads, c.head_dim)
     attn = model.attention(q, k_cache, v_cache, slots, batch)  # (T, H, hd)
     return attn.reshape(-1, c.n_heads * c.head_dim)

@@ -47,6 +47,9 @@ class Batch:
     # The products (and the norms, activation and residual adds beside them) in worker.kernels.matmul's
     # row-invariant kernels instead of cuBLAS: the GPU executor's decode steps, through fused_layers.
     row_products: bool = False
+    # Every row a different session's single token and the attention unsplit (the GPU executor's decode steps, short
+    # rows): RoPE, the K/V store and the attention in one kernel (Kernels.rope_decode_attention), the same bits.
+    rope_in_attention: bool = False
 
 
 def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
@@ -88,13 +91,15 @@ class Kernels:
     (worker.kernels.gpu_kernels; the CPU builds a model with none).
 
     - decode_attention: a batch of single-token rows reads K/V from the slab by slot and length
-      (worker.kernels.attention);
+      (worker.kernels.attention); rope_decode_attention: the same after RoPE and the K/V store, in one kernel
+      (Batch.rope_in_attention);
     - prefill_attention: prompt chunks' rows in tiles that share K/V loads (worker.kernels.prefill);
     - fused_layers, fused_head: the layer stack and the final norm + head in fused kernels
       (worker.kernels.layers);
     - hybrid: the hybrid model's own (HybridKernels)."""
 
     decode_attention: Callable[..., torch.Tensor] | None = None
+    rope_decode_attention: Callable[..., torch.Tensor] | None = None
     prefill_attention: Callable[..., torch.Tensor] | None = None
     fused_layers: Callable[..., torch.Tensor] | None = None
     fused_head: Callable[..., torch.Tensor] | None = None

@@ -35,6 +35,19 @@ def test_triton_kernel_math_in_the_interpreter() -> None:
     run_interpreted("decode_attention", timeout_s=300)
 
 
+def test_rope_in_the_decode_attention_gives_the_two_launches_bits_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_interpreted("rope_decode_attention", timeout_s=300)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_rope_in_the_decode_attention_gives_the_two_launches_bits() -> None:
+    from tests.worker.interpreted.rope_decode_attention import compare
+
+    compare("cuda", torch.bfloat16, [(4, 32, 8, 128, 300), (5, 8, 2, 64, 100), (3, 6, 3, 48, 40)])
+
+
 def test_triton_prefill_kernel_math_in_the_interpreter() -> None:
     """The tiled prompt-chunk attention against the decode kernel's math in float64, chunks of 1 to 3 tiles at
     offsets, padding rows in the spare slot, K/V past each chunk poisoned, rows outside every tile untouched."""
