@@ -13,7 +13,8 @@ bytes they move would take well under 1 us. `row_matmul` does a product and its 
     squares_out:  the partial sums of squares of out's rows, per column tile, for the next product
 
 so a decode layer is 6 launches (qkv+norm, rope_and_store, attention, o+add+squares,
-gate|up+norm+silu, down+add+squares; 7 when attention splits the keys) instead of 9. The norm is
+gate|up+norm+silu, down+add+squares; 7 when attention splits the keys; 5 when RoPE and the K/V store
+ride in the attention's launch, worker.kernels.attention.rope_decode_attention) instead of 9. The norm is
 applied after the product because elementwise work on x before tl.dot stops Triton from
 prefetching x (measured: qkv with the norm applied to x in the loop 5.0-5.3 us, against 4.2 for the
 norm kernel plus cuBLAS, and ~3.1 for this kernel).
