@@ -4,7 +4,7 @@
   (with RoPE and the K/V store in the same launch for a decode step's rows)
 - prefill.py, tiles.py: prompt chunks' attention in tiles of consecutive rows (tiles planned on the host)
 - matmul.py: row-invariant products with the norm, SiLU and residual add fused in (decode steps)
-- fused.py: RMSNorm, residual add + norm, RoPE + K/V store, SiLU-and-multiply
+- fused.py: RMSNorm, residual add + norm, per-head q/k norm (Qwen3), RoPE + K/V store, SiLU-and-multiply
 - layers.py: the layer stack and the head built from them (what Llama.forward runs on the GPU)
 - pdl.py: programmatic dependent launch on Hopper and later
 - deltanet.py, norms.py: the hybrid model's gated DeltaNet (causal convolution, gated delta rule) and its norms
@@ -21,6 +21,7 @@ def gpu_kernels(prefill_tiles: bool = True, fused: bool = True) -> Kernels:
     (prompt rows then take the decode kernel, one program per row), the fused layer stack and head unless `fused`
     is off (plain torch around cuBLAS). Imports Triton: call it only where CUDA is."""
     from worker.kernels.attention import decode_attention, rope_decode_attention
+    from worker.kernels.fused import head_rms_norm
     from worker.kernels.layers import fused_head, fused_layers
     from worker.kernels.prefill import prefill_attention
 
@@ -28,6 +29,7 @@ def gpu_kernels(prefill_tiles: bool = True, fused: bool = True) -> Kernels:
                    prefill_attention=prefill_attention if prefill_tiles else None,
                    fused_layers=fused_layers if fused else None,
                    fused_head=fused_head if fused else None,
+                   head_norm=head_rms_norm if fused else None,
                    hybrid=hybrid_kernels())
 
 

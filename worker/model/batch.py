@@ -95,7 +95,7 @@ class Kernels:
       (Batch.rope_in_attention);
     - prefill_attention: prompt chunks' rows in tiles that share K/V loads (worker.kernels.prefill);
     - fused_layers, fused_head: the layer stack and the final norm + head in fused kernels
-      (worker.kernels.layers);
+      (worker.kernels.layers); head_norm: Qwen3's per-head q/k norms in one kernel (worker.kernels.fused);
     - hybrid: the hybrid model's own (HybridKernels)."""
 
     decode_attention: Callable[..., torch.Tensor] | None = None
@@ -103,6 +103,7 @@ class Kernels:
     prefill_attention: Callable[..., torch.Tensor] | None = None
     fused_layers: Callable[..., torch.Tensor] | None = None
     fused_head: Callable[..., torch.Tensor] | None = None
+    head_norm: Callable[..., torch.Tensor] | None = None
     hybrid: HybridKernels | None = None
 
 

@@ -24,9 +24,14 @@ class Qwen3(Llama):
     qk_norm = True
 
     def before_rope(self, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:
-        """q and k normed head by head (RMSNorm over head_dim with the layer's q_norm / k_norm), v as it is."""
+        """q and k normed head by head (RMSNorm over head_dim with the layer's q_norm / k_norm), v as it is; on the
+        GPU in one kernel, in place (worker.kernels.fused.head_rms_norm)."""
         assert layer.q_norm is not None and layer.k_norm is not None
         c = self.config
+        if self.kernels.head_norm is not None:
+            normed: torch.Tensor = self.kernels.head_norm(qkv, layer.q_norm, layer.k_norm, c.n_heads, c.n_kv_heads,
+                                                          c.norm_eps)
+            return normed
         rows, q_size, kv_size = qkv.shape[0], c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = rms_norm(q.reshape(rows, c.n_heads, c.head_dim), layer.q_norm, c.norm_eps).reshape(rows, q_size)

@@ -1,6 +1,7 @@
 """The fused kernels (worker.kernels.fused) against worker.model.llama's torch code, in fp32 and fp16: rms_norm and
-add_rms_norm (rows that are column slices of wider tensors too), silu_mul, and rope_and_store writing K/V into the
-strided slab views the model passes, outputs and caches poisoned with NaN. Run by tests/worker/test_fused.py."""
+add_rms_norm (rows that are column slices of wider tensors too), silu_mul, Qwen3's per-head q/k norms, and
+rope_and_store writing K/V into the strided slab views the model passes, outputs and caches poisoned with NaN.
+Run by tests/worker/test_fused.py."""
 
 from __future__ import annotations
 
@@ -48,6 +49,25 @@ def check_norms(dtype: torch.dtype) -> None:
         assert again is r_in_place and same_bits(again, res)
 
 
+def check_head_norm(dtype: torch.dtype) -> None:
+    """Qwen3's per-head q/k norms in place against its torch code, v untouched; a row alone gives its bits in a batch."""
+    from worker.kernels.fused import head_rms_norm
+    from worker.model.layers import rms_norm
+
+    for t, heads, kv, hd in ((3, 4, 2, 64), (2, 6, 3, 48), (1, 2, 1, 128)):
+        qkv = rows(t, (heads + 2 * kv) * hd, dtype)
+        qw, kw = (1 + 0.3 * torch.randn(hd)).to(dtype), (1 + 0.3 * torch.randn(hd)).to(dtype)
+        q, k, v = qkv.split([heads * hd, kv * hd, kv * hd], dim=-1)
+        want_q = rms_norm(q.reshape(t, heads, hd), qw, 1e-6).reshape(t, -1)
+        want_k = rms_norm(k.reshape(t, kv, hd), kw, 1e-6).reshape(t, -1)
+        got = qkv.clone()
+        assert head_rms_norm(got, qw, kw, heads, kv, 1e-6) is got
+        assert close(got[:, : heads * hd], want_q) and close(got[:, heads * hd : (heads + kv) * hd], want_k), (dtype, t)
+        assert same_bits(got[:, (heads + kv) * hd :], v)
+        alone = qkv[-1:].clone()
+        assert same_bits(head_rms_norm(alone, qw, kw, heads, kv, 1e-6), got[-1:])
+
+
 def check_silu_mul(dtype: torch.dtype) -> None:
     from worker.kernels.fused import silu_mul
 
@@ -93,6 +113,7 @@ def main() -> None:
     for dtype in (torch.float32, torch.float16):
         check_norms(dtype)
         check_silu_mul(dtype)
+        check_head_norm(dtype)
         check_rope_and_store(dtype)
     print("ok")
 
