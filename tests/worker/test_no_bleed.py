@@ -130,3 +130,20 @@ def test_prefill_chunks_do_not_depend_on_the_batch(engine: Engine) -> None:
         for s in sids:
             engine.close(s)
     assert seen[0] == seen[1] == [256, 256, 88]
+
+
+def test_generate_many_runs_every_request_from_the_first_step(engine: Engine) -> None:
+    """All three start before the first step, so 6 tokens each take 6 steps (the prompts' step, then 5 decode
+    steps), not the 8 of requests started one after the other as each earlier one yields."""
+    sids = [engine.create_session() for _ in range(3)]
+    try:
+        for i, sid in enumerate(sids):
+            engine.append(sid, token_ids=[100 + i, 200, 300])
+        before = engine.steps
+        results = engine.generate_many([(sid, {"max_tokens": 6, "ignore_eos": True}) for sid in sids])
+        assert [len(r.token_ids) for r in results] == [6, 6, 6]
+        assert [r.finish_reason for r in results] == ["length"] * 3
+        assert engine.steps - before == 6
+    finally:
+        for sid in sids:
+            engine.close(sid)

@@ -618,23 +618,37 @@ class Engine:
         return Generation(ids, "".join(text), reason, logprobs)
 
     def generate_many(self, requests: Sequence[tuple[str, dict[str, object]]]) -> list[Generation]:
-        """Run several sessions' generations together, batched; results in the order given."""
-        streams = [self.stream(sid, **kw) for sid, kw in requests]
-        results = [Generation([], "", "length") for _ in streams]
-        live = set(range(len(streams)))
-        while live:
-            for i in sorted(live):
-                try:
-                    chunk = next(streams[i])
-                except StopIteration:
-                    live.discard(i)
-                    continue
-                results[i].token_ids += chunk.token_ids
-                results[i].text += chunk.text
-                results[i].finish_reason = chunk.finish_reason or results[i].finish_reason
-                if chunk.logprobs is not None:
-                    results[i].logprobs = (results[i].logprobs or []) + chunk.logprobs
-        return results
+        """Run several sessions' generations together, all started before the first step (so they share every step
+        from the first); results in the order given. A request that cannot start cancels the ones started before it."""
+        rids: list[str] = []
+        boxes: list[deque[Chunk]] = []
+        try:
+            for sid, kw in requests:
+                rids.append(self.start_generate(sid, _params(kw)))
+                boxes.append(deque())
+                self._mailboxes[rids[-1]] = boxes[-1]
+            results = [Generation([], "", "length") for _ in rids]
+            live = set(range(len(rids)))
+            while live:
+                self._pump()
+                for i in sorted(live):
+                    while boxes[i]:
+                        chunk = boxes[i].popleft()
+                        result = results[i]
+                        result.token_ids += chunk.token_ids
+                        result.text += chunk.text
+                        result.finish_reason = chunk.finish_reason or result.finish_reason
+                        if chunk.logprobs is not None:
+                            result.logprobs = (result.logprobs or []) + chunk.logprobs
+                        if chunk.finish_reason is not None:
+                            live.discard(i)
+            return results
+        finally:
+            for rid in rids:
+                self._mailboxes.pop(rid, None)
+                if rid in self._active:
+                    self.cancel(rid)
+                    self._finished = [c for c in self._finished if c.request_id != rid]
 
     # -- internals ----------------------------------------------------------------------------
 
