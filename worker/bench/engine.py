@@ -7,9 +7,9 @@ Decode is timed after the prompts are prefilled, so the numbers are steady-state
 split by the engine's own log lines (--log-level info: weights_loaded, cuda_graphs_captured, buckets_checked);
 the process's peak host memory (max RSS) is printed beside it.
 
-On the GPU, for a mixture-of-experts model (random:qwen3.5-35b-a3b), each session count also gets the read floor of
-its decode steps (worker.bench.moe_floor: the weights, the experts its tokens touch and the sessions' state, at the
-device's copy bandwidth) and the share of it the measured step reaches. With --hf, transformers' static-cache
+On the GPU each session count also gets the read floor of its decode steps (worker.bench.read_floor: the weights,
+for a mixture-of-experts model only the experts its tokens touch, and the sessions' state, at the device's copy
+bandwidth) and the share of it the measured step reaches. With --hf, transformers' static-cache
 generate of the same shape (worker.bench.hf_generate, Qwen3.5 families) runs for each session count in a child
 process after the engine is unloaded; "oom" where it does not fit.
 """
@@ -70,9 +70,9 @@ def main() -> None:
     decode_rate(engine, 1, 4, 8)  # warm-up
     rates = {n: decode_rate(engine, n, args.tokens, args.prompt_tokens) for n in args.sessions}
     floors: dict[int, dict[str, float]] = {}
-    if engine.model.config.experts is not None and engine.device.startswith("cuda"):
+    if engine.device.startswith("cuda"):
         from worker.bench.matmul import copy_bandwidth
-        from worker.bench.moe_floor import floor_bytes
+        from worker.bench.read_floor import floor_bytes
 
         bandwidth = copy_bandwidth()
         context = args.prompt_tokens + args.tokens // 2  # the decode steps' mean context
@@ -91,9 +91,10 @@ def main() -> None:
         print(f"decode {n:3d} session(s) {rate:8.1f} tokens/s total  ({rate / n:6.1f} per session){verdict}")
         if n in floors:
             fl = floors[n]
-            print(f"    read floor {fl['total'] / 2**30:6.2f} GiB a step (weights {fl['weights'] / 2**30:.2f}, experts "
-                  f"{fl['experts'] / 2**30:.2f} ({fl['experts_per_layer']:.0f} a layer), state "
-                  f"{fl['state'] / 2**30:.2f}): {fl['seconds'] * 1e3:.2f} ms, {n / fl['seconds']:.0f} tokens/s; "
+            experts = (f", experts {fl['experts'] / 2**30:.2f} ({fl['experts_per_layer']:.0f} a layer)"
+                       if fl["experts_per_layer"] else "")
+            print(f"    read floor {fl['total'] / 2**30:6.2f} GiB a step (weights {fl['weights'] / 2**30:.2f}{experts}, "
+                  f"state {fl['state'] / 2**30:.2f}): {fl['seconds'] * 1e3:.2f} ms, {n / fl['seconds']:.0f} tokens/s; "
                   f"measured step {n / rate * 1e3:.2f} ms, {fl['share']:.2f} of the floor")
     result: dict[str, Any] = {"load_s": load_s, "peak_rss_gib": peak_rss_gib, "decode_tokens_per_s": rates,
                               "device": engine.device, "model": engine.model_name, "read_floor": floors,

@@ -1,13 +1,13 @@
-"""The read floor of a mixture-of-experts model's decode step: the bytes a step must read at least, and the time that
-takes at the device's copy bandwidth.
+"""The read floor of a model's decode step: the bytes a step must read at least, and the time that takes at the
+device's copy bandwidth.
 
 Per decode step of n sessions at a context of L tokens:
 
-- every weight but the routed experts' and the embedding table's (the embedding reads n rows), once: the router,
-  the shared experts, the attention and DeltaNet layers, the norms and the head;
-- the routed experts the step's tokens chose, once each: per layer, the distinct experts of the n tokens' top-k
-  (measured: one eager decode step of n tokens through the model, the router's choices counted per layer), times an
-  expert's gate, up and down bytes;
+- every weight but the routed experts' and the embedding table's (the embedding reads n rows), once: the layers (for
+  a mixture of experts: the router, the shared experts, the attention and DeltaNet layers), the norms and the head;
+- for a mixture of experts, the routed experts the step's tokens chose, once each: per layer, the distinct experts of
+  the n tokens' top-k (measured: one eager decode step of n tokens through the model, the router's choices counted per
+  layer), times an expert's gate, up and down bytes;
 - each session's state: the fixed-size buffers (convolution and recurrent state) read and written, the K/V of its L
   tokens read.
 
@@ -59,16 +59,16 @@ def floor_bytes(engine: Engine, sessions: int, context: int) -> dict[str, float]
     """The step's floor in bytes, by part (weights, experts touched, state), and the experts touched per layer."""
     model: Any = engine.model
     c = model.config
-    ex: Experts = c.experts
+    ex: Experts | None = c.experts
     item = torch.empty((), dtype=model.dtype).element_size()
-    expert = 3 * ex.ffn_dim * c.dim * item
-    all_experts = c.n_layers * ex.count * expert
+    expert = 0 if ex is None else 3 * ex.ffn_dim * c.dim * item
+    all_experts = 0 if ex is None else c.n_layers * ex.count * expert
     embed = 0 if c.tie_embeddings else c.vocab_size * c.dim * item
     weights = model.weight_bytes() - all_experts - embed + sessions * c.dim * item
-    touched = touched_experts(engine, sessions)
+    touched = [] if ex is None else touched_experts(engine, sessions)
     spec = model.state_spec()
     fixed = sum(b.nbytes for b in spec.buffers if b.seq_axis is None)
     per_token = sum(b.nbytes // b.shape[b.seq_axis] for b in spec.buffers if b.seq_axis is not None)
     state = sessions * (2 * fixed + per_token * context)
     return {"weights": weights, "experts": sum(touched) * expert, "state": state,
-            "experts_per_layer": sum(touched) / len(touched), "total": weights + sum(touched) * expert + state}
+            "experts_per_layer": sum(touched) / len(touched) if touched else 0.0, "total": weights + sum(touched) * expert + state}
