@@ -262,7 +262,7 @@ def test_a_bucket_whose_rows_differ_from_the_largest_is_dropped_at_start(monkeyp
         assert len(solo.token_ids) == 2  # one row too: the 1-row bucket is gone
         engine.append(sids[1], token_ids=list(range(1000, 1200)))  # 200 prompt tokens: 512 rows, 256 is gone
         assert len(engine.generate(sids[1], max_tokens=2, ignore_eos=True).token_ids) == 2
-        assert prefills == [128, 128, 512]  # each 3-token prompt alone (generate_many starts one at a time)
+        assert prefills == [128, 512]  # both 3-token prompts in one replay (generate_many starts them together)
     finally:
         engine.table.close()
 
