@@ -598,24 +598,11 @@ class Engine:
                 if chunk.finish_reason is not None:
                     return
         finally:
-            self._mailboxes.pop(rid, None)
-            if rid in self._active:
-                self.cancel(rid)
-                self._finished = [c for c in self._finished if c.request_id != rid]
+            self._forget(rid)
 
     def generate(self, session_id: str, **kwargs: object) -> Generation:
         """Generate to the end and return everything (token_ids, text, finish_reason)."""
-        ids: list[int] = []
-        text: list[str] = []
-        logprobs: list[TokenLogprob] | None = None
-        reason = "length"
-        for chunk in self.stream(session_id, **kwargs):
-            ids += chunk.token_ids
-            text.append(chunk.text)
-            if chunk.logprobs is not None:
-                logprobs = (logprobs or []) + chunk.logprobs
-            reason = chunk.finish_reason or reason
-        return Generation(ids, "".join(text), reason, logprobs)
+        return self.generate_many([(session_id, kwargs)])[0]
 
     def generate_many(self, requests: Sequence[tuple[str, dict[str, object]]]) -> list[Generation]:
         """Run several sessions' generations together, all started before the first step (so they share every step
@@ -645,10 +632,15 @@ class Engine:
             return results
         finally:
             for rid in rids:
-                self._mailboxes.pop(rid, None)
-                if rid in self._active:
-                    self.cancel(rid)
-                    self._finished = [c for c in self._finished if c.request_id != rid]
+                self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """The sync helpers are done with request `rid`: its mailbox goes; if it still runs (the caller stopped early
+        or failed) it is cancelled and its chunks not yet taken are dropped."""
+        self._mailboxes.pop(rid, None)
+        if rid in self._active:
+            self.cancel(rid)
+            self._finished = [c for c in self._finished if c.request_id != rid]
 
     # -- internals ----------------------------------------------------------------------------
 
