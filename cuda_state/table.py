@@ -7,11 +7,18 @@ of need when pages allow, and released when it is freed. A session of N tokens h
 `spec.pages_for(N + ahead, page)` pages at most. Admission is by free pages: a create, or a growth, that cannot get
 its pages raises CapacityExhausted and changes nothing.
 
-With `keep_mapped` > 0, up to that many freed slots keep their first pages mapped (what a create needs), and the next
-create or clone takes one of them instead of mapping anew: no driver allocation, mapping or release on the path of a
-session that closes while another opens. A reused slot is zeroed before it is handed out, so nothing of the session
-it held survives. `trim()` releases slots kept longer than a given age (the worker calls it when idle), all of them
-on close, and the kept slots give their pages back first when a create or growth finds none free.
+With `keep_mapped` > 0, up to that many freed slots stay mapped, every page of them, and the next create or clone
+takes one of them instead of mapping anew: no driver call on the path of a session that closes while another opens,
+and none while the new session grows into pages its slot already has. (Mapping is not free for the device either: a
+page mapped or unmapped while a step runs slows that step.) A reused slot is zeroed before it is handed out, so
+nothing of the session it held survives. `trim()` releases slots kept longer than a given age (the worker calls it
+when idle), all of them on close.
+
+A reused slot may hold more pages than its session's tokens (and the `ahead_tokens`) call for: its surplus. Surplus
+pages count as free (`free_pages`, `free_slots`), so admission is by the tokens sessions use. When a create or a
+growth finds too few pages unmapped, the kept slots give theirs back first, then live slots their surplus (each
+after its last queued use, as any unmapping). The table learns a live slot's tokens from `create`, `ensure` and
+`covers` (the most asked of it since it was handed out), so a surplus never reaches a page a session's tokens use.
 """
 
 from __future__ import annotations
@@ -43,6 +50,11 @@ class SessionTable:
         self._live: set[int] = set()
         self._room = [0] * backend.num_slots  # positions each slot's mapped pages hold
         self._max_context = spec.max_context if spec.token_bytes else 0
+        # A live slot's claim: the pages its tokens and the ahead_tokens call for, and the tokens that claim covers
+        # before it must rise. Pages past the claim are surplus; _surplus is their sum over the live slots.
+        self._claim = [0] * backend.num_slots
+        self._claim_covers = [-1] * backend.num_slots
+        self._surplus = 0
 
     @property
     def spec(self) -> StateSpec:
@@ -67,7 +79,13 @@ class SessionTable:
 
     @property
     def free_pages(self) -> int:
-        return self.backend.page_budget - self.backend.mapped_pages
+        """Pages a create or growth can have: unmapped ones and the live slots' surplus."""
+        return self.backend.page_budget - self.backend.mapped_pages + self._surplus
+
+    @property
+    def surplus_pages(self) -> int:
+        """Pages live slots hold past what their tokens call for (kept from the session a reused slot held)."""
+        return self._surplus
 
     @property
     def page_budget(self) -> int:
@@ -108,16 +126,19 @@ class SessionTable:
         return slot
 
     def covers(self, slot: int, tokens: int) -> bool:
-        """The slot holds `tokens` positions and the `ahead_tokens` after them (as far as max_context)."""
+        """The slot holds `tokens` positions and the `ahead_tokens` after them (as far as max_context). The slot's
+        session uses `tokens` positions from here on (its claim covers them)."""
+        if tokens > self._claim_covers[slot]:
+            self._raise_claim(slot, tokens)
         return min(tokens + self.ahead_tokens, self._max_context) <= self._room[slot]
 
     def ensure(self, slot: int, tokens: int) -> None:
         """Back the slot's first `tokens` positions and, when pages allow, the `ahead_tokens` after them: a page is
         mapped before the first token that needs it. Raises CapacityExhausted (nothing changed) when the pages for
         `tokens` themselves cannot be had."""
+        self._check_live(slot)
         if self.covers(slot, tokens):
             return
-        self._check_live(slot)
         self._grow(slot, tokens)
 
     def clone(self, src: int, used: int) -> int:
@@ -176,27 +197,64 @@ class SessionTable:
         self._live.clear()
         self._kept.clear()
         self._room = [0] * self.backend.num_slots
+        self._surplus = 0
         self.backend.close()
 
     # -- internals ----------------------------------------------------------------------------------------------
 
     def _grow(self, slot: int, tokens: int) -> None:
         """Pages for `tokens` positions, and for `ahead_tokens` more when they are free; kept slots give theirs back
-        first when a growth finds none."""
+        first when a growth finds none unmapped, then live slots their surplus."""
+        self._raise_claim(slot, tokens)
         spec, page = self.spec, self.page_bytes
         need = max(self.create_pages, spec.pages_for(tokens, page))
         want = max(need, spec.pages_for(tokens + self.ahead_tokens, page))
         have = self.backend.pages(slot)
-        if want > have and want - have > self.free_pages and self._kept:
-            self.trim()
-        if want > have:
-            try:
-                self.backend.grow(slot, want)
-            except CapacityExhausted:
-                if need <= have:
-                    return
+        if want <= have:
+            return
+        self._unmapped_room(want - have, slot)
+        before = self._surplus_of(slot)
+        try:
+            self.backend.grow(slot, want)
+        except CapacityExhausted:
+            if need > have:
                 self.backend.grow(slot, need)  # the pages ahead are not to be had: only those needed
+        finally:
             self._set_room(slot)
+            self._surplus += self._surplus_of(slot) - before
+
+    def _unmapped_room(self, pages: int, slot: int) -> None:
+        """Make `pages` pages unmapped if the kept slots, then the other live slots' surplus, can give them."""
+        short = pages - (self.backend.page_budget - self.backend.mapped_pages)
+        if short > 0 and self._kept:
+            self.trim()
+            short = pages - (self.backend.page_budget - self.backend.mapped_pages)
+        if short <= 0 or not self._surplus:
+            return
+        for other in list(self._live):  # under pressure only: each shrink waits for the slot's last queued use
+            if other == slot or short <= 0:
+                continue
+            surplus = self._surplus_of(other)
+            if surplus:
+                self.backend.shrink(other, self._claim[other])
+                self._set_room(other)
+                self._surplus -= surplus
+                short -= surplus
+
+    def _raise_claim(self, slot: int, tokens: int) -> None:
+        """The live slot's session uses `tokens` positions: its claim covers them and the ahead_tokens."""
+        if slot not in self._live or tokens <= self._claim_covers[slot]:
+            return
+        spec, page = self.spec, self.page_bytes
+        before = self._surplus_of(slot)
+        claim = max(self.create_pages, spec.pages_for(tokens + self.ahead_tokens, page))
+        self._claim[slot] = claim
+        # The claim rises again once tokens reach past what these pages hold less the ahead_tokens.
+        self._claim_covers[slot] = (spec.tokens_in(claim, page) - self.ahead_tokens) if spec.token_bytes else _NO_LIMIT
+        self._surplus += self._surplus_of(slot) - before
+
+    def _surplus_of(self, slot: int) -> int:
+        return max(0, self.backend.pages(slot) - self._claim[slot]) if slot in self._live else 0
 
     def _set_room(self, slot: int) -> None:
         spec = self.spec
@@ -207,20 +265,21 @@ class SessionTable:
         """A slot, now live, and whether it is a reused one (freed and kept mapped)."""
         if self._kept:
             slot, _ = self._kept.popitem()  # the most recently freed
-            self._live.add(slot)
-            return slot, True
-        if not self._free:
+            reused = True
+        elif not self._free:
             raise CapacityExhausted(f"all {self.capacity} session slots are in use")
-        slot = self._free.pop()
+        else:
+            slot, reused = self._free.pop(), False
         self._live.add(slot)
-        return slot, False
+        self._claim[slot], self._claim_covers[slot] = self.create_pages, -1
+        self._surplus += self._surplus_of(slot)  # a kept slot's pages past a create's, until its tokens claim them
+        return slot, reused
 
     def _give_back(self, slot: int) -> None:
+        self._surplus -= self._surplus_of(slot)
         self._live.discard(slot)
         if len(self._kept) < self.keep_mapped and self.backend.pages(slot) >= self.create_pages:
-            self.backend.shrink(slot, self.create_pages)  # kept with what a create needs; the rest goes back
-            self._set_room(slot)
-            self._kept[slot] = time.monotonic()  # reused by the next create, or unmapped by trim()
+            self._kept[slot] = time.monotonic()  # every page kept: reused by the next create, or unmapped by trim()
             return
         self._unmap(slot)
 

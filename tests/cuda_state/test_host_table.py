@@ -208,7 +208,7 @@ def test_table_clone_refuses_dead_source() -> None:
     assert dst != src and table.live == 2
 
 
-def test_kept_slots_keep_a_page_are_reused_zeroed_and_released_by_trim(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kept_slots_keep_their_pages_are_reused_zeroed_and_released_by_trim(monkeypatch: pytest.MonkeyPatch) -> None:
     import cuda_state.table as table_module
 
     clock = [100.0]
@@ -220,9 +220,9 @@ def test_kept_slots_keep_a_page_are_reused_zeroed_and_released_by_trim(monkeypat
     k[a].fill_(7.0)
     table.free(a)
     assert (table.live, table.kept, table.free_slots) == (0, 1, 3)
-    assert backend.mapped_pages == 1  # the kept slot keeps its first page only
+    assert backend.mapped_pages == 4  # the kept slot keeps every page
     b = table.create(16)
-    assert b == a and table.kept == 0  # reused, not taken anew
+    assert b == a and table.kept == 0 and backend.mapped_pages == 4  # reused, nothing mapped anew
     assert torch.count_nonzero(k[b]) == 0  # and zeroed: nothing of the last session survives
     # A clone into a reused slot: the prefix is the parent's, the rest zero (not the last session's).
     c = table.create(16)
@@ -230,8 +230,8 @@ def test_kept_slots_keep_a_page_are_reused_zeroed_and_released_by_trim(monkeypat
     table.free(c)
     k[b].fill_(3.0)
     d = table.clone(b, used=2)
-    assert d == c and table.room(d) == 4  # one page: 4 positions mapped, the rest of the slot is not
-    assert (by_position(k[d])[:, :, :2] == 3.0).all() and torch.count_nonzero(by_position(k[d])[:, :, 2:4]) == 0
+    assert d == c and table.pages(d) == 4 and table.surplus_pages == 3  # one page claimed, three spare
+    assert (by_position(k[d])[:, :, :2] == 3.0).all() and torch.count_nonzero(by_position(k[d])[:, :, 2:]) == 0
     # At most keep_mapped kept: the third free unmaps.
     e = table.create()
     clock[0] = 101.0
@@ -239,11 +239,11 @@ def test_kept_slots_keep_a_page_are_reused_zeroed_and_released_by_trim(monkeypat
     clock[0] = 102.0
     table.free(d)
     table.free(e)
-    assert (table.live, table.kept, table.free_slots) == (0, 2, 3)
-    assert backend.mapped_pages == 2
+    assert (table.live, table.kept, table.free_slots, table.surplus_pages) == (0, 2, 3, 0)
+    assert backend.mapped_pages == 8
     clock[0] = 103.5
     assert table.trim(older_than_s=2.0) == 1  # freed at 101: released; at 102: kept
-    assert (table.kept, backend.mapped_pages) == (1, 1)
+    assert (table.kept, backend.mapped_pages) == (1, 4)
     assert table.trim(older_than_s=2.0) == 0
     assert table.trim() == 1
     assert (table.kept, table.free_slots, backend.mapped_pages) == (0, 3, 0)
@@ -252,6 +252,44 @@ def test_kept_slots_keep_a_page_are_reused_zeroed_and_released_by_trim(monkeypat
         table.create()
     table.close()
     assert backend.mapped_bytes() == 0
+
+
+def test_a_reused_slots_surplus_counts_as_free_and_goes_to_whoever_needs_pages() -> None:
+    backend = HostBackend(SPEC, capacity=3, page_bytes=PAGE, page_budget=6)
+    table = SessionTable(backend, keep_mapped=3, ahead_tokens=2)
+    a = table.create(14)  # 14 + 2: the whole slot, 4 pages
+    table.free(a)
+    b = table.create(1)  # the kept slot: 4 pages, 1 claimed (1 + 2 tokens)
+    assert (b, table.pages(b), table.surplus_pages) == (a, 4, 3)
+    assert (table.free_pages, table.free_slots) == (2 + 3, 2)  # unmapped 2, surplus 3
+    assert table.covers(b, 5)  # the session grows into its surplus: nothing mapped, the claim rises
+    assert (table.pages(b), table.surplus_pages, backend.mapped_pages) == (4, 2, 4)
+    c = table.create(10)  # 10 + 2 tokens: 3 pages; 2 unmapped, the third is b's surplus
+    assert (table.pages(c), table.pages(b), table.surplus_pages, table.free_pages) == (3, 2, 0, 1)
+    assert table.covers(b, 5) and not table.covers(b, 7)  # b keeps what its 5 tokens (+2 ahead) claimed
+    d = table.create()
+    assert (table.pages(d), table.free_pages, table.free_slots) == (1, 0, 0)
+    with pytest.raises(CapacityExhausted):
+        table.ensure(b, 12)  # 3 pages needed, none free, no surplus anywhere: b keeps its 2
+    assert table.pages(b) == 2 and table.pages(c) == 3 and table.pages(d) == 1
+
+
+def test_a_surplus_is_never_taken_below_what_its_session_was_backed_for() -> None:
+    backend = HostBackend(SPEC, capacity=2, page_bytes=PAGE, page_budget=5)
+    table = SessionTable(backend, keep_mapped=2)
+    a = table.create(16)
+    table.free(a)
+    b = table.create(0)
+    assert table.surplus_pages == 3
+    table.ensure(b, 9)  # covered by the kept pages: 3 claimed
+    assert table.surplus_pages == 1
+    c = table.create(4)  # 1 unmapped page: enough, b is not touched
+    assert (table.pages(b), table.pages(c)) == (4, 1)
+    table.ensure(c, 8)  # needs 1 more: b's one surplus page
+    assert (table.pages(b), table.pages(c), table.surplus_pages, table.free_pages) == (3, 2, 0, 0)
+    with pytest.raises(CapacityExhausted):
+        table.ensure(c, 12)
+    assert table.pages(b) == 3  # the 9 positions b was backed for are never unmapped
 
 
 def test_kept_slots_give_their_pages_back_when_a_growth_needs_them() -> None:
