@@ -97,6 +97,20 @@ def _load_group(  # type: ignore[no-untyped-def]  # Triton reads the signature
 
 
 @triton.jit
+def _store_group(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    Out, out, row, kvh, stride_ob, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """_load_group's converse: `out` (GROUP_PAD, BLOCK_D), the query heads of kv head `kvh`, to row `row` of Out."""
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     Q, K, V, Out, Slots, Lengths, anchor,
     stride_qb, stride_qh,
@@ -126,13 +140,7 @@ def _decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     v_ptr = V + slot * stride_vs + kvh * stride_vh
     acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kb, stride_kt, stride_vb, stride_vt, 0, length, length,
                            qk_scale, HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK, BLOCK_T)
-    out = acc / l_i[:, None]
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + offs_g
-    mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    out_ptr = Out + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=mask)
+    _store_group(Out, acc / l_i[:, None], row, kvh, stride_ob, stride_oh, GROUP, HEAD_DIM, GROUP_PAD, BLOCK_D)
 
 
 @triton.jit
@@ -209,9 +217,7 @@ def _rope_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sig
     tl.debug_barrier()  # this position's K/V, stored above by the program's threads, are read below
     acc, m_i, l_i = attend(q, k_ptr, v_ptr, stride_kb, stride_kt, stride_vb, stride_vt, 0, length, length,
                            qk_scale, HEAD_DIM, GROUP_PAD, BLOCK_D, BLOCK, BLOCK_T)
-    out = acc / l_i[:, None]
-    out_ptr = Out + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=mask)
+    _store_group(Out, acc / l_i[:, None], row, kvh, stride_ob, stride_oh, GROUP, HEAD_DIM, GROUP_PAD, BLOCK_D)
 
 
 @triton.jit

@@ -79,11 +79,17 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signat
         r = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(ResidualOut.dtype.element_ty)  # rounded once, as h + y
         tl.store(ResidualOut + row * stride_ro + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    mean_square = tl.sum(xf * xf, 0) * inv_dim
-    normed = (xf * tl.math.rsqrt(mean_square + eps)).to(Out.dtype.element_ty)  # rounded before the weight
     w = tl.load(W + offs, mask=mask, other=0.0)
-    tl.store(Out + row * stride_o + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + row * stride_o + offs, _normed(x.to(tl.float32), w, inv_dim, eps, Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normed(xf, w, inv_dim, eps, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the signature
+    """RMS norm of the fp32 vector `xf` as worker.model.llama.rms_norm: normalised in fp32, rounded to DTYPE, then
+    times the weight `w` and rounded again."""
+    mean_square = tl.sum(xf * xf, 0) * inv_dim
+    normed = (xf * tl.math.rsqrt(mean_square + eps)).to(DTYPE)  # rounded before the weight
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(DTYPE)
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
@@ -164,13 +170,11 @@ def _head_rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton reads the s
     mask = offs < HEAD_DIM
     ptrs = QKV + row * stride_qkv + head * HEAD_DIM + offs
     xf = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    mean_square = tl.sum(xf * xf, 0) * inv_dim
-    normed = (xf * tl.math.rsqrt(mean_square + eps)).to(QKV.dtype.element_ty)  # rounded before the weight
     if head < HEADS:
         w = tl.load(QW + offs, mask=mask, other=0.0)
     else:
         w = tl.load(KW + offs, mask=mask, other=0.0)
-    tl.store(ptrs, (w.to(tl.float32) * normed.to(tl.float32)).to(QKV.dtype.element_ty), mask=mask)
+    tl.store(ptrs, _normed(xf, w, inv_dim, eps, QKV.dtype.element_ty), mask=mask)
 
 
 def head_rms_norm(
