@@ -124,6 +124,37 @@ def test_a_fork_mid_generation_continues_exactly_as_its_parent(engine: Engine, f
     engine.close(child)
 
 
+def test_a_shared_expert_as_wide_as_the_routed_ones_runs_as_one_more_expert_and_gives_the_same_tokens(
+        tmp_path: Path) -> None:
+    """The published shape's shared expert is as wide as the routed ones: it is stored after them as one more expert
+    (which the GPU kernels run with the routed ones). Alone, interleaved and forked: transformers' tokens."""
+    folder = hybrid_folder(tmp_path / "equal", transformers.Qwen3_5MoeTextConfig(
+        **{**TINY, "shared_expert_intermediate_size": TINY["moe_intermediate_size"]}), "Qwen3_5MoeForCausalLM", 37,
+        PROMPT_LENGTHS, NEW_TOKENS)
+    eng = Engine.load(str(folder.path), device="cpu", max_sessions=len(folder.prompts) + 2, max_context=256,
+                      step_tokens=CHUNK)
+    try:
+        mlp = eng.model.blocks[0].mlp  # type: ignore[attr-defined]
+        assert isinstance(mlp, SparseMoe) and mlp.shared_in_experts and mlp.gate_up.shape[0] == EXPERTS + 1
+        sids = []
+        for prompt, expected in zip(folder.prompts, folder.expected, strict=True):
+            sid = eng.create_session()
+            eng.append(sid, token_ids=prompt)
+            assert eng.generate(sid, **GREEDY).token_ids == expected
+            eng.close(sid)
+            sids.append(eng.create_session())
+            eng.append(sids[-1], token_ids=prompt)
+        assert [r.token_ids for r in eng.generate_many([(sid, GREEDY) for sid in sids])] == folder.expected
+        parent = eng.create_session()
+        eng.append(parent, token_ids=folder.prompts[2])
+        head = eng.generate(parent, max_tokens=6, ignore_eos=True).token_ids
+        child = eng.fork(parent)
+        rest: dict[str, object] = {"max_tokens": NEW_TOKENS - 6, "ignore_eos": True}
+        assert [head + r.token_ids for r in eng.generate_many([(child, rest), (parent, rest)])] == [folder.expected[2]] * 2
+    finally:
+        eng.unload()
+
+
 def teacher_forced(engine: Engine, prompt: list[int], tokens: list[int], chunk: int = CHUNK) -> torch.Tensor:
     """Logits after the prompt (prefilled in chunks of `chunk`) and after each of `tokens` but the last (decode rows)."""
     slot = engine.table.create(engine.max_context)

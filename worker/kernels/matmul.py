@@ -76,11 +76,22 @@ def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
         # dimensions (o, down) 256-wide steps (o 14.0 against 15.2, cuBLAS 16.4; down 42.8 against 47.2, cuBLAS
         # 44.3), the wide ones (qkv) 64 columns in 5 stages (21.5 against 22.2, cuBLAS 20.2). A Llama-3-8B decode
         # step: 5.89 ms at one session against 6.74, 6.56 ms at 64 against 7.11.
+        # A 2048-wide model (Qwen3.5-35B-A3B: its DeltaNet's in (12352 x 2048) and out (2048 x 4096) products, its
+        # attention's q|k|v (9216 x 2048) and o) wants more, narrower programs: by `python -m worker.bench.matmul
+        # --shapes moe --rows 1 64 --sweep` on the H100, in 20.25 against 19.10 us at one row, out 9.97 against 9.20,
+        # q|k|v 19.21 against 15.77 (64 rows: 21.56 / 20.36, 10.05 / 9.80, 19.50 / 16.32).
         if silu:
             return Tiles(block_m=64, block_n=32, block_k=128, warps=4, stages=3)
         if k >= n:
+            if n <= 2048:
+                return Tiles(block_m=64, block_n=16, block_k=256, warps=4, stages=5)
             return Tiles(block_m=64, block_n=32, block_k=256, warps=4, stages=4)
+        if k <= 2048:
+            return Tiles(block_m=64, block_n=32, block_k=128, warps=4, stages=3)
         return Tiles(block_m=64, block_n=64, block_k=128, warps=4, stages=5)
+    if n < 1024 and k >= 2048 and not silu:
+        # A router (Qwen3.5-35B-A3B's 257 x 2048: 4.37 against 5.25 us at one row, same sweep): few columns, long rows.
+        return Tiles(block_m=16, block_n=16, block_k=512, warps=4, stages=3)
     if k >= 1024:
         return Tiles(block_m=16, block_n=16, block_k=256, warps=2, stages=3)
     if silu:

@@ -1,35 +1,41 @@
 """The mixture-of-experts block's routed experts in Triton (worker.model.qwen3_5_moe), for decode and prefill steps:
 the tokens grouped by expert, each expert's weights read once a step, as vLLM's and SGLang's fused_moe do.
 
-`moe_block(h, x, logits, shared, gate_up, down, top_k)` = h + (routed(x) + sigmoid(gate) * shared), in six launches:
+`moe_block(h, x, logits, gate_up, down, top_k, scratch)` = h + (routed(x) + sigmoid(gate) * shared(x)), in four
+launches:
 
 1. `_route_kernel`, a program per token: softmax of its router logits in fp32, the top k by repeated argmax (largest
    first; a tie goes to the lower expert), the k probabilities divided by their sum and rounded to the model dtype
-   (transformers' Qwen3_5MoeTopKRouter). Each (token, choice) is a pair, numbered token * k + choice.
-2. `_count_kernel`, a program per expert: how many pairs chose it.
-3. `_place_kernel`, a program per expert: its pairs' numbers, in pair order, in its own range of `sorted_pairs`,
-   which starts at the sum of the experts before it, each count padded up to a multiple of BLOCK_M (the padding holds
-   the sentinel tokens * k); the expert of each block of BLOCK_M, and the padded total.
-4. `_gate_up_kernel`, a program per block of BLOCK_M sorted pairs (one expert's) and BLOCK_N columns of the expert's
-   ffn: x's rows of the block's tokens times the expert's gate and up rows, silu(gate) * up, written at each pair's
-   row of `act` (pairs, ffn).
-5. `_down_kernel`, the same grid over the model's dim: act's rows times the expert's down rows, times the pair's
-   routing weight, written at the pair's row of `pair_out` (pairs, dim).
-6. `_combine_kernel`, a program per token and block of columns: its k pair rows summed in choice order in fp32,
-   plus sigmoid(its shared-expert gate logit) * the shared expert's output, plus h.
+   (transformers' Qwen3_5MoeTopKRouter). Each (token, choice) is a pair, numbered token * pairs + choice. When the
+   shared expert has the routed experts' width it is the last expert of `gate_up` and `down` and every token's last
+   pair, weighted 1 (so the shared expert's MLP runs in the same two launches as the routed ones). Each pair takes
+   its rank among its expert's pairs from an atomic count; the program that finishes last (an atomic ticket) places
+   every pair: each expert's range of `sorted_pairs` starts at the sum of the experts before it, each count padded up
+   to a multiple of BLOCK_M (the padding holds the sentinel, the pair count), a pair sits at its range's start plus
+   its rank; it records each block's expert and the padded total, and sets the counts and the ticket back to zero
+   for the next step (`scratch`, which the caller keeps: make it with `moe_scratch`).
+2. `_expert_kernel` (gate|up), a program per block of BLOCK_M sorted pairs (one expert's) and BLOCK_N columns of the
+   expert's ffn: x's rows of the block's tokens times the expert's gate and up rows, silu(gate) * up, written at each
+   pair's row of `act` (pairs, ffn).
+3. `_expert_kernel` (down), the same grid over the model's dim: act's rows times the expert's down rows, times the
+   pair's routing weight, written at the pair's row of `pair_out` (pairs, dim).
+4. `_combine_kernel`, a program per token and block of columns: its k routed pair rows summed in choice order in
+   fp32, plus sigmoid(its shared-expert gate logit) * the shared expert's output (its last pair row, or the `shared`
+   a caller computed apart when the widths differ), plus h.
 
 Numbers: products accumulate in fp32 over the inner dimension in BLOCK_K steps, in order, and are rounded to the
 model dtype as a GEMM returns them; silu, the gated product, the weighting, the sum over the choices, the shared gate
 and the residual add are rounded where transformers' torch code rounds them (the sum over the choices once, from
-fp32, as torch's bf16 sum).
+fp32, as torch's bf16 sum; the shared expert's weight 1 leaves its output's bits as they are).
 
 Batch invariance: a pair's numbers depend on its own token's row, its expert and the tile configuration only (the
-rows of a tl.dot are independent; a block holds one expert's pairs, in any number); the tiles are fixed per kind of
-step (DECODE_TILES, PREFILL_TILES), never chosen from the row count. So a session's results do not depend on which
-other sessions share the step, nor on where its pairs land in the sorted order.
+rows of a tl.dot are independent; a block holds one expert's pairs, in any number and any order); the tiles are fixed
+per kind of step (DECODE_TILES, PREFILL_TILES), never chosen from the row count. So a session's results do not depend
+on which other sessions share the step, nor on where its pairs land in the sorted order (which, the ranks coming from
+atomics, may differ from one run to the next).
 
 Capture safety: no host syncs, no shapes from data. The grids are sized by the worst case: at most
-tokens * k + min(experts, tokens * k) * (BLOCK_M - 1) sorted rows (every expert chosen pads at most BLOCK_M - 1), and
+pairs + min(experts, pairs) * (BLOCK_M - 1) sorted rows (every expert chosen pads at most BLOCK_M - 1), and
 programs past the padded total return at once.
 """
 
@@ -45,7 +51,7 @@ from triton.language.extra import libdevice
 from worker.kernels.fused import STRICT, _interpreted
 from worker.kernels.pdl import launch_options, wait_then_release
 
-SCAN_BLOCK = 1024  # pairs per step of the count and place scans
+PLACE_BLOCK = 1024  # pairs per step of the last route program's placing
 
 
 @dataclass(frozen=True)
@@ -65,13 +71,19 @@ PREFILL_TILES = MoeTiles(block_m=64, block_n=64, block_k=64, warps=4, stages=3)
 
 @triton.jit
 def _route_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    Logits, Ids, Weights, stride_l, n_experts,
+    Logits, Ids, Weights, Ranks, Scratch, Sorted, BlockExpert, Total,
+    stride_l, n_tokens, n_experts,
     TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid (tokens,): Ids[t, j] (int32) and Weights[t, j] (fp32 holding model-dtype values) of token t's choices."""
+    """Grid (tokens,): token t's pairs (Ids, Weights: fp32 holding model-dtype values, Ranks among its experts'
+    pairs); the last program to finish places every pair (see the module docstring). Scratch (int32): the experts'
+    counts, their ranges' starts, the ticket."""
     wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -92,59 +104,42 @@ def _route_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
         total += top  # in choice order
         probs = tl.where(cols == best, -1.0, probs)
     dtype = Logits.dtype.element_ty
-    mine = choice < TOP_K
-    tl.store(Ids + t * TOP_K + choice, ids, mask=mine)
-    tl.store(Weights + t * TOP_K + choice, (tops / total).to(dtype).to(tl.float32), mask=mine)
-
-
-@triton.jit
-def _count_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    Ids, Counts, n_pairs,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Grid (experts,): Counts[e] = the pairs that chose expert e."""
-    wait_then_release(PDL)
-    e = tl.program_id(0)
-    count = 0
-    for start in range(0, n_pairs, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ids = tl.load(Ids + offs, mask=offs < n_pairs, other=-1)
-        count += tl.sum((ids == e).to(tl.int32), 0)
-    tl.store(Counts + e, count)
-
-
-@triton.jit
-def _place_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    Ids, Counts, Sorted, BlockExpert, Total, n_pairs, n_experts,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Grid (experts,): expert e's pairs in its range of Sorted (padded with the sentinel n_pairs), its blocks' entries
-    of BlockExpert; program 0 writes the padded total."""
-    wait_then_release(PDL)
-    e = tl.program_id(0)
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(Counts + experts, mask=experts < n_experts, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    start = tl.sum(tl.where(experts < e, padded, 0), 0)
-    count = tl.sum(tl.where(experts == e, counts, 0), 0)
-    mine = tl.sum(tl.where(experts == e, padded, 0), 0)
-    if e == 0:
+    weights = (tops / total).to(dtype).to(tl.float32)
+    PAIRS: tl.constexpr = TOP_K + SHARED
+    if SHARED:  # the shared expert: the last expert, every token's last pair, weight 1
+        ids = tl.where(choice == TOP_K, n_experts, ids)
+        weights = tl.where(choice == TOP_K, 1.0, weights)
+    mine = choice < PAIRS
+    tl.store(Ids + t * PAIRS + choice, ids, mask=mine)
+    tl.store(Weights + t * PAIRS + choice, weights, mask=mine)
+    experts_all = n_experts + SHARED
+    counts_at = Scratch
+    starts_at = Scratch + experts_all
+    ticket_at = Scratch + 2 * experts_all
+    ranks = tl.atomic_add(counts_at + ids, 1, mask=mine, sem="relaxed")
+    tl.store(Ranks + t * PAIRS + choice, ranks, mask=mine)
+    if tl.atomic_add(ticket_at, 1, sem="acq_rel") == n_tokens - 1:  # every other token's pairs are counted
+        n_pairs = n_tokens * PAIRS
+        experts = tl.arange(0, BLOCK_E)
+        real = experts < experts_all
+        counts = tl.load(counts_at + experts, mask=real, other=0, cache_modifier=".cg")
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        starts = tl.cumsum(padded, 0) - padded
         tl.store(Total, tl.sum(padded, 0))
-    placed = 0
-    for base in range(0, n_pairs, BLOCK):
-        offs = base + tl.arange(0, BLOCK)
-        hit = (tl.load(Ids + offs, mask=offs < n_pairs, other=-1) == e).to(tl.int32)
-        rank = placed + tl.cumsum(hit, 0) - 1
-        tl.store(Sorted + start + rank, offs.to(tl.int32), mask=hit == 1)
-        placed += tl.sum(hit, 0)
-    pad = tl.arange(0, BLOCK_M)
-    tl.store(Sorted + start + count + pad, n_pairs, mask=count + pad < mine)
-    for b in range(0, mine // BLOCK_M):
-        tl.store(BlockExpert + start // BLOCK_M + b, e)
+        tl.store(starts_at + experts, starts, mask=real)
+        for pad in range(BLOCK_M - 1):  # each expert's padding: the sentinel
+            tl.store(Sorted + starts + counts + pad, n_pairs, mask=real & (counts + pad < padded))
+        tl.store(counts_at + experts, 0, mask=real)  # for the next step
+        tl.store(ticket_at, 0)
+        tl.debug_barrier()  # the starts, stored by other threads of this program, before they are read
+        for base in range(0, n_pairs, BLOCK_P):
+            offs = base + tl.arange(0, BLOCK_P)
+            valid = offs < n_pairs
+            expert = tl.load(Ids + offs, mask=valid, other=0, cache_modifier=".cg")
+            at = tl.load(starts_at + expert, mask=valid, other=0) + tl.load(Ranks + offs, mask=valid, other=0,
+                                                                             cache_modifier=".cg")
+            tl.store(Sorted + at, offs.to(tl.int32), mask=valid)
+            tl.store(BlockExpert + at // BLOCK_M, expert, mask=valid)  # every block holds a pair of its expert
 
 
 @triton.jit
@@ -161,7 +156,7 @@ def _silu(x, LIBDEVICE_EXP: tl.constexpr):  # type: ignore[no-untyped-def]  # Tr
 def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     X, W, Out, Sorted, BlockExpert, Total, Weights,
     n_pairs, N, K, stride_x, stride_we, stride_wn, stride_o,
-    TOP_K: tl.constexpr,
+    PAIRS: tl.constexpr,
     GATED: tl.constexpr,
     LIBDEVICE_EXP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -171,7 +166,7 @@ def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     PDL: tl.constexpr,
 ):
     """Grid (max blocks of sorted pairs, cdiv(N, BLOCK_N)). GATED (gate|up): Out[pair, n] = silu(g) * u with
-    g | u = X[token] @ W[e, n | N + n].T, X the tokens' rows (pair // TOP_K). Else (down): Out[pair, n] =
+    g | u = X[token] @ W[e, n | N + n].T, X the tokens' rows (pair // PAIRS). Else (down): Out[pair, n] =
     (X[pair] @ W[e, n].T) * Weights[pair], X the pairs' rows."""
     wait_then_release(PDL)
     block = tl.program_id(0)
@@ -181,7 +176,7 @@ def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     pairs = tl.load(Sorted + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = pairs < n_pairs
     if GATED:
-        rows = pairs // TOP_K
+        rows = pairs // PAIRS
     else:
         rows = pairs
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,77 +211,94 @@ def _combine_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatu
     H, PairOut, Logits, Shared, Out,
     n, gate_col, stride_h, stride_p, stride_l, stride_s, stride_o,
     TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid (tokens, cdiv(n, BLOCK)): Out[t] = H[t] + (sum_j PairOut[t * TOP_K + j] + sigmoid(gate) * Shared[t]), the
-    gate being Logits[t, gate_col]."""
+    """Grid (tokens, cdiv(n, BLOCK)): Out[t] = H[t] + (sum_j<TOP_K PairOut[t * PAIRS + j] + sigmoid(gate) * shared),
+    the gate being Logits[t, gate_col] and shared the token's last pair row (SHARED: PAIRS = TOP_K + 1) or Shared[t]
+    (PAIRS = TOP_K)."""
     wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
     dtype = Out.dtype.element_ty
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    PAIRS: tl.constexpr = TOP_K + SHARED
     for j in tl.static_range(TOP_K):  # in choice order
-        acc += tl.load(PairOut + (t * TOP_K + j) * stride_p + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.load(PairOut + (t * PAIRS + j) * stride_p + cols, mask=ok, other=0.0).to(tl.float32)
     routed = acc.to(dtype).to(tl.float32)
     g = tl.load(Logits + t * stride_l + gate_col).to(tl.float32)
     gate = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    shared = (gate * tl.load(Shared + t * stride_s + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+    if SHARED:
+        expert = tl.load(PairOut + (t * PAIRS + TOP_K) * stride_p + cols, mask=ok, other=0.0)
+    else:
+        expert = tl.load(Shared + t * stride_s + cols, mask=ok, other=0.0)
+    shared = (gate * expert.to(tl.float32)).to(dtype)
     moe = (routed + shared.to(tl.float32)).to(dtype).to(tl.float32)
     h = tl.load(H + t * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(Out + t * stride_o + cols, (h + moe).to(dtype), mask=ok)
 
 
-def max_blocks(tokens: int, experts: int, top_k: int, block_m: int) -> int:
+def max_blocks(tokens: int, experts: int, pairs_per_token: int, block_m: int) -> int:
     """The most blocks of sorted pairs a step of `tokens` rows can need (the worst case: every chosen expert padded)."""
-    pairs = tokens * top_k
+    pairs = tokens * pairs_per_token
     return triton.cdiv(pairs + min(experts, pairs) * (block_m - 1), block_m)
+
+
+def moe_scratch(experts: int, device: torch.device) -> torch.Tensor:
+    """What the routing keeps between steps for a block of `experts` experts (the shared one included when it is one
+    of them): the counts, the ranges' starts and the ticket, zero between steps (int32). One per caller and stream:
+    two blocks must not run at once on one scratch."""
+    return torch.zeros((2 * experts + 1,), dtype=torch.int32, device=device)
 
 
 @dataclass
 class Routing:
     """One step's pairs grouped by expert (what route_and_sort leaves on the device)."""
 
-    ids: torch.Tensor  # (tokens, k) int32: each token's experts, largest probability first
-    weights: torch.Tensor  # (tokens, k) fp32: their weights (model-dtype values)
-    sorted_pairs: torch.Tensor  # (max_blocks * block_m,) int32: pair numbers by expert, padded with tokens * k
+    ids: torch.Tensor  # (tokens, pairs) int32: each token's experts, largest probability first (then the shared one)
+    weights: torch.Tensor  # (tokens, pairs) fp32: their weights (model-dtype values; 1 for the shared expert)
+    sorted_pairs: torch.Tensor  # (max_blocks * block_m,) int32: pair numbers by expert, padded with tokens * pairs
     block_expert: torch.Tensor  # (max_blocks,) int32: each block's expert (blocks past total: unread)
     total: torch.Tensor  # (1,) int32: the padded count of sorted pairs
 
 
-def route_and_sort(logits: torch.Tensor, experts: int, top_k: int, tiles: MoeTiles) -> Routing:
-    """logits (tokens, >= experts), its first `experts` columns the router's: each token's top k and the pairs
-    grouped by expert."""
+def route_and_sort(logits: torch.Tensor, experts: int, top_k: int, tiles: MoeTiles, scratch: torch.Tensor,
+                   shared: bool = False) -> Routing:
+    """logits (tokens, >= experts), its first `experts` columns the router's: each token's top k (and, with `shared`,
+    the shared expert, numbered `experts`, as its last pair) and the pairs grouped by expert."""
     tokens = logits.shape[0]
     device = logits.device
-    pairs = tokens * top_k
-    blocks = max_blocks(tokens, experts, top_k, tiles.block_m)
-    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
-    counts = torch.empty((experts,), dtype=torch.int32, device=device)
+    pairs_per_token = top_k + int(shared)
+    experts_all = experts + int(shared)
+    if scratch.shape != (2 * experts_all + 1,) or scratch.dtype != torch.int32 or scratch.device != device:
+        raise ValueError(f"scratch must be moe_scratch({experts_all}) on {device}")
+    blocks = max_blocks(tokens, experts_all, pairs_per_token, tiles.block_m)
+    ids = torch.empty((tokens, pairs_per_token), dtype=torch.int32, device=device)
+    weights = torch.empty((tokens, pairs_per_token), dtype=torch.float32, device=device)
+    ranks = torch.empty((tokens, pairs_per_token), dtype=torch.int32, device=device)
     sorted_pairs = torch.empty((blocks * tiles.block_m,), dtype=torch.int32, device=device)
     block_expert = torch.empty((blocks,), dtype=torch.int32, device=device)
     total = torch.empty((1,), dtype=torch.int32, device=device)
-    opts = launch_options(logits)
-    block_e = triton.next_power_of_2(experts)
-    _route_kernel[(tokens,)](logits, ids, weights, logits.stride(0), experts, TOP_K=top_k, BLOCK_E=block_e,
-                             BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if experts >= 256 else 1, **STRICT,
-                             **opts)
-    _count_kernel[(experts,)](ids, counts, pairs, BLOCK=SCAN_BLOCK, num_warps=4, **opts)
-    _place_kernel[(experts,)](ids, counts, sorted_pairs, block_expert, total, pairs, experts, BLOCK_M=tiles.block_m,
-                              BLOCK_E=block_e, BLOCK=SCAN_BLOCK, num_warps=4, **opts)
+    if tokens:
+        _route_kernel[(tokens,)](logits, ids, weights, ranks, scratch, sorted_pairs, block_expert, total,
+                                 logits.stride(0), tokens, experts, TOP_K=top_k, SHARED=int(shared),
+                                 BLOCK_E=triton.next_power_of_2(experts_all),
+                                 BLOCK_K=triton.next_power_of_2(pairs_per_token), BLOCK_M=tiles.block_m,
+                                 BLOCK_P=PLACE_BLOCK, num_warps=4 if experts >= 256 else 1, **STRICT,
+                                 **launch_options(logits))
     return Routing(ids, weights, sorted_pairs, block_expert, total)
 
 
 def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, routing: Routing,
                     tiles: MoeTiles) -> torch.Tensor:
-    """Each pair's weighted expert output (tokens * k, dim) in x's dtype: gate_up (experts, 2 * ffn, dim), down
+    """Each pair's weighted expert output (tokens * pairs, dim) in x's dtype: gate_up (experts, 2 * ffn, dim), down
     (experts, dim, ffn), both contiguous."""
     tokens, dim = x.shape
     experts, ffn = down.shape[0], down.shape[2]
-    top_k = routing.ids.shape[1]
-    pairs = tokens * top_k
+    pairs_per_token = routing.ids.shape[1]
+    pairs = tokens * pairs_per_token
     if gate_up.shape != (experts, 2 * ffn, dim) or not gate_up.is_contiguous() or not down.is_contiguous():
         raise ValueError(f"gate_up must be ({experts}, {2 * ffn}, {dim}) and down ({experts}, {dim}, {ffn}), contiguous")
     if x.stride(1) != 1 or gate_up.dtype != x.dtype or down.dtype != x.dtype:
@@ -300,38 +312,45 @@ def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     _expert_kernel[(blocks, triton.cdiv(ffn, tiles.block_n))](
         x, gate_up, act, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights,
         pairs, ffn, dim, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, GATED=True, **common)
+        PAIRS=pairs_per_token, GATED=True, **common)
     _expert_kernel[(blocks, triton.cdiv(dim, tiles.block_n))](
         act, down, out, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights,
         pairs, dim, ffn, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        TOP_K=top_k, GATED=False, **common)
+        PAIRS=pairs_per_token, GATED=False, **common)
     return out
 
 
 COMBINE_BLOCK = 512
 
 
-def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, top_k: int, prefill: bool = False) -> torch.Tensor:
+def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              top_k: int, scratch: torch.Tensor, shared: torch.Tensor | None = None,
+              prefill: bool = False) -> torch.Tensor:
     """h + the mixture of experts' output for the normed rows x (tokens, dim): `logits` (tokens, experts + 1) the
-    router's then the shared expert's gate logit, `shared` (tokens, dim) the shared expert's output; the routed
-    experts' weights gate_up (experts, 2 * ffn, dim) and down (experts, dim, ffn). `prefill`: the prefill steps'
-    tiles (else the decode steps'). A new (tokens, dim) tensor in h's dtype."""
+    router's then the shared expert's gate logit; the experts' weights gate_up (n, 2 * ffn, dim) and down
+    (n, dim, ffn), where n = experts + 1 holds the shared expert last, or n = experts and `shared` (tokens, dim) is
+    the shared expert's output computed apart. `scratch`: moe_scratch(n). `prefill`: the prefill steps' tiles (else
+    the decode steps'). A new (tokens, dim) tensor in h's dtype."""
     tokens, dim = x.shape
-    experts = gate_up.shape[0]
-    if logits.shape != (tokens, experts + 1) or logits.stride(1) != 1:
+    experts = logits.shape[1] - 1
+    in_experts = shared is None
+    if gate_up.shape[0] != experts + int(in_experts):
+        raise ValueError(f"{gate_up.shape[0]} experts' weights for {experts} routed experts "
+                         f"{'and the shared one' if in_experts else '(the shared output given apart)'}")
+    if logits.stride(1) != 1 or logits.shape[0] != tokens:
         raise ValueError(f"logits must be ({tokens}, {experts + 1}) with contiguous rows")
     for name, t in (("h", h), ("shared", shared)):
-        if t.shape != (tokens, dim) or t.stride(1) != 1 or t.dtype != x.dtype:
+        if t is not None and (t.shape != (tokens, dim) or t.stride(1) != 1 or t.dtype != x.dtype):
             raise ValueError(f"{name} must be ({tokens}, {dim}) in {x.dtype} with contiguous rows")
     out = torch.empty_like(h)
     if tokens == 0:
         return out
     tiles = PREFILL_TILES if prefill else DECODE_TILES
-    routing = route_and_sort(logits, experts, top_k, tiles)
+    routing = route_and_sort(logits, experts, top_k, tiles, scratch, shared=in_experts)
     pair_out = experts_forward(x, gate_up, down, routing, tiles)
+    shared_rows = pair_out if shared is None else shared
     _combine_kernel[(tokens, triton.cdiv(dim, COMBINE_BLOCK))](
-        h, pair_out, logits, shared, out, dim, experts, h.stride(0), pair_out.stride(0), logits.stride(0),
-        shared.stride(0), out.stride(0), TOP_K=top_k, BLOCK=COMBINE_BLOCK, num_warps=4, **STRICT,
-        **launch_options(h))
+        h, pair_out, logits, shared_rows, out, dim, experts, h.stride(0), pair_out.stride(0), logits.stride(0),
+        shared_rows.stride(0), out.stride(0), TOP_K=top_k, SHARED=int(in_experts), BLOCK=COMBINE_BLOCK, num_warps=4,
+        **STRICT, **launch_options(h))
     return out

@@ -39,7 +39,6 @@ from worker.model.batch import Batch, HybridKernels
 from worker.model.config import Experts, ModelConfig, ModelLoadError
 from worker.model.draw import Draw
 from worker.model.hf_config import refuse
-from worker.model.layers import Linear
 from worker.model.packing import Pack, Place
 
 # transformers' Qwen3_5MoeTextConfig defaults (the Qwen3.5-35B-A3B shape), for the fields a folder's config leaves out.
@@ -78,16 +77,24 @@ def hf_layer_names(c: ModelConfig) -> dict[str, str]:
 
 class SparseMoe(qwen3_5.Mlp):
     """A layer's mixture of experts: the router and the shared expert's gate in one product (router rows, then the
-    gate's), the shared expert's gate|up and down, and every expert's gate|up and down in one tensor each."""
+    gate's), every expert's gate|up and down in one tensor each, and the shared expert's gate|up and down: when it is
+    as wide as the routed experts, as one more expert after them (the GPU kernels run it with the routed ones, as every
+    token's last pair), else in tensors of its own."""
 
     def __init__(self, views: Mapping[str, torch.Tensor], p: str, c: ModelConfig) -> None:
         ex = _experts(c)
         self.count, self.top_k, self.ffn = ex.count, ex.top_k, ex.ffn_dim
+        self.shared_in_experts = _shared_in_experts(ex)
+        stored = ex.count + int(self.shared_in_experts)
         self.w_route = qwen3_5.Products(views[p + "w_route"], [ex.count, 1])  # (experts + 1, dim)
-        self.w_shared_gate_up = qwen3_5.Products(views[p + "w_shared_gate_up"], [ex.shared_ffn_dim] * 2)
-        self.w_shared_down = Linear(views[p + "w_shared_down"])
-        self.gate_up = views[p + "w_experts_gate_up"].view(ex.count, 2 * ex.ffn_dim, c.dim)
-        self.down = views[p + "w_experts_down"].view(ex.count, c.dim, ex.ffn_dim)
+        self.gate_up = views[p + "w_experts_gate_up"].view(stored, 2 * ex.ffn_dim, c.dim)
+        self.down = views[p + "w_experts_down"].view(stored, c.dim, ex.ffn_dim)
+        if self.shared_in_experts:
+            self.shared_gate_up, self.shared_down = self.gate_up[ex.count], self.down[ex.count]
+        else:
+            self.shared_gate_up, self.shared_down = views[p + "w_shared_gate_up"], views[p + "w_shared_down"]
+        # What the GPU routing keeps between steps: worker.kernels.moe.moe_scratch(stored), zero between steps.
+        self.scratch = torch.zeros((2 * stored + 1,), dtype=torch.int32, device=self.gate_up.device)
 
     @staticmethod
     def declare(pack: Pack, c: ModelConfig, p: str, dtype: torch.dtype) -> None:
@@ -96,21 +103,27 @@ class SparseMoe(qwen3_5.Mlp):
         pack.add(p + "w_route", (n + 1, d), dtype)
         pack.route(p + "router", Place(p + "w_route", 0, n))
         pack.route(p + "shared_expert_gate", Place(p + "w_route", n, n + 1))
-        pack.add(p + "w_shared_gate_up", (2 * s, d), dtype)
-        pack.add(p + "w_shared_down", (d, s), dtype)
-        pack.route(p + "shared_gate_proj", Place(p + "w_shared_gate_up", 0, s))
-        pack.route(p + "shared_up_proj", Place(p + "w_shared_gate_up", s, 2 * s))
-        pack.route(p + "shared_down_proj", Place(p + "w_shared_down"))
-        pack.add(p + "w_experts_gate_up", (n * 2 * f, d), dtype)
-        pack.add(p + "w_experts_down", (n * d, f), dtype)
+        stored = n + int(_shared_in_experts(ex))
+        pack.add(p + "w_experts_gate_up", (stored * 2 * f, d), dtype)
+        pack.add(p + "w_experts_down", (stored * d, f), dtype)
         for e in range(n):  # expert e's gate then up rows, and its down rows (fused sources come split: _split)
             pack.route(f"{p}experts.{e}.gate_proj", Place(p + "w_experts_gate_up", 2 * e * f, (2 * e + 1) * f))
             pack.route(f"{p}experts.{e}.up_proj", Place(p + "w_experts_gate_up", (2 * e + 1) * f, (2 * e + 2) * f))
             pack.route(f"{p}experts.{e}.down_proj", Place(p + "w_experts_down", e * d, (e + 1) * d))
+        if stored > n:  # the shared expert as expert n
+            pack.route(p + "shared_gate_proj", Place(p + "w_experts_gate_up", 2 * n * f, (2 * n + 1) * f))
+            pack.route(p + "shared_up_proj", Place(p + "w_experts_gate_up", (2 * n + 1) * f, (2 * n + 2) * f))
+            pack.route(p + "shared_down_proj", Place(p + "w_experts_down", n * d, (n + 1) * d))
+        else:
+            pack.add(p + "w_shared_gate_up", (2 * s, d), dtype)
+            pack.add(p + "w_shared_down", (d, s), dtype)
+            pack.route(p + "shared_gate_proj", Place(p + "w_shared_gate_up", 0, s))
+            pack.route(p + "shared_up_proj", Place(p + "w_shared_gate_up", s, 2 * s))
+            pack.route(p + "shared_down_proj", Place(p + "w_shared_down"))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.w_route.fused.weight, self.w_shared_gate_up.fused.weight, self.w_shared_down.weight,
-                self.gate_up, self.down]
+        own = [] if self.shared_in_experts else [self.shared_gate_up, self.shared_down]
+        return [self.w_route.fused.weight, self.gate_up, self.down, *own]
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits (T, experts) -> each token's experts (T, k) int64, largest probability first, and their
@@ -120,10 +133,14 @@ class SparseMoe(qwen3_5.Mlp):
         top /= top.sum(dim=-1, keepdim=True)
         return ids, top.to(logits.dtype)
 
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's MLP (ungated): its gate and up products apart, as transformers computes them."""
+        gate, up = (F.linear(x, w) for w in self.shared_gate_up.chunk(2))
+        return F.linear(F.silu(gate) * up, self.shared_down)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, dim = x.shape
-        gate, up = self.w_shared_gate_up(x)
-        shared = self.w_shared_down(F.silu(gate) * up)
+        shared = self.shared(x)
         logits, shared_gate = self.w_route(x)
         ids, weights = self.route(logits)
         flat_ids, flat_weights = ids.reshape(-1), weights.reshape(-1)
@@ -138,20 +155,18 @@ class SparseMoe(qwen3_5.Mlp):
     def add_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         if k.moe is None:
             raise ModelLoadError("the mixture-of-experts kernels are not built")
-        rowwise = batch.row_products
-
-        def product(a: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> torch.Tensor:
-            if rowwise:
-                return k.row_matmul(a, weight, silu=silu)
-            out = F.linear(a, weight)
-            if silu:
-                gate, up = out.chunk(2, dim=-1)
-                return F.silu(gate) * up
-            return out
-
-        shared = product(product(x, self.w_shared_gate_up.fused.weight, silu=True), self.w_shared_down.weight)
-        logits = product(x, self.w_route.fused.weight)  # (T, experts + 1): the router's, then the shared gate's
-        return k.moe(h, x, logits, shared, self.gate_up, self.down, self.top_k, prefill=not rowwise)
+        # The router's product in the row-invariant kernel in prefill steps too: cuBLAS sums its few columns in
+        # another order at another row count (so a prompt's routing would depend on its step's size).
+        logits = k.row_matmul(x, self.w_route.fused.weight)  # (T, experts + 1): the router's, then the shared gate's
+        shared = None
+        if not self.shared_in_experts:
+            if batch.row_products:
+                shared = k.row_matmul(k.row_matmul(x, self.shared_gate_up, silu=True), self.shared_down)
+            else:
+                gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
+                shared = F.linear(F.silu(gate) * up, self.shared_down)
+        return k.moe(h, x, logits, self.gate_up, self.down, self.top_k, self.scratch, shared=shared,
+                     prefill=not batch.row_products)
 
 
 class Qwen3_5Moe(qwen3_5.Qwen3_5):
@@ -183,6 +198,11 @@ def _split(c: ModelConfig, items: Iterable[tuple[str, torch.Tensor]]) -> Iterato
                 yield f"{layer}.experts.{e}.up_proj", tensor[e, f:]
             else:
                 yield f"{layer}.experts.{e}.down_proj", tensor[e]
+
+
+def _shared_in_experts(ex: Experts) -> bool:
+    """The shared expert is stored (and run) as one more expert when it is as wide as the routed ones."""
+    return ex.shared_ffn_dim == ex.ffn_dim
 
 
 def _experts(c: ModelConfig) -> Experts:

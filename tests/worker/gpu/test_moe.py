@@ -27,11 +27,12 @@ pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.filterwarnings("ignore::D
 
 
 class Block:
-    """One MoE layer at the published shape, random bf16 weights on the GPU, and its torch reference."""
+    """One MoE layer at the published shape, random bf16 weights on the GPU (the shared expert stored as expert 256,
+    as the model stores it), and its torch reference."""
 
     def __init__(self) -> None:
         ex = PRESETS["qwen3.5-35b-a3b"].experts
-        assert ex is not None
+        assert ex is not None and ex.shared_ffn_dim == ex.ffn_dim
         self.experts, self.top_k, self.dim, self.ffn = ex.count, ex.top_k, 2048, ex.ffn_dim
         gen = torch.Generator(device="cuda").manual_seed(5)
 
@@ -39,17 +40,20 @@ class Block:
             return (scale * torch.randn(*shape, generator=gen, device="cuda")).to(torch.bfloat16)
 
         self.router = rand(self.experts + 1, self.dim, scale=0.05)
-        self.gate_up = rand(self.experts, 2 * self.ffn, self.dim)
-        self.down = rand(self.experts, self.dim, self.ffn)
+        self.gate_up = rand(self.experts + 1, 2 * self.ffn, self.dim)  # the routed experts, then the shared one
+        self.down = rand(self.experts + 1, self.dim, self.ffn)
         self.gen = gen
 
     def inputs(self, tokens: int) -> tuple[torch.Tensor, ...]:
         x = torch.randn(tokens, self.dim, generator=self.gen, device="cuda").to(torch.bfloat16)
         h = torch.randn(tokens, self.dim, generator=self.gen, device="cuda").to(torch.bfloat16)
-        shared = (0.1 * torch.randn(tokens, self.dim, generator=self.gen, device="cuda")).to(torch.bfloat16)
-        return h, x, F.linear(x, self.router), shared
+        return h, x, F.linear(x, self.router)
 
-    def reference(self, h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        g, u = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, self.down[e])
+
+    def reference(self, h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """transformers' arithmetic in torch on the GPU (bf16, its roundings)."""
         probs = F.softmax(logits[:, : self.experts], dim=-1, dtype=torch.float)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -57,10 +61,20 @@ class Block:
         out = torch.zeros(x.shape[0], self.top_k, self.dim, dtype=x.dtype, device=x.device)
         for e in ids.unique().tolist():
             rows, choice = (ids == e).nonzero(as_tuple=True)
-            g, u = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
-            out[rows, choice] = F.linear(F.silu(g) * u, self.down[e]) * weights[rows, choice, None]
+            out[rows, choice] = self.mlp(x[rows], e) * weights[rows, choice, None]
         routed = out.sum(dim=1)
-        return h + (routed + torch.sigmoid(logits[:, self.experts:]) * shared)
+        return h + (routed + torch.sigmoid(logits[:, self.experts:]) * self.mlp(x, self.experts))
+
+    def run(self, h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, prefill: bool,
+            shared_apart: bool = False) -> torch.Tensor:
+        """The fused block: the shared expert as expert 256 (as the model runs it), or its output computed apart."""
+        from worker.kernels.moe import moe_block, moe_scratch
+
+        if shared_apart:
+            return moe_block(h, x, logits, self.gate_up[: self.experts], self.down[: self.experts], self.top_k,
+                             moe_scratch(self.experts, x.device), shared=self.mlp(x, self.experts), prefill=prefill)
+        return moe_block(h, x, logits, self.gate_up, self.down, self.top_k, moe_scratch(self.experts + 1, x.device),
+                         prefill=prefill)
 
 
 @pytest.fixture(scope="module")
@@ -68,27 +82,25 @@ def block() -> Block:
     return Block()
 
 
+@pytest.mark.parametrize("shared_apart", [False, True])
 @pytest.mark.parametrize("prefill", [False, True])
 @pytest.mark.parametrize("tokens", [1, 16, 64, 512])
-def test_the_fused_block_follows_torch_within_bf16(block: Block, tokens: int, prefill: bool) -> None:
-    from worker.kernels.moe import moe_block
-
-    h, x, logits, shared = block.inputs(tokens)
-    got = moe_block(h, x, logits, shared, block.gate_up, block.down, block.top_k, prefill=prefill)
-    expected = block.reference(h, x, logits, shared)
+def test_the_fused_block_follows_torch_within_bf16(block: Block, tokens: int, prefill: bool,
+                                                   shared_apart: bool) -> None:
+    h, x, logits = block.inputs(tokens)
+    got = block.run(h, x, logits, prefill, shared_apart)
+    expected = block.reference(h, x, logits)
     assert relative_error(got.float(), expected.float()) < 0.01
 
 
 @pytest.mark.parametrize("prefill", [False, True])
 def test_the_fused_block_is_batch_invariant(block: Block, prefill: bool) -> None:
-    """Rows 0..7 alone, among 64 and among 512 tokens, and the 64 reversed: the same bits."""
-    from worker.kernels.moe import moe_block
-
-    h, x, logits, shared = block.inputs(512)
+    """Rows 0..7 alone, among 64 and among 512 tokens, and the 64 reversed: the same bits; and the same again in
+    every repeat (the pairs' places in the sorted order come from atomics and may change)."""
+    h, x, logits = block.inputs(512)
 
     def run(rows: torch.Tensor) -> torch.Tensor:
-        return moe_block(h[rows], x[rows].contiguous(), logits[rows].contiguous(), shared[rows], block.gate_up,
-                         block.down, block.top_k, prefill=prefill)
+        return block.run(h[rows], x[rows].contiguous(), logits[rows].contiguous(), prefill)
 
     whole = run(torch.arange(512, device="cuda"))
     some = run(torch.arange(64, device="cuda"))
@@ -96,21 +108,30 @@ def test_the_fused_block_is_batch_invariant(block: Block, prefill: bool) -> None
     assert torch.equal(run(torch.arange(64, device="cuda").flip(0)).flip(0), some)
     for i in range(8):
         assert torch.equal(run(torch.tensor([i], device="cuda"))[0], whole[i])
+    for _ in range(3):
+        assert torch.equal(run(torch.arange(512, device="cuda")), whole)
 
 
 def test_the_fused_block_reads_each_chosen_expert_once_a_step(block: Block) -> None:
-    """The sorted blocks of a 64-token decode step: each chosen expert's pairs in as few blocks as its count needs
-    (one block per expert when it has at most 16 pairs), so its weights are read once by the column programs."""
-    from worker.kernels.moe import DECODE_TILES, route_and_sort
+    """The sorted blocks of a 64-token decode step: each chosen expert's pairs (the shared expert's, every token's
+    last, included) in as few blocks as its count needs (one block per expert when it has at most 16 pairs), so its
+    weights are read once by the column programs; every pair placed once; the scratch back to zero."""
+    from worker.kernels.moe import DECODE_TILES, moe_scratch, route_and_sort
 
-    _, _, logits, _ = block.inputs(64)
-    routing = route_and_sort(logits, block.experts, block.top_k, DECODE_TILES)
-    counts = torch.bincount(routing.ids.flatten().long(), minlength=block.experts)
+    _, _, logits = block.inputs(64)
+    scratch = moe_scratch(block.experts + 1, logits.device)
+    routing = route_and_sort(logits, block.experts, block.top_k, DECODE_TILES, scratch, shared=True)
+    assert bool((routing.ids[:, -1] == block.experts).all())
+    counts = torch.bincount(routing.ids.flatten().long(), minlength=block.experts + 1)
     blocks = -(-counts // DECODE_TILES.block_m)
     total = int(routing.total[0])
     assert total == int(blocks.sum()) * DECODE_TILES.block_m
     assert torch.equal(torch.bincount(routing.block_expert[: total // DECODE_TILES.block_m].long(),
-                                      minlength=block.experts), blocks)
+                                      minlength=block.experts + 1), blocks)
+    placed = routing.sorted_pairs[:total]
+    assert torch.equal(placed[placed < 64 * (block.top_k + 1)].sort().values,
+                       torch.arange(64 * (block.top_k + 1), device="cuda", dtype=torch.int32))
+    assert not scratch[: block.experts + 1].any() and int(scratch[-1]) == 0
 
 
 @pytest.fixture(scope="module")

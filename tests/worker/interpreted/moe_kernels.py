@@ -5,7 +5,9 @@ model runs (worker.model.qwen3_5_moe.SparseMoe), at tiny sizes:
   hold every pair once, grouped by expert in pair order, each expert's range padded with the sentinel to a multiple
   of BLOCK_M, each block's expert recorded, the padded total right;
 - the block: h + routed + gated shared expert, as the torch MLP (decode tiles and prefill tiles, with experts that no
-  token chooses, and a token count where one expert takes more than one block);
+  token chooses, and a token count where one expert takes more than one block), the shared expert computed apart (the
+  tiny preset's is wider than its routed experts) and run as one more expert (the same config with equal widths, as
+  the published shape has them);
 - batch invariance: a token's output rows are the same bits alone, with others, and moved to another place of the
   batch (its pairs land elsewhere in the sorted order).
 The interpreter computes tl.dot with numpy's matmul, whose BLAS sums a row in an order that depends on the row's place
@@ -15,6 +17,7 @@ indexing. Run by tests/worker/test_moe_kernels.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -43,56 +46,65 @@ def rows_of(mlp: SparseMoe, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor
     from worker.kernels.moe import moe_block
 
     h, x, logits, shared = (t[rows] for t in inputs)
-    return moe_block(h, x, logits, shared, mlp.gate_up, mlp.down, mlp.top_k, prefill=prefill)
+    return moe_block(h, x, logits, mlp.gate_up, mlp.down, mlp.top_k, mlp.scratch,
+                     shared=None if mlp.shared_in_experts else shared, prefill=prefill)
 
 
-def main() -> None:
-    assert os.environ["TRITON_INTERPRET"] == "1"
-    rows_apart()
+def check(c: ModelConfig) -> None:
     from worker.kernels.moe import DECODE_TILES, PREFILL_TILES, moe_block, route_and_sort
 
-    c: ModelConfig = PRESETS["tiny-qwen3.5-moe"]
     ex = c.experts
     assert ex is not None
     gen = torch.Generator().manual_seed(7)
     d, f, s, n = c.dim, ex.ffn_dim, ex.shared_ffn_dim, ex.count
+    merged = s == f
+    stored = n + int(merged)
 
     def rand(*shape: int, scale: float = 0.3) -> torch.Tensor:
         return scale * torch.randn(*shape, generator=gen)
 
-    views = {"l.w_route": rand(n + 1, d), "l.w_shared_gate_up": rand(2 * s, d), "l.w_shared_down": rand(d, s),
-             "l.w_experts_gate_up": rand(n * 2 * f, d), "l.w_experts_down": rand(n * d, f)}
+    views = {"l.w_route": rand(n + 1, d), "l.w_experts_gate_up": rand(stored * 2 * f, d),
+             "l.w_experts_down": rand(stored * d, f)}
+    if not merged:
+        views |= {"l.w_shared_gate_up": rand(2 * s, d), "l.w_shared_down": rand(d, s)}
     views["l.w_route"][2] = -1.0  # with positive inputs expert 2's logit is far down: no token chooses it
     mlp = SparseMoe(views, "l.", c)
+    assert mlp.shared_in_experts == merged
+    pairs_per_token = ex.top_k + int(merged)
 
     for tiles in (DECODE_TILES, PREFILL_TILES):
         for tokens in TOKENS:
             x, h = rand(tokens, d, scale=1.0).abs(), rand(tokens, d, scale=1.0)
             logits = torch.nn.functional.linear(x, mlp.w_route.fused.weight)
-            routing = route_and_sort(logits, n, ex.top_k, tiles)
+            routing = route_and_sort(logits, n, ex.top_k, tiles, mlp.scratch, shared=merged)
+            # the counts and the ticket are back to zero for the next step (the starts between are rewritten each step)
+            assert not mlp.scratch[:stored].any() and int(mlp.scratch[-1]) == 0
             ids, weights = mlp.route(logits[:, :n])
-            assert torch.equal(routing.ids.long(), ids), (routing.ids, ids)
-            torch.testing.assert_close(routing.weights, weights, rtol=1e-6, atol=1e-7)
-            pairs = tokens * ex.top_k
-            flat = ids.reshape(-1)
-            counts = torch.bincount(flat, minlength=n)
+            assert torch.equal(routing.ids[:, : ex.top_k].long(), ids), (routing.ids, ids)
+            torch.testing.assert_close(routing.weights[:, : ex.top_k], weights, rtol=1e-6, atol=1e-7)
+            if merged:  # the shared expert: expert n, every token's last pair, weight 1
+                assert bool((routing.ids[:, -1] == n).all()) and bool((routing.weights[:, -1] == 1).all())
+            pairs = tokens * pairs_per_token
+            flat = routing.ids.reshape(-1).long()
+            counts = torch.bincount(flat, minlength=stored)
             assert counts[2] == 0
             padded = (counts + tiles.block_m - 1) // tiles.block_m * tiles.block_m
             total = int(padded.sum())
             assert int(routing.total[0]) == total
             start = 0
-            for e in range(n):
+            for e in range(stored):
                 mine = routing.sorted_pairs[start : start + int(padded[e])]
                 want = (flat == e).nonzero().squeeze(1).int()
+                # the interpreter runs the programs in order, so the ranks are in pair order
                 assert torch.equal(mine[: int(counts[e])], want), (e, mine, want)
                 assert bool((mine[int(counts[e]) :] == pairs).all())
                 blocks = routing.block_expert[start // tiles.block_m : (start + int(padded[e])) // tiles.block_m]
                 assert bool((blocks == e).all())
                 start += int(padded[e])
             expected = h + mlp(x)
-            gate, up = mlp.w_shared_gate_up(x)
-            shared = mlp.w_shared_down(torch.nn.functional.silu(gate) * up)
-            got = moe_block(h, x, logits, shared, mlp.gate_up, mlp.down, ex.top_k, prefill=tiles is PREFILL_TILES)
+            shared = mlp.shared(x)
+            got = moe_block(h, x, logits, mlp.gate_up, mlp.down, ex.top_k, mlp.scratch,
+                            shared=None if merged else shared, prefill=tiles is PREFILL_TILES)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
             if tokens > 1:  # the last token alone, and the batch reversed: the same bits for every token
@@ -102,6 +114,15 @@ def main() -> None:
                 backwards = rows_of(mlp, inputs, torch.arange(tokens).flip(0), tiles is PREFILL_TILES)
                 assert torch.equal(alone[0], whole[-1])
                 assert torch.equal(backwards.flip(0), whole)
+
+
+def main() -> None:
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    rows_apart()
+    c: ModelConfig = PRESETS["tiny-qwen3.5-moe"]
+    assert c.experts is not None and c.experts.shared_ffn_dim != c.experts.ffn_dim
+    check(c)  # the shared expert apart (wider than the routed ones)
+    check(dataclasses.replace(c, experts=dataclasses.replace(c.experts, shared_ffn_dim=c.experts.ffn_dim)))
     print("ok")
 
 
