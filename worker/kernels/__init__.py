@@ -8,6 +8,8 @@
 - layers.py: the layer stack and the head built from them (what Llama.forward runs on the GPU)
 - pdl.py: programmatic dependent launch on Hopper and later
 - deltanet.py, norms.py: the hybrid model's gated DeltaNet (causal convolution, gated delta rule) and its norms
+- gated_attention.py: the hybrid model's gated attention around the attention kernels (per-head norms, partial RoPE
+  and the K/V store in one launch; the output gate)
 - moe.py: the mixture-of-experts block's routing and routed experts (tokens grouped by expert), for Qwen3.5-MoE
 """
 
@@ -36,10 +38,12 @@ def gpu_kernels(prefill_tiles: bool = True, fused: bool = True) -> Kernels:
 def hybrid_kernels() -> HybridKernels:
     """The hybrid model's kernels (worker.model.qwen3_5 takes them on the GPU, and in Triton's interpreter for tests)."""
     from worker.kernels.deltanet import conv_decode, conv_prefill, delta_decode, delta_prefill
+    from worker.kernels.gated_attention import norm_rope_store, sigmoid_gate
     from worker.kernels.matmul import row_matmul
     from worker.kernels.moe import moe_block
     from worker.kernels.norms import gated_rms_norm, offset_rms_norm
 
     return HybridKernels(conv_decode=conv_decode, conv_prefill=conv_prefill, delta_decode=delta_decode,
                          delta_prefill=delta_prefill, offset_rms_norm=offset_rms_norm, gated_rms_norm=gated_rms_norm,
-                         row_matmul=row_matmul, moe=moe_block)
+                         row_matmul=row_matmul, norm_rope_store=norm_rope_store, sigmoid_gate=sigmoid_gate,
+                         moe=moe_block)

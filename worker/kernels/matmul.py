@@ -78,7 +78,7 @@ def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
         # step: 5.89 ms at one session against 6.74, 6.56 ms at 64 against 7.11.
         # A 2048-wide model (Qwen3.5-35B-A3B: its DeltaNet's in (12352 x 2048) and out (2048 x 4096) products, its
         # attention's q|k|v (9216 x 2048) and o) wants more, narrower programs: by `python -m worker.bench.matmul
-        # --shapes moe --rows 1 64 --sweep` on the H100, in 20.25 against 19.10 us at one row, out 9.97 against 9.20,
+        # --model random:qwen3.5-35b-a3b --rows 1 64 --sweep` on the H100, in 20.25 against 19.10 us at one row, out 9.97 against 9.20,
         # q|k|v 19.21 against 15.77 (64 rows: 21.56 / 20.36, 10.05 / 9.80, 19.50 / 16.32).
         if silu:
             return Tiles(block_m=64, block_n=32, block_k=128, warps=4, stages=3)

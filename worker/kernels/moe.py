@@ -55,18 +55,27 @@ PLACE_BLOCK = 1024  # pairs per step of the last route program's placing
 
 
 @dataclass(frozen=True)
-class MoeTiles:
-    block_m: int  # sorted pairs per program (one expert's)
+class ExpertTiles:
+    """One expert kernel's (gate|up's or down's) columns and inner dimension per program."""
+
     block_n: int  # output columns per program
     block_k: int  # inner dimension per step
     warps: int
     stages: int
 
 
+@dataclass(frozen=True)
+class MoeTiles:
+    block_m: int  # sorted pairs per program (one expert's); each expert's pairs are padded to a multiple of it
+    gate_up: ExpertTiles
+    down: ExpertTiles
+    route_warps: int = 4  # the route kernel's (its softmax sums in an order that depends on them)
+
+
 # Decode steps: at a few pairs per expert, narrow blocks of rows and columns keep many programs streaming the experts'
 # weights. Prefill steps: tens of pairs per expert, so wider blocks of rows read each expert's weights fewer times.
-DECODE_TILES = MoeTiles(block_m=16, block_n=32, block_k=128, warps=4, stages=3)
-PREFILL_TILES = MoeTiles(block_m=64, block_n=64, block_k=64, warps=4, stages=3)
+DECODE_TILES = MoeTiles(block_m=16, gate_up=ExpertTiles(32, 128, 4, 3), down=ExpertTiles(32, 128, 4, 3))
+PREFILL_TILES = MoeTiles(block_m=64, gate_up=ExpertTiles(64, 64, 4, 3), down=ExpertTiles(64, 64, 4, 3))
 
 
 @triton.jit
@@ -286,7 +295,7 @@ def route_and_sort(logits: torch.Tensor, experts: int, top_k: int, tiles: MoeTil
                                  logits.stride(0), tokens, experts, TOP_K=top_k, SHARED=int(shared),
                                  BLOCK_E=triton.next_power_of_2(experts_all),
                                  BLOCK_K=triton.next_power_of_2(pairs_per_token), BLOCK_M=tiles.block_m,
-                                 BLOCK_P=PLACE_BLOCK, num_warps=4 if experts >= 256 else 1, **STRICT,
+                                 BLOCK_P=PLACE_BLOCK, num_warps=tiles.route_warps, **STRICT,
                                  **launch_options(logits))
     return Routing(ids, weights, sorted_pairs, block_expert, total)
 
@@ -307,16 +316,18 @@ def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     out = torch.empty((pairs, dim), dtype=x.dtype, device=x.device)
     blocks = routing.block_expert.shape[0]
     common = dict(LIBDEVICE_EXP=not _interpreted(), DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                  BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
-                  num_stages=tiles.stages, **STRICT, **launch_options(x))
-    _expert_kernel[(blocks, triton.cdiv(ffn, tiles.block_n))](
+                  BLOCK_M=tiles.block_m, **STRICT, **launch_options(x))
+    gu, dn = tiles.gate_up, tiles.down
+    _expert_kernel[(blocks, triton.cdiv(ffn, gu.block_n))](
         x, gate_up, act, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights,
         pairs, ffn, dim, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        PAIRS=pairs_per_token, GATED=True, **common)
-    _expert_kernel[(blocks, triton.cdiv(dim, tiles.block_n))](
+        PAIRS=pairs_per_token, GATED=True, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.warps,
+        num_stages=gu.stages, **common)
+    _expert_kernel[(blocks, triton.cdiv(dim, dn.block_n))](
         act, down, out, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights,
         pairs, dim, ffn, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        PAIRS=pairs_per_token, GATED=False, **common)
+        PAIRS=pairs_per_token, GATED=False, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.warps,
+        num_stages=dn.stages, **common)
     return out
 
 
@@ -325,12 +336,12 @@ COMBINE_BLOCK = 512
 
 def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               top_k: int, scratch: torch.Tensor, shared: torch.Tensor | None = None,
-              prefill: bool = False) -> torch.Tensor:
+              prefill: bool = False, tiles: MoeTiles | None = None) -> torch.Tensor:
     """h + the mixture of experts' output for the normed rows x (tokens, dim): `logits` (tokens, experts + 1) the
     router's then the shared expert's gate logit; the experts' weights gate_up (n, 2 * ffn, dim) and down
     (n, dim, ffn), where n = experts + 1 holds the shared expert last, or n = experts and `shared` (tokens, dim) is
     the shared expert's output computed apart. `scratch`: moe_scratch(n). `prefill`: the prefill steps' tiles (else
-    the decode steps'). A new (tokens, dim) tensor in h's dtype."""
+    the decode steps'; `tiles` overrides them, for benchmarks). A new (tokens, dim) tensor in h's dtype."""
     tokens, dim = x.shape
     experts = logits.shape[1] - 1
     in_experts = shared is None
@@ -345,7 +356,7 @@ def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: t
     out = torch.empty_like(h)
     if tokens == 0:
         return out
-    tiles = PREFILL_TILES if prefill else DECODE_TILES
+    tiles = tiles or (PREFILL_TILES if prefill else DECODE_TILES)
     routing = route_and_sort(logits, experts, top_k, tiles, scratch, shared=in_experts)
     pair_out = experts_forward(x, gate_up, down, routing, tiles)
     shared_rows = pair_out if shared is None else shared

@@ -71,8 +71,9 @@ def runs_of(slots: list[int], positions: list[int]) -> list[Run]:
 @dataclass(frozen=True)
 class HybridKernels:
     """The GPU kernels of the hybrid model's layers (worker.model.qwen3_5): the causal convolution and the gated delta
-    rule over the slab's conv and recurrent states (worker.kernels.deltanet), its norms (worker.kernels.norms), and
-    the row-invariant product of decode steps (worker.kernels.matmul.row_matmul)."""
+    rule over the slab's conv and recurrent states (worker.kernels.deltanet), its norms (worker.kernels.norms), the
+    row-invariant product of decode steps (worker.kernels.matmul.row_matmul), and the gated attention's own
+    (worker.kernels.gated_attention)."""
 
     conv_decode: Callable[..., torch.Tensor]
     conv_prefill: Callable[..., torch.Tensor]
@@ -81,6 +82,9 @@ class HybridKernels:
     offset_rms_norm: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
     row_matmul: Callable[..., torch.Tensor]
+    # The gated attention's norms, RoPE and K/V store, and its output gate (worker.kernels.gated_attention).
+    norm_rope_store: Callable[..., torch.Tensor]
+    sigmoid_gate: Callable[..., torch.Tensor]
     # The mixture-of-experts block's routed experts and its sums (worker.kernels.moe.moe_block), for Qwen3.5-MoE.
     moe: Callable[..., torch.Tensor] | None = None
 

@@ -414,19 +414,13 @@ class Qwen3_5(Llama):
     def _attend_kernels(self, k: HybridKernels, layer: Attention, qkv: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, state: dict[str, torch.Tensor],
                         batch: Batch) -> torch.Tensor:
-        """_attend's steps from the q|k|v product, the norms in the kernel: the gated attention (rows, H * hd)."""
+        """_attend's steps from the q|k|v product in the kernels (the norms, RoPE and the K/V store in one launch, the
+        attention, the output gate in another): the gated attention (rows, H * hd)."""
         c = self.config
-        rows, hd, heads, kv_heads = qkv.shape[0], c.head_dim, c.n_heads, c.n_kv_heads
-        qg, key, value = qkv.split(layer.wqkv.sizes, dim=-1)
-        pairs = qg.reshape(rows * heads, 2 * hd)  # each head's query, then its gate
-        q = k.offset_rms_norm(pairs[:, :hd], layer.q_norm, c.norm_eps).view(rows, heads, hd)
-        key = k.offset_rms_norm(key.reshape(rows * kv_heads, hd), layer.k_norm, c.norm_eps).view(rows, kv_heads, hd)
-        q, key = partial_rope(q, cos, sin), partial_rope(key, cos, sin)
         k_cache, v_cache = state["k"][:, layer.index], state["v"][:, layer.index]
-        store_positions(k_cache, slots, positions, key)
-        store_positions(v_cache, slots, positions, value.reshape(rows, kv_heads, hd))
-        attn = self.attention(q, k_cache, v_cache, slots, batch)
-        return attn.reshape(rows, heads * hd) * torch.sigmoid(pairs[:, hd:].reshape(rows, heads * hd))
+        q = k.norm_rope_store(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, slots, positions, c.n_heads,
+                              c.norm_eps)
+        return k.sigmoid_gate(self.attention(q, k_cache, v_cache, slots, batch), qkv, c.n_heads)
 
     def _delta_kernels(self, k: HybridKernels, layer: DeltaNet, proj: torch.Tensor, positions: torch.Tensor,
                        slots: torch.Tensor, state: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
