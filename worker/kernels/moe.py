@@ -74,6 +74,8 @@ class MoeTiles:
 
 # Decode steps: at a few pairs per expert, narrow blocks of rows and columns keep many programs streaming the experts'
 # weights. Prefill steps: tens of pairs per expert, so wider blocks of rows read each expert's weights fewer times.
+# `python -m worker.bench.moe --sweep` on the H100 at the published shape: no configuration of its grid is more than
+# 2-3% faster at 1, 16 or 64 decode tokens, or at 128 or 2,048 prompt tokens (16 or 64 tokens: 2.8-2.9 TB/s).
 DECODE_TILES = MoeTiles(block_m=16, gate_up=ExpertTiles(32, 128, 4, 3), down=ExpertTiles(32, 128, 4, 3))
 PREFILL_TILES = MoeTiles(block_m=64, gate_up=ExpertTiles(64, 64, 4, 3), down=ExpertTiles(64, 64, 4, 3))
 

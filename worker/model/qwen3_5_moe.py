@@ -20,9 +20,11 @@ Folders store the experts either one by one (`mlp.experts.E.gate_proj.weight`, u
 layer, (experts * 2 * ffn, dim) for gate|up and (experts * dim, ffn) for down (a fused source is split into each
 expert's tensors as it streams).
 
-On the GPU the routed experts run in worker.kernels.moe's fused kernels (the tokens grouped by expert, each expert's
-weights read once a step); the router and the shared expert in the row-invariant products (decode) or cuBLAS
-(prefill), like the rest of the model.
+A shared expert as wide as the routed ones (the published shape's) is stored after them as one more expert.
+
+On the GPU the experts run in worker.kernels.moe's fused kernels (the tokens grouped by expert, each expert's weights
+read once a step), the shared expert with them as every token's last pair (or, of another width, apart in the
+products); the router's product in the row-invariant kernel in decode and prefill steps alike.
 """
 
 from __future__ import annotations
