@@ -31,8 +31,8 @@ from worker.model.config import ModelConfig
 REPS = 50
 
 
-def graph_us(fn: Callable[[int], object], rounds: int = 5) -> float:
-    """Microseconds per call of fn(i), REPS calls (i = 0..REPS-1) replayed from one CUDA graph, best of `rounds`."""
+def graph_us(fn: Callable[[int], object], rounds: int = 5, reps: int = REPS) -> float:
+    """Microseconds per call of fn(i), `reps` calls (i = 0..reps-1) replayed from one CUDA graph, best of `rounds`."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -41,7 +41,7 @@ def graph_us(fn: Callable[[int], object], rounds: int = 5) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for i in range(REPS):
+        for i in range(reps):
             fn(i)
     best = float("inf")
     for _ in range(rounds):
@@ -50,7 +50,7 @@ def graph_us(fn: Callable[[int], object], rounds: int = 5) -> float:
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / REPS)
+        best = min(best, start.elapsed_time(end) * 1000 / reps)
     return best
 
 

@@ -16,38 +16,15 @@ import argparse
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from worker.bench.matmul import copy_bandwidth
+from worker.bench.matmul import copy_bandwidth, graph_us
 from worker.kernels.moe import DECODE_TILES, PREFILL_TILES, ExpertTiles, MoeTiles, moe_block, moe_scratch
 from worker.model.config import PRESETS
 
-REPS = 16
-
-
-def graph_us(fn: Callable[[int], object], rounds: int = 5) -> float:
-    """Microseconds per call of fn(i), REPS calls replayed from one CUDA graph, best of `rounds`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(REPS):
-            fn(i)
-    best = float("inf")
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / REPS)
-    return best
+REPS = 16  # launches a graph replays (fewer than worker.bench.matmul's: each holds a block's buffers)
 
 
 def main() -> None:
@@ -85,7 +62,7 @@ def main() -> None:
             return moe_block(h, x, logits, gate_up[layer], down[layer], ex.top_k, scratch, prefill=prefill,
                              tiles=tiles)
 
-        us = graph_us(functools.partial(run, base))
+        us = graph_us(functools.partial(run, base), reps=REPS)
         floor = chosen * expert_bytes
         print(f"{'prefill' if prefill else 'decode'} {tokens:5d} tokens: {us:8.2f} us, {chosen} experts "
               f"({floor / 2**20:.1f} MiB: {floor / us / 1e6:.2f} TB/s)  {base}", flush=True)
@@ -102,7 +79,7 @@ def main() -> None:
                     trial = (dataclasses.replace(at_m, gate_up=tiles) if part == "gate_up"
                              else dataclasses.replace(at_m, down=tiles))
                     try:
-                        results.append((graph_us(functools.partial(run, trial), rounds=3), tiles))
+                        results.append((graph_us(functools.partial(run, trial), rounds=3, reps=REPS), tiles))
                     except Exception:  # noqa: BLE001  # a configuration the compiler refuses (shared memory)
                         continue
                 results.sort(key=lambda r: r[0])
@@ -111,7 +88,7 @@ def main() -> None:
                       flush=True)
         for warps in (1, 2, 4, 8):
             trial = dataclasses.replace(base, route_warps=warps)
-            print(f"    route warps {warps}: {graph_us(functools.partial(run, trial), rounds=3):.2f}", flush=True)
+            print(f"    route warps {warps}: {graph_us(functools.partial(run, trial), rounds=3, reps=REPS):.2f}", flush=True)
 
 
 GATE_UP_GRID = [ExpertTiles(*c) for c in itertools.product([16, 32, 64], [64, 128, 256], [2, 4], [2, 3, 4])]

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from worker.kernels.attention import spare_views
 from worker.kernels.pdl import launch_options, wait_then_release
 
 NORM_WARPS = 4
@@ -274,6 +275,25 @@ def _rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     tl.store(v_ptrs, v.to(V.dtype.element_ty), mask=mask)
 
 
+def check_slab_store(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     tokens: int, kv_heads: int | None = None, head_dim: int | None = None) -> tuple[int, int]:
+    """The K and V caches a kernel stores `tokens` rows' keys and values in, at slots[t], positions[t]: (slots,
+    kv_heads, blocks, block, head_dim) alike with a contiguous head dim (kv_heads and head_dim as given, or the
+    caches' own). Their kv_heads and head_dim."""
+    heads_named = "kv_heads" if kv_heads is None else kv_heads
+    dim_named = "head_dim" if head_dim is None else head_dim
+    if k_cache.dim() != 5 or (kv_heads is not None and k_cache.shape[1] != kv_heads) or (
+            head_dim is not None and k_cache.shape[4] != head_dim):
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} is not (slots, {heads_named}, blocks, block, {dim_named})")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the head dimension of k_cache and v_cache must be contiguous")
+    if slots.shape != (tokens,) or positions.shape != (tokens,):
+        raise ValueError(f"slots {tuple(slots.shape)} and positions {tuple(positions.shape)} must be ({tokens},)")
+    return k_cache.shape[1], k_cache.shape[4]
+
+
 def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slots: torch.Tensor, positions: torch.Tensor, out: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> None:
     tokens = qkv.shape[0]
@@ -282,14 +302,7 @@ def _check_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
     _check_rows("sin", sin, tokens, head_dim)
     if head_dim % 2:
         raise ValueError(f"rotate-half RoPE needs an even head_dim, got {head_dim}")
-    if k_cache.dim() != 5 or k_cache.shape[1] != kv_heads or k_cache.shape[4] != head_dim:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} is not (slots, {kv_heads}, blocks, block, {head_dim})")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the head dimension of k_cache and v_cache must be contiguous")
-    if slots.shape != (tokens,) or positions.shape != (tokens,):
-        raise ValueError(f"slots {tuple(slots.shape)} and positions {tuple(positions.shape)} must be ({tokens},)")
+    check_slab_store(k_cache, v_cache, slots, positions, tokens, kv_heads, head_dim)
     if out.shape != (tokens, heads, head_dim) or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} must be ({tokens}, {heads}, {head_dim}) with a contiguous last dimension")
 
@@ -317,12 +330,9 @@ def rope_and_store(
     _check_rope(qkv, cos, sin, k_cache, v_cache, slots, positions, out, n_heads, n_kv_heads, head_dim)
     if tokens == 0:
         return out
-    # Triton checks every pointer argument with cuPointerGetAttribute, which fails on the unmapped
-    # parts of a reserved slab (slot 0 may be free). So K and V are passed as views of the last
-    # slot, the spare that is always mapped, and the kernel offsets from there (as decode_attention).
-    anchor = k_cache.shape[0] - 1
+    anchor, k_anchor, v_anchor = spare_views(k_cache, v_cache)  # K and V as views of the always mapped spare slot
     _rope_store_kernel[(tokens,)](
-        qkv, cos, sin, out, k_cache[anchor], v_cache[anchor], slots, positions, anchor,
+        qkv, cos, sin, out, k_anchor, v_anchor, slots, positions, anchor,
         qkv.stride(0), cos.stride(0), sin.stride(0), slots.stride(0), positions.stride(0),
         out.stride(0), out.stride(1),
         *k_cache.stride()[:4], *v_cache.stride()[:4],

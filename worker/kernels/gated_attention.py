@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from worker.kernels.fused import STRICT, _interpreted
+from worker.kernels.attention import spare_views
+from worker.kernels.fused import STRICT, _interpreted, check_slab_store
 from worker.kernels.pdl import launch_options, wait_then_release
 
 
@@ -96,9 +97,7 @@ def norm_rope_store(
     """The rows' queries, normed and turned (T, H, hd) in qkv's dtype; their keys (normed, turned) and values stored
     in the caches at each row's slot and position. One launch (see the module docstring)."""
     rows = qkv.shape[0]
-    if k_cache.dim() != 5 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} is not (slots, kv_heads, blocks, block, head_dim) like v_cache")
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[4]
+    kv_heads, head_dim = check_slab_store(k_cache, v_cache, slots, positions, rows)
     rotary = cos.shape[1]
     if qkv.shape[1] != (2 * n_heads + 2 * kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not ({rows}, {(2 * n_heads + 2 * kv_heads) * head_dim}) "
@@ -106,19 +105,14 @@ def norm_rope_store(
     if rotary % 2 or rotary > head_dim or cos.shape != (rows, rotary) or sin.shape != (rows, rotary):
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be ({rows}, an even rotary_dim "
                          f"<= {head_dim})")
-    if cos.stride(1) != 1 or sin.stride(1) != 1 or k_cache.stride(4) != 1 or v_cache.stride(4) != 1:
-        raise ValueError("cos, sin and the caches' head dim must be contiguous")
-    if slots.shape != (rows,) or positions.shape != (rows,) or not slots.is_contiguous() or not positions.is_contiguous():
-        raise ValueError(f"slots and positions must be ({rows},) and contiguous")
+    if cos.stride(1) != 1 or sin.stride(1) != 1 or not slots.is_contiguous() or not positions.is_contiguous():
+        raise ValueError("cos and sin must have contiguous rows, slots and positions be contiguous")
     out = torch.empty((rows, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if rows == 0:
         return out
-    # Triton checks every pointer argument, which fails on the unmapped parts of a reserved slab: the caches are
-    # passed as views of the last slot, the spare that is always mapped, and the kernel offsets from there (as
-    # worker.kernels.fused.rope_and_store).
-    anchor = k_cache.shape[0] - 1
+    anchor, k_anchor, v_anchor = spare_views(k_cache, v_cache)  # K and V as views of the always mapped spare slot
     _norm_rope_store_kernel[(rows, n_heads + kv_heads)](
-        qkv, q_norm, k_norm, cos, sin, out, k_cache[anchor], v_cache[anchor], slots, positions, anchor,
+        qkv, q_norm, k_norm, cos, sin, out, k_anchor, v_anchor, slots, positions, anchor,
         qkv.stride(0), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
         *k_cache.stride()[:4], *v_cache.stride()[:4], 1.0 / head_dim, eps,
         HEADS=n_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, ROTARY=rotary, BLOCK_D=triton.next_power_of_2(head_dim),
