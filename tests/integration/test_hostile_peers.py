@@ -197,13 +197,20 @@ def test_floods_of_huge_readies_cost_the_broker_neither_memory_nor_a_good_client
         for peer in peers:
             peer.sock.close(linger=0)
             peer.context.term()
-    rss_after = _rss_mb(guarded.broker.pid)
+    # ZeroMQ takes each message whole before the broker sees it (up to 136 MB at once here); glibc keeps what was
+    # freed until the broker gives it back, at most a second after a large header (broker.server, malloc_trim).
+    peak = rss_after = _rss_mb(guarded.broker.pid)
+    deadline = time.monotonic() + 5
+    while rss_after - rss_before >= 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        rss_after = _rss_mb(guarded.broker.pid)
     measure("ready_flood_slowest_good_request_s", round(slowest, 3))
-    measure("ready_flood_broker_rss_growth_mb", round(rss_after - rss_before, 1))
+    measure("ready_flood_broker_rss_growth_mb", round(peak - rss_before, 1))
+    measure("ready_flood_broker_rss_growth_after_trim_mb", round(rss_after - rss_before, 1))
     # Each peer is told why (on a loaded host a peer's connection may drop before the answer reaches it).
     assert refusals and all(isinstance(r, p.Error) and "registration refused: READY of" in r.message
                             for r in refusals), refusals
-    assert slowest < 1.0 and rss_after - rss_before < 100
+    assert slowest < 1.0 and rss_after - rss_before < 20
     with guarded.client() as c:
         assert [w.name for w in c.status()] == ["w1"]
 
