@@ -1,14 +1,42 @@
-"""Shared fixtures: the bundled model is loaded once per test run."""
+"""Shared fixtures: the bundled model is loaded once per test process. And how the suite spreads over two processes.
+
+The README's test command runs the suite in two pytest-xdist workers (`-n 2 --dist loadgroup`; without them, one
+process, as tests/gpu_run.sh runs the GPU tests). Every test that starts daemons (tests/integration, tests/gateway,
+tests/client, tests/fuzz) is in one group, so they run one after another in one worker, as they would alone: their
+timings (heartbeats, deadlines) see one other process, never another cluster. The other worker takes the in-process
+tests, with one torch thread each so that the two workers do not oversubscribe a two-core machine.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import structlog
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+DAEMON_DIRS = frozenset({"integration", "gateway", "client", "fuzz"})  # under tests/: tests that start daemons
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    tests = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(tests).parts if item.path.is_relative_to(tests) else ()
+        if parts and parts[0] in DAEMON_DIRS:
+            item.add_marker(pytest.mark.xdist_group("daemons"))
 
 
 @pytest.fixture(scope="session")
