@@ -49,6 +49,8 @@ DELTA_BLOCK_V = 32  # value dims per decode delta-rule program
 # 128 tokens, H100: 5.50 ms at 32 (8 warps), 2.84 ms at 64, 4.01 ms at 32 with 4 warps; 128 does not fit (shared
 # memory). Every width gives the same bits (a value column's sums do not depend on the others').
 PREFILL_BLOCK_V = 64
+PREFILL_WARPS = 8
+BLOCKS_WARPS = 8  # the blocks' reach and inverse (_delta_blocks_kernel)
 # The prefill kernel's products, all fp32: "tf32x3" (three TF32 passes on the tensor cores, about fp32's precision).
 # In plain fp32 FMAs ("ieee") the kernel for Qwen3.5-9B's heads compiled to 32 registers and a 10 KB stack of spills
 # (ptxas for sm_90, Triton 3.9); with the tensor cores to 255 registers and 3 KB. The interpreter computes in fp32.
@@ -297,9 +299,69 @@ def _unit_lower_inverse(system, ts, eye, BLOCK_T: tl.constexpr, DOT: tl.constexp
 
 
 @triton.jit
+def _block_keys(QKV, A, B, rows, rows_ok, hk, hv, ks, k_ok, a_log, dt_bias, stride_qkv, stride_ab, key_dim, scale,
+                KEY_HEADS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """A block's queries (L2-normed, scaled) and keys (L2-normed) of key head hk, and value head hv's beta and
+    cumulated decays: the same code in both prefill kernels, so both see the same bits."""
+    base = QKV + rows[:, None] * stride_qkv
+    q = tl.load(base + hk * key_dim + ks[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+    k = tl.load(base + (KEY_HEADS + hk) * key_dim + ks[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+    q = q.to(tl.float32)
+    k = k.to(tl.float32)
+    q = q * (1.0 / tl.sqrt(tl.sum(q * q, 1) + 1e-6))[:, None] * scale
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, 1) + 1e-6))[:, None]
+    a = tl.load(A + rows * stride_ab + hv, mask=rows_ok, other=0.0).to(tl.float32)
+    b = tl.load(B + rows * stride_ab + hv, mask=rows_ok, other=0.0).to(tl.float32)
+    g = tl.where(rows_ok, -tl.exp(a_log) * _softplus(a + dt_bias), 0.0)  # padding rows decay nothing
+    beta = tl.where(rows_ok, _sigmoid(b), 0.0)  # and write nothing
+    return q, k, beta, tl.cumsum(g, 0)
+
+
+@triton.jit
+def _delta_blocks_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    QKV, A, B, ALog, DtBias, Blocks, TileFirst, TileRows,
+    stride_qkv, stride_ab, stride_bt, stride_bh,
+    key_dim, scale,
+    KEY_HEADS: tl.constexpr,
+    VALUE_HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid (tiles, value heads). What of tile t's block does not depend on the state, for value head hv (fp32,
+    BLOCK_T x BLOCK_T each): Blocks[t, hv, 0] = the queries' reach within the block, (q k^T * decay) on and below
+    the diagonal; Blocks[t, hv, 1] = the inverse of its unit lower-triangular system (I + beta k k^T * decay, below
+    the diagonal). Every block at once: the walk over a run's blocks (_delta_prefill_kernel) then only reads them."""
+    wait_then_release(PDL)
+    t = tl.program_id(0)
+    hv = tl.program_id(1)
+    count = tl.load(TileRows + t)
+    if count > 0:
+        hk = hv // (VALUE_HEADS // KEY_HEADS)
+        ts = tl.arange(0, BLOCK_T)
+        ks = tl.arange(0, BLOCK_K)
+        rows_ok = ts < count
+        rows = tl.load(TileFirst + t) + ts
+        lower = ts[:, None] >= ts[None, :]
+        strictly = ts[:, None] > ts[None, :]
+        eye = (ts[:, None] == ts[None, :]).to(tl.float32)
+        q, k, beta, cum = _block_keys(QKV, A, B, rows, rows_ok, hk, hv, ks, ks < key_dim,
+                                      tl.load(ALog + hv).to(tl.float32), tl.load(DtBias + hv).to(tl.float32),
+                                      stride_qkv, stride_ab, key_dim, scale, KEY_HEADS)
+        decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))  # from token j to i
+        within = tl.where(lower, tl.dot(q, tl.trans(k), input_precision=DOT) * decay, 0.0)
+        at = Blocks + t.to(tl.int64) * stride_bt + hv * stride_bh + ts[:, None] * BLOCK_T + ts[None, :]
+        tl.store(at, within)
+        kk = tl.dot(k, tl.trans(k), input_precision=DOT)
+        system = tl.where(strictly, kk * beta[:, None] * decay, 0.0)  # L: (I + L) solved for
+        tl.store(at + BLOCK_T * BLOCK_T, _unit_lower_inverse(system, ts, eye, BLOCK_T, DOT))
+
+
+@triton.jit
 def _delta_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    QKV, A, B, ALog, DtBias, Out, State, Slots, Positions, TileFirst, TileRows, anchor, n_tiles,
-    stride_qkv, stride_ab, stride_out, stride_ss, stride_sh, stride_sk,
+    QKV, A, B, ALog, DtBias, Out, State, Slots, Positions, TileFirst, TileRows, Blocks, anchor, n_tiles,
+    stride_qkv, stride_ab, stride_out, stride_ss, stride_sh, stride_sk, stride_bt, stride_bh,
     key_dim, value_dim, scale,
     KEY_HEADS: tl.constexpr,
     VALUE_HEADS: tl.constexpr,
@@ -310,7 +372,8 @@ def _delta_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the s
     PDL: tl.constexpr,
 ):
     """Grid (tiles, value heads, cdiv(value_dim, BLOCK_V)). The program of a run's first tile walks the run's tiles in
-    order (blocks of up to BLOCK_T tokens), the state's columns in registers; the others exit."""
+    order (blocks of up to BLOCK_T tokens), the state's columns in registers, each block's reach and inverse from
+    Blocks (_delta_blocks_kernel); the others exit."""
     wait_then_release(PDL)
     t = tl.program_id(0)
     hv = tl.program_id(1)
@@ -331,9 +394,6 @@ def _delta_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the s
         vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         k_ok = ks < key_dim
         v_ok = vs < value_dim
-        lower = ts[:, None] >= ts[None, :]
-        strictly = ts[:, None] > ts[None, :]
-        eye = (ts[:, None] == ts[None, :]).to(tl.float32)
         a_log = tl.load(ALog + hv).to(tl.float32)
         dt_bias = tl.load(DtBias + hv).to(tl.float32)
         h_ptr = State + (slot - anchor) * stride_ss + hv * stride_sh + ks[:, None] * stride_sk + vs[None, :]
@@ -344,33 +404,17 @@ def _delta_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the s
         while going:
             rows_ok = ts < count
             rows = tl.load(TileFirst + tile) + ts
-            base = QKV + rows[:, None] * stride_qkv
-            q = tl.load(base + hk * key_dim + ks[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-            k = tl.load(base + (KEY_HEADS + hk) * key_dim + ks[None, :], mask=rows_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            v = tl.load(base + 2 * KEY_HEADS * key_dim + hv * value_dim + vs[None, :],
+            q, k, beta, cum = _block_keys(QKV, A, B, rows, rows_ok, hk, hv, ks, k_ok, a_log, dt_bias, stride_qkv,
+                                          stride_ab, key_dim, scale, KEY_HEADS)
+            v = tl.load(QKV + rows[:, None] * stride_qkv + 2 * KEY_HEADS * key_dim + hv * value_dim + vs[None, :],
                         mask=rows_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-            q = q.to(tl.float32)
-            k = k.to(tl.float32)
-            q = q * (1.0 / tl.sqrt(tl.sum(q * q, 1) + 1e-6))[:, None] * scale
-            k = k * (1.0 / tl.sqrt(tl.sum(k * k, 1) + 1e-6))[:, None]
-            a = tl.load(A + rows * stride_ab + hv, mask=rows_ok, other=0.0).to(tl.float32)
-            b = tl.load(B + rows * stride_ab + hv, mask=rows_ok, other=0.0).to(tl.float32)
-            g = tl.where(rows_ok, -tl.exp(a_log) * _softplus(a + dt_bias), 0.0)  # padding rows decay nothing
-            beta = tl.where(rows_ok, _sigmoid(b), 0.0)  # and write nothing
-            cum = tl.cumsum(g, 0)
-            decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))  # from token j to i
-            # q's part first (what it reads of the state before the block, and within the block), so that it is not
-            # held beside the block's system.
-            within = tl.where(lower, tl.dot(q, tl.trans(k), input_precision=DOT) * decay, 0.0)
+            at = Blocks + tile.to(tl.int64) * stride_bt + hv * stride_bh + ts[:, None] * BLOCK_T + ts[None, :]
+            # q's part first (what it reads of the state before the block), then the block's own
             o = tl.dot(q * tl.exp(cum)[:, None], h, input_precision=DOT)
-            kk = tl.dot(k, tl.trans(k), input_precision=DOT)
-            system = tl.where(strictly, kk * beta[:, None] * decay, 0.0)  # L: (I + L) solved for
-            inverse = _unit_lower_inverse(system, ts, eye, BLOCK_T, DOT)
             # transformers' new_values - k_cumdecay @ S = T (v beta) - T (k beta e^cum) S = T (v beta - (k beta e^cum) S)
             k_read = tl.dot(k * (beta * tl.exp(cum))[:, None], h, input_precision=DOT)
-            v_new = tl.dot(inverse, v * beta[:, None] - k_read, input_precision=DOT)
-            o += tl.dot(within, v_new, input_precision=DOT)
+            v_new = tl.dot(tl.load(at + BLOCK_T * BLOCK_T), v * beta[:, None] - k_read, input_precision=DOT)
+            o += tl.dot(tl.load(at), v_new, input_precision=DOT)
             tl.store(Out + rows[:, None] * stride_out + hv * value_dim + vs[None, :], o.to(Out.dtype.element_ty),
                      mask=rows_ok[:, None] & v_ok[None, :])
             last = tl.sum(tl.where(ts == count - 1, cum, 0.0), 0)
@@ -432,13 +476,19 @@ def delta_prefill(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: to
     n_tiles = tiles.shape[1]
     if rows and n_tiles:
         anchor = state.shape[0] - 1
+        block_k = max(16, triton.next_power_of_2(key_dim))
+        dot = "ieee" if _interpreted() else PREFILL_DOT
+        blocks = torch.empty((n_tiles, value_heads, 2, TILE_ROWS, TILE_ROWS), dtype=torch.float32, device=qkv.device)
+        _delta_blocks_kernel[(n_tiles, value_heads)](
+            qkv, a, b, a_log, dt_bias, blocks, tiles[0], tiles[1],
+            qkv.stride(0), a.stride(0), blocks.stride(0), blocks.stride(1), key_dim, key_dim ** -0.5,
+            KEY_HEADS=key_heads, VALUE_HEADS=value_heads, BLOCK_T=TILE_ROWS, BLOCK_K=block_k, DOT=dot,
+            num_warps=BLOCKS_WARPS, **STRICT, **launch_options(qkv))
         block_v = max(16, min(PREFILL_BLOCK_V, triton.next_power_of_2(value_dim)))
         _delta_prefill_kernel[(n_tiles, value_heads, triton.cdiv(value_dim, block_v))](
-            qkv, a, b, a_log, dt_bias, out, state[anchor], slots, positions, tiles[0], tiles[1], anchor, n_tiles,
-            qkv.stride(0), a.stride(0), out.stride(0), state.stride(0), state.stride(1), state.stride(2),
-            key_dim, value_dim, key_dim ** -0.5,
-            KEY_HEADS=key_heads, VALUE_HEADS=value_heads, BLOCK_T=TILE_ROWS,
-            BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=block_v,
-            DOT="ieee" if _interpreted() else PREFILL_DOT,
-            num_warps=8, **STRICT, **launch_options(qkv))
+            qkv, a, b, a_log, dt_bias, out, state[anchor], slots, positions, tiles[0], tiles[1], blocks, anchor,
+            n_tiles, qkv.stride(0), a.stride(0), out.stride(0), state.stride(0), state.stride(1), state.stride(2),
+            blocks.stride(0), blocks.stride(1), key_dim, value_dim, key_dim ** -0.5,
+            KEY_HEADS=key_heads, VALUE_HEADS=value_heads, BLOCK_T=TILE_ROWS, BLOCK_K=block_k, BLOCK_V=block_v,
+            DOT=dot, num_warps=PREFILL_WARPS, **STRICT, **launch_options(qkv))
     return out
