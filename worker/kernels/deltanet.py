@@ -299,8 +299,10 @@ def _unit_lower_inverse(system, ts, eye, BLOCK_T: tl.constexpr, DOT: tl.constexp
 
 
 @triton.jit
-def _block_keys(QKV, A, B, rows, rows_ok, hk, hv, ks, k_ok, a_log, dt_bias, stride_qkv, stride_ab, key_dim, scale,
-                KEY_HEADS: tl.constexpr):  # type: ignore[no-untyped-def]
+def _block_keys(  # type: ignore[no-untyped-def]  # Triton reads the signature
+    QKV, A, B, rows, rows_ok, hk, hv, ks, k_ok, a_log, dt_bias, stride_qkv, stride_ab, key_dim, scale,
+    KEY_HEADS: tl.constexpr,
+):
     """A block's queries (L2-normed, scaled) and keys (L2-normed) of key head hk, and value head hv's beta and
     cumulated decays: the same code in both prefill kernels, so both see the same bits."""
     base = QKV + rows[:, None] * stride_qkv
