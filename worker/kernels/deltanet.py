@@ -15,11 +15,13 @@ the step's shape and reads its work from static inputs: it is captured once in a
   (a second launch: every row's window must read the slot's inputs before any is replaced).
 - `delta_decode`: one token per row, per (value head, block of value dims): the recurrent update, as transformers'
   torch_recurrent_gated_delta_rule and flash-linear-attention's fused_recurrent kernel compute it.
-- `delta_prefill`: one program per run, value head and block of value dims walks the run's blocks of 64 tokens
-  in order, the state in registers: the chunked form of transformers' torch_chunk_gated_delta_rule (the UT
-  transform: the block's unit lower-triangular system inverted as flash-linear-attention's solve_tril does, by
-  forward substitution in 16 x 16 blocks and two block merges), as flash-linear-attention's chunk kernels compute it
-  in several launches.
+- `delta_prefill`: the chunked form of transformers' torch_chunk_gated_delta_rule in two launches. First a
+  program per tile (a block of up to 64 tokens) and value head computes what does not depend on the state, every
+  block at once: the block's reach (q k^T times the decays, lower triangle) and the inverse of its unit
+  lower-triangular system (the UT transform, inverted as flash-linear-attention's solve_tril does, by forward
+  substitution in 16 x 16 blocks and two block merges), into an fp32 scratch. Then one program per run, value head
+  and block of value dims walks the run's blocks in order, the state in registers, reading them. The same bits as
+  computing both in the walk (each block's numbers are the same products in the same order).
 
 Decays come in as transformers computes them: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); q and k
 are L2-normed per head in fp32 (eps 1e-6) and q scaled by key_dim^-1/2. The recurrent state is fp32.
@@ -44,13 +46,15 @@ from worker.kernels.tiles import TILE_ROWS
 
 CONV_BLOCK = 256  # channels per convolution program
 DELTA_BLOCK_V = 32  # value dims per decode delta-rule program
-# Value dims per prefill program: each program recomputes its blocks' q k^T, k k^T and the triangular inverse for its
-# value dims, so wider programs do less of that again. Qwen3.5-35B-A3B's DeltaNet (32 value heads of 128), 16 runs of
-# 128 tokens, H100: 5.50 ms at 32 (8 warps), 2.84 ms at 64, 4.01 ms at 32 with 4 warps; 128 does not fit (shared
-# memory). Every width gives the same bits (a value column's sums do not depend on the others').
-PREFILL_BLOCK_V = 64
-PREFILL_WARPS = 8
-BLOCKS_WARPS = 8  # the blocks' reach and inverse (_delta_blocks_kernel)
+# Prefill launch shapes, from a sweep on the H200 (Qwen3.5-35B-A3B's DeltaNet: 32 value heads of 128 dims; blocks
+# kernel warps 4 / 8 / 16 x value dims per walk program 16-128 x walk warps 4 / 8): 16 runs of 128 tokens 676 us a
+# layer at 4 / 32 / 4 against 945 at 8 / 64 / 8; 64 runs of 32 tokens 1,331 against 1,986; one run of 2,048 873
+# against 1,088 (834 at 16 value dims, the only shape where narrower wins). One launch computing the blocks' reach and
+# inverse again in each walk program took 2,565, 5,520 and 3,934 us. Every choice gives the same bits (a value
+# column's sums do not depend on the others'; each block's products are the same).
+PREFILL_BLOCK_V = 32
+PREFILL_WARPS = 4
+BLOCKS_WARPS = 4  # the blocks' reach and inverse (_delta_blocks_kernel)
 # The prefill kernel's products, all fp32: "tf32x3" (three TF32 passes on the tensor cores, about fp32's precision).
 # In plain fp32 FMAs ("ieee") the kernel for Qwen3.5-9B's heads compiled to 32 registers and a 10 KB stack of spills
 # (ptxas for sm_90, Triton 3.9); with the tensor cores to 255 registers and 3 KB. The interpreter computes in fp32.
