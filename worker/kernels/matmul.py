@@ -44,12 +44,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from worker.kernels.fused import STRICT, _interpreted
-from worker.kernels.pdl import launch_options, prefetch_l2, wait_then_release
+from worker.kernels.pdl import launch_options, wait_then_release
 
 BLOCK_M = 16  # rows per program unless tiles_for says otherwise (tl.dot's smallest tile)
-# With PDL, each program asks the L2 for the first PREFETCH_K columns of its weight rows before it waits for the kernel
-# before it (worker.kernels.pdl.prefetch_l2); 0: none.
-PREFETCH_K = 256
 
 
 @dataclass(frozen=True)
@@ -118,8 +115,6 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
-    LINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)). Out[m, n] for the program's rows and columns.
@@ -128,18 +123,11 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     NORMED: X's rows are scaled by rsqrt(sum_t SqIn[t, m] * inv_k + eps) after the product (SqIn: the
     partial sums of squares of X's rows, SQ_TILES of them). SQUARES_OUT: SqOut[tile, m] = the sum of
     squares of this program's BLOCK_N columns of Out's row m (what a NORMED product of Out reads).
-    PREFETCH_LINES: with PDL, lines of LINE elements of each weight row asked of the L2 before the wait.
     """
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PDL and PREFETCH_LINES > 0:  # the weights: no kernel of the step writes them
-        at = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
-        w_first = W + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn + at[None, :]
-        prefetch_l2(w_first)
-        if SILU:
-            prefetch_l2(w_first + N * stride_wn)
     wait_then_release(PDL)
     dtype = X.dtype.element_ty
     rm = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row_ok = rm < M
     col_ok = rn < N
@@ -246,17 +234,9 @@ def row_matmul(
         SQUARES_OUT=squares_out is not None, SILU=silu, RESIDUAL=residual is not None,
         LIBDEVICE_EXP=not _interpreted(), DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        **prefetch_lines(weight, k), num_warps=tiles.warps, num_stages=tiles.stages, **STRICT, **launch_options(x),
+        num_warps=tiles.warps, num_stages=tiles.stages, **STRICT, **launch_options(x),
     )
     return out
-
-
-def prefetch_lines(weight: torch.Tensor, k: int, prefetch_k: int | None = None) -> dict[str, int]:
-    """The PREFETCH_LINES and LINE arguments for a weight of rows of k elements: 128-byte lines of its first
-    prefetch_k (default PREFETCH_K) elements, a power of two of them."""
-    line = max(1, 128 // weight.element_size())
-    wanted = min(PREFETCH_K if prefetch_k is None else prefetch_k, k)
-    return {"PREFETCH_LINES": triton.next_power_of_2(triton.cdiv(wanted, line)) if wanted > 0 else 0, "LINE": line}
 
 
 def squares_tiles(n: int, k: int, silu: bool = False) -> int:

@@ -49,8 +49,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from worker.kernels.fused import STRICT, _interpreted
-from worker.kernels.matmul import prefetch_lines
-from worker.kernels.pdl import launch_options, prefetch_l2, wait_then_release
+from worker.kernels.pdl import launch_options, wait_then_release
 
 PLACE_BLOCK = 1024  # pairs per step of the last route program's placing
 
@@ -173,7 +172,7 @@ def _silu(x, LIBDEVICE_EXP: tl.constexpr):  # type: ignore[no-untyped-def]  # Tr
 @triton.jit
 def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     X, W, Out, Sorted, BlockExpert, Total, Weights,
-    n_pairs, n_experts, N, K, stride_x, stride_we, stride_wn, stride_o,
+    n_pairs, N, K, stride_x, stride_we, stride_wn, stride_o,
     PAIRS: tl.constexpr,
     GATED: tl.constexpr,
     LIBDEVICE_EXP: tl.constexpr,
@@ -181,25 +180,13 @@ def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
-    LINE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (max blocks of sorted pairs, cdiv(N, BLOCK_N)). GATED (gate|up): Out[pair, n] = silu(g) * u with
     g | u = X[token] @ W[e, n | N + n].T, X the tokens' rows (pair // PAIRS). Else (down): Out[pair, n] =
-    (X[pair] @ W[e, n].T) * Weights[pair], X the pairs' rows.
-
-    PREFETCH_LINES (down only, with PDL): the first lines of the block's expert's weight rows are asked of the L2
-    before the wait. The routing that names the expert is two launches back, done once the gate|up kernel before
-    this one has let it launch (its programs release only after their own wait), so it may be read before ours."""
-    block = tl.program_id(0)
-    if PDL and PREFETCH_LINES > 0:
-        if block * BLOCK_M < tl.load(Total):
-            rn_first = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-            at = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
-            expert_early = tl.minimum(tl.maximum(tl.load(BlockExpert + block), 0), n_experts - 1).to(tl.int64)
-            prefetch_l2(W + expert_early * stride_we + rn_first[:, None].to(tl.int64) * stride_wn + at[None, :])
+    (X[pair] @ W[e, n].T) * Weights[pair], X the pairs' rows."""
     wait_then_release(PDL)
+    block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(Total):
         return
     expert = tl.load(BlockExpert + block).to(tl.int64)
@@ -341,14 +328,14 @@ def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     gu, dn = tiles.gate_up, tiles.down
     _expert_kernel[(blocks, triton.cdiv(ffn, gu.block_n))](
         x, gate_up, act, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights,
-        pairs, experts, ffn, dim, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        PAIRS=pairs_per_token, GATED=True, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, PREFETCH_LINES=0, LINE=1,
-        num_warps=gu.warps, num_stages=gu.stages, **common)
+        pairs, ffn, dim, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        PAIRS=pairs_per_token, GATED=True, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.warps,
+        num_stages=gu.stages, **common)
     _expert_kernel[(blocks, triton.cdiv(dim, dn.block_n))](
         act, down, out, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights,
-        pairs, experts, dim, ffn, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        PAIRS=pairs_per_token, GATED=False, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, **prefetch_lines(down, ffn),
-        num_warps=dn.warps, num_stages=dn.stages, **common)
+        pairs, dim, ffn, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        PAIRS=pairs_per_token, GATED=False, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.warps,
+        num_stages=dn.stages, **common)
     return out
 
 

@@ -9,10 +9,6 @@ kernel launch (griddepcontrol.launch_dependents). Only launching and scheduling 
 or writes memory before its predecessor is done, and since every PDL kernel waits first, the order
 holds transitively (a kernel launched without PDL waits for the whole kernel before it, as always).
 
-What a kernel reads that no kernel of the step writes (the weights) it may ask for before it waits: `prefetch_l2`
-asks the L2 for their first lines, so that a product's first loads are under way while the kernel before it still
-runs (a decode step of one session is ~490 launches whose weight streams each start cold).
-
 Kernels take a `PDL: tl.constexpr` and start with `wait_then_release(PDL)`; launchers pass
 `**launch_options(tensor)`. Off in Triton's interpreter and before Hopper; `configure(False)` turns it off for the
 process (the engine's `pdl` option, WORKER_PDL=0: A/B runs).
@@ -44,14 +40,6 @@ def wait_then_release(PDL: tl.constexpr):  # type: ignore[no-untyped-def]  # Tri
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):  # type: ignore[no-untyped-def]  # Triton reads the signature
-    """Ask the L2 for the 128-byte line at each of a block of pointers, without waiting for it (a hint: nothing is
-    loaded into registers). For memory no kernel before this one writes, before wait_then_release."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 def configure(allowed: bool) -> None:
