@@ -25,7 +25,7 @@ TOKEN_BYTES = 30 * 2 * 3 * 64 * 4
 PAGE = 16 * TOKEN_BYTES  # one block of the slot layout
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a wooden press adapted from")
-PROMPT: list[int] = []  # TEXT's 30 tokens (set by the reference fixture)
+PROMPT: list[int] = []  # TEXT's 30 tokens (set by the model fixture, which every test takes)
 _expected: dict[tuple[tuple[int, ...], tuple[int, ...]], list[list[int]]] = {}
 
 
@@ -55,15 +55,16 @@ def close(eng: Engine) -> None:
 
 @pytest.fixture(scope="module")
 def model() -> Model:
-    return Model()
+    m = Model()
+    PROMPT[:] = m.parts.tokenizer.encode(TEXT)
+    assert len(PROMPT) == 30, len(PROMPT)
+    return m
 
 
 @pytest.fixture(scope="module")
 def reference(model: Model) -> Iterator[Engine]:
     """Every slot backed whole, nothing hibernates: the tokens every other engine must give."""
     eng = model.engine(host_page_bytes=None)
-    PROMPT[:] = eng.tokenizer.encode(TEXT)
-    assert len(PROMPT) == 30, len(PROMPT)
     yield eng
     close(eng)
 
