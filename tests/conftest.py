@@ -3,8 +3,10 @@
 The README's test command runs the suite in two pytest-xdist workers (`-n 2 --dist loadgroup`; without them, one
 process, as tests/gpu_run.sh runs the GPU tests). Every test that starts daemons (tests/integration, tests/gateway,
 tests/client, tests/fuzz) is in one group, so they run one after another in one worker, as they would alone: their
-timings (heartbeats, deadlines) see one other process, never another cluster. The other worker takes the in-process
-tests, with one torch thread each so that the two workers do not oversubscribe a two-core machine.
+timings (heartbeats, deadlines) see one other process, never another cluster. Every other module is a group of its
+own, so that its tests run in one worker in file order, as they do in one process (a module's fixtures and module
+state are made once, by the tests that come first). Workers run with one torch thread each so that the two do not
+oversubscribe a two-core machine.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = item.path.relative_to(tests).parts if item.path.is_relative_to(tests) else ()
         if parts and parts[0] in DAEMON_DIRS:
             item.add_marker(pytest.mark.xdist_group("daemons"))
+        else:
+            item.add_marker(pytest.mark.xdist_group("/".join(parts) or item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")
