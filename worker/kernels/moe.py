@@ -13,7 +13,9 @@ launches:
    every pair: each expert's range of `sorted_pairs` starts at the sum of the experts before it, each count padded up
    to a multiple of BLOCK_M (the padding holds the sentinel, the pair count), a pair sits at its range's start plus
    its rank; it records each block's expert and the padded total, and sets the counts and the ticket back to zero
-   for the next step (`scratch`, which the caller keeps: make it with `moe_scratch`).
+   for the next step (`scratch`, which the caller keeps: make it with `moe_scratch`). A step of one token (a single
+   session's decode) places its pairs in the same layout from registers: each chosen expert's range is one block,
+   in expert order; no atomics, no second round of reads.
 2. `_expert_kernel` (gate|up), a program per block of BLOCK_M sorted pairs (one expert's) and BLOCK_N columns of the
    expert's ffn: x's rows of the block's tokens times the expert's gate and up rows, silu(gate) * up, written at each
    pair's row of `act` (pairs, ffn).
@@ -90,11 +92,13 @@ def _route_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    SINGLE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (tokens,): token t's pairs (Ids, Weights: fp32 holding model-dtype values, Ranks among its experts'
     pairs); the last program to finish places every pair (see the module docstring). Scratch (int32): the experts'
-    counts, their ranges' starts, the ticket."""
+    counts, their ranges' starts, the ticket. SINGLE (one token, one program): the program places its own pairs
+    from registers, as the last program would (no atomics, no scratch, Ranks not written)."""
     wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -129,6 +133,14 @@ def _route_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     mine = choice < PAIRS
     tl.store(Ids + t * PAIRS + choice, ids, mask=mine)
     tl.store(Weights + t * PAIRS + choice, weights, mask=mine)
+    if SINGLE:  # each chosen expert's range is one block: its start is BLOCK_M x the chosen experts below it
+        below = tl.sum(((ids[None, :] < ids[:, None]) & mine[None, :]).to(tl.int32), 1)
+        slot = tl.arange(0, BLOCK_M)
+        sorted_at = Sorted + below[:, None] * BLOCK_M + slot[None, :]
+        tl.store(sorted_at, tl.where(slot[None, :] == 0, choice[:, None], PAIRS), mask=mine[:, None])
+        tl.store(BlockExpert + below, ids, mask=mine)
+        tl.store(Total, PAIRS * BLOCK_M)
+        return
     experts_all = n_experts + SHARED
     counts_at = Scratch
     starts_at = Scratch + experts_all
@@ -187,10 +199,13 @@ def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     (X[pair] @ W[e, n].T) * Weights[pair], X the pairs' rows."""
     wait_then_release(PDL)
     block = tl.program_id(0)
-    if block * BLOCK_M >= tl.load(Total):
-        return
+    # The three reads at once (a block past the total reads what an earlier step left, and returns unused), so
+    # that the weights' address is known one round trip after the wait instead of two.
+    total = tl.load(Total)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     pairs = tl.load(Sorted + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if block * BLOCK_M >= total:
+        return
     valid = pairs < n_pairs
     if GATED:
         rows = pairs // PAIRS
@@ -303,7 +318,7 @@ def route_and_sort(logits: torch.Tensor, experts: int, top_k: int, tiles: MoeTil
                                  logits.stride(0), tokens, experts, TOP_K=top_k, SHARED=int(shared),
                                  BLOCK_E=triton.next_power_of_2(experts_all),
                                  BLOCK_K=triton.next_power_of_2(pairs_per_token), BLOCK_M=tiles.block_m,
-                                 BLOCK_P=PLACE_BLOCK, num_warps=tiles.route_warps, **STRICT,
+                                 BLOCK_P=PLACE_BLOCK, SINGLE=tokens == 1, num_warps=tiles.route_warps, **STRICT,
                                  **launch_options(logits))
     return Routing(ids, weights, sorted_pairs, block_expert, total)
 

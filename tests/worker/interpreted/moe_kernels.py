@@ -8,8 +8,8 @@ model runs (worker.model.qwen3_5_moe.SparseMoe), at tiny sizes:
   token chooses, and a token count where one expert takes more than one block), the shared expert computed apart (the
   tiny preset's is wider than its routed experts) and run as one more expert (the same config with equal widths, as
   the published shape has them);
-- batch invariance: a token's output rows are the same bits alone, with others, and moved to another place of the
-  batch (its pairs land elsewhere in the sorted order).
+- batch invariance: a token's output rows are the same bits alone (routed by the one-token path), with others, and
+  moved to another place of the batch (its pairs land elsewhere in the sorted order).
 The interpreter computes tl.dot with numpy's matmul, whose BLAS sums a row in an order that depends on the row's place
 in the tile (its micro-kernels take rows in groups): the check computes each row of a tl.dot by itself instead, as a
 GPU's tensor cores do (a row's sums do not depend on its place in the tile), so that the bits compare the kernels'
@@ -26,7 +26,7 @@ import torch
 from worker.model.config import PRESETS, ModelConfig
 from worker.model.qwen3_5_moe import SparseMoe
 
-TOKENS = (1, 40)  # one, and enough for an expert to take several decode blocks
+TOKENS = (1, 40)  # one (the route kernel's one-program path), and enough for an expert to take several decode blocks
 
 
 def rows_apart() -> None:
