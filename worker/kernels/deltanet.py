@@ -56,8 +56,9 @@ PREFILL_BLOCK_V = 32
 PREFILL_WARPS = 4
 BLOCKS_WARPS = 4  # the blocks' reach and inverse (_delta_blocks_kernel)
 # The prefill kernel's products, all fp32: "tf32x3" (three TF32 passes on the tensor cores, about fp32's precision).
-# In plain fp32 FMAs ("ieee") the kernel for Qwen3.5-9B's heads compiled to 32 registers and a 10 KB stack of spills
-# (ptxas for sm_90, Triton 3.9); with the tensor cores to 255 registers and 3 KB. The interpreter computes in fp32.
+# When the prefill was one launch (8 warps), in plain fp32 FMAs ("ieee") it compiled for Qwen3.5-9B's heads to 32
+# registers and a 10 KB stack of spills (ptxas for sm_90, Triton 3.9); with the tensor cores to 255 registers and 3 KB.
+# The interpreter computes in fp32.
 PREFILL_DOT = "tf32x3"
 L2_EPS = 1e-6
 

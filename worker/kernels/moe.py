@@ -38,7 +38,7 @@ atomics, may differ from one run to the next).
 
 Capture safety: no host syncs, no shapes from data. The grids are sized by the worst case: at most
 pairs + min(experts, pairs) * (BLOCK_M - 1) sorted rows (every expert chosen pads at most BLOCK_M - 1), and
-programs past the padded total return at once.
+programs past the padded total return before they read any weight.
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ class Routing:
     ids: torch.Tensor  # (tokens, pairs) int32: each token's experts, largest probability first (then the shared one)
     weights: torch.Tensor  # (tokens, pairs) fp32: their weights (model-dtype values; 1 for the shared expert)
     sorted_pairs: torch.Tensor  # (max_blocks * block_m,) int32: pair numbers by expert, padded with tokens * pairs
-    block_expert: torch.Tensor  # (max_blocks,) int32: each block's expert (blocks past total: unread)
+    block_expert: torch.Tensor  # (max_blocks,) int32: each block's expert (blocks past total: read, then unused)
     total: torch.Tensor  # (1,) int32: the padded count of sorted pairs
 
 
@@ -301,6 +301,8 @@ def route_and_sort(logits: torch.Tensor, experts: int, top_k: int, tiles: MoeTil
     """logits (tokens, >= experts), its first `experts` columns the router's: each token's top k (and, with `shared`,
     the shared expert, numbered `experts`, as its last pair) and the pairs grouped by expert."""
     tokens = logits.shape[0]
+    if not 0 < top_k <= experts:  # a choice past the last expert would name no expert
+        raise ValueError(f"top_k must be in 1..{experts}, got {top_k}")
     device = logits.device
     pairs_per_token = top_k + int(shared)
     experts_all = experts + int(shared)
