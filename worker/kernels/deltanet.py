@@ -325,6 +325,14 @@ def _block_keys(  # type: ignore[no-untyped-def]  # Triton reads the signature
 
 
 @triton.jit
+def _block_parts_at(Blocks, t, hv, stride_bt, stride_bh, ts, BLOCK_T: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Where tile t's parts for value head hv lie in the scratch (both prefill kernels read this one layout): the
+    reach within the block, then the inverse of its system (BLOCK_T x BLOCK_T fp32 each)."""
+    at = Blocks + t.to(tl.int64) * stride_bt + hv * stride_bh + ts[:, None] * BLOCK_T + ts[None, :]
+    return at, at + BLOCK_T * BLOCK_T
+
+
+@triton.jit
 def _delta_blocks_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     QKV, A, B, ALog, DtBias, Blocks, TileFirst, TileRows,
     stride_qkv, stride_ab, stride_bt, stride_bh,
@@ -358,11 +366,11 @@ def _delta_blocks_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
                                       stride_qkv, stride_ab, key_dim, scale, KEY_HEADS)
         decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))  # from token j to i
         within = tl.where(lower, tl.dot(q, tl.trans(k), input_precision=DOT) * decay, 0.0)
-        at = Blocks + t.to(tl.int64) * stride_bt + hv * stride_bh + ts[:, None] * BLOCK_T + ts[None, :]
-        tl.store(at, within)
+        within_at, inverse_at = _block_parts_at(Blocks, t, hv, stride_bt, stride_bh, ts, BLOCK_T)
+        tl.store(within_at, within)
         kk = tl.dot(k, tl.trans(k), input_precision=DOT)
         system = tl.where(strictly, kk * beta[:, None] * decay, 0.0)  # L: (I + L) solved for
-        tl.store(at + BLOCK_T * BLOCK_T, _unit_lower_inverse(system, ts, eye, BLOCK_T, DOT))
+        tl.store(inverse_at, _unit_lower_inverse(system, ts, eye, BLOCK_T, DOT))
 
 
 @triton.jit
@@ -415,13 +423,13 @@ def _delta_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton reads the s
                                           stride_ab, key_dim, scale, KEY_HEADS)
             v = tl.load(QKV + rows[:, None] * stride_qkv + 2 * KEY_HEADS * key_dim + hv * value_dim + vs[None, :],
                         mask=rows_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-            at = Blocks + tile.to(tl.int64) * stride_bt + hv * stride_bh + ts[:, None] * BLOCK_T + ts[None, :]
+            within_at, inverse_at = _block_parts_at(Blocks, tile, hv, stride_bt, stride_bh, ts, BLOCK_T)
             # q's part first (what it reads of the state before the block), then the block's own
             o = tl.dot(q * tl.exp(cum)[:, None], h, input_precision=DOT)
             # transformers' new_values - k_cumdecay @ S = T (v beta) - T (k beta e^cum) S = T (v beta - (k beta e^cum) S)
             k_read = tl.dot(k * (beta * tl.exp(cum))[:, None], h, input_precision=DOT)
-            v_new = tl.dot(tl.load(at + BLOCK_T * BLOCK_T), v * beta[:, None] - k_read, input_precision=DOT)
-            o += tl.dot(tl.load(at), v_new, input_precision=DOT)
+            v_new = tl.dot(tl.load(inverse_at), v * beta[:, None] - k_read, input_precision=DOT)
+            o += tl.dot(tl.load(within_at), v_new, input_precision=DOT)
             tl.store(Out + rows[:, None] * stride_out + hv * value_dim + vs[None, :], o.to(Out.dtype.element_ty),
                      mask=rows_ok[:, None] & v_ok[None, :])
             last = tl.sum(tl.where(ts == count - 1, cum, 0.0), 0)
