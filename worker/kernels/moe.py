@@ -23,7 +23,9 @@ launches:
    pair's routing weight, written at the pair's row of `pair_out` (pairs, dim).
 4. `_combine_kernel`, a program per token and block of columns: its k routed pair rows summed in choice order in
    fp32, plus sigmoid(its shared-expert gate logit) * the shared expert's output (its last pair row, or the `shared`
-   a caller computed apart when the widths differ), plus h.
+   a caller computed apart when the widths differ), plus h. Given the next norm's weight (the next layer's input
+   norm, or the final norm), a program takes the whole row and also writes it normed, so that the norm needs no
+   launch of its own.
 
 Numbers: products accumulate in fp32 over the inner dimension in BLOCK_K steps, in order, and are rounded to the
 model dtype as a GEMM returns them; silu, the gated product, the weighting, the sum over the choices, the shared gate
@@ -51,6 +53,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from worker.kernels.fused import STRICT, _interpreted
+from worker.kernels.norms import norm_warps, rms_normed
 from worker.kernels.pdl import launch_options, wait_then_release
 
 PLACE_BLOCK = 1024  # pairs per step of the last route program's placing
@@ -240,16 +243,18 @@ def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
 
 @triton.jit
 def _combine_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    H, PairOut, Logits, Shared, Out,
-    n, gate_col, stride_h, stride_p, stride_l, stride_s, stride_o,
+    H, PairOut, Logits, Shared, Out, NormW, Normed,
+    n, gate_col, stride_h, stride_p, stride_l, stride_s, stride_o, stride_normed, inv_n, eps,
     TOP_K: tl.constexpr,
     SHARED: tl.constexpr,
+    NORM: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (tokens, cdiv(n, BLOCK)): Out[t] = H[t] + (sum_j<TOP_K PairOut[t * PAIRS + j] + sigmoid(gate) * shared),
     the gate being Logits[t, gate_col] and shared the token's last pair row (SHARED: PAIRS = TOP_K + 1) or Shared[t]
-    (PAIRS = TOP_K)."""
+    (PAIRS = TOP_K). NORM (BLOCK >= n: the whole row in one program): also Normed[t] = Out[t] normed and times NormW
+    (1 + weight, fp32), as worker.kernels.norms.offset_rms_norm computes it."""
     wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -269,7 +274,12 @@ def _combine_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatu
     shared = (gate * expert.to(tl.float32)).to(dtype)
     moe = (routed + shared.to(tl.float32)).to(dtype).to(tl.float32)
     h = tl.load(H + t * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + t * stride_o + cols, (h + moe).to(dtype), mask=ok)
+    new = (h + moe).to(dtype)
+    tl.store(Out + t * stride_o + cols, new, mask=ok)
+    if NORM:  # the next layer's input norm (or the final norm) of the row just written
+        w = tl.load(NormW + cols, mask=ok, other=0.0)
+        y = rms_normed(tl.where(ok, new.to(tl.float32), 0.0), inv_n, eps) * w
+        tl.store(Normed + t * stride_normed + cols, y.to(dtype), mask=ok)
 
 
 def max_blocks(tokens: int, experts: int, pairs_per_token: int, block_m: int) -> int:
@@ -361,12 +371,15 @@ COMBINE_BLOCK = 512
 
 def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               top_k: int, scratch: torch.Tensor, shared: torch.Tensor | None = None,
-              prefill: bool = False, tiles: MoeTiles | None = None) -> torch.Tensor:
+              prefill: bool = False, tiles: MoeTiles | None = None, norm: torch.Tensor | None = None,
+              eps: float = 0.0, normed: torch.Tensor | None = None) -> torch.Tensor:
     """h + the mixture of experts' output for the normed rows x (tokens, dim): `logits` (tokens, experts + 1) the
     router's then the shared expert's gate logit; the experts' weights gate_up (n, 2 * ffn, dim) and down
     (n, dim, ffn), where n = experts + 1 holds the shared expert last, or n = experts and `shared` (tokens, dim) is
     the shared expert's output computed apart. `scratch`: moe_scratch(n). `prefill`: the prefill steps' tiles (else
-    the decode steps'; `tiles` overrides them, for benchmarks). A new (tokens, dim) tensor in h's dtype."""
+    the decode steps'; `tiles` overrides them, for benchmarks). A new (tokens, dim) tensor in h's dtype. With `norm`
+    (dim,) fp32 (1 + weight) and `normed` (tokens, dim) in h's dtype, the last launch also writes the output normed
+    into `normed` (offset_rms_norm(out, norm, eps): the next layer's input norm, in the same launch)."""
     tokens, dim = x.shape
     experts = logits.shape[1] - 1
     in_experts = shared is None
@@ -375,7 +388,11 @@ def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: t
                          f"{'and the shared one' if in_experts else '(the shared output given apart)'}")
     if logits.stride(1) != 1 or logits.shape[0] != tokens:
         raise ValueError(f"logits must be ({tokens}, {experts + 1}) with contiguous rows")
-    for name, t in (("h", h), ("shared", shared)):
+    if (norm is None) != (normed is None):
+        raise ValueError("norm and normed go together")
+    if norm is not None and (norm.shape != (dim,) or norm.dtype != torch.float32):
+        raise ValueError(f"norm must be ({dim},) fp32")
+    for name, t in (("h", h), ("shared", shared), ("normed", normed)):
         if t is not None and (t.shape != (tokens, dim) or t.stride(1) != 1 or t.dtype != x.dtype):
             raise ValueError(f"{name} must be ({tokens}, {dim}) in {x.dtype} with contiguous rows")
     out = torch.empty_like(h)
@@ -385,8 +402,11 @@ def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: t
     routing = route_and_sort(logits, experts, top_k, tiles, scratch, shared=in_experts)
     pair_out = experts_forward(x, gate_up, down, routing, tiles)
     shared_rows = pair_out if shared is None else shared
-    _combine_kernel[(tokens, triton.cdiv(dim, COMBINE_BLOCK))](
-        h, pair_out, logits, shared_rows, out, dim, experts, h.stride(0), pair_out.stride(0), logits.stride(0),
-        shared_rows.stride(0), out.stride(0), TOP_K=top_k, SHARED=int(in_experts), BLOCK=COMBINE_BLOCK, num_warps=4,
-        **STRICT, **launch_options(h))
+    # With the norm, a program takes a whole row (its sum of squares), in the norm kernel's warps (the sum's order).
+    block, warps = (triton.next_power_of_2(dim), norm_warps(dim)) if norm is not None else (COMBINE_BLOCK, 4)
+    _combine_kernel[(tokens, triton.cdiv(dim, block))](
+        h, pair_out, logits, shared_rows, out, norm if norm is not None else h, normed if normed is not None else out,
+        dim, experts, h.stride(0), pair_out.stride(0), logits.stride(0), shared_rows.stride(0), out.stride(0),
+        normed.stride(0) if normed is not None else 0, 1.0 / dim, eps, TOP_K=top_k, SHARED=int(in_experts),
+        NORM=norm is not None, BLOCK=block, num_warps=warps, **STRICT, **launch_options(h))
     return out

@@ -21,6 +21,19 @@ from worker.kernels.pdl import launch_options, wait_then_release
 
 
 @triton.jit
+def rms_normed(x, inv_n, eps):  # type: ignore[no-untyped-def]  # Triton reads the signature
+    """A row (fp32, masked columns 0) times rsqrt(mean square + eps), in fp32: every norm here starts so (and
+    worker.kernels.moe's combine, which norms the rows it writes for the next layer)."""
+    return x * (1.0 / tl.sqrt(tl.sum(x * x, 0) * inv_n + eps))
+
+
+def norm_warps(n: int) -> int:
+    """The warps of a program that norms rows of n: its sum's order depends on them, so every kernel that norms a
+    row takes these."""
+    return 4 if n >= 1024 else 1
+
+
+@triton.jit
 def _norm_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     X, W, Gate, Out, stride_x, stride_g, stride_out, n, inv_n, eps,
     GATED: tl.constexpr,
@@ -33,7 +46,7 @@ def _norm_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     cols = tl.arange(0, BLOCK)
     ok = cols < n
     x = tl.load(X + r * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    normed = x * (1.0 / tl.sqrt(tl.sum(x * x, 0) * inv_n + eps))
+    normed = rms_normed(x, inv_n, eps)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     dtype = Out.dtype.element_ty
     if GATED:
@@ -58,7 +71,7 @@ def offset_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device) if out is None else out
     if rows:
         _norm_kernel[(rows,)](x, weight_plus_one, x, out, x.stride(0), 0, out.stride(0), n, 1.0 / n, eps,
-                              GATED=False, BLOCK=triton.next_power_of_2(n), num_warps=4 if n >= 1024 else 1,
+                              GATED=False, BLOCK=triton.next_power_of_2(n), num_warps=norm_warps(n),
                               **STRICT, **launch_options(x))
     return out
 
@@ -72,6 +85,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device) if out is None else out
     if rows:
         _norm_kernel[(rows,)](x, weight, gate, out, x.stride(0), gate.stride(0), out.stride(0), n, 1.0 / n, eps,
-                              GATED=True, BLOCK=triton.next_power_of_2(n), num_warps=4 if n >= 1024 else 1,
+                              GATED=True, BLOCK=triton.next_power_of_2(n), num_warps=norm_warps(n),
                               **STRICT, **launch_options(x))
     return out

@@ -201,6 +201,13 @@ class Mlp:
         """h + the MLP's output for x, in the GPU kernels (row-invariant ones for decode steps: batch.row_products)."""
         raise NotImplementedError
 
+    def add_kernels_normed(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch,
+                           norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_kernels's rows and the same normed by `norm` (1 + weight: the next layer's input norm or the final
+        norm). Here in two steps; an MLP whose last kernel can norm the rows it writes does it there."""
+        out = self.add_kernels(k, h, x, batch)
+        return out, k.offset_rms_norm(out, norm, eps)
+
 
 class DenseMlp(Mlp):
     """gate|up fused, SiLU, down (as Llama's)."""
@@ -396,8 +403,9 @@ class Qwen3_5(Llama):
         def add_product(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # h + x @ weight.T
             return k.row_matmul(x, weight, residual=h) if rowwise else h + F.linear(x, weight)
 
-        for block in self.blocks:
-            x = k.offset_rms_norm(h, block.input_norm, eps)
+        blocks = self.blocks
+        x = k.offset_rms_norm(h, blocks[0].input_norm, eps)
+        for i, block in enumerate(blocks):
             if isinstance(block.mixer, Attention):
                 layer = block.mixer
                 act = self._attend_kernels(k, layer, product(x, layer.wqkv.fused.weight), cos, sin, positions, slots,
@@ -406,10 +414,13 @@ class Qwen3_5(Llama):
             else:
                 h = add_product(h, self._delta_kernels(k, block.mixer, product(x, block.mixer.w_in.fused.weight),
                                                        positions, slots, state, batch), block.mixer.w_out.weight)
-            h = block.mlp.add_kernels(k, h, k.offset_rms_norm(h, block.post_norm, eps), batch)
+            # the MLP's rows, and the same normed for what comes next (the next layer's input, or the head)
+            then_norm = blocks[i + 1].input_norm if i + 1 < len(blocks) else self.norm
+            h, x = block.mlp.add_kernels_normed(k, h, k.offset_rms_norm(h, block.post_norm, eps), batch, then_norm,
+                                                eps)
         if logits_at is not None:
-            h = h[logits_at]
-        return product(k.offset_rms_norm(h, self.norm, eps), self.lm_head.weight).float()
+            x = x[logits_at]
+        return product(x, self.lm_head.weight).float()
 
     def _attend_kernels(self, k: HybridKernels, layer: Attention, qkv: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, state: dict[str, torch.Tensor],

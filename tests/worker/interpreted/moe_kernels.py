@@ -8,6 +8,7 @@ model runs (worker.model.qwen3_5_moe.SparseMoe), at tiny sizes:
   token chooses, and a token count where one expert takes more than one block), the shared expert computed apart (the
   tiny preset's is wider than its routed experts) and run as one more expert (the same config with equal widths, as
   the published shape has them);
+- the combining launch's norm of the rows it writes (the next layer's input norm): the norm kernel's bits;
 - batch invariance: a token's output rows are the same bits alone (routed by the one-token path), with others, and
   moved to another place of the batch (its pairs land elsewhere in the sorted order).
 The interpreter computes tl.dot with numpy's matmul, whose BLAS sums a row in an order that depends on the row's place
@@ -52,6 +53,7 @@ def rows_of(mlp: SparseMoe, inputs: tuple[torch.Tensor, ...], rows: torch.Tensor
 
 def check(c: ModelConfig) -> None:
     from worker.kernels.moe import DECODE_TILES, PREFILL_TILES, moe_block, route_and_sort
+    from worker.kernels.norms import offset_rms_norm
 
     ex = c.experts
     assert ex is not None
@@ -106,6 +108,14 @@ def check(c: ModelConfig) -> None:
             got = moe_block(h, x, logits, mlp.gate_up, mlp.down, ex.top_k, mlp.scratch,
                             shared=None if merged else shared, prefill=tiles is PREFILL_TILES)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            # the next layer's input norm in the combining launch: the same rows, and them normed as the norm kernel
+            norm = 1.0 + rand(d, scale=0.1)
+            normed = torch.empty_like(h)
+            also = moe_block(h, x, logits, mlp.gate_up, mlp.down, ex.top_k, mlp.scratch,
+                             shared=None if merged else shared, prefill=tiles is PREFILL_TILES, norm=norm, eps=1e-6,
+                             normed=normed)
+            assert torch.equal(also, got)
+            assert torch.equal(normed, offset_rms_norm(got, norm, 1e-6))
 
             if tokens > 1:  # the last token alone, and the batch reversed: the same bits for every token
                 inputs = (h, x, logits, shared)
