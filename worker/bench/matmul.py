@@ -117,9 +117,10 @@ def main() -> None:
     grid.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
     grid.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     grid.add_argument("--stages", type=int, nargs="+", default=[3])
+    grid.add_argument("--split", type=int, nargs="+", default=[1], help="programs a tile's inner dimension is split over")
     args = ap.parse_args()
     sweep_grid = [Tiles(*combo) for combo in itertools.product(args.block_m, args.block_n, args.block_k, args.warps,
-                                                                args.stages)]
+                                                                args.stages, args.split)]
     from worker.model.loader import load_model
 
     c = load_model(args.model).config

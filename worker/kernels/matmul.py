@@ -19,7 +19,8 @@ applied after the product because elementwise work on x before tl.dot stops Trit
 prefetching x (measured: qkv with the norm applied to x in the loop 5.0-5.3 us, against 4.2 for the
 norm kernel plus cuBLAS, and ~3.1 for this kernel).
 
-Numbers: the product is accumulated in fp32 over K in BLOCK_K chunks, in order; a normed product is
+Numbers: the product is accumulated in fp32 over K in BLOCK_K chunks, in order (a product split over several
+programs, Tiles.split: each part's chunks in order, then the parts' sums in part order); a normed product is
 scaled in fp32; then the result is rounded to the model dtype as the library's GEMM returns it, and
 silu, the gated product and the residual sum are rounded where worker.model.llama's torch code rounds them
 (as worker.kernels.fused does). The torch code rounds the normed x to the dtype before the product and
@@ -28,10 +29,11 @@ bf16 against fp32).
 
 Batch invariance: a program computes BLOCK_M rows x BLOCK_N columns; a row's numbers depend only on
 that row (tl.dot's rows are independent; the squares are added tile after tile, unrolled) and on the
-tile configuration, which depends on the weight's shape only, never on the row count, so a row
-comes out the same in every bucket.
+tile configuration (its split included), which depends on the weight's shape only, never on the row count, so a
+row comes out the same in every bucket.
 
-Capture safety: no host syncs and no allocations besides the outputs (which callers may pass).
+Capture safety: no host syncs and no allocations besides the outputs (which callers may pass) and a split product's
+partial sums; a split product's tickets are made on the device's first split launch, which must not be captured.
 """
 
 from __future__ import annotations
@@ -56,6 +58,26 @@ class Tiles:
     block_k: int
     warps: int
     stages: int
+    # Programs a tile's inner dimension is split over (each a contiguous range of whole BLOCK_K steps); the last of
+    # them to finish adds the partial sums in split order and runs the epilogue. 1: no split.
+    split: int = 1
+
+
+TICKETS = 1 << 16  # the split products' tickets (one per tile of rows x columns), zero between launches
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def split_tickets(device: torch.device, count: int) -> torch.Tensor:
+    """The device's tickets for split products: made (zeros) on the first call, which must come before any CUDA
+    graph capture (the engine's warm-up step); every launch leaves the tickets it used at zero."""
+    if count > TICKETS:
+        raise ValueError(f"a split product of {count} tiles: more than the {TICKETS} tickets")
+    tickets = _tickets.get(device)
+    if tickets is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split products' tickets are made outside a CUDA graph capture: run a step first")
+        tickets = _tickets[device] = torch.zeros((TICKETS,), dtype=torch.int32, device=device)
+    return tickets
 
 
 def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
@@ -101,10 +123,11 @@ def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
 
 @triton.jit
 def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    X, W, Out, Res, SqIn, SqOut,
+    X, W, Out, Res, SqIn, SqOut, Partial, Tickets,
     M, N, K,
     stride_xm, stride_wn, stride_om, stride_rm, stride_sq_in, stride_sq_out,
     inv_k, eps,
+    SPLIT: tl.constexpr,
     NORMED: tl.constexpr,
     SQ_TILES: tl.constexpr,
     SQUARES_OUT: tl.constexpr,
@@ -117,17 +140,22 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)). Out[m, n] for the program's rows and columns.
+    """Grid (cdiv(N, BLOCK_N) * SPLIT, cdiv(M, BLOCK_M)). Out[m, n] for the program's rows and columns.
 
     W is (N, K), or (2N, K) with SILU (gate rows, then up rows). Res and Out may be the same tensor.
     NORMED: X's rows are scaled by rsqrt(sum_t SqIn[t, m] * inv_k + eps) after the product (SqIn: the
     partial sums of squares of X's rows, SQ_TILES of them). SQUARES_OUT: SqOut[tile, m] = the sum of
     squares of this program's BLOCK_N columns of Out's row m (what a NORMED product of Out reads).
+    SPLIT > 1: program (tile, part) sums over part's range of K into Partial[part] (SPLIT, M, N or 2N with SILU,
+    fp32) and takes a ticket (Tickets[tile], zero before); the last to take one adds the SPLIT partial sums in part
+    order (so the result does not depend on which was last), sets the ticket back to zero and runs the epilogue.
     """
     wait_then_release(PDL)
     dtype = X.dtype.element_ty
     rm = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile_n = tl.program_id(0) // SPLIT
+    part = tl.program_id(0) % SPLIT
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row_ok = rm < M
     col_ok = rn < N
@@ -144,7 +172,14 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
         rstd = tl.math.rsqrt(squares * inv_k + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    if SPLIT > 1:
+        k_part = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K  # whole steps a part
+        k_first = part * k_part
+        k_end = tl.minimum(k_first + k_part, K)
+    else:
+        k_first = 0
+        k_end = K
+    for k in range(k_first, k_end, BLOCK_K):
         ks = k + rk
         k_ok = ks < K
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -153,6 +188,26 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
         if SILU:
             wu = tl.load(w_rows + N * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT > 1:
+        width: tl.constexpr = 2 if SILU else 1
+        at = Partial + (rm[:, None] * width * N + rn[None, :])
+        stride_part = M * width * N
+        tl.store(at + part * stride_part, acc, mask=out_mask)
+        if SILU:
+            tl.store(at + part * stride_part + N, acc_up, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial stored before the ticket (which releases them)
+        ticket_at = Tickets + tl.program_id(1) * tl.cdiv(N, BLOCK_N) + tile_n
+        if tl.atomic_add(ticket_at, 1, sem="acq_rel") != SPLIT - 1:
+            return
+        acc = tl.load(at, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if SILU:
+            acc_up = tl.load(at + N, mask=out_mask, other=0.0, cache_modifier=".cg")
+        for p in tl.static_range(1, SPLIT):  # in part order
+            acc += tl.load(at + p * stride_part, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if SILU:
+                acc_up += tl.load(at + p * stride_part + N, mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.store(ticket_at, 0)
     if NORMED:  # rms_norm(x) @ w.T = rstd * (x @ w.T) per row; the norm's weight is folded into w
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
@@ -165,13 +220,12 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
             e = tl.exp(-gate)
         act = tl.math.div_rn(gate, 1.0 + e).to(dtype)
         y = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
-    out_mask = row_ok[:, None] & col_ok[None, :]
     if RESIDUAL:
         r = tl.load(Res + rm[:, None] * stride_rm + rn[None, :], mask=out_mask, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)  # rounded once, as h + y
     if SQUARES_OUT:
         yf = y.to(tl.float32)  # columns past N are 0
-        tl.store(SqOut + tl.program_id(0) * stride_sq_out + rm, tl.sum(yf * yf, 1), mask=row_ok)
+        tl.store(SqOut + tile_n * stride_sq_out + rm, tl.sum(yf * yf, 1), mask=row_ok)
     tl.store(Out + rm[:, None] * stride_om + rn[None, :], y.to(Out.dtype.element_ty), mask=out_mask)
 
 
@@ -225,12 +279,18 @@ def row_matmul(
     sq_in = norm_squares if norm_squares is not None else out
     sq_out = squares_out if squares_out is not None else out
     sq_tiles = norm_squares.shape[0] if norm_squares is not None else 1
-    _row_matmul_kernel[(n_tiles, triton.cdiv(rows, tiles.block_m))](
-        x, weight, out, res, sq_in, sq_out,
+    m_tiles = triton.cdiv(rows, tiles.block_m)
+    if tiles.split > 1:  # the parts' sums (fp32) and the tiles' tickets
+        partial = torch.empty((tiles.split, rows, width), dtype=torch.float32, device=x.device)
+        tickets = split_tickets(x.device, n_tiles * m_tiles)
+    else:
+        partial, tickets = out, out  # unused
+    _row_matmul_kernel[(n_tiles * tiles.split, m_tiles)](
+        x, weight, out, res, sq_in, sq_out, partial, tickets,
         rows, n, k,
         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), sq_in.stride(0), sq_out.stride(0),
         1.0 / k, eps,
-        NORMED=norm_squares is not None, SQ_TILES=sq_tiles,
+        SPLIT=tiles.split, NORMED=norm_squares is not None, SQ_TILES=sq_tiles,
         SQUARES_OUT=squares_out is not None, SILU=silu, RESIDUAL=residual is not None,
         LIBDEVICE_EXP=not _interpreted(), DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
