@@ -64,19 +64,22 @@ class Tiles:
 
 
 TICKETS = 1 << 16  # the split products' tickets (one per tile of rows x columns), zero between launches
-_tickets: dict[torch.device, torch.Tensor] = {}
+_tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def split_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """The device's tickets for split products: made (zeros) on the first call, which must come before any CUDA
-    graph capture (the engine's warm-up step); every launch leaves the tickets it used at zero."""
+    """The tickets for split products on the current stream of `device` (one set a stream, so that products on two
+    streams never share one): made (zeros) on the stream's first call, which must come before any CUDA graph
+    capture on it (the engine warms up on its capture stream first); every launch leaves the tickets it used at
+    zero, and products on one stream run one after another."""
     if count > TICKETS:
         raise ValueError(f"a split product of {count} tiles: more than the {TICKETS} tickets")
-    tickets = _tickets.get(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    tickets = _tickets.get((device, stream))
     if tickets is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the split products' tickets are made outside a CUDA graph capture: run a step first")
-        tickets = _tickets[device] = torch.zeros((TICKETS,), dtype=torch.int32, device=device)
+        tickets = _tickets[(device, stream)] = torch.zeros((TICKETS,), dtype=torch.int32, device=device)
     return tickets
 
 
@@ -112,8 +115,12 @@ def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
             return Tiles(block_m=64, block_n=32, block_k=128, warps=4, stages=3)
         return Tiles(block_m=64, block_n=64, block_k=128, warps=4, stages=5)
     if n < 1024 and k >= 2048 and not silu:
-        # A router (Qwen3.5-35B-A3B's 257 x 2048: 4.37 against 5.25 us at one row, same sweep): few columns, long rows.
-        return Tiles(block_m=16, block_n=16, block_k=512, warps=4, stages=3)
+        # A router (Qwen3.5-35B-A3B's 257 x 2048): few columns, long rows, so each tile's inner dimension is split
+        # over 4 programs (36 instead of 17 at one row). `python -m worker.bench.matmul --model random:qwen3.5-35b-a3b
+        # --rows 1 64 --sweep --block-m 16 64 --block-n 32 --block-k 128 256 --stages 3 --split 1 2 4 8` on the H100:
+        # 3.38 us at one row and 4.51 at 64 against 4.42 and 4.46 unsplit (16 x 16 x 512); split 8 gave 3.20 and 4.82.
+        # (The 2048-wide out and o products split gained nothing over the tiles above at 64 rows.)
+        return Tiles(block_m=16, block_n=32, block_k=256, warps=4, stages=3, split=4)
     if k >= 1024:
         return Tiles(block_m=16, block_n=16, block_k=256, warps=2, stages=3)
     if silu:
