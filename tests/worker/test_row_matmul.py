@@ -103,7 +103,8 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 SHAPES = [(960, 576), (576, 576), (1536, 576), (576, 1536),  # SmolLM2-135M: qkv, o, gate|up (per half), down
-          (6144, 4096), (4096, 14336)]  # Llama-3-8B: qkv, down (the 64-row tiles)
+          (6144, 4096), (4096, 14336),  # Llama-3-8B: qkv, down (the 64-row tiles)
+          (257, 2048)]  # Qwen3.5-35B-A3B's router: split over 4 programs a tile
 
 
 @pytest.mark.gpu
@@ -154,3 +155,39 @@ def test_gpu_row_matmul_rows_do_not_depend_on_the_row_count(n: int, k: int) -> N
     for m in (1, 4, 16, 64):
         for got, expected in zip(variants(m), whole, strict=True):
             assert torch.equal(got, expected[:m]), m
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_split_products_replayed_in_a_graph_give_the_eager_bits_and_leave_the_tickets_at_zero() -> None:
+    """A split product (the router's shape) with its residual and squares out, captured after a warm-up on the
+    capture stream and replayed (with PDL where the GPU has it): every replay the eager bits, and the tickets back at
+    zero after them."""
+    from worker.kernels.matmul import row_matmul, split_tickets, squares_tiles, tiles_for
+
+    n, k = 257, 2048
+    assert tiles_for(n, k).split > 1
+    for rows in (1, 5, 17, 64):
+        x, w, r = gpu_case(rows, n, k, 11)
+        weight = w[:n].contiguous()
+        out = torch.empty((rows, n), dtype=torch.bfloat16, device="cuda")
+        squares = torch.empty((squares_tiles(n, k), rows), device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out.copy_(r)  # eager, on the capture stream: makes its tickets
+            row_matmul(x, weight, residual=out, out=out, squares_out=squares)
+            eager, eager_squares = out.clone(), squares.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                out.copy_(r)
+                row_matmul(x, weight, residual=out, out=out, squares_out=squares)
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(5):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), rows
+            assert torch.equal(squares, eager_squares), rows
+        with torch.cuda.stream(stream):  # the capture stream's tickets, which the graph's launches take
+            assert not split_tickets(x.device, 1).any()

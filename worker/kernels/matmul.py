@@ -68,10 +68,11 @@ _tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def split_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """The tickets for split products on the current stream of `device` (one set a stream, so that products on two
-    streams never share one): made (zeros) on the stream's first call, which must come before any CUDA graph
-    capture on it (the engine warms up on its capture stream first); every launch leaves the tickets it used at
-    zero, and products on one stream run one after another."""
+    """The tickets for split products launched on the current stream of `device` (one set a stream, so that eager
+    products on two streams never share one; a CUDA graph keeps the set of the stream it was captured on, so its
+    replays must not overlap another user of that set): made (zeros) on the stream's first call, which must come
+    before any capture on it (the engine warms up on its capture stream first); every launch leaves the tickets it
+    used at zero, and products on one stream run one after another."""
     if count > TICKETS:
         raise ValueError(f"a split product of {count} tiles: more than the {TICKETS} tickets")
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

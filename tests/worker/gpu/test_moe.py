@@ -112,6 +112,23 @@ def test_the_fused_block_is_batch_invariant(block: Block, prefill: bool) -> None
         assert torch.equal(run(torch.arange(512, device="cuda")), whole)
 
 
+@pytest.mark.parametrize("prefill", [False, True])
+def test_the_combining_launch_norms_its_rows_as_the_norm_kernel(block: Block, prefill: bool) -> None:
+    """The next layer's input norm written by the combining launch (one program a 2,048-wide row, 4 warps): the same
+    rows, and the norm kernel's bits of them."""
+    from worker.kernels.moe import moe_block, moe_scratch
+    from worker.kernels.norms import offset_rms_norm
+
+    norm = 1 + 0.3 * torch.randn(block.dim, generator=block.gen, device="cuda")
+    for tokens in (1, 16, 64):
+        h, x, logits = block.inputs(tokens)
+        normed = torch.empty_like(h)
+        got = moe_block(h, x, logits, block.gate_up, block.down, block.top_k,
+                        moe_scratch(block.experts + 1, x.device), prefill=prefill, norm=norm, eps=1e-6, normed=normed)
+        assert torch.equal(got, block.run(h, x, logits, prefill))
+        assert torch.equal(normed, offset_rms_norm(got, norm, 1e-6))
+
+
 def test_the_fused_block_reads_each_chosen_expert_once_a_step(block: Block) -> None:
     """The sorted blocks of a 64-token decode step: each chosen expert's pairs (the shared expert's, every token's
     last, included) in as few blocks as its count needs (one block per expert when it has at most 16 pairs), so its
