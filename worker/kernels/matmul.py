@@ -33,7 +33,7 @@ tile configuration (its split included), which depends on the weight's shape onl
 row comes out the same in every bucket.
 
 Capture safety: no host syncs and no allocations besides the outputs (which callers may pass) and a split product's
-partial sums; a split product's tickets are made on the device's first split launch, which must not be captured.
+partial sums; a split product's tickets are made on its stream's first split launch, which must not be captured.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Tiles:
 
 
 TICKETS = 1 << 16  # the split products' tickets (one per tile of rows x columns), zero between launches
-_tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
+_tickets: dict[tuple[str, int], torch.Tensor] = {}  # by device type and stream handle (one set a stream)
 
 
 def split_tickets(device: torch.device, count: int) -> torch.Tensor:
@@ -75,12 +75,13 @@ def split_tickets(device: torch.device, count: int) -> torch.Tensor:
     used at zero, and products on one stream run one after another."""
     if count > TICKETS:
         raise ValueError(f"a split product of {count} tiles: more than the {TICKETS} tickets")
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    tickets = _tickets.get((device, stream))
+    # A stream's handle names its device too, so "cuda" and "cuda:0" find the same set.
+    key = (device.type, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    tickets = _tickets.get(key)
     if tickets is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the split products' tickets are made outside a CUDA graph capture: run a step first")
-        tickets = _tickets[(device, stream)] = torch.zeros((TICKETS,), dtype=torch.int32, device=device)
+        tickets = _tickets[key] = torch.zeros((TICKETS,), dtype=torch.int32, device=device)
     return tickets
 
 
