@@ -116,13 +116,19 @@ def test_gpu_row_matmul_matches_torch_to_bf16_rounding(n: int, k: int) -> None:
     from worker.kernels.matmul import row_matmul, row_squares
     from worker.model.llama import rms_norm
 
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # The product in fp32, rounded once, as the kernel computes it. Not cuBLAS's bf16 GEMM, whose algorithm
+        # follows the process's state: in the whole GPU suite (engines loaded before) its 64-row 257 x 2048 product
+        # came out 2^-8 off (relative) where this kernel's is within 2e-3 of the fp32 sum (H100).
+        return F.linear(a.float(), b.float()).to(torch.bfloat16)
+
     for rows in (1, 64):
         x, w, r = gpu_case(rows, n, k, rows)
-        plain = F.linear(x, w[:n])
+        plain = product(x, w[:n])
         got = row_matmul(x, w[:n].contiguous())
         assert relative_error(got, plain) < 2e-3
-        assert float((got != plain).float().mean()) < 0.05  # mostly the very same bits as cuBLAS
-        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        assert float((got != plain).float().mean()) < 0.05  # mostly the very same bits as the fp32 sum rounded
+        gate, up = product(x, w).chunk(2, dim=-1)
         assert relative_error(row_matmul(x, w, silu=True), F.silu(gate) * up) < 5e-3
         out = r.clone()
         row_matmul(x, w[:n].contiguous(), residual=out, out=out)
@@ -130,7 +136,7 @@ def test_gpu_row_matmul_matches_torch_to_bf16_rounding(n: int, k: int) -> None:
         g = 1 + 0.3 * torch.randn(k, device="cuda")
         squares = row_squares(x, torch.empty((k // 16 + (k % 16 > 0), rows), device="cuda"))
         normed = row_matmul(x, (w[:n].float() * g).to(torch.bfloat16), norm_squares=squares, eps=1e-5)
-        assert relative_error(normed, F.linear(rms_norm(x, g.to(torch.bfloat16), 1e-5), w[:n])) < 1e-2
+        assert relative_error(normed, product(rms_norm(x, g.to(torch.bfloat16), 1e-5), w[:n])) < 1e-2
 
 
 @pytest.mark.gpu
