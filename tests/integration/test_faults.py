@@ -123,8 +123,9 @@ def test_a_broker_stopped_longer_than_the_heartbeat_window_loses_no_worker_and_n
     with cluster.client() as c:
         on_w1, on_w2 = one_session_on_each(c, PROMPT)
         with on_w2.fork() as twin:
-            expected = twin.generate(max_tokens=1200, ignore_eos=True).token_ids
-        stream = on_w2.generate(max_tokens=1200, ignore_eos=True, stream=True)
+            # Long enough that the stream outlasts the broker's 1 s stop on a fast core (1,200 tokens did not).
+            expected = twin.generate(max_tokens=3000, ignore_eos=True).token_ids
+        stream = on_w2.generate(max_tokens=3000, ignore_eos=True, stream=True)
         tokens = next(stream).token_ids
         assert cluster.broker is not None
         cluster.broker.proc.send_signal(signal.SIGSTOP)

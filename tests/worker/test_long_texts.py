@@ -54,7 +54,7 @@ def test_a_text_that_cannot_fit_is_refused_at_once_without_tokenizing_it(engine:
 
 
 def test_a_long_text_is_encoded_with_the_gil_released(engine: Engine) -> None:
-    text = HUGE[:400_000]
+    text = HUGE[:1_000_000]  # long enough to take well over 0.2 s on a fast core
     ticks: list[float] = []
     stop = threading.Event()
 
@@ -74,7 +74,7 @@ def test_a_long_text_is_encoded_with_the_gil_released(engine: Engine) -> None:
         thread.join()
     during = [t for t in ticks if started <= t <= started + elapsed]
     gaps = [b - a for a, b in zip([started, *during], [*during, started + elapsed], strict=False)]
-    assert elapsed > 0.2 and max(gaps) < 0.2, (elapsed, max(gaps))  # another thread ran all along
+    assert elapsed > 0.2 and max(gaps) < min(0.2, elapsed / 2), (elapsed, max(gaps))  # another thread ran all along
 
 
 def test_the_chat_text_tokenized_is_what_chat_appends(engine: Engine) -> None:
