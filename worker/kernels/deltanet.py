@@ -44,8 +44,16 @@ from worker.kernels.fused import STRICT, _interpreted
 from worker.kernels.pdl import launch_options, wait_then_release
 from worker.kernels.tiles import TILE_ROWS
 
-CONV_BLOCK = 256  # channels per convolution program
+CONV_BLOCK = 256  # channels per convolution program (prefill)
+# Decode launch shapes. Swept in the 35B-A3B's decode graphs on the H100 (2026-11-27; the graphs captured again per
+# shape, replays timed at 1 and 64 rows): the delta rule at 16 / 32 / 64 value dims x 1 / 2 / 4 warps, the
+# convolution at 256 / 512 / 1,024 channels x 2 / 4 warps. None beat these (3,229 us at one row, 25,041 at 64): 16
+# value dims matched them at one row and lost 6-7% at 64 rows; the rest were within 0.5% or slower (64 value dims in
+# one warp 7% slower at one row, 20% at 64).
+CONV_DECODE_BLOCK = 256  # channels per decode convolution program
+CONV_DECODE_WARPS = 4
 DELTA_BLOCK_V = 32  # value dims per decode delta-rule program
+DELTA_WARPS = 4
 # Prefill launch shapes, from a sweep on the H200 (Qwen3.5-35B-A3B's DeltaNet: 32 value heads of 128 dims; blocks
 # kernel warps 4 / 8 / 16 x value dims per walk program 16-128 x walk warps 4 / 8): 16 runs of 128 tokens 676 us a
 # layer at 4 / 32 / 4 against 945 at 8 / 64 / 8; 64 runs of 32 tokens 1,331 against 1,986; one run of 2,048 873
@@ -198,10 +206,11 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slot
     out = torch.empty_like(x) if out is None else out
     if rows:
         anchor = state.shape[0] - 1
-        _conv_kernel[(rows, triton.cdiv(channels, CONV_BLOCK))](
+        _conv_kernel[(rows, triton.cdiv(channels, CONV_DECODE_BLOCK))](
             x, weight, out, state[anchor], slots, positions, anchor,
             x.stride(0), weight.stride(0), out.stride(0), state.stride(0), state.stride(1), channels,
-            TAPS=taps, SINGLE=True, BLOCK_C=CONV_BLOCK, num_warps=4, **STRICT, **launch_options(x))
+            TAPS=taps, SINGLE=True, BLOCK_C=CONV_DECODE_BLOCK, num_warps=CONV_DECODE_WARPS, **STRICT,
+            **launch_options(x))
     return out
 
 
@@ -474,7 +483,7 @@ def delta_decode(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: tor
             qkv.stride(0), a.stride(0), out.stride(0), state.stride(0), state.stride(1), state.stride(2),
             key_dim, value_dim, key_dim ** 0.5,
             KEY_HEADS=key_heads, VALUE_HEADS=value_heads, BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=block_v,
-            num_warps=4, **STRICT, **launch_options(qkv))
+            num_warps=DELTA_WARPS, **STRICT, **launch_options(qkv))
     return out
 
 
