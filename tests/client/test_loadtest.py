@@ -175,6 +175,17 @@ def test_a_user_runs_conversations_of_t_turns_then_closes() -> None:
     assert counts == Counter(sessions_opened=3, conversations_completed=2)
 
 
+def test_a_user_of_one_conversation_stops_after_it_whatever_the_budget_left() -> None:
+    """The default length (one conversation per session): a fast user leaves the rest of the shared count to the
+    others instead of opening a second session."""
+    budget = Budget(6, None)
+    log, counts = play(workload(turns=2, conversations=1), budget)
+    assert log == ["create 0", "turn 0", "turn 0", "close 0"]
+    assert counts == Counter(sessions_opened=1, conversations_completed=1) and budget.left == 4
+    log, counts = play(workload(turns=100, max_context=20, conversations=1), Budget(5, None))  # a rollover is not one
+    assert counts["context_rollovers"] == 1 and counts["sessions_opened"] == 2
+
+
 def test_a_user_forks_every_kth_turn_and_rolls_over_before_the_context_is_full() -> None:
     # 100 tokens of context, 6 per turn: the 17th turn would pass it (16 * 6 + 4 + 2 > 100).
     log, counts = play(workload(turns=100, fork_every=8), Budget(20, None))

@@ -140,6 +140,7 @@ class LoadConfig:
             prompt_tokens=self.prompt_tokens, max_tokens=self.max_tokens, turns=self.turns, fork_every=self.fork_every,
             max_context=self.max_context, prompt_kind=self.prompt_kind, temperature=self.temperature,
             ignore_eos=self.ignore_eos, seed=self.seed + WARMUP_SEED if warmup else self.seed, vocab_size=self.vocab_size,
+            conversations=1 if not warmup and self.requests is None and self.duration is None else None,
         )
 
 

@@ -7,7 +7,8 @@ decides what comes next:
     open a session; repeat turns (append P prompt tokens, generate M tokens streamed); every
     `fork_every`-th turn first fork, run one turn on the child and close it; after `turns` turns, or
     when the next turn would overflow `max_context`, close the session and open a new one; stop when
-    the budget (a count of generate requests or a deadline) is spent, closing what is open.
+    the budget (a count of generate requests or a deadline) is spent, or after `conversations`
+    completed conversations, closing what is open.
 
 A failed turn closes its session and opens another; a user whose session cannot be opened (no
 capacity, no such model) gives up. Every failure is counted by the driver, by its wire error code.
@@ -50,6 +51,10 @@ class Workload:
     ignore_eos: bool
     seed: int
     vocab_size: int  # token-id prompts draw ids from [0, vocab_size)
+    # Conversations a user completes before it stops (None: as many as the budget allows). The default length, one
+    # conversation per session, sets 1: with a shared count of requests a fast user would start a second one and
+    # leave a slower one's unfinished.
+    conversations: int | None = None
 
     @property
     def prompt_room(self) -> int:
@@ -207,12 +212,15 @@ def user(index: int, workload: Workload, budget: Budget, counts: Counter[str]) -
     prompts = Prompts(workload, index)
     session: Any = None
     limit = workload.max_context
-    length = turns = 0
+    length = turns = completed = 0
     while True:
         if session is not None and (turns >= workload.turns or length + workload.prompt_room + workload.max_tokens > limit):
             counts["conversations_completed" if turns >= workload.turns else "context_rollovers"] += 1
+            completed += turns >= workload.turns
             yield from _close(session)
             session = None
+        if workload.conversations is not None and completed >= workload.conversations:
+            break
         if not budget.take():  # the ticket for this turn
             break
         if session is None:
