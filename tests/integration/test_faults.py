@@ -122,10 +122,14 @@ def test_a_broker_stopped_longer_than_the_heartbeat_window_loses_no_worker_and_n
     cluster.start_two_workers(max_sessions=2, max_context=4096)
     with cluster.client() as c:
         on_w1, on_w2 = one_session_on_each(c, PROMPT)
+        with on_w2.fork() as probe:  # this machine's speed: the stream must outlast the broker's 1 s stop
+            started = time.monotonic()
+            probe.generate(max_tokens=200, ignore_eos=True)
+            rate = 200 / (time.monotonic() - started)
+        n = min(4000, max(1200, int(rate * 3)))  # ~3 s of tokens, within the context
         with on_w2.fork() as twin:
-            # Long enough that the stream outlasts the broker's 1 s stop on a fast core (1,200 tokens did not).
-            expected = twin.generate(max_tokens=3000, ignore_eos=True).token_ids
-        stream = on_w2.generate(max_tokens=3000, ignore_eos=True, stream=True)
+            expected = twin.generate(max_tokens=n, ignore_eos=True).token_ids
+        stream = on_w2.generate(max_tokens=n, ignore_eos=True, stream=True)
         tokens = next(stream).token_ids
         assert cluster.broker is not None
         cluster.broker.proc.send_signal(signal.SIGSTOP)

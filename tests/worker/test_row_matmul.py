@@ -117,9 +117,10 @@ def test_gpu_row_matmul_matches_torch_to_bf16_rounding(n: int, k: int) -> None:
     from worker.model.llama import rms_norm
 
     def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        # The product in fp32, rounded once, as the kernel computes it. Not cuBLAS's bf16 GEMM, whose algorithm
-        # follows the process's state: in the whole GPU suite (engines loaded before) its 64-row 257 x 2048 product
-        # came out 2^-8 off (relative) where this kernel's is within 2e-3 of the fp32 sum (H100).
+        # The product in fp32, rounded once, as the kernel computes it. Not cuBLAS's bf16 GEMM: in the whole GPU
+        # suite (engines loaded before it in the process) its 64-row 257 x 2048 product came out 2^-8 off (relative)
+        # where this kernel's is within 2e-3 of the fp32 sum (H100); alone it was not (which setting changes cuBLAS's
+        # choice was not found).
         return F.linear(a.float(), b.float()).to(torch.bfloat16)
 
     for rows in (1, 64):

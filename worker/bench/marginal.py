@@ -7,15 +7,19 @@ decode graph of their bucket is captured again with some of the model's kernels 
 zero tensor made in the warm-up before the capture, or the residual for a product that adds one) and its replays are
 timed with CUDA events (best of 3 rounds). What the step loses with a kind left out is what that kind costs in the
 chain of launches: its bytes' time and the latency it adds. The products' bytes at the device's copy bandwidth are
-printed beside them. The outputs are wrong (zeros flow on): only the times mean anything, and the engine is not
-used for anything else afterwards. With a mixture of experts only one session is measured: at several, which experts
-a step reads follows the values, which the left-out launches upset (a zeroed router sends every token to the same
-8 experts).
+printed beside them. The outputs are wrong (zeros flow on; with the MoE block's combining launch left out, the next
+layer reads a norm nobody wrote): only the times mean anything, and the engine is not used for anything else
+afterwards. With a mixture of experts only one session is measured: at several, which experts a step reads follows
+the values, which the left-out launches upset (a zeroed router sends every token to the same 8 experts); a one-token
+step always reads 8 routed experts and the shared one.
 
-Kinds: the products by weight (delta_in, delta_out, attn_qkv, attn_o, router, head), the MoE block's launches
-(moe: all four; experts: gate|up and down; combine: the combining launch), the DeltaNet's conv, delta and gated_norm,
-the gated attention's rope_store, attention and attn_gate, and norm (the post-attention norms). `small` is every
-kind but the products and the experts (what is left is the products streaming one after another).
+Kinds: the products by weight (delta_in, delta_out, attn_qkv, attn_o, router, head, and mlp: a dense MLP's gate|up
+and down, or a shared expert computed apart), the MoE block's launches (moe: routing, gate|up, down and the combining
+launch; experts: gate|up and down; combine: the combining launch), the DeltaNet's conv, delta and gated_norm, the
+gated attention's rope_store, attention and attn_gate, and norm (every offset RMSNorm launch: the post-attention
+norms, the first layer's input norm and a dense MLP's next norm; no figure a layer). `small` is every kind but the
+products and the experts, the routing kept (what is left is the products streaming one after another). The last
+variant is the whole step again, against drift.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ import torch
 
 from worker.engine import Engine
 
-PRODUCTS = ("delta_in", "delta_out", "attn_qkv", "attn_o", "router", "head")
+PRODUCTS = ("delta_in", "delta_out", "attn_qkv", "attn_o", "router", "head", "mlp")
 SMALL = ("conv", "delta", "gated_norm", "norm", "rope_store", "attention", "attn_gate", "combine")
 VARIANTS: list[tuple[str, ...]] = [
     (), ("router",), ("moe",), ("experts",), ("combine",), ("delta_in",), ("delta_out",), ("attn_qkv",), ("attn_o",),
-    ("head",), ("conv",), ("delta",), ("gated_norm",), ("norm",), ("rope_store",), ("attention",), ("attn_gate",),
+    ("head",), ("mlp",), ("conv",), ("delta",), ("gated_norm",), ("norm",), ("rope_store",), ("attention",), ("attn_gate",),
     ("conv", "delta", "gated_norm"), SMALL, (*SMALL, "moe"), (*PRODUCTS, "experts"), (*PRODUCTS, "moe"), (),
 ]
 
@@ -59,7 +63,7 @@ class Skipping:
         self.weight_bytes: dict[str, int] = {"head": self.model.lm_head.weight.nbytes}
         blocks = self.model.blocks  # type: ignore[attr-defined]
         attention_layers = sum(isinstance(block.mixer, Attention) for block in blocks)
-        self.layers: dict[str, int] = {"head": 1} | dict.fromkeys(("norm", "moe", "experts", "combine"), len(blocks))
+        self.layers: dict[str, int] = {"head": 1} | dict.fromkeys(("moe", "experts", "combine"), len(blocks))
         self.layers |= dict.fromkeys(("conv", "delta", "gated_norm"), len(blocks) - attention_layers)
         self.layers |= dict.fromkeys(("rope_store", "attention", "attn_gate"), attention_layers)
         for block in blocks:
@@ -68,12 +72,21 @@ class Skipping:
                 named = {"attn_qkv": mixer.wqkv.fused.weight, "attn_o": mixer.wo.weight}
             else:
                 named = {"delta_in": mixer.w_in.fused.weight, "delta_out": mixer.w_out.weight}
-            if hasattr(block.mlp, "w_route"):
-                named["router"] = block.mlp.w_route.fused.weight
-            for name, w in named.items():
+            mlp = block.mlp
+            if hasattr(mlp, "w_route"):
+                named["router"] = mlp.w_route.fused.weight
+                if not mlp.shared_in_experts:  # a shared expert computed apart, by row products
+                    named["mlp"] = mlp.shared_gate_up
+                    named["mlp_down"] = mlp.shared_down
+            else:
+                named["mlp"] = mlp.w_gate_up.fused.weight
+                named["mlp_down"] = mlp.w_down.weight
+            for key, w in named.items():
+                name = "mlp" if key == "mlp_down" else key  # one kind, two products a layer
                 self.tags[w.data_ptr()] = name
                 self.weight_bytes[name] = self.weight_bytes.get(name, 0) + w.nbytes
-                self.layers[name] = self.layers.get(name, 0) + 1
+                if key != "mlp_down":
+                    self.layers[name] = self.layers.get(name, 0) + 1
         wrap = self._wrap
         hybrid = dataclasses.replace(
             hybrid, conv_decode=wrap("conv", hybrid.conv_decode), delta_decode=wrap("delta", hybrid.delta_decode),
