@@ -29,7 +29,7 @@ def _sessions(engine: Engine, n: int, prompt: int, steps: int) -> list[str]:
     sids = []
     for i in range(n):
         sid = engine.create_session()
-        engine.append(sid, token_ids=[(13 * i + 7 * j) % 40000 + 300 for j in range(prompt)])
+        engine.append(sid, token_ids=[((13 * i + 7 * j) % 40000 + 300) % engine.model.config.vocab_size for j in range(prompt)])
         engine.start_generate(sid, SamplingParams(max_tokens=steps * 3 + 10, ignore_eos=True))
         sids.append(sid)
     while any(engine._sessions[s].pending > 1 for s in sids):
