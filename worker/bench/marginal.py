@@ -134,8 +134,10 @@ class Skipping:
 
         @functools.wraps(fn)
         def run(h: torch.Tensor, x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
-            if kw.get("prefill") or "moe" in self.names:
-                return h if not kw.get("prefill") else fn(h, x, *args, **kw)
+            if kw.get("prefill"):
+                return fn(h, x, *args, **kw)
+            if "moe" in self.names:
+                return h
             if "combine" in self.names:  # the routing and the experts, no sum
                 logits, gate_up, down, top_k, scratch = args[:5]
                 routing = moe_module.route_and_sort(logits, logits.shape[1] - 1, top_k, moe_module.DECODE_TILES,

@@ -409,8 +409,8 @@ def _one_token_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signa
                          LIBDEVICE_EXP, DOT_PRECISION, BLOCK_M, DN_N, DN_K, ".cg")
             tl.debug_barrier()
             if tl.atomic_add(Counters + PAIRS, 1, sem="acq_rel") == PAIRS * dn_tiles - 1:
-                zero = tl.arange(0, 64)
-                tl.store(Counters + zero, 0, mask=zero < PAIRS + 1)
+                for i in tl.static_range(PAIRS + 1):  # the blocks' counts and the down tiles' count
+                    tl.store(Counters + i, 0)
                 _combine_row(H, PairOut, Logits, PairOut, Out, NormW, Normed, 0, tl.arange(0, BLOCK), dim, gate_col,
                              stride_h, dim, stride_l, dim, stride_o, stride_normed, inv_n, eps, TOP_K, 1, NORM, BLOCK,
                              ".cg")
@@ -533,7 +533,7 @@ def _programs_an_sm_holds(kernel: object, device: torch.device) -> int:
     return max(1, min(fits - 1, ONE_TOKEN_PROGRAMS_PER_SM))
 
 
-def _one_launch(tokens: int, dim: int, ffn: int, shared: torch.Tensor | None, prefill: bool, tiles: MoeTiles | None,
+def _one_launch(tokens: int, dim: int, shared: torch.Tensor | None, prefill: bool, tiles: MoeTiles | None,
                 norm: torch.Tensor | None) -> bool:
     """Whether a step takes _one_token_kernel: one token's decode step with the shared expert among the experts, at
     the decode tiles, whose warps the combining row's norm also takes on the GPU (the norm's sum follows them)."""
@@ -603,7 +603,7 @@ def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: t
     out = torch.empty_like(h)
     if tokens == 0:
         return out
-    one = _one_launch(tokens, dim, down.shape[2], shared, prefill, tiles, norm)
+    one = _one_launch(tokens, dim, shared, prefill, tiles, norm)
     tiles = tiles or (PREFILL_TILES if prefill else DECODE_TILES)
     routing = route_and_sort(logits, experts, top_k, tiles, scratch, shared=in_experts)
     if one:
