@@ -86,9 +86,6 @@ def test_row_products_and_the_norm_fold_follow_the_switches() -> None:
     for bad in ("0", "-1", "two", "1000"):
         with pytest.raises(ValueError, match=ATTENTION_SPLITS_ENV):
             pinned_splits(bad)
-    # the one-launch MoE step is experimental: off unless asked for
-    assert not EngineOptions.from_env({}).moe_one_launch and not EngineOptions().moe_one_launch
-    assert EngineOptions.from_env({"WORKER_MOE_ONE_LAUNCH": "1"}).moe_one_launch
 
 
 # -- GPU -------------------------------------------------------------------------------------------

@@ -64,13 +64,10 @@ def select_device(device: str) -> Choice:
 def configure_gpu(options: EngineOptions) -> None:
     """Process-wide settings read once, before the first kernel or product runs."""
     from worker.engine.workspace import limit_cublas_workspace
-    from worker.kernels import moe, pdl
+    from worker.kernels import pdl
 
     log.info("cublas_workspace", config=limit_cublas_workspace(), applies="unless cuBLAS ran earlier in the process")
     pdl.configure(options.pdl)
-    moe.configure_one_launch(options.moe_one_launch)
-    if options.moe_one_launch:
-        log.warning("moe_one_launch", note="experimental: not measured on a GPU in this form")
 
 
 def build_model(loaded: LoadedModel, device: torch.device, max_context: int, options: EngineOptions) -> Llama:

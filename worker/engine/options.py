@@ -16,7 +16,6 @@ ROW_PRODUCTS_ENV = "WORKER_ROW_PRODUCTS"  # "0": decode products in cuBLAS, the 
 ATTENTION_SPLITS_ENV = "WORKER_ATTENTION_SPLITS"  # pins the decode attention's split count (1..MAX_SPLITS)
 PREFILL_TILES_ENV = "WORKER_PREFILL_TILES"  # "0": prompt rows in the decode kernel, one program per row
 PDL_ENV = "WORKER_PDL"  # "0": Triton kernels launch without programmatic dependent launch
-MOE_ONE_LAUNCH_ENV = "WORKER_MOE_ONE_LAUNCH"  # "1": a one-token MoE step's experts in one launch (experimental)
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,6 @@ class EngineOptions:
     prefill_tiles: bool = True  # prompt chunks' attention in tiles (worker.kernels.prefill)
     pdl: bool = True  # programmatic dependent launch on Hopper and later (worker.kernels.pdl)
     attention_splits: int | None = None  # None: chosen from the shapes; else pinned for every bucket
-    moe_one_launch: bool = False  # experimental, off: worker.kernels.moe.ONE_TOKEN_LAUNCH
 
     @property
     def folds_norms(self) -> bool:
@@ -38,8 +36,7 @@ class EngineOptions:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineOptions:
-        """The switches from WORKER_* variables ("0" turns one off; WORKER_MOE_ONE_LAUNCH, off, "1" turns on).
-        Raises ValueError naming a bad value."""
+        """The switches from WORKER_* variables ("0" turns one off). Raises ValueError naming a bad value."""
         env = os.environ if env is None else env
 
         def on(name: str) -> bool:
@@ -48,8 +45,7 @@ class EngineOptions:
         splits = env.get(ATTENTION_SPLITS_ENV) or None
         return cls(cuda_graphs=on(GRAPHS_ENV), fused_kernels=on(FUSED_ENV), row_products=on(ROW_PRODUCTS_ENV),
                    prefill_tiles=on(PREFILL_TILES_ENV), pdl=on(PDL_ENV),
-                   attention_splits=None if splits is None else pinned_splits(splits),
-                   moe_one_launch=env.get(MOE_ONE_LAUNCH_ENV, "0") == "1")
+                   attention_splits=None if splits is None else pinned_splits(splits))
 
 
 def pinned_splits(value: str) -> int:

@@ -38,9 +38,6 @@ per kind of step (DECODE_TILES, PREFILL_TILES), never chosen from the row count.
 on which other sessions share the step, nor on where its pairs land in the sorted order (which, the ranks coming from
 atomics, may differ from one run to the next).
 
-Experimental, off (the engine's moe_one_launch option, WORKER_MOE_ONE_LAUNCH=1): a one-token decode step runs 2-4
-in one launch, `_one_token_kernel` (its docstring says how its programs wait on each other); the same bits.
-
 Capture safety: no host syncs, no shapes from data. The grids are sized by the worst case: at most
 pairs + min(experts, pairs) * (BLOCK_M - 1) sorted rows (every expert chosen pads at most BLOCK_M - 1), and
 programs past the padded total return before they read any weight.
@@ -55,9 +52,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from worker.kernels.attention import sm_count
 from worker.kernels.fused import STRICT, _interpreted
-from worker.kernels.matmul import split_tickets
 from worker.kernels.norms import norm_warps, rms_normed
 from worker.kernels.pdl import launch_options, wait_then_release
 
@@ -190,61 +185,6 @@ def _silu(x, LIBDEVICE_EXP: tl.constexpr):  # type: ignore[no-untyped-def]  # Tr
 
 
 @triton.jit
-def _expert_tile(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    X, W, Out, Sorted, BlockExpert, Total, Weights, block, col_block,
-    n_pairs, N, K, stride_x, stride_we, stride_wn, stride_o,
-    PAIRS: tl.constexpr,
-    GATED: tl.constexpr,
-    LIBDEVICE_EXP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    X_CACHE: tl.constexpr,
-):
-    """One program's tile of an expert product: block `block` of sorted pairs (one expert's), columns col_block.
-    GATED (gate|up): Out[pair, n] = silu(g) * u with g | u = X[token] @ W[e, n | N + n].T, X the tokens' rows
-    (pair // PAIRS). Else (down): Out[pair, n] = (X[pair] @ W[e, n].T) * Weights[pair], X the pairs' rows. X_CACHE:
-    X's loads' cache modifier (".cg" where another program of the same launch wrote X)."""
-    # The three reads at once (a block past the total reads what an earlier step left, and is unused), so that the
-    # weights' address is known one round trip after the wait instead of two.
-    total = tl.load(Total)
-    expert = tl.load(BlockExpert + block).to(tl.int64)
-    pairs = tl.load(Sorted + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    if block * BLOCK_M < total:
-        valid = pairs < n_pairs
-        if GATED:
-            rows = pairs // PAIRS
-        else:
-            rows = pairs
-        rn = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = rn < N
-        rk = tl.arange(0, BLOCK_K)
-        x_rows = X + rows[:, None] * stride_x
-        w_rows = W + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            ks = k + rk
-            k_ok = ks < K
-            x = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0, cache_modifier=X_CACHE)
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-            if GATED:
-                wu = tl.load(w_rows + N * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
-        dtype = Out.dtype.element_ty
-        y = acc.to(dtype)  # the product in the model dtype, as a GEMM returns it
-        if GATED:
-            act = _silu(y.to(tl.float32), LIBDEVICE_EXP).to(dtype)
-            y = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
-        else:
-            weight = tl.load(Weights + pairs, mask=valid, other=0.0)
-            y = (y.to(tl.float32) * weight[:, None]).to(dtype)
-        tl.store(Out + pairs[:, None] * stride_o + rn[None, :], y, mask=valid[:, None] & col_ok[None, :])
-
-
-@triton.jit
 def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     X, W, Out, Sorted, BlockExpert, Total, Weights,
     n_pairs, N, K, stride_x, stride_we, stride_wn, stride_o,
@@ -257,48 +197,48 @@ def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid (max blocks of sorted pairs, cdiv(N, BLOCK_N)): program (block, n) computes _expert_tile(block, n)."""
+    """Grid (max blocks of sorted pairs, cdiv(N, BLOCK_N)). GATED (gate|up): Out[pair, n] = silu(g) * u with
+    g | u = X[token] @ W[e, n | N + n].T, X the tokens' rows (pair // PAIRS). Else (down): Out[pair, n] =
+    (X[pair] @ W[e, n].T) * Weights[pair], X the pairs' rows."""
     wait_then_release(PDL)
-    _expert_tile(X, W, Out, Sorted, BlockExpert, Total, Weights, tl.program_id(0), tl.program_id(1),
-                 n_pairs, N, K, stride_x, stride_we, stride_wn, stride_o, PAIRS, GATED, LIBDEVICE_EXP, DOT_PRECISION,
-                 BLOCK_M, BLOCK_N, BLOCK_K, "")
-
-
-@triton.jit
-def _combine_row(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    H, PairOut, Logits, Shared, Out, NormW, Normed, t, cols,
-    n, gate_col, stride_h, stride_p, stride_l, stride_s, stride_o, stride_normed, inv_n, eps,
-    TOP_K: tl.constexpr,
-    SHARED: tl.constexpr,
-    NORM: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PAIR_CACHE: tl.constexpr,
-):
-    """Token t's columns `cols` (BLOCK of them) of the combined row (see _combine_kernel). PAIR_CACHE: PairOut's
-    loads' cache modifier (".cg" where other programs of the same launch wrote it)."""
-    ok = cols < n
-    dtype = Out.dtype.element_ty
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    PAIRS: tl.constexpr = TOP_K + SHARED
-    for j in tl.static_range(TOP_K):  # in choice order
-        acc += tl.load(PairOut + (t * PAIRS + j) * stride_p + cols, mask=ok, other=0.0,
-                       cache_modifier=PAIR_CACHE).to(tl.float32)
-    routed = acc.to(dtype).to(tl.float32)
-    g = tl.load(Logits + t * stride_l + gate_col).to(tl.float32)
-    gate = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    if SHARED:
-        expert = tl.load(PairOut + (t * PAIRS + TOP_K) * stride_p + cols, mask=ok, other=0.0, cache_modifier=PAIR_CACHE)
+    block = tl.program_id(0)
+    # The three reads at once (a block past the total reads what an earlier step left, and returns unused), so
+    # that the weights' address is known one round trip after the wait instead of two.
+    total = tl.load(Total)
+    expert = tl.load(BlockExpert + block).to(tl.int64)
+    pairs = tl.load(Sorted + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if block * BLOCK_M >= total:
+        return
+    valid = pairs < n_pairs
+    if GATED:
+        rows = pairs // PAIRS
     else:
-        expert = tl.load(Shared + t * stride_s + cols, mask=ok, other=0.0)
-    shared = (gate * expert.to(tl.float32)).to(dtype)
-    moe = (routed + shared.to(tl.float32)).to(dtype).to(tl.float32)
-    h = tl.load(H + t * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
-    new = (h + moe).to(dtype)
-    tl.store(Out + t * stride_o + cols, new, mask=ok)
-    if NORM:  # the next layer's input norm (or the final norm) of the row just written
-        w = tl.load(NormW + cols, mask=ok, other=0.0)
-        y = rms_normed(tl.where(ok, new.to(tl.float32), 0.0), inv_n, eps) * w
-        tl.store(Normed + t * stride_normed + cols, y.to(dtype), mask=ok)
+        rows = pairs
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = X + rows[:, None] * stride_x
+    w_rows = W + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + rk
+        k_ok = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if GATED:
+            wu = tl.load(w_rows + N * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=DOT_PRECISION)
+    dtype = Out.dtype.element_ty
+    y = acc.to(dtype)  # the product in the model dtype, as a GEMM returns it
+    if GATED:
+        act = _silu(y.to(tl.float32), LIBDEVICE_EXP).to(dtype)
+        y = (act.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        weight = tl.load(Weights + pairs, mask=valid, other=0.0)
+        y = (y.to(tl.float32) * weight[:, None]).to(dtype)
+    tl.store(Out + pairs[:, None] * stride_o + rn[None, :], y, mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -316,105 +256,30 @@ def _combine_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatu
     (PAIRS = TOP_K). NORM (BLOCK >= n: the whole row in one program): also Normed[t] = Out[t] normed and times NormW
     (1 + weight, fp32), as worker.kernels.norms.offset_rms_norm computes it."""
     wait_then_release(PDL)
-    _combine_row(H, PairOut, Logits, Shared, Out, NormW, Normed, tl.program_id(0).to(tl.int64),
-                 tl.program_id(1) * BLOCK + tl.arange(0, BLOCK), n, gate_col, stride_h, stride_p, stride_l, stride_s,
-                 stride_o, stride_normed, inv_n, eps, TOP_K, SHARED, NORM, BLOCK, "")
-
-
-@triton.jit
-def _poll(ptr, INTERPRETED: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the signature
-    """The int32 at ptr read with acquire semantics at the GPU's scope, by every thread (no block barrier)."""
-    if INTERPRETED:
-        return tl.load(ptr, volatile=True)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    dtype = Out.dtype.element_ty
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    PAIRS: tl.constexpr = TOP_K + SHARED
+    for j in tl.static_range(TOP_K):  # in choice order
+        acc += tl.load(PairOut + (t * PAIRS + j) * stride_p + cols, mask=ok, other=0.0).to(tl.float32)
+    routed = acc.to(dtype).to(tl.float32)
+    g = tl.load(Logits + t * stride_l + gate_col).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    if SHARED:
+        expert = tl.load(PairOut + (t * PAIRS + TOP_K) * stride_p + cols, mask=ok, other=0.0)
     else:
-        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-
-
-@triton.jit
-def _nap(value, INTERPRETED: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the signature
-    """value, after a short sleep (between polls)."""
-    if INTERPRETED:
-        return value
-    else:
-        return tl.inline_asm_elementwise("nanosleep.u32 20; mov.b32 $0, $1;", "=r,r", [value], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-
-
-@triton.jit
-def _signal(ptr, INTERPRETED: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the signature
-    """Adds 1 at ptr with release semantics at the GPU's scope, from the program's first thread only (after a block
-    barrier, so that it releases every thread's stores)."""
-    if INTERPRETED:
-        tl.atomic_add(ptr, 1, sem="release")
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p red.release.gpu.global.add.u32 [$1], 1; mov.b32 $0, 0; }",
-            "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _one_token_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    X, GateUp, Down, Act, PairOut, Sorted, BlockExpert, Total, Weights, Counters,
-    H, Logits, Out, NormW, Normed,
-    ffn, dim, gate_col, n_programs, stride_x, stride_gw_e, stride_gw_n, stride_dw_e, stride_dw_n, stride_h, stride_l,
-    stride_o, stride_normed, inv_n, eps,
-    TOP_K: tl.constexpr,
-    NORM: tl.constexpr,
-    LIBDEVICE_EXP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    GU_N: tl.constexpr,
-    GU_K: tl.constexpr,
-    DN_N: tl.constexpr,
-    DN_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """A one-token step's experts and their sum in one launch (the shared expert the last of them): the gate|up
-    tiles, the down tiles and the combining row, each as the three launches compute it (_expert_tile, _combine_row:
-    the same bits). Grid (n_programs,), no more than the GPU holds at once: program p takes tiles p, p + n_programs,
-    ... in order, the gate|up tiles numbered first, so a program finishes its gate|up tiles before it waits on
-    anything. A down tile waits until its block's gate|up tiles have counted themselves done (Counters[block], each
-    count one thread's release add; every thread polls with acquire loads); their programs are on the GPU and wait
-    on nothing first, so no program waits on one that cannot run. The last down tile to finish (Counters[PAIRS])
-    combines the row (and norms it, with NORM) and sets the counters back to zero."""
-    PAIRS: tl.constexpr = TOP_K + 1
-    gu_tiles = tl.cdiv(ffn, GU_N)
-    dn_tiles = tl.cdiv(dim, DN_N)
-    n_gu = PAIRS * gu_tiles
-    n_items = n_gu + PAIRS * dn_tiles
-    wait_then_release(PDL)
-    item = tl.program_id(0)
-    while item < n_items:
-        if item < n_gu:
-            block = item // gu_tiles
-            _expert_tile(X, GateUp, Act, Sorted, BlockExpert, Total, Weights, block, item % gu_tiles,
-                         PAIRS, ffn, dim, stride_x, stride_gw_e, stride_gw_n, ffn, PAIRS, True,
-                         LIBDEVICE_EXP, DOT_PRECISION, BLOCK_M, GU_N, GU_K, "")
-            tl.debug_barrier()  # every thread's stores before the count (which releases them)
-            _signal(Counters + block, INTERPRETED)
-        else:
-            down = item - n_gu
-            block = down // dn_tiles
-            done = _poll(Counters + block, INTERPRETED)
-            while done < gu_tiles:
-                done = _nap(done, INTERPRETED)
-                done = _poll(Counters + block, INTERPRETED)
-            tl.debug_barrier()
-            _expert_tile(Act, Down, PairOut, Sorted, BlockExpert, Total, Weights, block, down % dn_tiles,
-                         PAIRS, dim, ffn, ffn, stride_dw_e, stride_dw_n, dim, PAIRS, False,
-                         LIBDEVICE_EXP, DOT_PRECISION, BLOCK_M, DN_N, DN_K, ".cg")
-            tl.debug_barrier()
-            if tl.atomic_add(Counters + PAIRS, 1, sem="acq_rel") == PAIRS * dn_tiles - 1:
-                for i in tl.static_range(PAIRS + 1):  # the blocks' counts and the down tiles' count
-                    tl.store(Counters + i, 0)
-                _combine_row(H, PairOut, Logits, PairOut, Out, NormW, Normed, 0, tl.arange(0, BLOCK), dim, gate_col,
-                             stride_h, dim, stride_l, dim, stride_o, stride_normed, inv_n, eps, TOP_K, 1, NORM, BLOCK,
-                             ".cg")
-        item += n_programs
+        expert = tl.load(Shared + t * stride_s + cols, mask=ok, other=0.0)
+    shared = (gate * expert.to(tl.float32)).to(dtype)
+    moe = (routed + shared.to(tl.float32)).to(dtype).to(tl.float32)
+    h = tl.load(H + t * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+    new = (h + moe).to(dtype)
+    tl.store(Out + t * stride_o + cols, new, mask=ok)
+    if NORM:  # the next layer's input norm (or the final norm) of the row just written
+        w = tl.load(NormW + cols, mask=ok, other=0.0)
+        y = rms_normed(tl.where(ok, new.to(tl.float32), 0.0), inv_n, eps) * w
+        tl.store(Normed + t * stride_normed + cols, y.to(dtype), mask=ok)
 
 
 def max_blocks(tokens: int, experts: int, pairs_per_token: int, block_m: int) -> int:
@@ -502,76 +367,6 @@ def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
 
 COMBINE_BLOCK = 512
-# A one-token decode step's experts and sum in one launch (_one_token_kernel) instead of three: off unless the engine's
-# moe_one_launch option (WORKER_MOE_ONE_LAUNCH=1) turns it on. Experimental: its earlier forms (a ticket per tile)
-# made the step slower on the H100 (docs/performance.md); this form is not measured on a GPU yet.
-ONE_TOKEN_LAUNCH = False
-ONE_TOKEN_PROGRAMS_PER_SM = 4  # at most, of what an SM holds
-
-
-def configure_one_launch(on: bool) -> None:
-    """Whether one-token decode steps take _one_token_kernel (the process's choice, made at start-up)."""
-    global ONE_TOKEN_LAUNCH
-    ONE_TOKEN_LAUNCH = on
-_held: dict[tuple[object, ...], int] = {}  # programs of _one_token_kernel an SM holds at once, by device and shape
-
-
-def _programs_an_sm_holds(kernel: object, device: torch.device) -> int:
-    """How many programs of a compiled kernel an SM surely holds at once (one less than its registers, shared memory
-    and threads allow, for the allocation granularity; at least 1, at most ONE_TOKEN_PROGRAMS_PER_SM). The one-token
-    kernel's programs wait on each other, so its grid must fit the GPU at once."""
-    props = torch.cuda.get_device_properties(device)
-    meta = getattr(kernel, "metadata", None)
-    regs, warps = getattr(kernel, "n_regs", 0), getattr(meta, "num_warps", 0)
-    shared = getattr(meta, "shared", 0)
-    if not regs or not warps:
-        return 1
-    threads = 32 * warps
-    registers = getattr(props, "regs_per_multiprocessor", 65536)  # every GPU since Kepler has 64 K an SM
-    fits = min(registers // (regs * threads), props.max_threads_per_multi_processor // threads,
-               props.shared_memory_per_multiprocessor // shared if shared else 32)
-    return max(1, min(fits - 1, ONE_TOKEN_PROGRAMS_PER_SM))
-
-
-def _one_launch(tokens: int, dim: int, shared: torch.Tensor | None, prefill: bool, tiles: MoeTiles | None,
-                norm: torch.Tensor | None) -> bool:
-    """Whether a step takes _one_token_kernel: one token's decode step with the shared expert among the experts, at
-    the decode tiles, whose warps the combining row's norm also takes on the GPU (the norm's sum follows them)."""
-    gu, dn = DECODE_TILES.gate_up, DECODE_TILES.down
-    warps_fit = norm is None or norm_warps(dim) == gu.warps or _interpreted()
-    return (ONE_TOKEN_LAUNCH and tokens == 1 and shared is None and not prefill and tiles in (None, DECODE_TILES)
-            and gu.warps == dn.warps and warps_fit)
-
-
-def _one_token(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               routing: Routing, top_k: int, norm: torch.Tensor | None, eps: float,
-               normed: torch.Tensor | None) -> torch.Tensor:
-    """_one_token_kernel's launch: the new row (1, dim), and its norm in `normed` with `norm`."""
-    dim, ffn, pairs = x.shape[1], down.shape[2], top_k + 1
-    act = torch.empty((pairs, ffn), dtype=x.dtype, device=x.device)
-    pair_out = torch.empty((pairs, dim), dtype=x.dtype, device=x.device)
-    out = torch.empty_like(h)
-    counters = split_tickets(x.device, pairs + 1)  # zero between launches, as the split products' tickets
-    gu, dn = DECODE_TILES.gate_up, DECODE_TILES.down
-    items = pairs * (triton.cdiv(ffn, gu.block_n) + triton.cdiv(dim, dn.block_n))
-    interpreted = _interpreted()
-    key = (x.device.index, dim, ffn, top_k, norm is not None, x.dtype)
-    if interpreted:
-        programs = items  # one tile each: the interpreter runs the programs one after another, in order
-    else:
-        programs = min(items, _held.get(key, 1) * sm_count(x.device))
-    kernel = _one_token_kernel[(programs,)](
-        x, gate_up, down, act, pair_out, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights,
-        counters, h, logits, out, norm if norm is not None else h, normed if normed is not None else out,
-        ffn, dim, logits.shape[1] - 1, programs, x.stride(0), gate_up.stride(0), gate_up.stride(1), down.stride(0),
-        down.stride(1), h.stride(0), logits.stride(0), out.stride(0), normed.stride(0) if normed is not None else 0,
-        1.0 / dim, eps, TOP_K=top_k, NORM=norm is not None, LIBDEVICE_EXP=not interpreted,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=DECODE_TILES.block_m,
-        GU_N=gu.block_n, GU_K=gu.block_k, DN_N=dn.block_n, DN_K=dn.block_k, BLOCK=triton.next_power_of_2(dim),
-        INTERPRETED=interpreted, num_warps=gu.warps, num_stages=gu.stages, **STRICT, **launch_options(x))
-    if not interpreted and key not in _held:
-        _held[key] = _programs_an_sm_holds(kernel, x.device)
-    return out
 
 
 def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -603,11 +398,8 @@ def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: t
     out = torch.empty_like(h)
     if tokens == 0:
         return out
-    one = _one_launch(tokens, dim, shared, prefill, tiles, norm)
     tiles = tiles or (PREFILL_TILES if prefill else DECODE_TILES)
     routing = route_and_sort(logits, experts, top_k, tiles, scratch, shared=in_experts)
-    if one:
-        return _one_token(h, x, logits, gate_up, down, routing, top_k, norm, eps, normed)
     pair_out = experts_forward(x, gate_up, down, routing, tiles)
     shared_rows = pair_out if shared is None else shared
     # With the norm, a program takes a whole row (its sum of squares), in the norm kernel's warps (the sum's order).

@@ -129,53 +129,6 @@ def test_the_combining_launch_norms_its_rows_as_the_norm_kernel(block: Block, pr
         assert torch.equal(normed, offset_rms_norm(got, norm, 1e-6))
 
 
-def test_one_token_in_one_launch_gives_the_three_launches_bits(block: Block) -> None:
-    """A one-token decode step's experts and sum in one launch (worker.kernels.moe._one_token_kernel, the engine's
-    experimental moe_one_launch option): the bits of the gate|up, down and combining launches, the next norm's too,
-    eagerly and replayed from a CUDA graph, and the counters back at zero after each step."""
-    from worker.kernels import moe
-    from worker.kernels.matmul import split_tickets
-
-    norm = 1 + 0.3 * torch.randn(block.dim, generator=block.gen, device="cuda")
-    scratch = moe.moe_scratch(block.experts + 1, torch.device("cuda"))
-
-    def apart(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = torch.empty_like(h)
-        return moe.moe_block(h, x, logits, block.gate_up, block.down, block.top_k, scratch, norm=norm, eps=1e-6,
-                             normed=normed), normed
-
-    def one(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        moe.configure_one_launch(True)
-        try:
-            return apart(h, x, logits)
-        finally:
-            moe.configure_one_launch(False)
-
-    for _ in range(8):
-        h, x, logits = block.inputs(1)
-        got, want = one(h, x, logits), apart(h, x, logits)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        assert not split_tickets(x.device, 64).any()
-    h, x, logits = (t.clone() for t in block.inputs(1))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        one(h, x, logits)  # the stream's tickets are made outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out, normed = one(h, x, logits)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        nh, nx, nlogits = block.inputs(1)
-        h.copy_(nh), x.copy_(nx), logits.copy_(nlogits)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = apart(h, x, logits)
-        assert torch.equal(out, want[0]) and torch.equal(normed, want[1])
-        with torch.cuda.stream(stream):
-            assert not split_tickets(x.device, 64).any()
-
-
 def test_the_fused_block_reads_each_chosen_expert_once_a_step(block: Block) -> None:
     """The sorted blocks of a 64-token decode step: each chosen expert's pairs (the shared expert's, every token's
     last, included) in as few blocks as its count needs (one block per expert when it has at most 16 pairs), so its

@@ -117,22 +117,6 @@ def check(c: ModelConfig) -> None:
             assert torch.equal(also, got)
             assert torch.equal(normed, offset_rms_norm(got, norm, 1e-6))
 
-            if tokens == 1 and merged and tiles is DECODE_TILES:
-                # one token's experts and sum in one launch (an option, off by default): the three launches' bits,
-                # the counters back at zero
-                from worker.kernels import moe
-                from worker.kernels.matmul import split_tickets
-
-                moe.configure_one_launch(True)
-                try:
-                    one_normed = torch.empty_like(h)
-                    one = moe_block(h, x, logits, mlp.gate_up, mlp.down, ex.top_k, mlp.scratch, norm=norm, eps=1e-6,
-                                    normed=one_normed)
-                    alone = moe_block(h, x, logits, mlp.gate_up, mlp.down, ex.top_k, mlp.scratch)
-                finally:
-                    moe.configure_one_launch(False)
-                assert torch.equal(one, got) and torch.equal(one_normed, normed) and torch.equal(alone, got)
-                assert not split_tickets(h.device, 64).any()
             if tokens > 1:  # the last token alone, and the batch reversed: the same bits for every token
                 inputs = (h, x, logits, shared)
                 whole = rows_of(mlp, inputs, torch.arange(tokens), tiles is PREFILL_TILES)
