@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.fused import STRICT, _interpreted
-from worker.kernels.pdl import ahead_span, launch_options, prefetch_share, wait_then_release
+from worker.kernels.pdl import launch_options, wait_then_release
 from worker.kernels.tiles import TILE_ROWS
 
 CONV_BLOCK = 256  # channels per convolution program (prefill)
@@ -120,9 +120,9 @@ def _conv_input(X, held, r, p, m, d, stride_x, cols, ok):  # type: ignore[no-unt
 
 @triton.jit
 def _conv_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    X, W, Out, State, Slots, Positions, Ahead, anchor,
+    X, W, Out, State, Slots, Positions, anchor,
     stride_x, stride_w, stride_out, stride_ss, stride_sc,
-    C, ahead_bytes,
+    C,
     TAPS: tl.constexpr,
     SINGLE: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -130,11 +130,8 @@ def _conv_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
 ):
     """Grid (rows, cdiv(C, BLOCK_C)). Out[r] = silu(sum_j W[:, j] * input at position p - (TAPS-1) + j) for row r at
     position p of its slot. SINGLE (decode: every row its own run): the program also moves the slot's held inputs
-    (column c holds the input at position p - (TAPS - 1) + c, c < TAPS - 1). Before the wait (PDL), the program's
-    share of the ahead_bytes at Ahead is asked of the L2 cache (the layer's out product's weight, or none)."""
+    (column c holds the input at position p - (TAPS - 1) + c, c < TAPS - 1)."""
     wait_then_release(PDL)
-    prefetch_share(Ahead, ahead_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                   tl.num_programs(0) * tl.num_programs(1), PDL)
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = cols < C
@@ -202,19 +199,16 @@ def _conv_checks(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slo
 
 
 def conv_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                positions: torch.Tensor, out: torch.Tensor | None = None,
-                ahead: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row (distinct slots): silu(causal depthwise conv) of x (R, C) after each slot's held inputs
-    (state: (num_slots, C, taps - 1), the last slot mapped), and the held inputs moved on. (R, C) in x's dtype.
-    `ahead`: a weight asked of the L2 cache before the kernel's wait (worker.kernels.pdl)."""
+    (state: (num_slots, C, taps - 1), the last slot mapped), and the held inputs moved on. (R, C) in x's dtype."""
     rows, channels, taps = _conv_checks(x, weight, state, slots, positions)
     out = torch.empty_like(x) if out is None else out
     if rows:
         anchor = state.shape[0] - 1
-        span, span_bytes = ahead_span(ahead)
         _conv_kernel[(rows, triton.cdiv(channels, CONV_DECODE_BLOCK))](
-            x, weight, out, state[anchor], slots, positions, span if span is not None else x, anchor,
-            x.stride(0), weight.stride(0), out.stride(0), state.stride(0), state.stride(1), channels, span_bytes,
+            x, weight, out, state[anchor], slots, positions, anchor,
+            x.stride(0), weight.stride(0), out.stride(0), state.stride(0), state.stride(1), channels,
             TAPS=taps, SINGLE=True, BLOCK_C=CONV_DECODE_BLOCK, num_warps=CONV_DECODE_WARPS, **STRICT,
             **launch_options(x))
     return out
@@ -230,8 +224,8 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slo
         anchor = state.shape[0] - 1
         grid = (rows, triton.cdiv(channels, CONV_BLOCK))
         _conv_kernel[grid](
-            x, weight, out, state[anchor], slots, positions, x, anchor,
-            x.stride(0), weight.stride(0), out.stride(0), state.stride(0), state.stride(1), channels, 0,
+            x, weight, out, state[anchor], slots, positions, anchor,
+            x.stride(0), weight.stride(0), out.stride(0), state.stride(0), state.stride(1), channels,
             TAPS=taps, SINGLE=False, BLOCK_C=CONV_BLOCK, num_warps=4, **STRICT, **launch_options(x))
         _conv_hold_kernel[grid](
             x, state[anchor], slots, positions, anchor, rows, x.stride(0), state.stride(0), state.stride(1), channels,

@@ -22,12 +22,12 @@ from triton.language.extra import libdevice
 
 from worker.kernels.attention import spare_views
 from worker.kernels.fused import STRICT, _interpreted, check_slab_store
-from worker.kernels.pdl import ahead_span, launch_options, prefetch_share, wait_then_release
+from worker.kernels.pdl import launch_options, wait_then_release
 
 
 @triton.jit
 def _norm_rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    QKV, QNorm, KNorm, Cos, Sin, Q, K, V, Slots, Positions, Ahead, anchor, ahead_bytes,
+    QKV, QNorm, KNorm, Cos, Sin, Q, K, V, Slots, Positions, anchor,
     stride_qkv, stride_cos, stride_sin, stride_qt, stride_qh,
     stride_ks, stride_kh, stride_kb, stride_kt,
     stride_vs, stride_vh, stride_vb, stride_vt,
@@ -41,12 +41,8 @@ def _norm_rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton reads the
     PDL: tl.constexpr,
 ):
     """Grid (rows, HEADS + KV_HEADS): program (t, h) writes Q[t, h] (h < HEADS), or stores key h - HEADS and its value
-    in K and V at Slots[t], Positions[t]. QKV[t] is [HEADS x (query, gate) | KV_HEADS keys | KV_HEADS values].
-    Before the wait (PDL), the program's share of the ahead_bytes at Ahead is asked of the L2 cache (the layer's o
-    product's weight, or none)."""
+    in K and V at Slots[t], Positions[t]. QKV[t] is [HEADS x (query, gate) | KV_HEADS keys | KV_HEADS values]."""
     wait_then_release(PDL)
-    prefetch_share(Ahead, ahead_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                   tl.num_programs(0) * tl.num_programs(1), PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_D)
@@ -97,7 +93,6 @@ def norm_rope_store(
     positions: torch.Tensor,  # (T,) int64: the position each row writes
     n_heads: int,
     eps: float,
-    ahead: torch.Tensor | None = None,  # a weight asked of the L2 cache before the kernel's wait (worker.kernels.pdl)
 ) -> torch.Tensor:
     """The rows' queries, normed and turned (T, H, hd) in qkv's dtype; their keys (normed, turned) and values stored
     in the caches at each row's slot and position. One launch (see the module docstring)."""
@@ -116,10 +111,8 @@ def norm_rope_store(
     if rows == 0:
         return out
     anchor, k_anchor, v_anchor = spare_views(k_cache, v_cache)  # K and V as views of the always mapped spare slot
-    span, span_bytes = ahead_span(ahead)
     _norm_rope_store_kernel[(rows, n_heads + kv_heads)](
-        qkv, q_norm, k_norm, cos, sin, out, k_anchor, v_anchor, slots, positions, span if span is not None else qkv,
-        anchor, span_bytes,
+        qkv, q_norm, k_norm, cos, sin, out, k_anchor, v_anchor, slots, positions, anchor,
         qkv.stride(0), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
         *k_cache.stride()[:4], *v_cache.stride()[:4], 1.0 / head_dim, eps,
         HEADS=n_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, ROTARY=rotary, BLOCK_D=triton.next_power_of_2(head_dim),

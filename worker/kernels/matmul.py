@@ -45,10 +45,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from worker.kernels import pdl
-from worker.kernels.attention import sm_count
 from worker.kernels.fused import STRICT, _interpreted
-from worker.kernels.pdl import ahead_span, launch_options, prefetch_share, wait_then_release
+from worker.kernels.pdl import launch_options, wait_then_release
 
 BLOCK_M = 16  # rows per program unless tiles_for says otherwise (tl.dot's smallest tile)
 
@@ -134,8 +132,8 @@ def tiles_for(n: int, k: int, silu: bool = False) -> Tiles:
 
 @triton.jit
 def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    X, W, Out, Res, SqIn, SqOut, Partial, Tickets, Ahead,
-    M, N, K, ahead_bytes, self_programs,
+    X, W, Out, Res, SqIn, SqOut, Partial, Tickets,
+    M, N, K,
     stride_xm, stride_wn, stride_om, stride_rm, stride_sq_in, stride_sq_out,
     inv_k, eps,
     SPLIT: tl.constexpr,
@@ -149,7 +147,6 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N) * SPLIT, cdiv(M, BLOCK_M)). Out[m, n] for the program's rows and columns.
@@ -161,22 +158,12 @@ def _row_matmul_kernel(  # type: ignore[no-untyped-def]  # Triton reads the sign
     SPLIT > 1: program (tile, part) sums over part's range of K into Partial[part] (SPLIT, M, N or 2N with SILU,
     fp32) and takes a ticket (Tickets[tile], zero before); the last to take one adds the SPLIT partial sums in part
     order (so the result does not depend on which was last), sets the ticket back to zero and runs the epilogue.
-    Before the wait (PDL), PREFETCH: the program's weight rows asked of the L2 cache (its part's share of them with
-    SPLIT); then its share of the ahead_bytes at Ahead (the next product's weights, or none).
     """
-    tile_n = tl.program_id(0) // SPLIT
-    part = tl.program_id(0) % SPLIT
-    if PREFETCH and tl.program_id(0) < self_programs:
-        row_bytes = K * (W.dtype.element_ty.primitive_bitwidth // 8)
-        tile_bytes = tl.minimum(BLOCK_N, N - tile_n * BLOCK_N) * row_bytes
-        prefetch_share(W + tile_n.to(tl.int64) * BLOCK_N * K, tile_bytes, part, SPLIT, PDL)
-        if SILU:
-            prefetch_share(W + (N + tile_n.to(tl.int64) * BLOCK_N) * K, tile_bytes, part, SPLIT, PDL)
-    prefetch_share(Ahead, ahead_bytes, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
-                   tl.num_programs(0) * tl.num_programs(1), PDL)
     wait_then_release(PDL)
     dtype = X.dtype.element_ty
     rm = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile_n = tl.program_id(0) // SPLIT
+    part = tl.program_id(0) % SPLIT
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row_ok = rm < M
@@ -262,7 +249,6 @@ def row_matmul(
     eps: float = 0.0,  # the norm's epsilon, with norm_squares
     squares_out: torch.Tensor | None = None,  # (squares_tiles(N, K), M) fp32: out's, for the next product
     tiles: Tiles | None = None,  # default tiles_for(N, K); benchmarks try others
-    ahead: torch.Tensor | None = None,  # asked of the L2 cache before the wait (PDL): the next product's weight
 ) -> torch.Tensor:
     """epilogue(prologue(x) @ weight.T) in one launch (see the module docstring).
 
@@ -308,17 +294,15 @@ def row_matmul(
         tickets = split_tickets(x.device, n_tiles * m_tiles)
     else:
         partial, tickets = out, out  # unused
-    span, span_bytes = ahead_span(ahead) if not pdl.LIGHT else (None, 0)
-    prefetch = pdl.PREFETCH_SELF > 0 and pdl.can_prefetch(weight) and (k * weight.element_size()) % 16 == 0
     _row_matmul_kernel[(n_tiles * tiles.split, m_tiles)](
-        x, weight, out, res, sq_in, sq_out, partial, tickets, span if span is not None else weight,
-        rows, n, k, span_bytes, pdl.PREFETCH_SELF * sm_count(x.device) if prefetch else 0,
+        x, weight, out, res, sq_in, sq_out, partial, tickets,
+        rows, n, k,
         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), sq_in.stride(0), sq_out.stride(0),
         1.0 / k, eps,
         SPLIT=tiles.split, NORMED=norm_squares is not None, SQ_TILES=sq_tiles,
         SQUARES_OUT=squares_out is not None, SILU=silu, RESIDUAL=residual is not None,
         LIBDEVICE_EXP=not _interpreted(), DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PREFETCH=prefetch,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.warps, num_stages=tiles.stages, **STRICT, **launch_options(x),
     )
     return out

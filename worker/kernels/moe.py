@@ -52,14 +52,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from worker.kernels import pdl
 from worker.kernels.fused import STRICT, _interpreted
 from worker.kernels.norms import norm_warps, rms_normed
-from worker.kernels.pdl import ahead_span, launch_options, prefetch_share, wait_then_release
+from worker.kernels.pdl import launch_options, wait_then_release
 
 PLACE_BLOCK = 1024  # pairs per step of the last route program's placing
-ROUTE_PREFETCH_PROGRAMS = 32  # a one-token step's route programs asking for the chosen experts' weights (an SM's
-# share of the asking is what it can send to the L2 cache a cycle: one program would take ~100 us for 36 MiB)
 
 
 @dataclass(frozen=True)
@@ -90,8 +87,8 @@ PREFILL_TILES = MoeTiles(block_m=64, gate_up=ExpertTiles(64, 64, 4, 3), down=Exp
 
 @triton.jit
 def _route_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    Logits, Ids, Weights, Ranks, Scratch, Sorted, BlockExpert, Total, GateUp, Down,
-    stride_l, n_tokens, n_experts, stride_gu, stride_dn, gate_up_bytes, down_bytes,
+    Logits, Ids, Weights, Ranks, Scratch, Sorted, BlockExpert, Total,
+    stride_l, n_tokens, n_experts,
     TOP_K: tl.constexpr,
     SHARED: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -104,14 +101,9 @@ def _route_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     """Grid (tokens,): token t's pairs (Ids, Weights: fp32 holding model-dtype values, Ranks among its experts'
     pairs); the last program to finish places every pair (see the module docstring). Scratch (int32): the experts'
     counts, their ranges' starts, the ticket. SINGLE (one token, one program): the program places its own pairs
-    from registers, as the last program would (no atomics, no scratch, Ranks not written); with a grid of more than
-    one program each computes the same choice and asks the L2 cache for its share of the chosen experts' first
-    gate_up_bytes of GateUp and down_bytes of Down (strides in elements), and the first program writes."""
+    from registers, as the last program would (no atomics, no scratch, Ranks not written)."""
     wait_then_release(PDL)
-    if SINGLE:
-        t = tl.program_id(0).to(tl.int64) * 0
-    else:
-        t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     ok = cols < n_experts
     logits = tl.load(Logits + t * stride_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
@@ -144,13 +136,6 @@ def _route_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
     mine = choice < PAIRS
     tl.store(Ids + t * PAIRS + choice, ids, mask=mine)
     tl.store(Weights + t * PAIRS + choice, weights, mask=mine)
-    if SINGLE:
-        for j in tl.static_range(PAIRS):  # the chosen experts' weights, before the expert launches' waits
-            chosen = tl.sum(tl.where(choice == j, ids, 0), 0).to(tl.int64)
-            prefetch_share(GateUp + chosen * stride_gu, gate_up_bytes, tl.program_id(0), tl.num_programs(0), PDL)
-            prefetch_share(Down + chosen * stride_dn, down_bytes, tl.program_id(0), tl.num_programs(0), PDL)
-        if tl.program_id(0) > 0:
-            return
     if SINGLE:  # each chosen expert's range is one block: its start is BLOCK_M x the chosen experts below it
         below = tl.sum(((ids[None, :] < ids[:, None]) & mine[None, :]).to(tl.int32), 1)
         slot = tl.arange(0, BLOCK_M)
@@ -201,8 +186,8 @@ def _silu(x, LIBDEVICE_EXP: tl.constexpr):  # type: ignore[no-untyped-def]  # Tr
 
 @triton.jit
 def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signature
-    X, W, Out, Sorted, BlockExpert, Total, Weights, Ahead,
-    n_pairs, N, K, stride_x, stride_we, stride_wn, stride_o, ahead_bytes,
+    X, W, Out, Sorted, BlockExpert, Total, Weights,
+    n_pairs, N, K, stride_x, stride_we, stride_wn, stride_o,
     PAIRS: tl.constexpr,
     GATED: tl.constexpr,
     LIBDEVICE_EXP: tl.constexpr,
@@ -214,10 +199,7 @@ def _expert_kernel(  # type: ignore[no-untyped-def]  # Triton reads the signatur
 ):
     """Grid (max blocks of sorted pairs, cdiv(N, BLOCK_N)). GATED (gate|up): Out[pair, n] = silu(g) * u with
     g | u = X[token] @ W[e, n | N + n].T, X the tokens' rows (pair // PAIRS). Else (down): Out[pair, n] =
-    (X[pair] @ W[e, n].T) * Weights[pair], X the pairs' rows. Before the wait (PDL), the program's share of the
-    ahead_bytes at Ahead is asked of the L2 cache (the next layer's first product's weight, or none)."""
-    prefetch_share(Ahead, ahead_bytes, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
-                   tl.num_programs(0) * tl.num_programs(1), PDL)
+    (X[pair] @ W[e, n].T) * Weights[pair], X the pairs' rows."""
     wait_then_release(PDL)
     block = tl.program_id(0)
     # The three reads at once (a block past the total reads what an earlier step left, and returns unused), so
@@ -324,21 +306,10 @@ class Routing:
     total: torch.Tensor  # (1,) int32: the padded count of sorted pairs
 
 
-def _expert_bytes(w: torch.Tensor | None, experts: int, tokens: int, on: bool) -> int:
-    """The bytes of one expert's weight a one-token route launch asks for (0: none)."""
-    if not on or w is None or tokens != 1 or w.shape[0] != experts or not pdl.can_prefetch(w):
-        return 0
-    per_expert = w.stride(0) * w.element_size()
-    return per_expert if per_expert % 16 == 0 else 0
-
-
 def route_and_sort(logits: torch.Tensor, experts: int, top_k: int, tiles: MoeTiles, scratch: torch.Tensor,
-                   shared: bool = False, gate_up: torch.Tensor | None = None,
-                   down: torch.Tensor | None = None) -> Routing:
+                   shared: bool = False) -> Routing:
     """logits (tokens, >= experts), its first `experts` columns the router's: each token's top k (and, with `shared`,
-    the shared expert, numbered `experts`, as its last pair) and the pairs grouped by expert. Given the experts'
-    weights (experts, ...), a one-token step asks the L2 cache for the chosen experts' weights as soon as it has
-    chosen them (worker.kernels.pdl; ROUTE_PREFETCH_PROGRAMS programs share the asking)."""
+    the shared expert, numbered `experts`, as its last pair) and the pairs grouped by expert."""
     tokens = logits.shape[0]
     if not 0 < top_k <= experts:  # a choice past the last expert would name no expert
         raise ValueError(f"top_k must be in 1..{experts}, got {top_k}")
@@ -354,26 +325,20 @@ def route_and_sort(logits: torch.Tensor, experts: int, top_k: int, tiles: MoeTil
     sorted_pairs = torch.empty((blocks * tiles.block_m,), dtype=torch.int32, device=device)
     block_expert = torch.empty((blocks,), dtype=torch.int32, device=device)
     total = torch.empty((1,), dtype=torch.int32, device=device)
-    gu_bytes = _expert_bytes(gate_up, experts_all, tokens, pdl.PREFETCH_EXPERTS >= 1)
-    dn_bytes = _expert_bytes(down, experts_all, tokens, pdl.PREFETCH_EXPERTS >= 2)
-    gu_w = gate_up if gate_up is not None and gu_bytes else logits
-    dn_w = down if down is not None and dn_bytes else logits
-    programs = ROUTE_PREFETCH_PROGRAMS if gu_bytes or dn_bytes else tokens
     if tokens:
-        _route_kernel[(programs,)](
-            logits, ids, weights, ranks, scratch, sorted_pairs, block_expert, total, gu_w, dn_w,
-            logits.stride(0), tokens, experts, gu_w.stride(0), dn_w.stride(0), gu_bytes, dn_bytes,
-            TOP_K=top_k, SHARED=int(shared), BLOCK_E=triton.next_power_of_2(experts_all),
-            BLOCK_K=triton.next_power_of_2(pairs_per_token), BLOCK_M=tiles.block_m, BLOCK_P=PLACE_BLOCK,
-            SINGLE=tokens == 1, num_warps=tiles.route_warps, **STRICT, **launch_options(logits))
+        _route_kernel[(tokens,)](logits, ids, weights, ranks, scratch, sorted_pairs, block_expert, total,
+                                 logits.stride(0), tokens, experts, TOP_K=top_k, SHARED=int(shared),
+                                 BLOCK_E=triton.next_power_of_2(experts_all),
+                                 BLOCK_K=triton.next_power_of_2(pairs_per_token), BLOCK_M=tiles.block_m,
+                                 BLOCK_P=PLACE_BLOCK, SINGLE=tokens == 1, num_warps=tiles.route_warps, **STRICT,
+                                 **launch_options(logits))
     return Routing(ids, weights, sorted_pairs, block_expert, total)
 
 
 def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, routing: Routing,
-                    tiles: MoeTiles, ahead: torch.Tensor | None = None) -> torch.Tensor:
+                    tiles: MoeTiles) -> torch.Tensor:
     """Each pair's weighted expert output (tokens * pairs, dim) in x's dtype: gate_up (experts, 2 * ffn, dim), down
-    (experts, dim, ffn), both contiguous. `ahead`: a weight the down launch asks the L2 cache for before its wait
-    (worker.kernels.pdl)."""
+    (experts, dim, ffn), both contiguous."""
     tokens, dim = x.shape
     experts, ffn = down.shape[0], down.shape[2]
     pairs_per_token = routing.ids.shape[1]
@@ -388,16 +353,14 @@ def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     common = dict(LIBDEVICE_EXP=not _interpreted(), DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                   BLOCK_M=tiles.block_m, **STRICT, **launch_options(x))
     gu, dn = tiles.gate_up, tiles.down
-    span, span_bytes = ahead_span(ahead) if not pdl.LIGHT else (None, 0)
     _expert_kernel[(blocks, triton.cdiv(ffn, gu.block_n))](
-        x, gate_up, act, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights, x,
-        pairs, ffn, dim, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), 0,
+        x, gate_up, act, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights,
+        pairs, ffn, dim, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         PAIRS=pairs_per_token, GATED=True, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.warps,
         num_stages=gu.stages, **common)
     _expert_kernel[(blocks, triton.cdiv(dim, dn.block_n))](
         act, down, out, routing.sorted_pairs, routing.block_expert, routing.total, routing.weights,
-        span if span is not None else act, pairs, dim, ffn, act.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), span_bytes,
+        pairs, dim, ffn, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         PAIRS=pairs_per_token, GATED=False, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.warps,
         num_stages=dn.stages, **common)
     return out
@@ -409,8 +372,7 @@ COMBINE_BLOCK = 512
 def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               top_k: int, scratch: torch.Tensor, shared: torch.Tensor | None = None,
               prefill: bool = False, tiles: MoeTiles | None = None, norm: torch.Tensor | None = None,
-              eps: float = 0.0, normed: torch.Tensor | None = None,
-              ahead: torch.Tensor | None = None) -> torch.Tensor:
+              eps: float = 0.0, normed: torch.Tensor | None = None) -> torch.Tensor:
     """h + the mixture of experts' output for the normed rows x (tokens, dim): `logits` (tokens, experts + 1) the
     router's then the shared expert's gate logit; the experts' weights gate_up (n, 2 * ffn, dim) and down
     (n, dim, ffn), where n = experts + 1 holds the shared expert last, or n = experts and `shared` (tokens, dim) is
@@ -437,8 +399,8 @@ def moe_block(h: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, gate_up: t
     if tokens == 0:
         return out
     tiles = tiles or (PREFILL_TILES if prefill else DECODE_TILES)
-    routing = route_and_sort(logits, experts, top_k, tiles, scratch, shared=in_experts, gate_up=gate_up, down=down)
-    pair_out = experts_forward(x, gate_up, down, routing, tiles, ahead)
+    routing = route_and_sort(logits, experts, top_k, tiles, scratch, shared=in_experts)
+    pair_out = experts_forward(x, gate_up, down, routing, tiles)
     shared_rows = pair_out if shared is None else shared
     # With the norm, a program takes a whole row (its sum of squares), in the norm kernel's warps (the sum's order).
     block, warps = (triton.next_power_of_2(dim), norm_warps(dim)) if norm is not None else (COMBINE_BLOCK, 4)

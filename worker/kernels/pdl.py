@@ -12,12 +12,6 @@ holds transitively (a kernel launched without PDL waits for the whole kernel bef
 Kernels take a `PDL: tl.constexpr` and start with `wait_then_release(PDL)`; launchers pass
 `**launch_options(tensor)`. Off in Triton's interpreter and before Hopper; `configure(False)` turns it off for the
 process (the engine's `pdl` option, WORKER_PDL=0: A/B runs).
-
-Weights do not depend on the kernel before, so a PDL kernel may ask for them before its wait: `prefetch_share`
-asks the L2 cache for a share of a span of bytes (cp.async.bulk.prefetch: a hint; nothing comes back, nothing
-waits), so that the weights of a product stream in while the kernels before it finish. A launcher passes the span
-as `ahead_span(tensor)` (its weights, or the next product's: the kernels before a product are short and read little,
-and the memory would idle under them).
 """
 
 from __future__ import annotations
@@ -31,14 +25,6 @@ import triton
 import triton.language as tl
 
 _allowed = True  # configure(): the process's choice, made once at start-up
-# Experiment switches for the L2 prefetches (WORKER_PREFETCH_*; "0" off): a product's own weights before its wait,
-# the next product's weights from the kernels before it, a one-token step's chosen experts from its routing (1: their
-# gate|up, 2: and down), and the most bytes of a weight asked for ahead (the L2 cache holds 50 MiB).
-PREFETCH_SELF = int(os.environ.get("WORKER_PREFETCH_SELF", "0"))  # programs an SM that ask for their own tiles
-PREFETCH_AHEAD = os.environ.get("WORKER_PREFETCH_AHEAD", "0") == "1"
-PREFETCH_EXPERTS = int(os.environ.get("WORKER_PREFETCH_EXPERTS", "0"))
-LIGHT = os.environ.get("WORKER_PREFETCH_LIGHT", "0") == "1"  # only the short kernels ask ahead, after their wait
-AHEAD_BYTES = int(os.environ.get("WORKER_PREFETCH_AHEAD_BYTES", str(16 << 20)))
 
 try:
     import triton.language.extra.cuda as _cuda
@@ -54,52 +40,6 @@ def wait_then_release(PDL: tl.constexpr):  # type: ignore[no-untyped-def]  # Tri
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-PREFETCH_LANES: tl.constexpr = tl.constexpr(128)  # a program's share in at most as many bulk prefetches
-PREFETCH_LINES: tl.constexpr = tl.constexpr(os.environ.get("WORKER_PREFETCH_LINES", "0") == "1")
-PREFETCH_ACTIVE: tl.constexpr = tl.constexpr(int(os.environ.get("WORKER_PREFETCH_ACTIVE", "1")))  # of them used
-
-
-@triton.jit
-def prefetch_share(Span, nbytes, part, parts, PDL: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads it
-    """Asks the L2 cache for the part-th of `parts` equal shares of the nbytes at Span (16-byte aligned, nbytes a
-    multiple of 16; 0: nothing), in PREFETCH_ACTIVE bulk prefetches. Only where PDL is on (Hopper and later: a kernel
-    without PDL starts when the one before has finished, and would only delay its own loads)."""
-    if PDL:
-        share = tl.cdiv(tl.cdiv(nbytes, parts), 16) * 16
-        chunk = tl.cdiv(share, 16 * PREFETCH_ACTIVE) * 16  # bytes a lane, a multiple of 16
-        lane = tl.arange(0, PREFETCH_LANES)
-        first = part.to(tl.int64) * share
-        start = first + lane.to(tl.int64) * chunk
-        end = tl.minimum(first + share, nbytes)
-        if PREFETCH_LINES:
-            base = Span.to(tl.pointer_type(tl.int8))
-            for i in range(tl.cdiv(end - first, 128 * PREFETCH_LANES)):
-                off = first + (i * PREFETCH_LANES + lane).to(tl.int64) * 128
-                at = base + tl.where(off < end, off, first)
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [at], dtype=tl.int32,
-                                          is_pure=False, pack=1)
-        else:
-            size = tl.where(lane < PREFETCH_ACTIVE, tl.minimum(tl.maximum(end - start, 0), chunk), 0).to(tl.int32)
-            at = Span.to(tl.pointer_type(tl.int8)) + tl.where(size > 0, start, 0)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-                "=r,l,r", [at, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def ahead_span(t: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
-    """(t, the bytes of it a kernel asks the L2 cache for: at most AHEAD_BYTES) as a kernel's prefetch span, or
-    (None, 0) where there is none to ask for: no tensor, not on a PDL device, not contiguous, or not 16-byte aligned.
-    Launchers pass the tensor, or any tensor of theirs in its place, with the bytes."""
-    if t is None or not PREFETCH_AHEAD or not can_prefetch(t):
-        return None, 0
-    return t, min(t.numel() * t.element_size(), AHEAD_BYTES) // 16 * 16
-
-
-def can_prefetch(t: torch.Tensor) -> bool:
-    """Whether kernels may ask the L2 cache for spans of t: on a PDL device, contiguous, 16-byte aligned."""
-    return enabled(t) and t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
 def configure(allowed: bool) -> None:

@@ -141,11 +141,6 @@ class Attention:
     def tensors(self) -> list[torch.Tensor]:
         return [self.wqkv.fused.weight, self.wo.weight, self.q_norm, self.k_norm]
 
-    @property
-    def first_weight(self) -> torch.Tensor:
-        """The weight the layer's first product reads (the kernels before it may ask the L2 cache for it)."""
-        return self.wqkv.fused.weight
-
 
 class DeltaNet:
     """A gated DeltaNet layer's weights: q|k|v|z|b|a in one product, the convolution, the decay's parameters, the
@@ -183,11 +178,6 @@ class DeltaNet:
     def tensors(self) -> list[torch.Tensor]:
         return [self.w_in.fused.weight, self.conv, self.A_log, self.dt_bias, self.gated_norm, self.w_out.weight]
 
-    @property
-    def first_weight(self) -> torch.Tensor:
-        """The weight the layer's first product reads (the kernels before it may ask the L2 cache for it)."""
-        return self.w_in.fused.weight
-
 
 class Mlp:
     """A layer's MLP: declared in the pack, read from its views, run by the torch path (`__call__`) and by the GPU
@@ -207,24 +197,15 @@ class Mlp:
         """The MLP's output for the normed rows x (T, dim), as transformers computes it."""
         raise NotImplementedError
 
-    @property
-    def first_weight(self) -> torch.Tensor:
-        """The weight the MLP's first product reads (the kernels before it may ask the L2 cache for it)."""
-        raise NotImplementedError
-
-    def add_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch,
-                    ahead: torch.Tensor | None = None) -> torch.Tensor:
-        """h + the MLP's output for x, in the GPU kernels (row-invariant ones for decode steps: batch.row_products).
-        `ahead`: the next product's weight, which the MLP's last launches may ask the L2 cache for (worker.kernels.pdl:
-        a hint, no numbers change)."""
+    def add_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """h + the MLP's output for x, in the GPU kernels (row-invariant ones for decode steps: batch.row_products)."""
         raise NotImplementedError
 
     def add_kernels_normed(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch,
-                           norm: torch.Tensor, eps: float,
-                           ahead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """add_kernels's rows and the same normed by `norm` (1 + weight: the next layer's input norm or the final
         norm). Here in two steps; an MLP whose last kernel can norm the rows it writes does it there."""
-        out = self.add_kernels(k, h, x, batch, ahead)
+        out = self.add_kernels(k, h, x, batch)
         return out, k.offset_rms_norm(out, norm, eps)
 
 
@@ -251,15 +232,10 @@ class DenseMlp(Mlp):
         gate, up = self.w_gate_up(x)
         return self.w_down(F.silu(gate) * up)
 
-    @property
-    def first_weight(self) -> torch.Tensor:
-        return self.w_gate_up.fused.weight
-
-    def add_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch,
-                    ahead: torch.Tensor | None = None) -> torch.Tensor:
+    def add_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         if batch.row_products:
-            act = k.row_matmul(x, self.w_gate_up.fused.weight, silu=True, ahead=self.w_down.weight)
-            return k.row_matmul(act, self.w_down.weight, residual=h, ahead=ahead)
+            act = k.row_matmul(x, self.w_gate_up.fused.weight, silu=True)
+            return k.row_matmul(act, self.w_down.weight, residual=h)
         gate, up = F.linear(x, self.w_gate_up.fused.weight).split(self.w_gate_up.sizes, dim=-1)
         return h + F.linear(F.silu(gate) * up, self.w_down.weight)
 
@@ -424,12 +400,9 @@ class Qwen3_5(Llama):
         def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return k.row_matmul(x, weight) if rowwise else F.linear(x, weight)
 
-        def add_product(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                        ahead: torch.Tensor) -> torch.Tensor:  # h + x @ weight.T
-            return k.row_matmul(x, weight, residual=h, ahead=ahead) if rowwise else h + F.linear(x, weight)
+        def add_product(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # h + x @ weight.T
+            return k.row_matmul(x, weight, residual=h) if rowwise else h + F.linear(x, weight)
 
-        # Each decode launch before a product may ask the L2 cache for the product's weight (worker.kernels.pdl):
-        # the convolution, delta rule and gated norm read little, and the memory would idle under them.
         blocks = self.blocks
         x = k.offset_rms_norm(h, blocks[0].input_norm, eps)
         for i, block in enumerate(blocks):
@@ -437,16 +410,14 @@ class Qwen3_5(Llama):
                 layer = block.mixer
                 act = self._attend_kernels(k, layer, product(x, layer.wqkv.fused.weight), cos, sin, positions, slots,
                                            state, batch)
-                h = add_product(h, act, layer.wo.weight, block.mlp.first_weight)
+                h = add_product(h, act, layer.wo.weight)
             else:
                 h = add_product(h, self._delta_kernels(k, block.mixer, product(x, block.mixer.w_in.fused.weight),
-                                                       positions, slots, state, batch), block.mixer.w_out.weight,
-                                block.mlp.first_weight)
+                                                       positions, slots, state, batch), block.mixer.w_out.weight)
             # the MLP's rows, and the same normed for what comes next (the next layer's input, or the head)
             then_norm = blocks[i + 1].input_norm if i + 1 < len(blocks) else self.norm
-            then = blocks[i + 1].mixer.first_weight if i + 1 < len(blocks) else self.lm_head.weight
             h, x = block.mlp.add_kernels_normed(k, h, k.offset_rms_norm(h, block.post_norm, eps), batch, then_norm,
-                                                eps, ahead=then)
+                                                eps)
         if logits_at is not None:
             x = x[logits_at]
         return product(x, self.lm_head.weight).float()
@@ -459,7 +430,7 @@ class Qwen3_5(Llama):
         c = self.config
         k_cache, v_cache = state["k"][:, layer.index], state["v"][:, layer.index]
         q = k.norm_rope_store(qkv, layer.q_norm, layer.k_norm, cos, sin, k_cache, v_cache, slots, positions, c.n_heads,
-                              c.norm_eps, ahead=layer.wo.weight)
+                              c.norm_eps)
         return k.sigmoid_gate(self.attention(q, k_cache, v_cache, slots, batch), qkv, c.n_heads)
 
     def _delta_kernels(self, k: HybridKernels, layer: DeltaNet, proj: torch.Tensor, positions: torch.Tensor,
@@ -474,7 +445,7 @@ class Qwen3_5(Llama):
             out = k.delta_prefill(qkv, a, b, layer.A_log, layer.dt_bias, rec_state, slots, positions, batch.tiles,
                                   lin.key_heads, lin.key_dim)
         else:  # one token per row
-            qkv = k.conv_decode(mixed, layer.conv, conv_state, slots, positions, ahead=layer.w_out.weight)
+            qkv = k.conv_decode(mixed, layer.conv, conv_state, slots, positions)
             out = k.delta_decode(qkv, a, b, layer.A_log, layer.dt_bias, rec_state, slots, positions, lin.key_heads,
                                  lin.key_dim)
         normed = k.gated_rms_norm(out.view(rows * lin.value_heads, lin.value_dim),

@@ -154,24 +154,18 @@ class SparseMoe(qwen3_5.Mlp):
         routed = weighted.view(rows, self.top_k, dim).sum(dim=1)
         return routed + torch.sigmoid(shared_gate) * shared
 
-    def add_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch,
-                    ahead: torch.Tensor | None = None) -> torch.Tensor:
-        return self._moe_kernels(k, h, x, batch, ahead=ahead)
+    def add_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return self._moe_kernels(k, h, x, batch)
 
     def add_kernels_normed(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch,
-                           norm: torch.Tensor, eps: float,
-                           ahead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The combining kernel norms the rows it writes (no launch for the norm)."""
         normed = torch.empty_like(h)
-        return self._moe_kernels(k, h, x, batch, norm, eps, normed, ahead), normed
-
-    @property
-    def first_weight(self) -> torch.Tensor:
-        return self.w_route.fused.weight
+        return self._moe_kernels(k, h, x, batch, norm, eps, normed), normed
 
     def _moe_kernels(self, k: HybridKernels, h: torch.Tensor, x: torch.Tensor, batch: Batch,
                      norm: torch.Tensor | None = None, eps: float = 0.0,
-                     normed: torch.Tensor | None = None, ahead: torch.Tensor | None = None) -> torch.Tensor:
+                     normed: torch.Tensor | None = None) -> torch.Tensor:
         if k.moe is None:
             raise ModelLoadError("the mixture-of-experts kernels are not built")
         # The router's product in the row-invariant kernel in prefill steps too: cuBLAS sums its few columns in
@@ -185,7 +179,7 @@ class SparseMoe(qwen3_5.Mlp):
                 gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
                 shared = F.linear(F.silu(gate) * up, self.shared_down)
         return k.moe(h, x, logits, self.gate_up, self.down, self.top_k, self.scratch, shared=shared,
-                     prefill=not batch.row_products, norm=norm, eps=eps, normed=normed, ahead=ahead)
+                     prefill=not batch.row_products, norm=norm, eps=eps, normed=normed)
 
 
 class Qwen3_5Moe(qwen3_5.Qwen3_5):
