@@ -253,8 +253,14 @@ def _delta_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     BLOCK_V: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid (rows, value heads, cdiv(value_dim, BLOCK_V)): one token's recurrent update of one head's state columns."""
-    wait_then_release(PDL)
+    """Grid (rows, value heads, cdiv(value_dim, BLOCK_V)): one token's recurrent update of one head's state columns.
+
+    The state, the slots and positions and the decay parameters are read before the wait (PDL): no kernel of the step
+    writes them before this one (the state: this kernel, a step earlier; the rest: the host, before the step; and the
+    kernel before it waited for all before that), so their loads overlap the kernel before instead of adding a round
+    trip to memory after it. H100, 35B-A3B engine: one session 306.1 -> 307.7 tokens/s, 64 sessions 2,544.5 / 2,545.0
+    -> 2,539.5 / 2,539.9 (64 states read under the kernel before take its bandwidth). The convolution's held inputs
+    and weights read the same way gained nothing at one session (307.6) and lost 0.4% at 64: not kept."""
     r = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -265,6 +271,12 @@ def _delta_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = ks < key_dim
     v_ok = vs < value_dim
+    h_ptr = State + (slot - anchor) * stride_ss + hv * stride_sh + ks[:, None] * stride_sk + vs[None, :]
+    h_ok = k_ok[:, None] & v_ok[None, :]
+    h = tl.load(h_ptr, mask=_when(~fresh, h_ok), other=0.0)
+    a_log = tl.load(ALog + hv).to(tl.float32)
+    dt_bias = tl.load(DtBias + hv).to(tl.float32)
+    wait_then_release(PDL)
     row = QKV + r * stride_qkv
     q = tl.load(row + hk * key_dim + ks, mask=k_ok, other=0.0).to(tl.float32)
     k = tl.load(row + (KEY_HEADS + hk) * key_dim + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -274,11 +286,8 @@ def _delta_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the si
     q = q / scale
     a = tl.load(A + r * stride_ab + hv).to(tl.float32)
     b = tl.load(B + r * stride_ab + hv).to(tl.float32)
-    g = -tl.exp(tl.load(ALog + hv).to(tl.float32)) * _softplus(a + tl.load(DtBias + hv).to(tl.float32))
+    g = -tl.exp(a_log) * _softplus(a + dt_bias)
     beta = _sigmoid(b)
-    h_ptr = State + (slot - anchor) * stride_ss + hv * stride_sh + ks[:, None] * stride_sk + vs[None, :]
-    h_ok = k_ok[:, None] & v_ok[None, :]
-    h = tl.load(h_ptr, mask=_when(~fresh, h_ok), other=0.0)
     h = h * tl.exp(g)
     delta = (v - tl.sum(h * k[:, None], 0)) * beta
     h = h + k[:, None] * delta[None, :]
