@@ -35,6 +35,7 @@ from typing import Any
 import structlog
 import torch
 
+from worker.bench.matmul import copy_bandwidth, gpu_us
 from worker.engine import Engine
 
 PRODUCTS = ("delta_in", "delta_out", "attn_qkv", "attn_o", "router", "head", "mlp")
@@ -163,15 +164,7 @@ def replay_us(engine: Engine, bucket: int, replays: int) -> float:
     graph, _ = executor._capture(functools.partial(executor._decode_forward, bucket))
     for _ in range(20):
         graph.replay()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / replays)
+    best = gpu_us(graph.replay, calls=replays, rounds=3)
     del graph
     torch.cuda.synchronize()
     return best
@@ -186,7 +179,6 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    from worker.bench.matmul import copy_bandwidth
     from worker.bench.step_profile import _sessions
     from worker.engine.graphs import pick_bucket
 

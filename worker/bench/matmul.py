@@ -31,6 +31,20 @@ from worker.model.config import ModelConfig
 REPS = 50
 
 
+def gpu_us(fn: Callable[[], object], calls: int = 1, rounds: int = 1) -> float:
+    """Microseconds of GPU time per call of fn(), timed with CUDA events over `calls` calls, best of `rounds`."""
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / calls)
+    return best
+
+
 def graph_us(fn: Callable[[int], object], rounds: int = 5, reps: int = REPS) -> float:
     """Microseconds per call of fn(i), `reps` calls (i = 0..reps-1) replayed from one CUDA graph, best of `rounds`."""
     stream = torch.cuda.Stream()
@@ -43,15 +57,7 @@ def graph_us(fn: Callable[[int], object], rounds: int = 5, reps: int = REPS) -> 
     with torch.cuda.graph(graph, stream=stream):
         for i in range(reps):
             fn(i)
-    best = float("inf")
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
+    return gpu_us(graph.replay, rounds=rounds) / reps
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -59,15 +65,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    return nbytes / best
+    return nbytes / (gpu_us(lambda: dst.copy_(src), rounds=5) / 1e6)
 
 
 @dataclass(frozen=True)

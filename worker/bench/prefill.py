@@ -21,7 +21,7 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from worker.bench.matmul import graph_us
+from worker.bench.matmul import gpu_us, graph_us
 from worker.engine import Engine
 from worker.engine.graphs import GraphExecutor, pick_bucket
 from worker.kernels.attention import decode_attention
@@ -41,15 +41,9 @@ SCENARIOS = (  # (prompts, tokens each, first position): one prefill replay each
 
 def _gpu_ms(fn: Callable[[], object], replays: int) -> float:
     """GPU time of one call of fn, the mean of `replays` after 3 warm-up calls."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         fn()
-    start.record()
-    for _ in range(replays):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+    return gpu_us(fn, calls=replays) / 1000
 
 
 def main() -> None:

@@ -47,6 +47,7 @@ def profile(engine: Engine, n: int, steps: int, prompt: int) -> dict[str, float]
     graph_ms = float("nan")
     graphs = getattr(executor, "_graphs", {})
     if graphs:
+        from worker.bench.matmul import gpu_us
         from worker.engine.graphs import pick_bucket
 
         bucket = pick_bucket(executor.buckets, n)  # type: ignore[attr-defined]
@@ -55,13 +56,7 @@ def profile(engine: Engine, n: int, steps: int, prompt: int) -> dict[str, float]
         lengths = executor._decode_in.host[3, :n]  # type: ignore[attr-defined]  # the last step's, which replays
         if long_from is not None and int(lengths.max()) >= long_from:
             graph = executor._long_graphs[bucket]  # type: ignore[attr-defined]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        graph_ms = start.elapsed_time(end) / steps
+        graph_ms = gpu_us(graph.replay, calls=steps) / 1000
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
