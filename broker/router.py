@@ -57,6 +57,7 @@ log = structlog.get_logger()
 MAX_HELD = 100_000  # requests held while recovering; past this they are refused
 MAX_AWAITED = 4096  # unregistered peers a recovering broker waits for
 MAX_LOST_SESSIONS = 1 << 16  # sessions declared lost, remembered (per worker) to be dropped should it come back
+MAX_TIMED_OUT = 4096  # creates and forks that timed out, remembered so that a late new session is closed, not leaked
 DROP_LOG_S = 10.0  # dropped messages are logged at warning at most this often per reason (a flood is counted)
 ANSWERS = frozenset({p.Command.REPLY, p.Command.CHUNKS, p.Command.ERROR, p.Command.FANOUT})
 CONTROL = frozenset({p.Command.READY, p.Command.HEARTBEAT, p.Command.DISCONNECT})  # what else a worker sends
@@ -112,6 +113,11 @@ class InFlight:
     owner: str = ""  # CREATE and FORK: whose the new session will be
     create: p.CreateSession | None = None  # CREATE: the client's request, placed again should its worker vanish
     user: str = ""  # CREATE: the client's key
+    parent: str = ""  # FORK: the session forked
+
+    def addressed(self) -> str:
+        """The session the client's request named (a fork's parent, not its new child)."""
+        return self.parent if self.command is p.Command.FORK else self.session_id
 
 
 @dataclass(slots=True)
@@ -142,6 +148,9 @@ class Router:
         # worker identity: should it come back (it was only stopped or cut off), they are dropped there, not taken back.
         self._lost: OrderedDict[bytes, set[str]] = OrderedDict()
         self._lost_count = 0
+        # Creates and forks answered TIMEOUT -> (their worker, the new session's id): should the worker make the session
+        # after all, it is closed there (its client was told the request failed and will not use it).
+        self._timed_out: OrderedDict[RequestKey, tuple[bytes, str]] = OrderedDict()
         # (worker, client route) -> when that worker's streamed tokens last reached that client: request progress.
         self._delivered: dict[tuple[bytes, bytes], float] = {}
         self._client_gone: dict[bytes, float] = {}  # client routes holding sessions -> since when they are gone
@@ -422,7 +431,8 @@ class Router:
             if refused is not None:
                 self._error(route, request.request_id, refused.code, refused.message)
             return
-        if flight is not None and (flight.command is not request.COMMAND or flight.worker != worker.identity):
+        if flight is not None and (flight.command is not request.COMMAND or flight.worker != worker.identity
+                                   or flight.addressed() != request.session_id):
             self._reused_id(route, request.request_id, flight)
             return
         sent_at = now if flight is None else flight.sent_at  # a resend does not move the deadline
@@ -435,7 +445,8 @@ class Router:
                     return
                 child = secrets.token_hex(16)
                 self._promise(worker, owner)
-            self.inflight[key] = InFlight(worker.identity, p.Command.FORK, child, sent_at, owner)
+            self.inflight[key] = InFlight(worker.identity, p.Command.FORK, child, sent_at, owner,
+                                          parent=request.session_id)
             self._to_worker(worker, replace(request, child_id=child, route=route), key)
             return
         self.inflight[key] = InFlight(worker.identity, request.COMMAND, request.session_id, sent_at)
@@ -477,9 +488,12 @@ class Router:
                 self._route(h.route, h.request, now, h.user)
 
     def _reused_id(self, route: bytes, request_id: str, flight: InFlight) -> None:
-        """A request id still in flight for another request: refused, so that the first keeps its accounting."""
+        """A request id still in flight for another request (another command, or another session): refused, so that
+        the first keeps its accounting."""
+        what = flight.command.name if flight.command is p.Command.CREATE else \
+            f"{flight.command.name} of session {flight.addressed()}"
         self._error(route, request_id, p.ErrorCode.BAD_REQUEST,
-                    f"request id {request_id} is in flight for a {flight.command.name}: use a new id per request")
+                    f"request id {request_id} is in flight for a {what}: use a new id per request")
 
     def _status(self, request_id: str, now: float) -> p.StatusReport:
         workers = tuple(w.status(now) for w in self.registry.workers.values())
@@ -521,6 +535,10 @@ class Router:
             self._settle_pending(flight)
             if key[0] == LEASE_ROUTE:  # a close of the broker's own: the next lease round sends it again
                 continue
+            if flight.command in (p.Command.CREATE, p.Command.FORK):
+                self._timed_out[key] = (flight.worker, flight.session_id)
+                if len(self._timed_out) > MAX_TIMED_OUT:
+                    self._timed_out.popitem(last=False)
             name = self._name(flight.worker)
             log.warning("request_timed_out", worker=name, command=flight.command.name, request=key[1],
                         session=flight.session_id)
@@ -703,9 +721,19 @@ class Router:
             if flight is not None and flight.worker != identity:
                 self._drop("not_its_request", identity, "an answer to a request in flight on another worker")
                 return
+            if flight is None and self._timed_out.get(key, (b"",))[0] == identity:
+                self._late_answer(identity, self._timed_out.pop(key)[1], envelope)
+                return
             if flight is not None:
                 del self.inflight[key]
-                self._account(identity, flight, envelope, key)
+                problem = self._account(identity, flight, envelope, key)
+                if problem is not None:  # not forwarded: the client gets a typed error, the worker's new session goes
+                    if flight.command in (p.Command.CREATE, p.Command.FORK):
+                        self._close_made(identity, flight.session_id, "malformed_answer")
+                    self._error(route, request_id, p.ErrorCode.INTERNAL,
+                                f"worker {record.name} answered this {flight.command.name} with a malformed "
+                                f"message ({problem})")
+                    return
                 if flight.create is not None and envelope.command is p.Command.ERROR and \
                         envelope.header.get("code") == p.ErrorCode.WORKER_DRAINING.value:
                     record.draining = True  # it drains (its heartbeat will say so): the create goes elsewhere
@@ -718,8 +746,9 @@ class Router:
             self.counters.error(envelope.header.get("code"))
         self._out.append(Send(Peer.CLIENT, route, frames, key))
 
-    def _account(self, identity: bytes, flight: InFlight, envelope: p.Envelope, key: RequestKey) -> None:
-        """Keep the session table in step with a final answer to `flight`, a request in flight on this worker."""
+    def _account(self, identity: bytes, flight: InFlight, envelope: p.Envelope, key: RequestKey) -> str | None:
+        """Keep the session table in step with a final answer to `flight`, a request in flight on this worker. What is
+        wrong with an answer that creates, forks or closes a session but does not parse (it is not forwarded)."""
         self._settle_pending(flight)
         header = envelope.header
         kind = header.get("kind")
@@ -729,7 +758,7 @@ class Router:
                 reply = p.parse(envelope)
             except p.ProtocolError as e:
                 self._drop("malformed", identity, f"REPLY: {e.message}")
-                return
+                return e.message
             if isinstance(reply, p.Created) and reply.session_id == flight.session_id:
                 self.registry.add_session(identity, reply.session_id, flight.owner, key[0], self._now, 0)
             elif isinstance(reply, p.Forked) and reply.child_id == flight.session_id:
@@ -741,7 +770,7 @@ class Router:
                     self.counters.sessions_lease_closed += 1
         elif envelope.command is p.Command.REPLY and holds:
             length = header.get("length")
-            if type(length) is int and length >= 0 and header.get("session_id") == flight.session_id:
+            if type(length) is int and 0 <= length <= p.MAX_COUNT and header.get("session_id") == flight.session_id:
                 self.registry.set_length(flight.session_id, length)
         elif envelope.command is p.Command.ERROR and holds:
             code = header.get("code")
@@ -749,6 +778,25 @@ class Router:
                 self.registry.drop_session(flight.session_id, Gone.IDLE)
             elif flight.command is p.Command.CLOSE and code == p.ErrorCode.SESSION_NOT_FOUND.value:
                 self.registry.drop_session(flight.session_id, Gone.LEASE if key[0] == LEASE_ROUTE else None)
+        return None
+
+    def _late_answer(self, identity: bytes, session_id: str, envelope: p.Envelope) -> None:
+        """The answer to a create or fork that timed out (its client was answered TIMEOUT): not forwarded; a session
+        it made is closed on its worker."""
+        header = envelope.header
+        made = header.get("session_id" if header.get("kind") == "created" else "child_id")
+        if envelope.command is p.Command.REPLY and header.get("kind") in ("created", "forked") and made == session_id:
+            self._close_made(identity, session_id, "late_answer")
+        else:
+            log.info("late_answer_dropped", worker=self._name(identity), command=envelope.command.name)
+
+    def _close_made(self, identity: bytes, session_id: str, why: str) -> None:
+        """Close a session a worker made that the broker does not route to (nothing will): a CLOSE of the broker's own,
+        its answer not forwarded (route LEASE_ROUTE), not tracked (should it be lost, the worker's idle timeout reaps
+        the session)."""
+        log.warning("unrouted_session_closed", worker=self._name(identity), session=session_id, why=why)
+        close = p.Close(request_id=f"unrouted-{secrets.token_hex(8)}", session_id=session_id, route=LEASE_ROUTE)
+        self._out.append(Send(Peer.WORKER, identity, p.encode(close)))
 
     def _cancel_generation(self, key: RequestKey) -> None:
         """The client of a generation in flight cannot be reached: stop it (once) rather than generate for nobody."""

@@ -216,7 +216,8 @@ Route = Annotated[bytes, blob(MAX_ROUTE_BYTES)]
 Frame = bytes | memoryview
 TokenIds = Annotated[tuple[int, ...], int_list(MAX_TOKENS)]
 Text = Annotated[str, text(MAX_TEXT_CHARS)]
-Count = Annotated[int, integer(0, 2**62)]
+MAX_COUNT: Final = 2**62  # the largest count (a length, a number of tokens or slots) a message may carry
+Count = Annotated[int, integer(0, MAX_COUNT)]
 SessionIds = Annotated[tuple[str, ...], str_list(MAX_SESSIONS_LISTED, text(32, SESSION_PATTERN))]
 # Who a session belongs to: a client's CURVE public key (Z85, 40 chars) when the broker authenticates, else "".
 OWNER_PATTERN: Final = r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}"

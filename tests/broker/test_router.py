@@ -491,6 +491,50 @@ def test_a_request_on_a_worker_that_makes_no_progress_times_out_and_the_generati
     assert client == C2 and isinstance(timed_out, p.Error) and timed_out.code is p.ErrorCode.TIMEOUT
 
 
+def test_a_create_that_timed_out_and_is_answered_late_closes_the_session_on_its_worker() -> None:
+    settings = Settings(heartbeat_s=0.25, liveness=100, recovery_s=1.0, request_timeout_s=1.0)
+    router = Router(settings, now=0.0, broker_id="b1")
+    router.worker_message(W1, p.encode(ready("w1", capacity=1)), 2.0)
+    _, _, request = create(router, C1, "c1", now=2.0)
+    assert isinstance(request, p.CreateSession) and request.session_id is not None
+    router.worker_message(W1, p.encode(p.Heartbeat(steps=1)), 3.25)
+    [(_, _, timed_out)] = [d for d in decoded(router.tick(3.25)) if d[0] is Peer.CLIENT and not isinstance(d[2], p.Lease)]
+    assert isinstance(timed_out, p.Error) and timed_out.code is p.ErrorCode.TIMEOUT
+    assert router.registry.workers[W1].free == 1  # the create no longer holds the slot
+    [(peer, identity, close)] = decoded(created(router, W1, request, now=3.5))  # made after all: not forwarded
+    assert (peer, identity) == (Peer.WORKER, W1) and isinstance(close, p.Close)
+    assert close.session_id == request.session_id and close.route == b"\x00lease"
+    assert router.registry.worker_of(request.session_id) is None
+    closed = p.Closed(request_id=close.request_id, session_id=request.session_id, route=close.route)
+    assert router.worker_message(W1, p.encode(closed), 3.6) == []  # its answer goes nowhere
+
+
+def test_a_malformed_answer_to_a_create_is_not_forwarded_the_client_gets_an_error_and_the_session_is_closed() -> None:
+    router = running((W1, ready("w1", capacity=2)))
+    _, _, request = create(router, C1, "c1")
+    assert isinstance(request, p.CreateSession) and request.session_id is not None
+    header = {"kind": "created", "request_id": "c1", "session_id": request.session_id, "model": "m", "worker": "w1",
+              "route": C1}  # no max_context
+    out = decoded(router.worker_message(W1, [p.VERSION, b"REPLY", msgpack.packb(header)], 2.1))
+    assert [(peer, identity, type(m)) for peer, identity, m in out] == [(Peer.WORKER, W1, p.Close), (Peer.CLIENT, C1, p.Error)]
+    close, error = out[0][2], out[1][2]
+    assert isinstance(close, p.Close) and close.session_id == request.session_id
+    assert isinstance(error, p.Error) and error.code is p.ErrorCode.INTERNAL and error.request_id == "c1"
+    assert error.message == "worker w1 answered this CREATE with a malformed message (missing field max_context)"
+    assert router.registry.worker_of(request.session_id) is None and router.registry.workers[W1].pending == 0
+
+
+def test_a_length_past_the_protocol_limit_is_not_kept_and_the_session_list_still_answers() -> None:
+    sid = "a" * 32
+    router = running((W1, ready("w1", sessions=(sid,))))
+    router.client_message(C1, p.encode(p.Info(request_id="i1", session_id=sid)), 2.1)
+    header = {"kind": "info", "request_id": "i1", "session_id": sid, "length": 2**63, "model": "m", "worker": "w1",
+              "max_context": 64, "route": C1}
+    router.worker_message(W1, [p.VERSION, b"REPLY", msgpack.packb(header)], 2.2)
+    _, _, listed = one(router.client_message(C2, p.encode(p.Sessions(request_id="l1")), 2.3))
+    assert isinstance(listed, p.SessionList) and [(e.session_id, e.length) for e in listed.sessions] == [(sid, None)]
+
+
 def test_sessions_a_worker_expired_answer_session_expired() -> None:
     sid, other = "d" * 32, "e" * 32
     router = running((W1, ready("w1", capacity=4, sessions=(sid, other))))
@@ -518,6 +562,26 @@ def test_a_request_id_in_flight_cannot_be_reused_for_another_request() -> None:
     assert peer is Peer.CLIENT and isinstance(refused, p.Error) and refused.code is p.ErrorCode.BAD_REQUEST
     assert refused.message == "request id r1 is in flight for a CREATE: use a new id per request"
     assert router.inflight[(C1, "r1")].command is p.Command.CREATE and router.registry.workers[W1].pending == 1
+
+
+def test_a_request_id_in_flight_cannot_be_reused_for_the_same_command_on_another_session() -> None:
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    router = running((W1, ready("w1", capacity=4, sessions=(a, b, c))))
+    peer, _, close_a = one(router.client_message(C1, p.encode(p.Close(request_id="x", session_id=a)), 2.1))
+    assert peer is Peer.WORKER and isinstance(close_a, p.Close)
+    assert one(router.client_message(C1, p.encode(p.Close(request_id="x", session_id=a)), 2.1))[2] == close_a  # resent
+    _, _, refused = one(router.client_message(C1, p.encode(p.Close(request_id="x", session_id=b)), 2.1))
+    assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.BAD_REQUEST
+    assert refused.message == f"request id x is in flight for a CLOSE of session {a}: use a new id per request"
+    peer, _, fork = one(router.client_message(C1, p.encode(p.Fork(request_id="f", session_id=c)), 2.1))
+    assert peer is Peer.WORKER and isinstance(fork, p.Fork)
+    assert one(router.client_message(C1, p.encode(p.Fork(request_id="f", session_id=c)), 2.1))[2] == fork  # resent
+    _, _, refused = one(router.client_message(C1, p.encode(p.Fork(request_id="f", session_id=b)), 2.1))
+    assert isinstance(refused, p.Error) and refused.message.startswith(f"request id f is in flight for a FORK of session {c}")
+    # The first close's answer closes a (and only a); b is still routed to its worker.
+    router.worker_message(W1, p.encode(p.Closed(request_id="x", session_id=a, route=C1)), 2.2)
+    assert router.registry.worker_of(a) is None and router.registry.worker_of(b) is router.registry.workers[W1]
+    assert router.registry.workers[W1].closing == set()
 
 
 def test_error_messages_are_cut_to_the_limit_never_refused() -> None:
