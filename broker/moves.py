@@ -20,6 +20,8 @@ copies of X that exist hold the same state, and at most one of them is routed to
   after the release was sent: S closes X (the release reached it first): X answers session_lost.
 - A move that has not reached the release in `MOVE_TIMEOUT_S`: T is told to abort, and S gets X back only once T has
   reported `aborted` (or is gone), so no copy that might be routed to later is left behind.
+- A release or abort whose report has not come in `MOVE_END_RESEND_S` is sent again (a send to a worker can be lost,
+  and so can its report): a worker answers a repeated MOVE_END as it answered the first.
 - The broker restarts mid-move: the new one knows no move. Both workers list X in their READY with the same state;
   the first to register keeps it and the other is told to drop it (a session two workers claim is always dropped on
   the second), and each worker forgets its moves when it registers with a new broker.
@@ -50,6 +52,8 @@ log = structlog.get_logger()
 DEFAULT_MOVES_PER_SOURCE = 4  # moves running at once from one worker (broker --moves-per-worker): each holds a
 # session's state in flight
 MOVE_TIMEOUT_S = 30.0  # a move that has not reached its release by then is aborted
+MOVE_END_RESEND_S = 5.0  # a release or abort not reported on by then is sent again (a send can be lost; workers answer
+# a repeated one as they did the first)
 MAX_HELD_PER_MOVE = 1024  # requests held for one moving session; past this they are refused (retry)
 PAUSE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
 
@@ -92,6 +96,7 @@ class Migration:
     phase: Phase = Phase.SENDING
     held: list[Held] = field(default_factory=list)
     record: SessionRecord | None = None  # the session's owner, client and length as the move began
+    end_sent: float = 0.0  # RELEASING, ABORTING: when the MOVE_END was last sent
 
 
 @dataclass(slots=True)
@@ -274,8 +279,7 @@ class Moves:
         status = message.status
         if side == "target" and status == "imported" and migration.phase is Phase.SENDING:
             migration.phase = Phase.RELEASING
-            self._send(migration.source, p.MoveEnd(migration=migration.id, session_id=migration.session_id,
-                                                   outcome="release"))
+            self._send_end(migration, now)
         elif side == "source" and status == "released" and migration.phase is Phase.RELEASING:
             self._commit(migration, now)
         elif side == "target" and status in ("failed", "aborted") and migration.phase is not Phase.RELEASING:
@@ -285,7 +289,7 @@ class Moves:
         elif side == "source" and status == "failed" and migration.phase is Phase.SENDING:
             log.warning("session_move_failed", session=migration.session_id, side=side, code=_code(message),
                         error=message.message[:256], migration=migration.id)
-            self._abort_target(migration)
+            self._abort_target(migration, now)
         self.pump(now)  # the next moves start; a job whose moves have all ended is answered
         return None
 
@@ -294,8 +298,20 @@ class Moves:
             if migration.phase is Phase.SENDING and now - migration.started > MOVE_TIMEOUT_S:
                 log.warning("session_move_timed_out", session=migration.session_id, migration=migration.id,
                             seconds=round(now - migration.started, 3))
-                self._abort_target(migration)
+                self._abort_target(migration, now)
+            elif migration.phase is not Phase.SENDING and now - migration.end_sent > MOVE_END_RESEND_S:
+                log.warning("session_move_end_resent", session=migration.session_id, migration=migration.id,
+                            phase=migration.phase.value, seconds=round(now - migration.started, 3))
+                self._send_end(migration, now)
         self.pump(now)
+
+    def _send_end(self, migration: Migration, now: float) -> None:
+        """The MOVE_END its phase waits on: the release to the source, or the abort to the target."""
+        releasing = migration.phase is Phase.RELEASING
+        migration.end_sent = now
+        self._send(migration.source if releasing else migration.target,
+                   p.MoveEnd(migration=migration.id, session_id=migration.session_id,
+                             outcome="release" if releasing else "abort"))
 
     def worker_gone(self, identity: bytes, now: float) -> tuple[list[str], list[Held]]:
         """A worker is gone (call before the registry forgets it). Its moves end. Returns the sessions it may hold a
@@ -317,7 +333,7 @@ class Moves:
                 if migration.phase is Phase.RELEASING:  # the target holds the only copy that can be routed to
                     self._commit(migration, now)
                 else:
-                    self._abort_target(migration, source_gone=True)
+                    self._abort_target(migration, now, source_gone=True)
         for job in list(self.jobs):
             if job.source == identity:
                 job.kept += len(job.queue)
@@ -355,7 +371,7 @@ class Moves:
                                                    outcome="abort"))
         self._route_again(migration.held)
 
-    def _abort_target(self, migration: Migration, source_gone: bool = False) -> None:
+    def _abort_target(self, migration: Migration, now: float, source_gone: bool = False) -> None:
         """Tell the target to forget the move; the source gets the session back once it has (see report)."""
         if source_gone:  # the session is lost with its source; the target only has to drop what it got
             self._end(migration, "lost", migration.started)
@@ -367,8 +383,7 @@ class Moves:
         if migration.phase is Phase.ABORTING:
             return
         migration.phase = Phase.ABORTING
-        self._send(migration.target, p.MoveEnd(migration=migration.id, session_id=migration.session_id,
-                                               outcome="abort"))
+        self._send_end(migration, now)
 
     def _end(self, migration: Migration, outcome: str, now: float) -> None:
         self.moving.pop(migration.session_id, None)

@@ -129,3 +129,33 @@ def test_a_move_stalled_for_30_s_is_aborted_and_the_session_serves_on_its_source
     assert (Peer.WORKER, W1, p.Info(request_id="r1", session_id=A, route=C1)) in back  # served where it is
     assert (Peer.CLIENT, C1, p.MovesDone(request_id="d1", moved=0, failed=1, kept=1)) in back
     assert router.registry.worker_of(A) is router.registry.workers[W1]
+
+
+def test_a_release_or_abort_not_reported_on_is_sent_again_until_it_is() -> None:
+    from broker.moves import MOVE_END_RESEND_S, MOVE_TIMEOUT_S
+
+    def tick(router: Router, now: float) -> list[p.Message]:
+        for worker in (W1, W2):  # both alive all along
+            router.worker_message(worker, p.encode(p.Heartbeat()), now - 0.05)
+        return [m for _, _, m in decoded(router.tick(now)) if isinstance(m, p.MoveEnd)]
+
+    router = running((W1, ready("w1", 2, (A,))), (W2, ready("w2", 2)))
+    move = drain_w1(router)
+    router.client_message(C1, p.encode(p.Info(request_id="r1", session_id=A)), 2.6)
+    report(router, W2, move, "imported", now=3.0)  # the release to w1 is lost
+    release = p.MoveEnd(migration=move.migration, session_id=A, outcome="release")
+    assert tick(router, 3.0 + MOVE_END_RESEND_S - 0.1) == []
+    assert tick(router, 3.0 + MOVE_END_RESEND_S + 0.1) == [release]
+    assert tick(router, 3.0 + 2 * MOVE_END_RESEND_S + 0.2) == [release]  # and again, until w1 reports
+    out = decoded(report(router, W1, move, "released", now=14.0))
+    assert (Peer.WORKER, W2, p.Info(request_id="r1", session_id=A, route=C1)) in out
+    assert router.registry.worker_of(A) is router.registry.workers[W2]
+
+    router = running((W1, ready("w1", 2, (A,))), (W2, ready("w2", 2)))
+    move = drain_w1(router)
+    abort = p.MoveEnd(migration=move.migration, session_id=A, outcome="abort")
+    late = 2.5 + MOVE_TIMEOUT_S + 0.1
+    assert tick(router, late) == [abort]  # lost too
+    assert tick(router, late + MOVE_END_RESEND_S + 0.1) == [abort]
+    report(router, W2, move, "aborted", now=late + MOVE_END_RESEND_S + 0.2)
+    assert router.moves.moving == {} and router.registry.worker_of(A) is router.registry.workers[W1]

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import structlog
 
 from broker.common import protocol as p
+from worker.errors import SessionBusy
 from worker.serve.config import WorkerConfig
 from worker.serve.metrics import NoMetrics, WorkerMetrics
 
@@ -314,6 +315,10 @@ class Dispatch:
         e = self.engine
         if isinstance(request, p.Generate):
             self._refuse_if_draining("new generations")
+        if sid in self._by_session:  # refused as the engine refuses a short one: the turn would be rendered, and its
+            # room checked, against the session before its generation's tokens
+            raise SessionBusy(f"session {sid} already has a generation in flight" if isinstance(request, p.Generate)
+                              else f"session {sid} is generating: append after the generation ends")
         if isinstance(request, p.Chat):
             text = e.chat_text(sid, [{"role": request.role, "content": text}])
             add_bos: bool | None = False
@@ -423,6 +428,9 @@ class Dispatch:
             self._refuse_if_draining("new sessions", sessions=True)
             if request.child_id is None:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "FORK needs the broker's child_id")
+            if request.child_id in self._expired:  # (ids are the broker's fresh random ones: a broken broker)
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"FORK's child_id {request.child_id} is an expired "
+                                      "session's")
             child = e.fork(request.session_id, request.child_id)
             self.owners[child] = self.owners.get(request.session_id, "")
             self.routes[child] = request.route
@@ -568,10 +576,12 @@ class Dispatch:
             self.engine.cancel(engine_id)
 
     def expire_idle(self, now: float) -> list[str]:
-        """Close the sessions idle longer than the timeout (not generating); their ids, for the broker."""
+        """Close the sessions idle longer than the timeout (not generating, moving or tokenizing a request's text); their
+        ids, for the broker."""
         timeout = self.config.session_idle_timeout_s
         idle = [sid for sid, t in self._last_used.items()
-                if now - t > timeout and sid not in self._by_session and sid not in self.moving]
+                if now - t > timeout and sid not in self._by_session and sid not in self.moving
+                and sid not in self.tokenizing]
         for sid in idle:
             try:
                 self.engine.close(sid)

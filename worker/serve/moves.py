@@ -19,6 +19,7 @@ and sorts out a session two workers list (the first to register keeps it).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from worker.serve.dispatch import Dispatch, error_code
 log = structlog.get_logger()
 
 MAX_IMPORTS = 64  # moves received at once; a MOVE_STATE past this is refused (the broker starts few per source)
+MAX_RELEASED = 1024  # releases remembered, to answer one sent again
 # An imported session's move is remembered this long (the broker may still abort it; it never says it switched):
 # well past the broker's MOVE_TIMEOUT_S, after which it aborts a move that has not reached its release.
 IMPORT_KEEP_S = 120.0
@@ -80,6 +82,8 @@ class Moves:
         self._epoch: str | None = None  # the broker these moves are with
         self._pause = pause_for_tests
         self.exports: dict[str, Export] = {}  # migration id -> export
+        # Migration id -> session, of the latest releases: a release sent again (its report was lost) is reported again.
+        self.released: OrderedDict[str, str] = OrderedDict()
         self.imports: dict[str, Import] = {}  # migration id -> import in progress or imported
         self.evacuated: p.Evacuated | None = None  # the broker's answer to this worker's evacuation
         self.counts = MoveCounts()
@@ -128,6 +132,7 @@ class Moves:
                      detail="registered with a new broker")
         self.exports.clear()
         self.imports.clear()
+        self.released.clear()
         self.dispatch.moving.clear()
 
     # -- source ------------------------------------------------------------------------------------
@@ -263,19 +268,25 @@ class Moves:
     # -- either side -------------------------------------------------------------------------------
 
     def _end(self, end: p.MoveEnd) -> list[p.Message]:
-        if end.outcome == "release" and end.migration in self.exports:
-            self._pause_at("release")
-        export = self.exports.pop(end.migration, None)
-        if export is not None and export.session_id == end.session_id:
+        export = self.exports.get(end.migration)
+        if export is not None and export.session_id == end.session_id:  # (another session's id: not this move's end)
+            if end.outcome == "release":
+                self._pause_at("release")
+            del self.exports[end.migration]
             self.dispatch.moving.discard(export.session_id)
             if end.outcome == "release":
                 self.dispatch.release(export.session_id)
                 self.counts.released += 1
+                self.released[end.migration] = end.session_id
+                if len(self.released) > MAX_RELEASED:
+                    self.released.popitem(last=False)
                 log.info("session_released", session=export.session_id, target=export.target,
                          migration=end.migration)
                 return [self._report(end.migration, end.session_id, "released")]
             log.info("session_move_aborted", session=export.session_id, side="source", migration=end.migration)
             return [self._report(end.migration, end.session_id, "aborted")]
+        if end.outcome == "release" and self.released.get(end.migration) == end.session_id:
+            return [self._report(end.migration, end.session_id, "released")]  # its first report was lost
         work = self.imports.pop(end.migration, None)
         if work is not None and end.outcome == "abort":
             if work.session_id is not None:
