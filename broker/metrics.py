@@ -112,7 +112,7 @@ class _BrokerCollector(Collector):
         yield _gauge("num_requests_running", "Client requests forwarded to a worker and not answered yet.",
                      len(router.inflight))
         yield _gauge("num_requests_waiting", "Client requests held while the broker recovers after a restart.",
-                     len(router.held))
+                     router.held_count)
         yield _gauge("recovering", "1 while a freshly started broker waits for workers to re-register.",
                      1 if router.recovering(self.clock()) else 0)
         yield _gauge("clients_gone", "Client connections holding sessions that are gone (their sessions are closed "

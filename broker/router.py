@@ -136,7 +136,10 @@ class Router:
         self.admission = Admission(settings.heartbeat_s, settings.max_worker_sessions)
         self.admins: frozenset[str] = frozenset()  # client keys that may see and close any session (keys/admins/)
         self.inflight: dict[RequestKey, InFlight] = {}
-        self.held: list[Held] = []
+        # Requests held while recovering (or while a suspended worker of their model is away), by the session they
+        # name ("" for creates), each session's in the order they came; how many in all.
+        self.held: dict[str, list[Held]] = {}
+        self.held_count = 0
         self.recover_until = now + settings.recovery_s
         # Unregistered peers heard from while recovering -> until when they are waited for (a heartbeat window).
         self._awaited: dict[bytes, float] = {}
@@ -474,13 +477,27 @@ class Router:
                 f"{self.settings.session_grace_s:g} s (broker {GRACE_FLAG})")
 
     def _hold(self, route: bytes, request: p.CreateSession | p.SessionRequest, user: str) -> None:
-        if len(self.held) >= MAX_HELD:
+        if self.held_count >= MAX_HELD:
             self._error(route, request.request_id, p.ErrorCode.INTERNAL, "the broker is restarting: retry shortly")
             return
-        self.held.append(Held(route, request, user))
+        self.held.setdefault("" if isinstance(request, p.CreateSession) else request.session_id, []).append(
+            Held(route, request, user))
+        self.held_count += 1
 
-    def _release_held(self, now: float) -> None:
-        held, self.held = self.held, []
+    def _release_held(self, now: float, worker: WorkerRecord | None = None) -> None:
+        """Route the held requests again: all of them, or (a worker just registered) those it can take now, the
+        requests for its sessions and the creates of its model. The others stay held: a READY costs the requests it
+        releases, not every request held."""
+        if worker is None:
+            held, self.held = [h for hs in self.held.values() for h in hs], {}
+        else:
+            held = [h for sid in worker.sessions if sid in self.held for h in self.held.pop(sid)]
+            kept: list[Held] = []
+            for h in self.held.pop("", []):
+                (held if worker.serves(getattr(h.request, "model", None)) else kept).append(h)
+            if kept:
+                self.held[""] = kept
+        self.held_count -= len(held)
         for h in held:
             if isinstance(h.request, p.CreateSession):
                 self._create(h.route, h.request, now, h.user)
@@ -626,7 +643,7 @@ class Router:
             self._told_to_drop[identity] = now
             self._out.append(Send(Peer.WORKER, identity, p.encode(p.Drop(sessions=dropped))))
         if self.held:
-            self._release_held(now)
+            self._release_held(now, record)
         if ready.evacuate:
             self.moves.evacuate(record, now)
 

@@ -259,11 +259,33 @@ def test_a_restarted_broker_holds_requests_until_workers_re_register() -> None:
     assert isinstance(sends[2][2], p.CreateSession) and sends[2][1] == W1
     # After the recovery window, unknown sessions are simply not found.
     router.client_message(C2, p.encode(p.Info(request_id="i2", session_id="8" * 32)), 0.5)
-    assert router.held
+    assert router.held_count == 1
     sends = decoded(router.tick(1.0))  # a heartbeat is due too
     assert (Peer.CLIENT, C2, p.Error(request_id="i2", code=p.ErrorCode.SESSION_NOT_FOUND,
                                      message=f"no session {'8' * 32}")) in sends
-    assert not router.held
+    assert router.held_count == 0
+
+
+def test_a_worker_registering_while_the_broker_recovers_releases_only_what_it_can_take() -> None:
+    mine, other = "1" * 32, "2" * 32
+    router = Router(SETTINGS, now=0.0, broker_id="new")
+    for i in range(1000):  # requests for a session no worker has re-registered yet, and creates of another model
+        router.client_message(C2, p.encode(p.Info(request_id=f"o{i}", session_id=other)), 0.1)
+    router.client_message(C2, p.encode(p.CreateSession(request_id="c-other", model="other")), 0.1)
+    router.client_message(C1, p.encode(p.Info(request_id="i1", session_id=mine)), 0.1)
+    router.client_message(C1, p.encode(p.Append(request_id="a1", session_id=mine, token_ids=(1,))), 0.1)
+    router.client_message(C1, p.encode(p.CreateSession(request_id="c1", model="m")), 0.1)
+    assert router.held_count == 1004
+    sends = decoded(router.worker_message(W1, p.encode(ready("w1", capacity=4, sessions=(mine,))), 0.2))
+    to_w1 = [m for peer, _, m in sends if peer is Peer.WORKER and not isinstance(m, p.Welcome)]
+    assert [(type(m), getattr(m, "request_id", None)) for m in to_w1] == [
+        (p.Info, "i1"), (p.Append, "a1"), (p.CreateSession, "c1")]
+    assert router.held_count == 1001 and set(router.held) == {other, ""}
+    router.worker_message(W1, p.encode(p.Heartbeat()), 1.0)
+    ended = decoded(router.tick(1.1))  # the window is over: the rest are answered
+    errors = [m for peer, _, m in ended if peer is Peer.CLIENT and isinstance(m, p.Error)]
+    assert len(errors) == 1001 and {e.code for e in errors} == {p.ErrorCode.SESSION_NOT_FOUND, p.ErrorCode.MODEL_NOT_FOUND}
+    assert router.held_count == 0 and router.held == {}
 
 
 def test_answers_from_a_peer_that_is_not_registered_are_never_forwarded_and_it_is_asked_to_register() -> None:
@@ -608,7 +630,7 @@ def test_a_restarted_broker_waits_for_every_worker_it_hears_from_past_its_recove
     assert not [s for s in router.tick(1.5) if s.peer is Peer.CLIENT]  # still held
     sends = decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(sid,))), 1.6))
     assert sends[1] == (Peer.WORKER, W1, p.Info(request_id="i1", session_id=sid, route=C1))  # released to it
-    assert not router.held and not router.recovering(1.6)
+    assert router.held_count == 0 and not router.recovering(1.6)
     # A stranger that never registers holds recovery up for one window only; one first heard after it ends, never.
     router = Router(SETTINGS, now=0.0, broker_id="new")
     router.client_message(C1, p.encode(p.Info(request_id="i2", session_id=sid)), 0.1)
