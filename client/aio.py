@@ -13,6 +13,7 @@ so any number of sessions and streams can run concurrently on one AsyncClient (w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import weakref
@@ -241,9 +242,16 @@ class AsyncClient:
 
     async def _answer(self, call: Call, kind: type[M], timeout: float | None) -> M:
         try:
-            return calls.expect(await self._transport.next(call, self._timeout(timeout)), kind)
+            answer = await self._transport.next(call, self._timeout(timeout))
+        except BaseException:  # a Timeout, the task cancelled: a generation nobody waits for is stopped
+            cancel = call.cancel()
+            if cancel is not None:
+                with contextlib.suppress(ClientError):
+                    self._transport.oneway(cancel)
+            raise
         finally:
             self._transport.finish(call)
+        return calls.expect(answer, kind)
 
     def _timeout(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
@@ -453,8 +461,9 @@ class AsyncStream:
         """Stop reading; a generation still running is cancelled (CANCEL is sent at once, no await needed)."""
         if self._open:
             self._end()
-            cancel = p.Cancel(request_id=new_request_id(), session_id=self._session_id, target=self._call.request_id)
-            self._transport.oneway(cancel)
+            cancel = self._call.cancel()
+            if cancel is not None:
+                self._transport.oneway(cancel)
 
     async def aclose(self) -> None:
         self.close()

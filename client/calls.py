@@ -115,6 +115,12 @@ class Call:
             return self.frames
         return p.encode(dataclasses.replace(self.request, resume=self.resume))
 
+    def cancel(self) -> p.Cancel | None:
+        """What stops this call's work on the worker once nobody waits for its answer: a generation's CANCEL."""
+        if not isinstance(self.request, p.Generate):
+            return None
+        return p.Cancel(request_id=new_request_id(), session_id=self.request.session_id, target=self.request_id)
+
     def heard(self, now: float) -> None:
         """An answer came: the peer is alive, so start the resend clock again."""
         self.resend_s = self.base_resend_s

@@ -13,6 +13,7 @@ A Client and its sessions belong to one thread; use AsyncClient, or one Client p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -83,9 +84,16 @@ class Client:
 
     def _answer(self, call: calls.Call, kind: type[M], timeout: float | None) -> M:
         try:
-            return calls.expect(self._transport.next(call, self._timeout(timeout)), kind)
+            answer = self._transport.next(call, self._timeout(timeout))
+        except BaseException:  # a Timeout, an interrupt: a generation nobody waits for is stopped (a retry may follow)
+            cancel = call.cancel()
+            if cancel is not None:
+                with contextlib.suppress(ClientError):
+                    self._transport.oneway(cancel)
+            raise
         finally:
             self._transport.finish(call)
+        return calls.expect(answer, kind)
 
     def _timeout(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
@@ -300,8 +308,9 @@ class Stream:
         """Stop reading; a generation still running is cancelled so the session is free again."""
         if self._open:
             self._end()
-            cancel = p.Cancel(request_id=new_request_id(), session_id=self._session_id, target=self._call.request_id)
-            self._transport.oneway(cancel)
+            cancel = self._call.cancel()
+            if cancel is not None:
+                self._transport.oneway(cancel)
 
     def _end(self) -> None:
         self._open = False

@@ -170,6 +170,8 @@ class Transport:
     def next(self, call: Call, timeout_s: float) -> Answer:
         """The call's next answer; resends on schedule; Timeout when nothing comes within timeout_s, BrokerUnreachable
         when the client never reached a broker within connect_timeout_s."""
+        if self.closed:
+            raise ClientError("the client is closed", request_id=call.request_id)
         box = self._mail[call.request_id]
         deadline = time.monotonic() + timeout_s
         while not box:

@@ -1,6 +1,7 @@
 """The HTTP routes (Starlette): OpenAI's API on top of the broker, and the daemons' health endpoints.
 
     GET    /v1/models                 the models the broker's live workers serve
+    GET    /v1/models/{model}         one of them
     POST   /v1/chat/completions       chat, streamed or not, n choices, log-probabilities, sessions
     POST   /v1/completions            the same for a text or token-id prompt
     DELETE /v1/sessions/{session_id}  close a named session now
@@ -9,18 +10,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import structlog
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -29,7 +32,7 @@ from client.aio import AsyncClient
 from client.errors import ClientError
 from client.gateway import responses, schema
 from client.gateway.auth import ApiKeys
-from client.gateway.errors import ApiError, bad_request, from_client_error, no_worker
+from client.gateway.errors import ApiError, bad_request, from_client_error, model_not_found, no_worker
 from client.gateway.events import EventStream
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models
@@ -41,6 +44,12 @@ log = structlog.get_logger()
 JSON = "application/json"
 MAX_BODY_BYTES = 16 << 20
 SHUTDOWN_CLOSE_S = 5.0
+T = TypeVar("T")
+CLIENT_GONE = 499  # the status counted for a request whose client went away before its answer (nginx's number)
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection before the answer was ready: the work for it was stopped."""
 
 
 @dataclass
@@ -98,6 +107,9 @@ def create_app(config: GatewayConfig) -> Starlette:
             gw.metrics.running.inc()
             try:
                 response = await fn(request)
+            except (ClientGone, ClientDisconnect):
+                log.info("client_gone", endpoint=endpoint)
+                response = Response(b"", CLIENT_GONE)  # nobody reads it: for the metrics
             except ApiError as e:
                 if e.status >= 500:
                     log.warning("request_failed", endpoint=endpoint, status=e.status, error=e.message)
@@ -122,8 +134,20 @@ def create_app(config: GatewayConfig) -> Starlette:
         served = await gw.models.served()
         if served.error:
             raise no_worker(f"the broker does not answer: {served.error}")
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "sessionserve"} for m in served.models]
+        data = [_model_object(m) for m in served.models]
         return Response(responses.dumps({"object": "list", "data": data}), media_type=JSON)
+
+    async def model(request: Request) -> Response:
+        gw.keys.owner(request.headers.get("authorization"))
+        assert gw.models is not None
+        served = await gw.models.served()
+        if served.error:
+            raise no_worker(f"the broker does not answer: {served.error}")
+        name = request.path_params["model"]
+        found = next((m for m in served.models if m.casefold() == name.casefold()), None)
+        if found is None:
+            raise model_not_found(name, served.models)
+        return Response(responses.dumps(_model_object(found)), media_type=JSON)
 
     async def chat(request: Request) -> Response:
         owner = gw.keys.owner(request.headers.get("authorization"))
@@ -134,7 +158,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         if ask.stream:
             return await _streamed(ask, True, body.logprobs, body.return_token_ids, body.include_usage(), "chat")
         assert gw.service is not None
-        live = await gw.service.complete(ask)
+        live = await _unless_gone(request, gw.service.complete(ask))
         out = responses.chat_completion(responses.new_id("chatcmpl"), ask.model, live.answers(), live.usage(),
                                         body.logprobs, body.return_token_ids, name)
         return Response(responses.dumps(out), media_type=JSON)
@@ -149,7 +173,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         if ask.stream:
             return await _streamed(ask, False, want_logprobs, body.return_token_ids, body.include_usage(), "completions")
         assert gw.service is not None
-        live = await gw.service.complete(ask)
+        live = await _unless_gone(request, gw.service.complete(ask))
         out = responses.completion(responses.new_id("cmpl"), ask.model, live.answers(), live.usage(), want_logprobs,
                                    body.return_token_ids, name)
         return Response(responses.dumps(out), media_type=JSON)
@@ -209,6 +233,7 @@ def create_app(config: GatewayConfig) -> Starlette:
 
     routes = [
         Route("/v1/models", handler("models", models), methods=["GET"]),
+        Route("/v1/models/{model:path}", handler("models", model), methods=["GET"]),
         Route("/v1/chat/completions", handler("chat", chat), methods=["POST"]),
         Route("/v1/completions", handler("completions", completions), methods=["POST"]),
         Route("/v1/sessions/{session_id}", handler("sessions", close_session), methods=["DELETE"]),
@@ -216,23 +241,71 @@ def create_app(config: GatewayConfig) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def http_error(request: Request, e: Exception) -> Response:  # no route, or not this method: OpenAI's shape
+        assert isinstance(e, HTTPException)
+        error = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                         code="not_found" if e.status_code == 404 else "method_not_allowed")
+        return Response(error.json(), e.status_code, headers=dict(e.headers or {}), media_type=JSON)
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.gateway = gw
     return app
 
 
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "sessionserve"}
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body, refused (413) past MAX_BODY_BYTES: by its Content-Length before anything is read, else
+    as soon as what came is more."""
+    too_large = ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
 async def _json(request: Request) -> Any:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise bad_request(f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    body = await _body(request)
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         pass  # json says why, and takes what orjson alone refuses (a lone surrogate's escape, an integer beyond 64 bits)
     try:
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (nested deeper than the interpreter's stack)
+        raise bad_request(f"the request body is not valid JSON: {str(e) or type(e).__name__}") from None
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; should the HTTP client close its connection first, `work` is cancelled (a generation nobody
+    will read stops, its sessions are closed) and ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the ASGI server says the client disconnected (the body was read before: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _session_name(request: Request, body: schema.ChatRequest | schema.CompletionRequest) -> str | None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from broker.common import protocol as p
 from client.gateway.errors import ApiError, bad_request
@@ -29,11 +29,22 @@ SESSION_ID_PATTERN = r"[A-Za-z0-9._:-]{1,128}"
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
-NonNegativeInt = Annotated[int, Field(ge=0, lt=2**63)]
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    # Fields OpenAI marks nullable whose null means their default here (the openai package sends some of them back as
+    # it received them: an assistant message's refusal, say). Each class lists its own.
+    _NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_to_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls._NULL_IS_DEFAULT:
+            return {k: v for k, v in data.items() if not (v is None and k in cls._NULL_IS_DEFAULT)}
+        return data
 
 
 class TextPart(_Strict):
@@ -45,6 +56,18 @@ class Message(_Strict):
     role: str
     content: str | list[TextPart]
     name: None = None  # the chat templates here have no place for a name: refused rather than dropped
+    # An assistant message as the API answered it (sent back with the next turn): no refusal, no tool calls.
+    refusal: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @field_validator("refusal", "tool_calls", "function_call", "audio", "annotations")
+    @classmethod
+    def _answered_here(cls, value: Any, info: ValidationInfo) -> Any:
+        _unused(str(info.field_name), value, ([],) if info.field_name in ("tool_calls", "annotations") else ())
+        return value
 
     @field_validator("role")
     @classmethod
@@ -76,7 +99,7 @@ class _Common(_Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: NonNegativeInt | None = None
+    seed: Int64 | None = None  # OpenAI's range; each choice samples with (seed + its index) mod 2**63
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -132,6 +155,7 @@ class _Common(_Strict):
 
 
 class ChatRequest(_Common):
+    _NULL_IS_DEFAULT = frozenset({"n", "stream", "logprobs", "return_token_ids", "ignore_eos"})
     messages: list[Message] = Field(min_length=1, max_length=p.MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=p.MAX_TOKENS)
     logprobs: bool = False
@@ -181,6 +205,7 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    _NULL_IS_DEFAULT = frozenset({"n", "stream", "echo", "return_token_ids", "ignore_eos"})
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=p.MAX_LOGPROBS)
     echo: bool = False

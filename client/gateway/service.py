@@ -354,7 +354,18 @@ class Service:
         params = sampling.params(max_context, index)
         if max_tokens is not None:
             params = _with_max_tokens(params, max_tokens)
-        return await session.generate(stream=False, **_call_args(params, new_part))
+        if params.max_tokens == 0:  # the prompt only: one answer
+            return await session.generate(stream=False, **_call_args(params, new_part))
+        # Streamed from the worker even when the HTTP answer is whole: --timeout bounds the wait for each token, not
+        # the whole generation (a long answer from a busy worker is not a 504), and a cancelled turn stops at once.
+        stream = await session.generate(stream=True, **_call_args(params, new_part))
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            stream.close()  # (nothing to stop once the last chunk came)
+        assert stream.result is not None
+        return stream.result
 
     def _new_part(self, ask: Ask, entry: Entry, resumed: bool) -> NewPart:
         held = entry.history if resumed else _empty(ask.kind)
@@ -373,6 +384,8 @@ class Service:
         """(the session to use, taken; whether it is resumed)."""
         store = self.store
         if ask.name is not None:
+            if (ask.owner, ask.name) in store.opening:
+                raise session_busy(ask.name)
             entry = store.named(ask.owner, ask.name)
             if entry is not None:
                 if entry.busy:
@@ -383,6 +396,11 @@ class Service:
                     return entry, True
                 store.forget_named(ask.owner, ask.name)
                 self._close(entry, "replaced")
+            store.opening.add((ask.owner, ask.name))  # until its new session is taken under the name
+            try:
+                return await self._new_entry(ask), False
+            finally:
+                store.opening.discard((ask.owner, ask.name))
         else:
             found = (store.find_chat(ask.owner, ask.model, ask.history, ask.digests)  # type: ignore[arg-type]
                      if ask.kind == "chat" else store.find_completion(ask.owner, ask.model, ask.history))  # type: ignore[arg-type]

@@ -80,6 +80,7 @@ class SessionStore:
         self._text: dict[tuple[str, str], list[Entry]] = {}
         self._idle: OrderedDict[Entry, None] = OrderedDict()
         self.busy = 0
+        self.opening: set[tuple[str, str]] = set()  # (owner, name) of named sessions being opened for their first turn
 
     def __len__(self) -> int:
         return len(self._idle) + self.busy
@@ -110,8 +111,11 @@ class SessionStore:
         return best
 
     def take(self, entry: Entry) -> None:
-        """The entry serves a request now: out of the indexes until put back (a named one stays under its name, busy)."""
+        """The entry serves a request now: out of the indexes until put back (a named one is under its name, busy, from
+        now on: a request for the name meanwhile is refused)."""
         self._unindex(entry, keep_name=True)
+        if entry.name is not None:
+            self._named[(entry.owner, entry.name)] = entry
         entry.busy = True
         self.busy += 1
 

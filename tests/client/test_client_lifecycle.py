@@ -12,12 +12,13 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from broker.common import protocol as p
-from client import AsyncClient, BadRequest, BrokerUnreachable, Client, Generation, Timeout
+from client import AsyncClient, BadRequest, BrokerUnreachable, Client, ClientError, Generation, Timeout
 from client.stack import free_address
 
 from .fake_broker import FakeBroker, Reply
@@ -207,3 +208,53 @@ def test_async_with_client_session_opens_and_closes_the_session() -> None:
     with FakeBroker(answer_everything) as fake:
         assert asyncio.run(main()) == [1, 2]
     assert [type(m).__name__ for m in fake.received] == ["CreateSession", "Generate", "Close", "CreateSession", "Close"]
+
+
+def silent_generations(request: p.Message, reply: Reply) -> None:
+    """Creates and closes, and leaves every non-streamed generation unanswered (a worker busy for long)."""
+    if isinstance(request, p.Generate) and not request.stream:
+        return
+    answer_everything(request, reply)
+
+
+def cancels(fake: FakeBroker) -> list[tuple[str, str]]:
+    return [(m.session_id, m.target) for m in fake.received if isinstance(m, p.Cancel)]
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_generation_whose_call_timed_out_or_was_cancelled_is_cancelled_so_a_retry_can_run() -> None:
+    with FakeBroker(silent_generations) as fake, Client(fake.address, timeout=5) as c:
+        s = c.attach(SID)
+        with pytest.raises(Timeout):
+            s.generate(max_tokens=3, timeout=0.2)
+        [generate] = [m for m in fake.received if isinstance(m, p.Generate)]
+        wait_for(lambda: cancels(fake) == [(SID, generate.request_id)])
+
+    async def main() -> None:
+        async with AsyncClient(fake.address, timeout=5) as c:
+            s = c.attach(SID)
+            with pytest.raises(Timeout):
+                await s.generate(max_tokens=3, timeout=0.2)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(s.generate(max_tokens=3), 0.2)
+            await asyncio.sleep(0.1)
+
+    with FakeBroker(silent_generations) as fake:
+        asyncio.run(main())
+        generates = [m.request_id for m in fake.received if isinstance(m, p.Generate)]
+        wait_for(lambda: cancels(fake) == [(SID, g) for g in generates] and len(generates) == 2)
+
+
+def test_a_stream_read_after_its_client_closed_is_a_client_error() -> None:
+    with FakeBroker(silent_generations) as fake:
+        c = Client(fake.address, timeout=5)
+        stream = c.attach(SID).generate(max_tokens=3, stream=True)
+        c.close()
+        with pytest.raises(ClientError, match="the client is closed"):
+            list(stream)

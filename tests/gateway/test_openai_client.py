@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -328,3 +329,73 @@ def test_processes_share_the_port_and_sum_their_metrics(gateways: Gateways) -> N
     _, text = http_get(url + "/metrics")
     assert 'sessionserve:gateway_requests_total{endpoint="completions",status="200"} 4.0' in text
     assert gateways.daemons[-1].stop() == 0
+
+
+def post(url: str, body: bytes, headers: dict[str, str] | None = None, method: str = "POST") -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, data=body, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_an_answer_sent_back_as_the_client_got_it_and_nulls_for_nullable_fields_are_taken(gateway: str) -> None:
+    c = sync_client(gateway)
+    history: list[Any] = [{"role": "user", "content": QUESTION}]
+    first = c.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=4, seed=-3)
+    history.append(first.choices[0].message.model_dump())  # refusal, tool_calls, audio ... as null
+    history.append({"role": "user", "content": "And of Spain?"})
+    second = c.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=4,
+                                       extra_body={"n": None, "stream": None, "logprobs": None})
+    assert second.choices[0].message.content and second.usage is not None
+    status, body = post(gateway + "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": "x", "max_tokens": 1, "echo": None, "stream": None, "n": None}).encode())
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
+    tool_call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    status, body = post(gateway + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": [
+        {"role": "assistant", "content": "x", "tool_calls": [tool_call]}]}).encode())
+    assert status == 400 and body["error"]["param"] == "messages.0.tool_calls"
+
+
+def test_bad_http_is_answered_in_openais_shape(gateway: str) -> None:
+    status, body = post(gateway + "/v1/chat/completions", b"[" * 5000 + b"]" * 5000)
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = post(gateway + "/v1/chat/completions", b"{}", headers={"Content-Length": str(17 << 20)})
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    status, body = post(gateway + "/v1/nope", b"{}")
+    assert status == 404 and body["error"]["code"] == "not_found"
+    status, body = post(gateway + "/v1/chat/completions", b"", method="PUT")
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"
+    assert sync_client(gateway).models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        sync_client(gateway).models.retrieve("no-such-model")
+
+
+def test_a_named_sessions_first_turn_refuses_a_concurrent_one(gateway: str) -> None:
+    async def turns() -> list[int]:
+        c = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+        async def turn() -> int:
+            try:
+                await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=8, extra_body={"session_id": "raced", "ignore_eos": True})
+                return 200
+            except openai.APIStatusError as e:
+                return e.status_code
+        try:
+            return sorted(await asyncio.gather(turn(), turn()))
+        finally:
+            await c.close()
+
+    assert asyncio.run(turns()) == [200, 409]
+
+
+def test_a_whole_answer_longer_than_the_timeout_is_not_a_timeout(gateways: Gateways) -> None:
+    """--timeout bounds the wait for each token, streamed or not."""
+    url = gateways.start(extra=["--timeout", "2"])
+    start = time.monotonic()
+    r = sync_client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                                 max_tokens=100, extra_body={"ignore_eos": True})
+    assert r.usage is not None and r.usage.completion_tokens == 100
+    assert time.monotonic() - start > 2  # (~18 tokens/s on a 2-core machine)
