@@ -309,9 +309,13 @@ class Engine:
         """The ids of `text` as an append of it makes them. Reads only the tokenizer: safe on another thread than the
         engine's (the worker tokenizes long texts off its compute loop), and releases the GIL for long texts."""
         try:
-            return self.tokenizer.encode(text, add_bos)
+            ids = self.tokenizer.encode(text, add_bos)
         except ValueError as e:
             raise BadRequest(str(e)) from e
+        vocab = self.model.config.vocab_size
+        if ids and max(ids) >= vocab:  # a tokenizer with more tokens than the model's embedding (a mismatched folder)
+            raise BadRequest(f"the text encodes to token id {max(ids)}, past the model's vocabulary of {vocab}")
+        return ids
 
     def check_text_fits(self, session_id: str, text: str) -> None:
         """ContextOverflow at once when `text` cannot fit the session whatever its tokenization (a lower bound on its

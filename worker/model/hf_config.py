@@ -47,32 +47,48 @@ def read_common(cfg: Mapping[str, Any], name: str, family: str, where: str, part
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise refuse(where, "hidden_act", act, "only silu")
-    n_heads = int(cfg["num_attention_heads"])
-    dim = int(cfg["hidden_size"])
+    def size(field: str, default: int | None = None) -> int:
+        return _positive_int(cfg.get(field, default), field, where)
+
+    n_heads = size("num_attention_heads")
+    dim = size("hidden_size")
     head_dim = cfg.get("head_dim")
-    context = int(cfg.get("max_position_embeddings", 2048))
-    context = min(context, _sliding_limit(cfg, where))
+    context = min(size("max_position_embeddings", 2048), _sliding_limit(cfg, where))
+    tie = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise refuse(where, "tie_word_embeddings", tie, "true or false")
     return dict(
         name=name,
         family=family,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=size("vocab_size"),
         dim=dim,
-        n_layers=int(cfg["num_hidden_layers"]),
+        n_layers=size("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        ffn_dim=int(cfg["intermediate_size"]),
+        n_kv_heads=size("num_key_value_heads", n_heads) if cfg.get("num_key_value_heads") is not None else n_heads,
+        ffn_dim=size("intermediate_size"),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))),
         context_length=context,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        explicit_head_dim=None if head_dim is None or int(head_dim) == dim // n_heads else int(head_dim),
+        tie_embeddings=tie,
+        explicit_head_dim=None if head_dim is None or _positive_int(head_dim, "head_dim", where) == dim // n_heads
+        else int(head_dim),
         rope_scaling=read_rope(cfg, where, partial_rotary, rope_no_ops),
     )
 
 
+def _positive_int(value: Any, field: str, where: str) -> int:
+    """A size field: a positive integer (a JSON number without a fraction), or a ModelLoadError naming it."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or value <= 0:
+        raise ModelLoadError(f"{where}: config field {field} must be a positive integer, got {value!r}")
+    return value
+
+
 def rope_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """transformers 5's `rope_parameters`, or the older `rope_scaling` (with `rope_theta` beside it)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    """transformers 5's `rope_parameters`, or the older `rope_scaling` (with `rope_theta` beside it), which wins when
+    a config has both (transformers' convert_rope_params_to_dict)."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # both: rope_scaling, as transformers takes
     if not isinstance(params, dict):
         raise ModelLoadError(f"rope_parameters must be a mapping, got {params!r}")
     return params
@@ -120,6 +136,9 @@ def read_rope(cfg: Mapping[str, Any], where: str, partial_rotary: bool = False,
 def _sliding_limit(cfg: Mapping[str, Any], where: str) -> int:
     """How far the model may be served with plain causal attention: a sliding window of W keys attends exactly like
     full attention to sequences of up to W tokens, so a worker serves at most W (large number: no window)."""
+    if cfg.get("model_type") == "mistral":  # transformers' Mistral slides by sliding_window (4096 when absent) in every
+        window = cfg.get("sliding_window", 4096)  # layer, whatever use_sliding_window and layer_types say
+        return 1 << 62 if window is None else _positive_int(window, "sliding_window", where)
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     uses_window = cfg.get("use_sliding_window", window is not None)

@@ -9,6 +9,8 @@ back here, so one RoPE convention (rotate-half) serves every source.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -78,14 +80,41 @@ def load_model(model: str | None = None) -> LoadedModel:
         loaded = load_random(model)
     else:
         path = Path(model)
-        if path.is_dir():
-            loaded = load_safetensors_folder(path)
-        elif path.is_file():
-            loaded = load_gguf(path)
-        else:
+        if not path.exists():
             raise ModelLoadError(f"model {model!r}: no such file or folder")
+        with malformed_files(str(path)):
+            loaded = load_safetensors_folder(path) if path.is_dir() else load_gguf(path)
+        loaded = dataclasses.replace(loaded, read=_checked(loaded.read, str(path)))
     log.info("model_loaded", model=loaded.config.name, source=loaded.source, seconds=round(time.perf_counter() - start, 2))
     return loaded
+
+
+# Errors a malformed file or config raises on its way in (a field of the wrong type or missing, a truncated shard, a
+# misshaped tensor): each becomes a ModelLoadError naming the model, so that no bad folder takes a worker down with a
+# traceback. (Not MemoryError: too large a model for the device is said as such.)
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, AttributeError, OSError, OverflowError)
+
+
+@contextlib.contextmanager
+def malformed_files(where: str) -> Iterator[None]:
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        # MALFORMED, and the safetensors and tokenizers libraries' own errors (SafetensorError, a bare Exception)
+        if isinstance(e, MALFORMED) or type(e).__module__.split(".")[0] in ("safetensors", "tokenizers", "builtins"):
+            why = str(e).removeprefix(f"{where}: ")
+            raise ModelLoadError(f"{where}: malformed model ({type(e).__name__}: {why})") from e
+        raise
+
+
+def _checked(read: Callable[[torch.device], Tensors], where: str) -> Callable[[torch.device], Tensors]:
+    """`read`, its errors while streaming the weights said as malformed_files says them."""
+    def checked(device: torch.device) -> Tensors:
+        with malformed_files(where):
+            yield from read(device)
+    return checked
 
 
 # -- GGUF -------------------------------------------------------------------------------------------
@@ -157,6 +186,21 @@ def load_gguf(path: Path) -> LoadedModel:
         rope_scaling=_gguf_rope_scaling(meta, path),
     )
 
+    head_dim = config.dim // n_heads
+    if meta("rope.dimension_count", head_dim) != head_dim:
+        raise ModelLoadError(f"{path}: llama.rope.dimension_count {meta('rope.dimension_count')} is not implemented "
+                             f"(rotary over the whole head of {head_dim} only)")
+    if meta("expert_count", 0):
+        raise ModelLoadError(f"{path}: llama.expert_count {meta('expert_count')} is not implemented (no experts)")
+    known = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"} | {
+        f"blk.{i}.{name}" for i in range(config.n_layers) for name in GGUF_LAYER_NAMES}
+    unknown = sorted(set(tensors) - known)
+    if unknown:  # (a bias, an extra layer: arithmetic this reader does not do)
+        raise ModelLoadError(f"{path}: tensors not part of a Llama as implemented: {', '.join(unknown[:8])}")
+    missing = sorted(known - set(tensors) - {"output.weight", "rope_freqs.weight"})
+    if missing:
+        raise ModelLoadError(f"{path}: tensors missing: {', '.join(missing[:8])}")
+
     def tensor(name: str) -> np.ndarray:
         t = tensors[name]
         return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
@@ -211,6 +255,8 @@ def load_safetensors_folder(folder: Path) -> LoadedModel:
         raise ModelLoadError(f"{folder}: a model folder needs config.json, *.safetensors and tokenizer.json")
     cfg = json.loads(cfg_path.read_text())
     where = str(cfg_path)
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{where}: not a JSON object")
     family = family_of(cfg.get("model_type"), where)
     config = family.read_hf_config(cfg, folder.name, where)
     ours = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}

@@ -22,6 +22,7 @@ import torch
 
 from worker.model.config import ModelLoadError
 
+WEIGHT_DTYPES = frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16})  # what a stored weight may be
 PACK_ALIGN = 512  # bytes: every packed tensor starts at a multiple (cuBLAS and Triton want 16 at least)
 
 
@@ -129,6 +130,9 @@ class Pack:
         dest = self._dest(place)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        if tensor.dtype not in WEIGHT_DTYPES:  # an integer, boolean, complex or fp8 tensor is not cast as if it were one
+            raise ModelLoadError(f"tensor {name} is {tensor.dtype}: weights are floating point here "
+                                 "(quantized checkpoints are not read)")
         if norm is None:
             dest.copy_(tensor)
         else:

@@ -619,16 +619,16 @@ def read_hf_config(cfg: Mapping[str, Any], name: str, where: str) -> ModelConfig
 
 
 def text_config(cfg: Mapping[str, Any], wrapper: str, where: str) -> tuple[Mapping[str, Any], str]:
-    """The text model's config: a vision-language folder's (model_type `wrapper`) text_config, the folder's
-    tie_word_embeddings carried into it; any other config as it is."""
+    """The text model's config: a vision-language folder's (model_type `wrapper`) text_config, with the folder's own
+    tie_word_embeddings (False when absent), which is what transformers ties by, whatever text_config says; any other
+    config as it is."""
     if cfg.get("model_type") != wrapper:
         return cfg, where
     refuse_unknown(cfg, VL_FIELDS, where)
     text = cfg.get("text_config") or {}
     if not isinstance(text, dict):
         raise ModelLoadError(f"{where}: text_config must be a mapping")
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
-        text = {**text, "tie_word_embeddings": cfg["tie_word_embeddings"]}
+    text = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
     return text, f"{where} (text_config)"
 
 
