@@ -24,7 +24,7 @@ import structlog
 from broker import moves_cmd, sessions_cmd, status_cmd
 from broker.admission import MAX_WORKER_SESSIONS_FLAG
 from broker.common import heap, keys, logs
-from broker.common.arguments import env_int, non_negative_int, positive_int, zmq_address
+from broker.common.arguments import C_INT_MAX, from_env, non_negative_int, one_of, port, positive_int, zmq_address
 from broker.common.metrics_http import MetricsServer
 from broker.metrics import BrokerMetrics
 from broker.router import GRACE_FLAG, MAX_SESSIONS_FLAG
@@ -42,51 +42,52 @@ def parser() -> argparse.ArgumentParser:
                        help="address clients connect to [env BROKER_CLIENTS] (default %(default)s)")
     start.add_argument("--workers", type=zmq_address, default=os.environ.get("BROKER_WORKERS", defaults.workers),
                        help="address workers connect to [env BROKER_WORKERS] (default %(default)s)")
-    start.add_argument("--heartbeat-ms", type=positive_int, default=env_int("broker", "BROKER_HEARTBEAT_MS", defaults.heartbeat_ms),
+    start.add_argument("--heartbeat-ms", type=positive_int, default=from_env("BROKER_HEARTBEAT_MS", defaults.heartbeat_ms),
                        help="heartbeat interval sent to workers [env BROKER_HEARTBEAT_MS] (default %(default)s)")
-    start.add_argument("--liveness", type=positive_int, default=env_int("broker", "BROKER_LIVENESS", defaults.liveness),
+    start.add_argument("--liveness", type=positive_int, default=from_env("BROKER_LIVENESS", defaults.liveness),
                        help="missed heartbeats before a worker is dead [env BROKER_LIVENESS] (default %(default)s)")
-    start.add_argument("--recovery-ms", type=positive_int, default=env_int("broker", "BROKER_RECOVERY_MS", None),
+    start.add_argument("--recovery-ms", type=positive_int, default=from_env("BROKER_RECOVERY_MS", None),
                        help="after a start, how long requests for unknown sessions wait for workers to "
                             "re-register (longer while a worker heard from has not) [env BROKER_RECOVERY_MS] "
                             "(default: liveness + 2 heartbeats, at least 2000)")
     start.add_argument("--worker-silence-ms", type=positive_int,
-                       default=env_int("broker", "BROKER_WORKER_SILENCE_MS", defaults.worker_silence_ms),
+                       default=from_env("BROKER_WORKER_SILENCE_MS", defaults.worker_silence_ms),
                        help="a worker whose connection is up but that sends nothing this long is gone (a stopped or "
                             "cut-off one is noticed in liveness heartbeats) [env BROKER_WORKER_SILENCE_MS] "
                             "(default %(default)s)")
     start.add_argument(MAX_WORKER_SESSIONS_FLAG, type=positive_int,
-                       default=env_int("broker", "BROKER_MAX_WORKER_SESSIONS", defaults.max_worker_sessions),
+                       default=from_env("BROKER_MAX_WORKER_SESSIONS", defaults.max_worker_sessions),
                        help="session slots one worker may register (a READY offering more is refused) "
                             "[env BROKER_MAX_WORKER_SESSIONS] (default %(default)s)")
     start.add_argument(GRACE_FLAG, type=non_negative_int,
-                       default=env_int("broker", "BROKER_SESSION_GRACE_MS", defaults.session_grace_ms),
+                       default=from_env("BROKER_SESSION_GRACE_MS", defaults.session_grace_ms),
                        help="close a session once the client connection that last used it has been gone this long, "
                             "0 for never [env BROKER_SESSION_GRACE_MS] (default %(default)s)")
     start.add_argument("--io-threads", type=positive_int,
-                       default=env_int("broker", "BROKER_IO_THREADS", defaults.io_threads),
+                       default=from_env("BROKER_IO_THREADS", defaults.io_threads),
                        help="ZeroMQ I/O threads (more move more bytes: session moves are relayed through the broker) "
                             "[env BROKER_IO_THREADS] (default %(default)s)")
     start.add_argument("--moves-per-worker", type=positive_int,
-                       default=env_int("broker", "BROKER_MOVES_PER_WORKER", defaults.moves_per_worker),
+                       default=from_env("BROKER_MOVES_PER_WORKER", defaults.moves_per_worker),
                        help="session moves running at once from one worker in a drain or rebalance "
                             "[env BROKER_MOVES_PER_WORKER] (default %(default)s)")
-    start.add_argument("--hwm", type=positive_int, default=env_int("broker", "BROKER_HWM", defaults.hwm),
+    start.add_argument("--hwm", type=positive_int, default=from_env("BROKER_HWM", defaults.hwm),
                        help="messages queued per peer [env BROKER_HWM] (default %(default)s)")
     start.add_argument("--keys", type=Path, default=os.environ.get("BROKER_KEYS") or None,
                        help="turn CURVE authentication on: DIR/broker.key_secret, DIR/workers/*.key and "
                             "DIR/clients/*.key (see `broker keygen`) [env BROKER_KEYS] (default: off)")
     start.add_argument(MAX_SESSIONS_FLAG, type=non_negative_int,
-                       default=env_int("broker", "BROKER_MAX_SESSIONS_PER_CLIENT", defaults.max_sessions_per_client),
+                       default=from_env("BROKER_MAX_SESSIONS_PER_CLIENT", defaults.max_sessions_per_client),
                        help="live sessions one client may hold, 0 for no cap [env BROKER_MAX_SESSIONS_PER_CLIENT] "
                             "(default %(default)s)")
     start.add_argument("--request-timeout-ms", type=non_negative_int,
-                       default=env_int("broker", "BROKER_REQUEST_TIMEOUT_MS", defaults.request_timeout_ms),
+                       default=from_env("BROKER_REQUEST_TIMEOUT_MS", defaults.request_timeout_ms),
                        help="fail a request with `timeout` when nothing of it reaches its client (an answer, streamed "
                             "tokens) for this long, 0 for never [env BROKER_REQUEST_TIMEOUT_MS] (default %(default)s)")
-    start.add_argument("--log-level", choices=logs.LEVELS, default=os.environ.get("BROKER_LOG_LEVEL", "info"),
+    start.add_argument("--log-level", type=one_of(*logs.LEVELS), choices=logs.LEVELS,
+                       default=from_env("BROKER_LOG_LEVEL", "info"),
                        help="[env BROKER_LOG_LEVEL] (default %(default)s)")
-    start.add_argument("--metrics-port", type=non_negative_int, default=env_int("broker", "BROKER_METRICS_PORT", None),
+    start.add_argument("--metrics-port", type=port, default=from_env("BROKER_METRICS_PORT", None),
                        help="serve /metrics, /healthz and /readyz on this port [env BROKER_METRICS_PORT] (default: off)")
     start.add_argument("--metrics-host", default=os.environ.get("BROKER_METRICS_HOST") or "127.0.0.1",
                        help="interface of the metrics port [env BROKER_METRICS_HOST] (default %(default)s)")
@@ -109,8 +110,17 @@ def run_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_IO_THREADS = 64
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    arguments = parser()
+    args = arguments.parse_args(argv)
+    if args.command == "start":
+        if args.heartbeat_ms * args.liveness > C_INT_MAX:
+            arguments.error(f"--heartbeat-ms x --liveness must be <= {C_INT_MAX} ms")
+        if args.io_threads > MAX_IO_THREADS:
+            arguments.error(f"argument --io-threads: must be <= {MAX_IO_THREADS}, got {args.io_threads}")
     if args.command == "keygen":
         return run_keygen(args)
     if args.command == "status":
@@ -165,7 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         nonlocal reload
         if reload:
             reload = False
-            server.reload_keys()
+            try:
+                server.reload_keys()
+            except (keys.KeyFileError, OSError) as e:  # the allow-lists in force stay
+                log.error("keys_reload_failed", error=str(e))
         return stop
 
     heap.settle()

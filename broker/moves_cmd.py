@@ -24,13 +24,22 @@ def add_parsers(subparsers: Any) -> None:
     """Add `drain` and `rebalance` to the `broker` command's subparsers."""
     drain: argparse.ArgumentParser = subparsers.add_parser(
         "drain", help="move every session off a worker and place nothing more on it (then stop it at leisure)")
-    drain.add_argument("worker", help="the worker's name (as `broker status` lists it)")
+    drain.add_argument("worker", type=worker_name, help="the worker's name (as `broker status` lists it)")
     add_connection(drain)
     drain.set_defaults(timeout=DEFAULT_TIMEOUT_S)
     rebalance: argparse.ArgumentParser = subparsers.add_parser(
         "rebalance", help="move idle sessions from the fullest workers of each model to the emptiest")
     add_connection(rebalance)
     rebalance.set_defaults(timeout=DEFAULT_TIMEOUT_S)
+
+
+def worker_name(value: str) -> str:
+    """Argument type: a name a worker can have (checked as the DRAIN message checks it)."""
+    try:
+        p.DrainWorker(request_id="x", worker=value)
+    except p.ProtocolError as e:
+        raise argparse.ArgumentTypeError(e.message) from None
+    return value
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:

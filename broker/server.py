@@ -29,7 +29,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from broker.admission import DEFAULT_MAX_WORKER_SESSIONS
 from broker.common import heap
 from broker.common import protocol as p
-from broker.common.keys import CLIENTS_DOMAIN, HANDSHAKE_FAILED, WORKERS_DOMAIN, BrokerKeys, drain_events
+from broker.common.keys import CLIENTS_DOMAIN, HANDSHAKE_FAILED, WORKERS_DOMAIN, BrokerKeys, KeyFileError, drain_events
 from broker.common.metrics_http import Pulse
 from broker.common.receive import ROUTED_ENVELOPE, receive
 from broker.moves import DEFAULT_MOVES_PER_SOURCE
@@ -116,7 +116,7 @@ class BrokerServer:
             except OSError:
                 self.clients.close(linger=0)
                 raise
-        except OSError:
+        except (OSError, KeyFileError):
             self._stop_auth()
             self._context.term()
             raise
@@ -125,6 +125,7 @@ class BrokerServer:
         """(Re)read the allow-lists, e.g. after an operator added a key (SIGHUP)."""
         if self.auth is None or self._keys is None:
             return
+        self._keys.check()  # KeyFileError before anything changes
         self.auth.configure_curve(domain=WORKERS_DOMAIN, location=str(self._keys.workers))
         self.auth.configure_curve(domain=CLIENTS_DOMAIN, location=str(self._keys.clients))
         self.router.admins = self._keys.admin_keys()

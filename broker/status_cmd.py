@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from broker.common import protocol as p
+from broker.common.arguments import zmq_address
 from broker.common.keys import HANDSHAKE_FAILED, HANDSHAKE_REFUSED, CurveClient, drain_events
 
 M = TypeVar("M", bound=p.Message)
@@ -55,13 +56,16 @@ def _env(*names: str) -> str | None:
     return None
 
 
+MAX_WAIT_S = 1e6  # what a socket poll's millisecond count holds comfortably (--timeout)
+
+
 def positive_seconds(value: str) -> float:
     try:
         seconds = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not 0 < seconds < MAX_WAIT_S:
+        raise argparse.ArgumentTypeError(f"must be > 0 and < {MAX_WAIT_S:g}, got {value}")
     return seconds
 
 
@@ -75,7 +79,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_connection(command: argparse.ArgumentParser) -> None:
     """The flags of a command that asks a running broker: --clients, --broker-key, --key, --timeout."""
-    command.add_argument("--clients", default=_env("BROKER_CLIENTS") or DEFAULT_CLIENTS,
+    command.add_argument("--clients", type=zmq_address, default=_env("BROKER_CLIENTS") or DEFAULT_CLIENTS,
                          help="the broker's client address [env BROKER_CLIENTS] (default %(default)s)")
     command.add_argument("--broker-key", default=_env("BROKER_STATUS_BROKER_KEY", "CLIENT_BROKER_KEY"), metavar="FILE",
                          help="the broker's public key file, for CURVE [env BROKER_STATUS_BROKER_KEY, CLIENT_BROKER_KEY]")

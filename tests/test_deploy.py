@@ -1004,9 +1004,9 @@ def test_checker_reads_flags_subcommands_values_and_positionals() -> None:
     assert parse_command(["worker", "start", "--max-sess", "2"]).problems == ["worker start: unknown flag --max-sess"]
     assert parse_command(["broker", "serve"]).problems[0].startswith("broker: unknown subcommand 'serve' (it has: start, ")
     assert parse_command(["/opt/x/bin/broker", "start", "--heartbeat-ms", "0"]).problems == [
-        "broker start: --heartbeat-ms '0': must be >= 1, got 0"]
+        "broker start: --heartbeat-ms '0': must be >= 1 and <= 2147483647, got 0"]
     assert parse_command(["broker", "start", "--log-level=loud"]).problems == [
-        f"broker start: --log-level 'loud' is not one of {', '.join(logs.LEVELS)}"]
+        f"broker start: --log-level 'loud': expected one of {', '.join(logs.LEVELS)}, got 'loud'"]
     assert parse_command(["worker", "start", "--device"]).problems == ["worker start: --device needs a value"]
     assert parse_command(["broker", "keygen", "keys"]).problems == [
         "broker keygen: takes 2 positional argument(s) (directory, name), got 1: ['keys']"]

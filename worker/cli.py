@@ -20,7 +20,16 @@ import structlog
 
 from broker.common import heap, logs
 from broker.common import protocol as p
-from broker.common.arguments import env, env_int, non_negative_float, non_negative_int, port, positive_int, zmq_address
+from broker.common.arguments import (
+    env,
+    from_env,
+    non_negative_float,
+    non_negative_int,
+    one_of,
+    port,
+    positive_int,
+    zmq_address,
+)
 from broker.common.keys import CurveClient, KeyFileError
 from broker.common.metrics_http import MetricsServer
 from worker.serve.loop import Serve, WorkerConfig
@@ -56,9 +65,9 @@ def parser() -> argparse.ArgumentParser:
                             "[env WORKER_MODEL] (default: the bundled SmolLM2-135M-Instruct)")
     start.add_argument("--device", type=device, default=env("WORKER_DEVICE", "auto"),
                        help="auto, cpu, cuda or cuda:N [env WORKER_DEVICE] (default %(default)s)")
-    start.add_argument("--max-sessions", type=positive_int, default=env_int("worker", "WORKER_MAX_SESSIONS", 8),
+    start.add_argument("--max-sessions", type=positive_int, default=from_env("WORKER_MAX_SESSIONS", 8),
                        help="session slots (fewer if memory is short) [env WORKER_MAX_SESSIONS] (default %(default)s)")
-    start.add_argument("--max-context", type=positive_int, default=env_int("worker", "WORKER_MAX_CONTEXT", 2048),
+    start.add_argument("--max-context", type=positive_int, default=from_env("WORKER_MAX_CONTEXT", 2048),
                        help="tokens per session [env WORKER_MAX_CONTEXT] (default %(default)s)")
     start.add_argument("--name", default=env("WORKER_NAME", f"{socket.gethostname()}-{os.getpid()}"),
                        help="shown in logs and status [env WORKER_NAME] (default HOST-PID)")
@@ -66,53 +75,54 @@ def parser() -> argparse.ArgumentParser:
                        default=env("WORKER_DRAIN_TIMEOUT", str(defaults.drain_timeout_s)),
                        help="seconds in-flight generations get to finish after SIGTERM [env WORKER_DRAIN_TIMEOUT] "
                             "(default %(default)s)")
-    start.add_argument("--threads", type=positive_int, default=env_int("worker", "WORKER_THREADS", usable_cores()),
+    start.add_argument("--threads", type=positive_int, default=from_env("WORKER_THREADS", usable_cores()),
                        help="torch's intra-op threads on the CPU [env WORKER_THREADS] (default: the cores this "
                             "process may run on, now %(default)s); on a host shared with other busy work, fewer")
     start.add_argument("--reconnect-max-ms", type=positive_int,
-                       default=env_int("worker", "WORKER_RECONNECT_MAX_MS", defaults.reconnect_max_ms),
+                       default=from_env("WORKER_RECONNECT_MAX_MS", defaults.reconnect_max_ms),
                        help="ceiling of the reconnect backoff [env WORKER_RECONNECT_MAX_MS] (default %(default)s)")
     start.add_argument("--broker-key", default=env("WORKER_BROKER_KEY", None),
                        help="the broker's public key file (broker.key), when it authenticates [env WORKER_BROKER_KEY]")
     start.add_argument("--key", default=env("WORKER_KEY", None),
                        help="this worker's key pair file (NAME.key_secret from `broker keygen`) [env WORKER_KEY]")
     start.add_argument("--session-idle-timeout", type=non_negative_float,
-                       default=float(env("WORKER_SESSION_IDLE_TIMEOUT", "0") or 0),
+                       default=from_env("WORKER_SESSION_IDLE_TIMEOUT", 0),
                        help="close sessions idle (no request, no generation) longer than this many seconds; 0 for "
                             "never [env WORKER_SESSION_IDLE_TIMEOUT] (default %(default)s)")
-    start.add_argument("--state-pages", type=non_negative_int, default=env_int("worker", "WORKER_STATE_PAGES", 0),
+    start.add_argument("--state-pages", type=non_negative_int, default=from_env("WORKER_STATE_PAGES", 0),
                        help="pages (of the 2 MiB allocation granularity) of session state all sessions may hold "
                             "together; 0 for as many as fit in free memory (every slot whole on the CPU) "
                             "[env WORKER_STATE_PAGES] (default %(default)s)")
     start.add_argument("--hibernate-after", type=non_negative_float,
-                       default=float(env("WORKER_HIBERNATE_AFTER", "0") or 0),
+                       default=from_env("WORKER_HIBERNATE_AFTER", 0),
                        help="move sessions idle longer than this many seconds out of device memory (to host memory, "
                             "then --session-store); 0 for only when pages run out [env WORKER_HIBERNATE_AFTER] "
                             "(default %(default)s)")
     start.add_argument("--host-cache-gb", type=non_negative_float,
-                       default=float(env("WORKER_HOST_CACHE_GB", "0") or 0),
+                       default=from_env("WORKER_HOST_CACHE_GB", 0),
                        help="host memory for hibernated sessions' state, in GiB (pinned on a GPU); 0 and no "
                             "--session-store: sessions never hibernate [env WORKER_HOST_CACHE_GB] (default %(default)s)")
     start.add_argument("--session-store", default=env("WORKER_SESSION_STORE", None),
                        help="a directory for hibernated sessions (checksummed files); a clean stop (SIGTERM) writes "
                             "every session there and a worker started with it serves them again "
                             "[env WORKER_SESSION_STORE] (default: none)")
-    metrics_port = env("WORKER_METRICS_PORT", None)
-    start.add_argument("--metrics-port", type=port, default=None if metrics_port is None else port(metrics_port),
+    start.add_argument("--metrics-port", type=port, default=from_env("WORKER_METRICS_PORT", None),
                        help="serve /metrics, /healthz and /readyz on this port [env WORKER_METRICS_PORT] (default: off)")
     start.add_argument("--metrics-host", default=env("WORKER_METRICS_HOST", "127.0.0.1"),
                        help="interface of the metrics port [env WORKER_METRICS_HOST] (default %(default)s)")
-    start.add_argument("--log-level", choices=logs.LEVELS, default=env("WORKER_LOG_LEVEL", "info"),
+    start.add_argument("--log-level", type=one_of(*logs.LEVELS), choices=logs.LEVELS,
+                       default=env("WORKER_LOG_LEVEL", "info"),
                        help="[env WORKER_LOG_LEVEL] (default %(default)s)")
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    arguments = parser()
+    args = arguments.parse_args(argv)
     try:
         p.Ready(name=args.name, model="-", capacity=0, free_slots=0, max_context=0)
     except p.ProtocolError as e:
-        raise SystemExit(f"worker: --name: {e.message}") from None
+        arguments.error(f"argument --name: {e.message}")  # exits 2, as any bad argument
     logs.configure(args.log_level, role="worker", worker=args.name)
     log = structlog.get_logger()
     import torch  # here, not at the top: `worker --help` and bad arguments answer without loading torch
@@ -124,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("worker_start_failed", error=str(e))
         return EXIT_STARTUP_FAILED
     except ValueError as e:  # one of the two alone: a bad argument
-        raise SystemExit(f"worker: --broker-key, --key: {e}") from None
+        arguments.error(f"arguments --broker-key, --key: {e}")
     config = WorkerConfig(
         broker=args.broker, name=args.name, drain_timeout_s=args.drain_timeout, reconnect_max_ms=args.reconnect_max_ms,
         curve=curve, session_idle_timeout_s=args.session_idle_timeout, metrics=args.metrics_port is not None,

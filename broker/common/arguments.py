@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import TypeVar
-
-D = TypeVar("D", int, None)
+from collections.abc import Callable
 
 
 def env(name: str, default: str | None) -> str | None:
@@ -16,32 +14,41 @@ def env(name: str, default: str | None) -> str | None:
     return default if value is None or value == "" else value
 
 
-def env_int(prog: str, name: str, default: D) -> int | D:
-    """The variable as an integer (unset or empty: `default`); not an integer: exit naming `prog` and the variable."""
-    value = env(name, None)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"{prog}: {name}={value!r} is not an integer") from None
+def from_env(name: str, default: object) -> str | None:
+    """A flag's default: the variable's value (unset or empty: `default`), as a string, so that argparse checks it
+    with the flag's type as it checks a value given on the command line (None stays None: the flag is off)."""
+    return env(name, None if default is None else str(default))
+
+
+C_INT_MAX = 2**31 - 1  # what a socket option or a C library's int takes
 
 
 def positive_int(value: str) -> int:
     n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    if not 1 <= n <= C_INT_MAX:
+        raise argparse.ArgumentTypeError(f"must be >= 1 and <= {C_INT_MAX}, got {n}")
     return n
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """Argument type: one of `choices` (argparse checks `choices` for given values only, not for a default from an
+    environment variable)."""
+    def check(value: str) -> str:
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {value!r}")
+        return value
+    return check
 
 
 def non_negative_int(value: str) -> int:
     n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    if not 0 <= n <= C_INT_MAX:
+        raise argparse.ArgumentTypeError(f"must be >= 0 and <= {C_INT_MAX}, got {n}")
     return n
 
 
 def positive_float(value: str) -> float:
+    """> 0; infinity allowed (no limit)."""
     x = float(value)
     if not x > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")

@@ -113,13 +113,20 @@ class BrokerKeys:
 
     def allowed(self, domain: str) -> int:
         """How many public keys a domain allows (for the log)."""
-        return len(zmq.auth.load_certificates(self.workers if domain == WORKERS_DOMAIN else self.clients))
+        return len(_certificates(self.workers if domain == WORKERS_DOMAIN else self.clients))
 
     def admin_keys(self) -> frozenset[str]:
         """The Z85 public keys in admins/ (none without it), read now: an operator may add one and send SIGHUP."""
         if self.admins is None or not self.admins.is_dir():
             return frozenset()
-        return frozenset(key.decode() for key in zmq.auth.load_certificates(self.admins))
+        return frozenset(key.decode() for key in _certificates(self.admins))
+
+    def check(self) -> None:
+        """KeyFileError naming the first public key file of workers/, clients/ or admins/ that is not one (before the
+        allow-lists are replaced: a typo must not cost the ones in force)."""
+        for directory in (self.workers, self.clients, self.admins):
+            if directory is not None and directory.is_dir():
+                _certificates(directory)
 
     def apply(self, sock: zmq.Socket[Any], domain: str) -> None:
         """Before bind: CURVE server with the given ZAP domain (its allow-list)."""
@@ -218,3 +225,11 @@ def _load(path: str | os.PathLike[str], need_secret: bool) -> tuple[bytes, bytes
     if need_secret and (secret is None or len(secret) != 40):
         raise KeyFileError(f"{path} holds no secret key: pass the NAME.key_secret file")
     return public, secret
+
+
+def _certificates(directory: Path) -> dict[bytes, bool]:
+    """The public keys of directory/*.key; KeyFileError (not pyzmq's ValueError) for a file that is not one."""
+    try:
+        return zmq.auth.load_certificates(directory)
+    except ValueError as e:
+        raise KeyFileError(f"{directory}: {e}") from None

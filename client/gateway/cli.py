@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -33,7 +34,17 @@ import structlog
 
 from broker.common import keys as curve_keys
 from broker.common import logs
-from broker.common.arguments import env, env_int, non_negative_float, non_negative_int, port, positive_float, positive_int
+from broker.common.arguments import (
+    env,
+    from_env,
+    non_negative_float,
+    non_negative_int,
+    one_of,
+    port,
+    positive_float,
+    positive_int,
+    zmq_address,
+)
 
 EXIT_FAILED = 1
 EXIT_STARTUP_FAILED = 3
@@ -44,11 +55,11 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gateway", description="An OpenAI-compatible HTTP API in front of the broker.")
     sub = top.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="serve in the foreground")
-    start.add_argument("--broker", default=env("GATEWAY_BROKER", DEFAULT_BROKER),
+    start.add_argument("--broker", type=zmq_address, default=env("GATEWAY_BROKER", DEFAULT_BROKER),
                        help="the broker's client address [env GATEWAY_BROKER] (default %(default)s)")
     start.add_argument("--host", default=env("GATEWAY_HOST", "127.0.0.1"),
                        help="interface to listen on [env GATEWAY_HOST] (default %(default)s)")
-    start.add_argument("--port", type=port, default=env_int("gateway", "GATEWAY_PORT", 8000),
+    start.add_argument("--port", type=port, default=from_env("GATEWAY_PORT", 8000),
                        help="HTTP port [env GATEWAY_PORT] (default %(default)s)")
     start.add_argument("--api-keys", type=Path, default=env("GATEWAY_API_KEYS", None),
                        help="file of API keys, `NAME KEY` a line; requests must send `Authorization: Bearer KEY` "
@@ -57,18 +68,19 @@ def parser() -> argparse.ArgumentParser:
                        help="a broker with --keys: its public key file [env GATEWAY_BROKER_KEY]")
     start.add_argument("--key", default=env("GATEWAY_KEY", None),
                        help="a broker with --keys: the gateway's client key pair, NAME.key_secret [env GATEWAY_KEY]")
-    start.add_argument("--timeout", type=positive_float, default=float(env("GATEWAY_TIMEOUT", "60") or 60),
+    start.add_argument("--timeout", type=positive_float, default=from_env("GATEWAY_TIMEOUT", 60),
                        help="seconds to wait for each answer or streamed token from the broker [env GATEWAY_TIMEOUT] "
                             "(default %(default)s)")
-    start.add_argument("--max-idle-sessions", type=non_negative_int, default=env_int("gateway", "GATEWAY_MAX_IDLE_SESSIONS", 0),
+    start.add_argument("--max-idle-sessions", type=non_negative_int, default=from_env("GATEWAY_MAX_IDLE_SESSIONS", 0),
                        help="idle sessions kept for the next turn, 0 for as many as the workers have slots for "
                             "(the least recently used closes first) [env GATEWAY_MAX_IDLE_SESSIONS] (default %(default)s)")
-    start.add_argument("--processes", type=positive_int, default=env_int("gateway", "GATEWAY_PROCESSES", 1),
+    start.add_argument("--processes", type=positive_int, default=from_env("GATEWAY_PROCESSES", 1),
                        help="processes sharing the port [env GATEWAY_PROCESSES] (default %(default)s)")
-    start.add_argument("--drain-timeout", type=non_negative_float, default=float(env("GATEWAY_DRAIN_TIMEOUT", "30") or 30),
+    start.add_argument("--drain-timeout", type=non_negative_float, default=from_env("GATEWAY_DRAIN_TIMEOUT", 30),
                        help="seconds the answers in flight get to finish after SIGTERM [env GATEWAY_DRAIN_TIMEOUT] "
                             "(default %(default)s)")
-    start.add_argument("--log-level", choices=logs.LEVELS, default=env("GATEWAY_LOG_LEVEL", "info"),
+    start.add_argument("--log-level", type=one_of(*logs.LEVELS), choices=logs.LEVELS,
+                       default=env("GATEWAY_LOG_LEVEL", "info"),
                        help="[env GATEWAY_LOG_LEVEL] (default %(default)s)")
     return top
 
@@ -133,7 +145,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         http="httptools" if importlib.util.find_spec("httptools") else "h11", lifespan="on", log_config=None,
-        access_log=False, log_level="warning", timeout_graceful_shutdown=int(args.drain_timeout) or None,
+        access_log=False, log_level="warning", timeout_graceful_shutdown=math.ceil(args.drain_timeout),
         server_header=False))
 
     async def run() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -272,3 +273,28 @@ def test_broker_sessions_and_close_session_with_keys_a_client_s_own_and_an_admin
         assert theirs.id not in owners("ops") and mine.id in owners("ops")
         assert mine.info().length == 0
         mine.close()
+
+
+def test_a_malformed_public_key_file_is_exit_3_at_start_and_keeps_the_keys_in_force_on_sighup(
+    cluster: Cluster, tmp_path: Path,
+) -> None:
+    keygen(tmp_path, "broker")
+    keygen(tmp_path / "workers", "w1")
+    (tmp_path / "clients").mkdir()
+    (tmp_path / "clients" / "typo.key").write_text("not a certificate\n")
+    broker = cluster.start_broker(["--keys", str(tmp_path)])
+    assert broker.proc.wait(timeout=30) == 3
+    assert f"No public key found in {tmp_path / 'clients' / 'typo.key'}" in broker.log_text()
+    (tmp_path / "clients" / "typo.key").unlink()
+    broker = cluster.start_broker(["--keys", str(tmp_path)])
+    deadline = time.monotonic() + 30
+    while '"event": "broker_started"' not in broker.log_text():
+        assert time.monotonic() < deadline and broker.proc.poll() is None
+        time.sleep(0.05)
+    (tmp_path / "clients" / "typo.key").write_text("not a certificate\n")
+    broker.proc.send_signal(signal.SIGHUP)  # (systemctl reload)
+    while "keys_reload_failed" not in broker.log_text():
+        assert time.monotonic() < deadline and broker.proc.poll() is None
+        time.sleep(0.05)
+    assert broker.proc.poll() is None  # on the allow-lists it had
+    assert broker.terminate() == 0

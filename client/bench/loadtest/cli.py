@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from broker.common.arguments import zmq_address
 from client.bench.loadtest.progress import ProgressView, Tally
 from client.bench.loadtest.report import Report, build_report
 from client.bench.loadtest.stack import LoadTestError
@@ -317,7 +318,7 @@ def parser() -> argparse.ArgumentParser:
     d = LoadConfig()
     ap = argparse.ArgumentParser(prog="loadtest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = ap.add_argument_group("target")
-    target.add_argument("--broker", default=_env("LOADTEST_BROKER", d.broker),
+    target.add_argument("--broker", type=zmq_address, default=_env("LOADTEST_BROKER", d.broker),
                         help="the broker's client address [env LOADTEST_BROKER] (default %(default)s)")
     target.add_argument("--broker-key", default=_env("LOADTEST_BROKER_KEY", None),
                         help="a broker with --keys: its public key file [env LOADTEST_BROKER_KEY]")
