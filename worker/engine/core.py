@@ -42,7 +42,7 @@ from worker.engine.budget import PREFILL_CHUNK
 from worker.engine.build import build_parts
 from worker.engine.detokenizer import Detokenizer
 from worker.engine.executor import Executor
-from worker.engine.hibernation import Hibernation, SessionLost, Stored
+from worker.engine.hibernation import Hibernation, SessionLost, Stored, storable_id
 from worker.engine.options import EngineOptions
 from worker.engine.sampling import RowRandom, SamplingParams, sample_ids, step_logprobs
 from worker.engine.scheduler import StepPlan, schedule
@@ -195,7 +195,14 @@ class Engine:
         h = self.hibernation
         if h is None or not h.enabled:
             return free
-        return free + sum(1 for s in self._sessions.values() if s.resident and s.request is None)
+        host = h.host_bytes  # the idle sessions whose hibernation would be kept, as _hibernate would keep them
+        for s in self._sessions.values():
+            if s.resident and s.request is None:
+                nbytes = self.table.spec.bytes_for(s.computed)
+                if h.admits(nbytes, s.id, host):
+                    free += 1
+                    host += 0 if h.store is not None and storable_id(s.id) else nbytes
+        return free
 
     @property
     def bytes_per_session(self) -> int:
@@ -428,6 +435,11 @@ class Engine:
         self._resident(session)  # a hibernated session is restored first: refused whole if it cannot be
         session.used_at = time.monotonic()
         session.tokens.extend(ids)
+        if session.computed >= len(session.tokens):
+            # The state holds every token (a step run ahead fed the last sample of the generation before): the first
+            # sample needs a token run again. A state a rerun rewrites runs the last one again; a recurrent one, which
+            # cannot take a token back, is computed again from the session's history.
+            session.computed = len(session.tokens) - 1 if self._rewritable else 0
         if params.max_tokens == 0 and session.computed >= len(session.tokens) - 1:
             self._finished.append(Chunk(rid, session.id, [], "", "length"))  # nothing to prefill
             return rid
@@ -844,15 +856,25 @@ class Engine:
         except SessionLost:
             self._lose(session)
             raise
-        assert stored.state is not None
+        # Held here: making room may hibernate another session and spill this very copy to disk (its state let go).
+        state, computed = stored.state, stored.computed
+        assert state is not None
+        if stored.nbytes != self.table.spec.bytes_for(computed):  # a file checksummed, but not of this layout
+            self._lose(session)
+            raise SessionLost(f"session {session.id}: its stored state is {stored.nbytes} bytes, not the "
+                              f"{self.table.spec.bytes_for(computed)} of {computed} tokens")
         try:
-            slot = self._with_room(lambda: self.table.create(stored.computed), keep=session)
+            slot = self._with_room(lambda: self.table.create(computed), keep=session)
         except CapacityExhausted:
-            if source == "disk":
+            if source == "disk" and stored.session_id in h.disk:
                 stored.state = None  # read again next time: the file stays the truth
             raise
-        self.table.load_prefix(slot, stored.computed, stored.state)  # the host copy is released below
-        session.slot, session.computed = slot, stored.computed
+        try:
+            self.table.load_prefix(slot, computed, state)  # the host copy (or file) is released below
+        except BaseException:
+            self.table.free(slot)
+            raise
+        session.slot, session.computed = slot, computed
         h.drop(session.id)
         self.restored += 1
         seconds = time.perf_counter() - start

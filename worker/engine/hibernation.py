@@ -97,11 +97,12 @@ class Hibernation:
         """Host memory for a copy of `nbytes` (pinned when a GPU is present)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
-    def admits(self, nbytes: int, session_id: str) -> bool:
-        """Whether a hibernation of `nbytes` can be kept (in host memory, or on disk)."""
+    def admits(self, nbytes: int, session_id: str, host_bytes: int | None = None) -> bool:
+        """Whether a hibernation of `nbytes` can be kept (in host memory, or on disk), with `host_bytes` of host
+        memory taken (default: what is)."""
         if self.store is not None and storable_id(session_id):
             return True
-        return self.host_bytes + nbytes <= self.host_limit_bytes
+        return (self.host_bytes if host_bytes is None else host_bytes) + nbytes <= self.host_limit_bytes
 
     def put(self, stored: Stored) -> None:
         """Keep a hibernated session (its `state` set): in host memory, the oldest copies spilling to disk while
@@ -115,7 +116,8 @@ class Hibernation:
         self.host_bytes += stored.nbytes
         try:
             while self.host_bytes > self.host_limit_bytes:
-                oldest = next(iter(self.host.values()))
+                # The oldest copy that can go to disk (an id that is no file name stays in host memory).
+                oldest = next((s for s in self.host.values() if storable_id(s.session_id)), stored)
                 if oldest is stored or self.store is None:
                     raise SessionLost(f"session {stored.session_id}: host memory for hibernated sessions is full")
                 self._spill(oldest)
@@ -162,10 +164,15 @@ class Hibernation:
                 _set_aside(path)
 
     def persist(self) -> int:
-        """Write every host copy to disk (a clean stop). Returns how many were written."""
+        """Write every host copy to disk (a clean stop): each that can be (one that cannot is logged, the others are
+        still written). Returns how many were written."""
         written = 0
         for stored in list(self.host.values()):
-            self._spill(stored)
+            try:
+                self._spill(stored)
+            except (SessionLost, OSError) as e:
+                log.warning("session_not_persisted", session=stored.session_id, error=str(e))
+                continue
             written += 1
         return written
 
@@ -178,7 +185,7 @@ class Hibernation:
         for path in sorted(self.store.glob("*" + SUFFIX), key=_mtime):
             try:
                 stored = self._header(path)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, struct.error) as e:
                 log.warning("session_file_unreadable", path=str(path), error=str(e))
                 _set_aside(path)
                 continue
@@ -265,7 +272,8 @@ class Hibernation:
             raise SessionLost(f"session {stored.session_id}: its stored state changed since the worker listed it")
         start = len(MAGIC) + _LENGTH.size + length
         state = self.buffer(stored.nbytes)
-        state.copy_(torch.frombuffer(bytearray(body[start : start + stored.nbytes]), dtype=torch.uint8))
+        if stored.nbytes:  # (a session of no fixed state and no computed token has none: torch reads no empty buffer)
+            state.copy_(torch.frombuffer(bytearray(body[start : start + stored.nbytes]), dtype=torch.uint8))
         return state
 
 

@@ -1,0 +1,149 @@
+"""Sessions through hibernation, the session store and moves, on the CPU engine of the tiny presets: a restore that
+must make room by spilling host copies (its own among them), files cut short or not of this layout, sessions whose ids
+are no file names, the free slots the broker places by, and a hybrid session whose state ran ahead of its history."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cuda_state import CapacityExhausted
+from worker.engine import Engine
+from worker.engine.hibernation import DIGEST_BYTES, MAGIC, SessionLost
+
+HYB = "random:tiny-qwen3.5"
+
+
+def load(preset: str = HYB, **options: Any) -> Engine:
+    options.setdefault("max_sessions", 4)
+    options.setdefault("max_context", 128)
+    return Engine.load(preset, device="cpu", **options)
+
+
+def greedy(engine: Engine, sid: str, n: int) -> list[int]:
+    return engine.generate(sid, max_tokens=n, temperature=0.0, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("preset", ["random:tiny", HYB, "random:tiny-qwen3.5-moe"])
+def test_restore_whose_eviction_spills_the_restoring_session(preset: str, tmp_path: Path) -> None:
+    nb = load(preset, max_sessions=1).table.spec.bytes_for(20)
+    e = load(preset, max_sessions=1, host_cache_bytes=nb, session_store=tmp_path)
+    ref = load(preset, max_sessions=2)
+    for x in (e, ref):
+        x.create_session("A")
+        x.append("A", token_ids=list(range(1, 17)))
+        greedy(x, "A", 3)
+    assert e.hibernate("A")
+    for x in (e, ref):
+        x.create_session("B")
+        x.append("B", token_ids=list(range(30, 46)))
+        greedy(x, "B", 3)
+    e.restore("A")  # B hibernates for the slot; the host overflows; its oldest copy (A itself) spills to disk
+    assert e.is_resident("A")
+    assert greedy(e, "A", 5) == greedy(ref, "A", 5)
+    assert greedy(e, "B", 5) == greedy(ref, "B", 5)
+
+
+def test_store_file_cut_inside_its_length_field_is_set_aside(tmp_path: Path) -> None:
+    e = load(HYB, session_store=tmp_path)
+    for s in ("good", "victim"):
+        e.create_session(s)
+        e.append(s, token_ids=[1, 2, 3])
+        greedy(e, s, 2)
+    assert e.persist() == 2
+    f = tmp_path / "victim.session"
+    f.write_bytes(f.read_bytes()[:12])
+    again = load(HYB, session_store=tmp_path)
+    assert again.sessions() == ["good"]
+
+
+def test_unstorable_id_in_host_memory_blocks_spills_and_persist(tmp_path: Path) -> None:
+    nb = load(HYB).table.spec.bytes_for(16)
+    e = load(HYB, host_cache_bytes=2 * nb, session_store=tmp_path)
+    for i, s in enumerate(["chat:1", "b", "c"]):
+        e.create_session(s)
+        e.append(s, token_ids=[1 + i, 2, 3])
+        greedy(e, s, 2)
+    assert e.hibernate("chat:1") and e.hibernate("b")
+    assert e.hibernate("c")  # "chat:1", the oldest, cannot go to disk: "b" does
+    e.persist()  # "chat:1" cannot be written; the others are
+    assert (tmp_path / "b.session").exists()
+
+
+def test_free_slots_counts_only_sessions_that_can_hibernate() -> None:
+    nb = load(HYB).table.spec.bytes_for(16)
+    e = load(HYB, max_sessions=2, host_cache_bytes=nb)
+    for s in ("a", "b"):
+        e.create_session(s)
+        e.append(s, token_ids=[1, 2, 3, 4])
+        greedy(e, s, 2)
+    e.create_session("c")  # a hibernates: the host cache is now full, nothing else can hibernate
+    advertised = e.free_slots
+    made = 0
+    for i in range(advertised):
+        try:
+            e.create_session(f"n{i}")
+            made += 1
+        except CapacityExhausted:
+            pass
+    assert made == advertised, f"free_slots said {advertised}, {made} creates succeeded"
+
+
+def test_hybrid_generate_after_a_stop_when_state_ran_ahead() -> None:
+    """GPU default (overlap): a hybrid generation ending on a stop token leaves computed == len(tokens); a move
+    carries that to any engine (here: a CPU one, overlap off) and the next generate with no new prompt crashes."""
+    src = load(HYB)
+    src.overlap = True
+    ref = load(HYB)
+    for x in (src, ref):
+        x.create_session("y")
+        x.append("y", token_ids=[1, 2, 3, 4, 5])
+        x.generate("y", max_tokens=20, temperature=0.0, stop_token_ids=[107], ignore_eos=True)
+    while src.has_work():
+        src.step()
+    snap = src.export_session("y")
+    assert snap is not None
+    cpu = load(HYB)
+    cpu.import_session(snap, snap.digest())
+    assert greedy(cpu, "y", 5) == greedy(ref, "y", 5)
+
+
+def test_empty_state_session_read_back_from_the_store(tmp_path: Path) -> None:
+    """random:tiny has no fixed-size state: a session with 0 computed tokens has a 0-byte state."""
+    e = load("random:tiny", session_store=tmp_path)
+    e.create_session("empty")
+    e.create_session("prompted")
+    e.append("prompted", token_ids=[7, 8, 9])
+    assert e.persist() == 2
+    again = load("random:tiny", session_store=tmp_path)
+    again.append("empty", token_ids=[5, 6])
+    assert len(greedy(again, "prompted", 2)) == 2
+
+
+def test_failed_restore_does_not_leak_a_slot(tmp_path: Path) -> None:
+    """A store file whose header's nbytes != bytes_for(computed) (valid checksum): refused as SessionLost, no slot kept."""
+    e = load(HYB, session_store=tmp_path)
+    e.create_session("s")
+    e.append("s", token_ids=[1, 2, 3, 4])
+    greedy(e, "s", 20)
+    e.persist()
+    f = tmp_path / "s.session"
+    data = f.read_bytes()
+    (n,) = struct.unpack_from("<Q", data, 8)
+    head = json.loads(data[16:16 + n])
+    head["computed"] = 5
+    h = json.dumps(head, separators=(",", ":")).encode()
+    new = MAGIC + struct.pack("<Q", len(h)) + h + data[16 + n:-DIGEST_BYTES]
+    f.write_bytes(new + hashlib.blake2b(new, digest_size=DIGEST_BYTES).digest())
+    again = load(HYB, session_store=tmp_path)
+    live = again.table.live
+    with pytest.raises(SessionLost, match="its stored state is"):
+        again.restore("s")
+    with pytest.raises(SessionLost):
+        again.restore("s")  # lost for good
+    assert again.table.live == live and "s" not in again.sessions()
