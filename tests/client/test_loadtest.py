@@ -221,6 +221,7 @@ def test_config_is_checked() -> None:
         with pytest.raises(ValueError, match=message):
             LoadConfig(**bad).validate()  # type: ignore[arg-type]
     assert LoadConfig(sessions=3, turns=2).request_limit == 6
+    assert LoadConfig(sessions=2, turns=4, fork_every=2).request_limit == 12  # each conversation's 2 forked turns too
     assert LoadConfig(duration=1.0).request_limit is None
 
 

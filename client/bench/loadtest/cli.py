@@ -127,9 +127,12 @@ class LoadConfig:
 
     @property
     def request_limit(self) -> int | None:
+        """Requests to run: --requests, none with --duration, else one conversation a session (its turns, and with
+        --fork-every the forked turns, each one request)."""
         if self.requests is not None or self.duration is not None:
             return self.requests
-        return self.sessions * self.turns
+        forked = self.turns // self.fork_every if self.fork_every else 0
+        return self.sessions * (self.turns + forked)
 
     @property
     def mode(self) -> str:
@@ -309,6 +312,14 @@ def _nothing() -> None:
 # -- the command line ---------------------------------------------------------------------------
 
 
+def writable_file(value: str) -> Path:
+    """Argument type: a file whose folder exists (checked before the run, not after it: the figures would be lost)."""
+    path = Path(value)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {str(path.parent)!r} to write {path.name!r} in")
+    return path
+
+
 def _env(name: str, default: str | None) -> str | None:
     value = os.environ.get(name)
     return default if value is None or value == "" else value
@@ -366,8 +377,9 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--processes", type=int, default=d.processes,
                      help="client processes the sessions are split over (full stack; default %(default)s)")
     out.add_argument("--timeout", type=float, default=d.timeout, help="seconds to wait for each answer or chunk (default %(default)s)")
-    out.add_argument("--json", type=Path, default=None, metavar="FILE", help="write every figure as JSON")
-    out.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="plot latency distributions and tokens/s over time")
+    out.add_argument("--json", type=writable_file, default=None, metavar="FILE", help="write every figure as JSON")
+    out.add_argument("--plot", type=writable_file, default=None, metavar="FILE.png",
+                     help="plot latency distributions and tokens/s over time")
     out.add_argument("--no-progress", action="store_true", help="no live progress bar")
     out.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=_env("LOADTEST_LOG_LEVEL", "warning"),
                      help="[env LOADTEST_LOG_LEVEL] (default %(default)s)")
