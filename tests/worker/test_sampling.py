@@ -73,6 +73,7 @@ def test_sample_mixes_greedy_and_random_rows() -> None:
         (SamplingParams(stop=tuple("abcdefghijklmnopq")), "at most 16"),
         (SamplingParams(stop_token_ids=(10**9,)), "stop_token_ids"),
         (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(top_k=2**31), r"top_k must be an integer in \[0, 2147483647\]"),  # (overflowed every step)
     ],
 )
 def test_params_validation(params: SamplingParams, message: str) -> None:
@@ -134,3 +135,11 @@ def test_a_failed_step_leaves_the_session_able_to_generate(engine: Engine, monke
             break
     assert tokens == expected
     engine.close(sid)
+
+
+def test_every_bit_of_a_seed_counts() -> None:
+    """torch's CPU generator kept 32 bits of a seed: 1, 1 + 2**32 and 2**62 + 1 drew the same numbers."""
+    draws = {seed: RowRandom(seed).uniform() for seed in (1, 1 + 2**32, 2**62 + 1, 2**63 - 1)}
+    assert len(set(draws.values())) == 4
+    first, again = RowRandom(2**62 + 1), RowRandom(2**62 + 1)
+    assert [first.uniform() for _ in range(5)] == [again.uniform() for _ in range(5)]

@@ -415,7 +415,7 @@ class Engine:
         each compute one token, not the prompt), and the request ends "length" with no tokens.
         """
         session = self._session(session_id)
-        params.validate(self.tokenizer.vocab_size)
+        params.validate(self.model.config.vocab_size)
         if params.max_tokens > self.max_context:
             raise BadRequest(f"max_tokens {params.max_tokens} exceeds the context of {self.max_context} tokens "
                              "(worker --max-context)")

@@ -13,6 +13,7 @@ report them.
 
 from __future__ import annotations
 
+import random
 import secrets
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ MAX_STOP_STRING_CHARS = 256
 
 
 MIN_TEMPERATURE = 1e-5  # sampling below this is greedy
+MAX_TOP_K = 2**31 - 1  # as the protocol bounds it (a larger one passes no tensor of the step)
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit)
 
 
@@ -47,8 +49,8 @@ class SamplingParams:
             raise BadRequest(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise BadRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise BadRequest(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise BadRequest(f"top_k must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise BadRequest(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -66,17 +68,18 @@ class SamplingParams:
 
 @dataclass
 class RowRandom:
-    """A request's private stream of uniform numbers."""
+    """A request's private stream of uniform numbers: Python's Mersenne Twister, seeded by every bit of the seed
+    (torch's CPU generator keeps 32 of them: seeds 1 and 1 + 2**32 drew the same numbers)."""
 
     seed: int
     # Made on the first draw: a greedy request never draws, and making one is host work for the worker's compute
     # loop at every request (64 sessions turning over start 64 requests at once).
-    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    _generator: random.Random | None = field(default=None, init=False, repr=False)
 
     @property
-    def generator(self) -> torch.Generator:
+    def generator(self) -> random.Random:
         if self._generator is None:
-            self._generator = torch.Generator().manual_seed(self.seed)
+            self._generator = random.Random(self.seed)
         return self._generator
 
     @classmethod
@@ -84,7 +87,7 @@ class RowRandom:
         return cls(params.seed if params.seed is not None else secrets.randbits(63))
 
     def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+        return self.generator.random()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], randoms: list[RowRandom]) -> list[int]:
