@@ -63,6 +63,11 @@ def parser() -> argparse.ArgumentParser:
                        default=from_env("BROKER_SESSION_GRACE_MS", defaults.session_grace_ms),
                        help="close a session once the client connection that last used it has been gone this long, "
                             "0 for never [env BROKER_SESSION_GRACE_MS] (default %(default)s)")
+    start.add_argument("--client-grace-ms", type=non_negative_int,
+                       default=from_env("BROKER_CLIENT_GRACE_MS", defaults.client_grace_ms),
+                       help="a client the broker cannot reach (its connection closed: a paused process, a lost host) "
+                            "has this long to come back, resuming its streams, before its generations are stopped; 0 "
+                            "stops them at the next heartbeat [env BROKER_CLIENT_GRACE_MS] (default %(default)s)")
     start.add_argument("--io-threads", type=positive_int,
                        default=from_env("BROKER_IO_THREADS", defaults.io_threads),
                        help="ZeroMQ I/O threads (more move more bytes: session moves are relayed through the broker) "
@@ -138,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         recovery_ms=args.recovery_ms, hwm=args.hwm, keys=args.keys, max_sessions_per_client=args.max_sessions_per_client,
         request_timeout_ms=args.request_timeout_ms, worker_silence_ms=args.worker_silence_ms,
         max_worker_sessions=args.max_worker_sessions, session_grace_ms=args.session_grace_ms,
-        io_threads=args.io_threads, moves_per_worker=args.moves_per_worker,
+        io_threads=args.io_threads, moves_per_worker=args.moves_per_worker, client_grace_ms=args.client_grace_ms,
     )
     stop = False
 

@@ -98,6 +98,9 @@ class Settings:
     max_worker_sessions: int = DEFAULT_MAX_WORKER_SESSIONS  # session slots one worker may offer (READY limits)
     session_grace_s: float = 0.0  # a gone client's sessions are closed after this; 0: never
     moves_per_source: int = DEFAULT_MOVES_PER_SOURCE  # session moves running at once from one worker
+    # How long a client that could not be reached may take to speak again (a GC pause, a paused VM: the broker's
+    # heartbeats closed its connection meanwhile) before its generations are stopped; 0: at the next heartbeat.
+    client_grace_s: float = 5.0
 
 
 MAX_SESSIONS_FLAG = "--max-sessions-per-client"
@@ -157,6 +160,9 @@ class Router:
         # (worker, client route) -> when that worker's streamed tokens last reached that client: request progress.
         self._delivered: dict[tuple[bytes, bytes], float] = {}
         self._client_gone: dict[bytes, float] = {}  # client routes holding sessions -> since when they are gone
+        # Generations whose client could not be reached -> since when: cancelled unless the client speaks again within
+        # Settings.client_grace_s (a client paused for a moment, its connection closed meanwhile, reconnects and resumes).
+        self._unreachable: dict[RequestKey, float] = {}
         self._lease_failed: set[bytes] = set()  # routes whose sends failed since the last lease round
         self._drops_logged: dict[str, float] = {}
         # Workers found unreachable right after the broker stalled -> (since when, the sends to retry when they are back).
@@ -174,6 +180,9 @@ class Router:
         """`user`: the client's CURVE public key (Z85) when the broker authenticates clients."""
         self._now = now
         self._client_gone.pop(route, None)  # it spoke: it is there
+        if self._unreachable:  # and its generations go on (its resends resume their streams)
+            for key in [k for k in self._unreachable if k[0] == route]:
+                del self._unreachable[key]
         try:
             envelope = p.decode_envelope(frames)
             if envelope.command not in p.REQUEST_COMMANDS and envelope.command not in p.BROKER_COMMANDS:
@@ -285,12 +294,26 @@ class Router:
                 self._time_out(now)
         if self.held and not self.recovering(now):
             self._release_held(now)
+        if self._unreachable:
+            self._cancel_unreachable(now)
         self.moves.tick(now)
         return self._flush()
 
+    def _cancel_unreachable(self, now: float) -> None:
+        """Stop the generations whose client has not come back Settings.client_grace_s after it could not be reached
+        (it is gone: nobody would read them)."""
+        for key, since in list(self._unreachable.items()):
+            if key not in self.inflight:
+                del self._unreachable[key]  # ended meanwhile
+            elif now - since >= self.settings.client_grace_s:
+                del self._unreachable[key]
+                log.info("generation_cancelled_client_gone", request=key[1])
+                self._cancel_generation(key)
+
     def undeliverable(self, send: Send, failure: Failure, now: float) -> list[Send]:
         """A send failed. A worker that cannot be reached is gone (unless the broker itself was stalled: see `stalled`);
-        a client that is gone stops its generation."""
+        a client that cannot be reached and does not speak again within Settings.client_grace_s has its generations
+        stopped (`tick`)."""
         self._now = now
         if send.peer is Peer.WORKER:
             if failure is Failure.UNREACHABLE and send.identity in self.registry.workers and (
@@ -320,7 +343,9 @@ class Router:
         log.info("client_send_failed", failure=failure.value, requests=[key[1] for key in keys][:8])
         if failure is Failure.UNREACHABLE:
             for key in keys:
-                self._cancel_generation(key)
+                flight = self.inflight.get(key)
+                if flight is not None and flight.command is p.Command.GENERATE:
+                    self._unreachable.setdefault(key, now)  # cancelled by tick unless the client comes back
         return self._flush()
 
     def stalled(self, now: float, seconds: float) -> None:

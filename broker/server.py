@@ -72,6 +72,7 @@ class BrokerConfig:
     worker_silence_ms: int = 30_000  # a connected worker that sends nothing this long is gone
     max_worker_sessions: int = DEFAULT_MAX_WORKER_SESSIONS  # session slots one worker may offer
     session_grace_ms: int = 60_000  # a gone client's sessions are closed after this; 0: never
+    client_grace_ms: int = 5_000  # a client that cannot be reached has this long to come back before its generations stop
     io_threads: int = 1  # ZeroMQ's I/O threads (TCP reads and writes, off the broker's loop)
     moves_per_worker: int = DEFAULT_MOVES_PER_SOURCE  # session moves running at once from one worker
 
@@ -86,7 +87,7 @@ class BrokerConfig:
             authenticated=self.keys is not None, max_sessions_per_client=self.max_sessions_per_client,
             request_timeout_s=self.request_timeout_ms / 1000, silence_s=self.worker_silence_ms / 1000,
             max_worker_sessions=self.max_worker_sessions, session_grace_s=self.session_grace_ms / 1000,
-            moves_per_source=self.moves_per_worker,
+            moves_per_source=self.moves_per_worker, client_grace_s=self.client_grace_ms / 1000,
         )
 
 
