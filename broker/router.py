@@ -154,6 +154,9 @@ class Router:
         # worker identity: should it come back (it was only stopped or cut off), they are dropped there, not taken back.
         self._lost: OrderedDict[bytes, set[str]] = OrderedDict()
         self._lost_count = 0
+        # The requests on those sessions answered session_lost, by worker: their streamed chunks, should the worker come
+        # back still generating them (until it has dropped the sessions), are not forwarded either.
+        self._lost_requests: dict[bytes, set[RequestKey]] = {}
         # Creates and forks answered TIMEOUT -> (their worker, the new session's id): should the worker make the session
         # after all, it is closed there (its client was told the request failed and will not use it).
         self._timed_out: OrderedDict[RequestKey, tuple[bytes, str]] = OrderedDict()
@@ -694,6 +697,7 @@ class Router:
             self._lost[identity] = set(dropped)
         else:
             del self._lost[identity]
+            self._lost_requests.pop(identity, None)  # it holds none of them: nothing of theirs comes any more
             return ready, ()
         kept = [i for i, sid in enumerate(ready.sessions) if sid not in lost]
         log.warning("lost_sessions_dropped", worker=ready.name, sessions=len(dropped))
@@ -732,7 +736,10 @@ class Router:
                 return
             assert isinstance(fanout, p.Fanout)
             held_by = self.registry.held_by
+            lost_requests = self._lost_requests.get(identity)
             for route, part in fanout.sends():
+                if lost_requests and any((route, rid) in lost_requests for rid in _chunk_request_ids(part)):
+                    continue  # (rare: a worker back from the dead, before it has dropped what was declared lost)
                 self._out.append(Send(Peer.CLIENT, route, part))
                 if track and held_by(route):  # a client with a request in flight holds its session's lease
                     self._delivered[identity, route] = now
@@ -745,6 +752,9 @@ class Router:
             listed = envelope.header.get("chunks")
             if not isinstance(listed, list) or not listed or envelope.payload:
                 self._drop("malformed", identity, "CHUNKS without a list of chunks")
+                return
+            lost_requests = self._lost_requests.get(identity)
+            if lost_requests and any((route, rid) in lost_requests for rid in _chunk_request_ids(frames)):
                 return
             self._out.append(Send(Peer.CLIENT, route, frames))
             if track and self.registry.held_by(route):
@@ -912,6 +922,8 @@ class Router:
                 again.append((key, flight.create, flight.user))
             elif key[0] != LEASE_ROUTE:
                 self._error(*key, p.ErrorCode.SESSION_LOST, f"worker {record.name} is gone ({reason})")
+                if flight.command is p.Command.GENERATE:
+                    self._lost_requests.setdefault(identity, set()).add(key)
         self._remember_lost(identity, lost)
         for (route, request_id), request, user in again:
             log.info("create_placed_again", request=request_id, lost_worker=record.name)
@@ -928,8 +940,9 @@ class Router:
         if not known:
             del self._lost[identity]
         while self._lost_count > MAX_LOST_SESSIONS and len(self._lost) > 1:
-            _, oldest = self._lost.popitem(last=False)
+            gone, oldest = self._lost.popitem(last=False)
             self._lost_count -= len(oldest)
+            self._lost_requests.pop(gone, None)
 
     def _ask_to_register(self, identity: bytes, now: float) -> None:
         """An unknown worker (this broker restarted, or it was declared dead): ask it for READY, once a beat."""

@@ -176,6 +176,11 @@ def test_session_lost_is_final_a_worker_that_comes_back_drops_the_sessions_decla
                        length=5, route=C1)
     assert router.worker_message(W1, p.encode(done), 4.2) == []
     assert router.counters.messages_dropped == {"lost_session": 1} and router.counters.sessions_dropped == 1
+    # Nor do its streamed chunks of the lost generation; another client's, in the same fanout, do.
+    router.client_message(C2, p.encode(p.Generate(request_id="g9", session_id=other, stream=True)), 4.2)
+    assert router.worker_message(W1, p.encode(chunks(C1, "g1")), 4.2) == []
+    sent = router.worker_message(W1, p.encode(fanout(chunks(C1, "g1"), chunks(C2, "g9"))), 4.2)
+    assert [(s.identity, p.decode(s.frames)) for s in sent] == [(C2, chunks(b"", "g9"))]
     # Still answering for it a beat later (it missed the DROP): told again, once a beat.
     [(_, identity, told)] = decoded(router.worker_message(W1, p.encode(done), 4.3))
     assert identity == W1 and told == p.Drop(sessions=(sid,))
@@ -185,7 +190,7 @@ def test_session_lost_is_final_a_worker_that_comes_back_drops_the_sessions_decla
     assert [m for _, _, m in again][1:] == [p.Drop(sessions=(sid,))]
     assert [type(m) for _, _, m in decoded(router.worker_message(W1, p.encode(ready("w1", sessions=(other,))), 6.0))] == [
         p.Welcome]
-    assert router._lost_count == 0 and not router._lost
+    assert router._lost_count == 0 and not router._lost and not router._lost_requests
 
 
 def test_disconnect_and_unreachable_workers_are_gone_too() -> None:
