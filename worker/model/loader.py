@@ -92,7 +92,8 @@ def load_model(model: str | None = None) -> LoadedModel:
 # Errors a malformed file or config raises on its way in (a field of the wrong type or missing, a truncated shard, a
 # misshaped tensor): each becomes a ModelLoadError naming the model, so that no bad folder takes a worker down with a
 # traceback. (Not MemoryError: too large a model for the device is said as such.)
-MALFORMED = (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, AttributeError, OSError, OverflowError)
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, AttributeError, OSError, OverflowError,
+             RecursionError)
 
 
 @contextlib.contextmanager
@@ -103,7 +104,8 @@ def malformed_files(where: str) -> Iterator[None]:
         raise
     except Exception as e:
         # MALFORMED, and the safetensors and tokenizers libraries' own errors (SafetensorError, a bare Exception)
-        if isinstance(e, MALFORMED) or type(e).__module__.split(".")[0] in ("safetensors", "tokenizers", "builtins"):
+        if isinstance(e, MALFORMED) or type(e) is Exception or type(e).__module__.split(".")[0] in ("safetensors",
+                                                                                                   "tokenizers"):
             why = str(e).removeprefix(f"{where}: ")
             raise ModelLoadError(f"{where}: malformed model ({type(e).__name__}: {why})") from e
         raise
