@@ -93,9 +93,12 @@ class SessionTable:
 
     @property
     def free_slots(self) -> int:
-        """Sessions a create can still admit: free slots, as far as free pages (and kept slots) go."""
+        """Sessions a create can still admit: free slots, as far as free pages (and kept slots) go, each create
+        taking its pages ahead while they last (as `_grow` maps them)."""
         slots = len(self._free) + len(self._kept)
-        return min(slots, len(self._kept) + self.free_pages // self.create_pages)
+        want = max(self.create_pages, self.spec.pages_for(self.ahead_tokens, self.page_bytes))
+        full, rest = divmod(self.free_pages, want)
+        return min(slots, len(self._kept) + full + (rest >= self.create_pages))
 
     @property
     def kept(self) -> int:
@@ -137,9 +140,16 @@ class SessionTable:
         mapped before the first token that needs it. Raises CapacityExhausted (nothing changed) when the pages for
         `tokens` themselves cannot be had."""
         self._check_live(slot)
+        claim, claim_covers = self._claim[slot], self._claim_covers[slot]
         if self.covers(slot, tokens):
             return
-        self._grow(slot, tokens)
+        try:
+            self._grow(slot, tokens)
+        except CapacityExhausted:  # the claim back where it was: the pages it held past it stay free to others
+            before = self._surplus_of(slot)
+            self._claim[slot], self._claim_covers[slot] = claim, claim_covers
+            self._surplus += self._surplus_of(slot) - before
+            raise
 
     def clone(self, src: int, used: int) -> int:
         """A new slot holding the fixed state and the first `used` positions of `src` (the rest zero)."""

@@ -300,3 +300,28 @@ def test_kept_slots_give_their_pages_back_when_a_growth_needs_them() -> None:
     assert (table.kept, table.free_pages) == (1, 2)
     table.ensure(a, 16)  # 4 pages: the kept slot's page is needed
     assert (table.pages(a), table.kept, table.free_pages) == (4, 0, 0)
+
+
+def test_a_refused_growth_changes_nothing_and_a_kept_slots_surplus_stays_free() -> None:
+    table = SessionTable(HostBackend(SPEC, capacity=3, page_bytes=PAGE, page_budget=5), keep_mapped=3)
+    a = table.create(12)  # 3 pages
+    table.free(a)  # kept, mapped
+    b = table.create(0)  # reuses them: 1 page claimed, 2 surplus
+    c = table.create(8)  # the 2 unmapped pages
+    assert (table.pages(b), table.pages(c), table.surplus_pages) == (3, 2, 2)
+    before = (table.free_pages, table.free_slots, table.surplus_pages)
+    with pytest.raises(CapacityExhausted):
+        table.ensure(b, 16)  # 4 pages: the fifth is not to be had
+    assert (table.free_pages, table.free_slots, table.surplus_pages) == before == (2, 1, 2)
+    table.create(0)  # from b's surplus, as before the refused growth
+
+
+@pytest.mark.parametrize("ahead", [0, 2, 6])
+def test_free_slots_is_what_creates_admit_with_their_pages_ahead(ahead: int) -> None:
+    table = SessionTable(HostBackend(SPEC, capacity=4, page_bytes=PAGE, page_budget=4), ahead_tokens=ahead)
+    promised, made = table.free_slots, 0
+    with pytest.raises(CapacityExhausted):
+        for _ in range(5):
+            table.create(0)
+            made += 1
+    assert made == promised == {0: 4, 2: 4, 6: 2}[ahead]  # 6 ahead: 2 pages a create while they last
