@@ -98,6 +98,7 @@ class AsyncTransport:
         self._watch = connect_client(self._context, self._socket, address, curve)
         self._release = weakref.finalize(self, release, self._context, [self._watch.pair, self._socket])
         self._mail: dict[str, Mailbox] = {}
+        self.orphans = calls.Orphans()
         self._reader: asyncio.Task[None] | None = None
         self._heard = False  # the broker has answered once: its handshake succeeded
         self.closed = False
@@ -105,11 +106,11 @@ class AsyncTransport:
     def start(self, request: p.Message) -> Call:
         if self.closed:
             raise ClientError("the client is closed")
-        if self._reader is None:
+        if self._reader is None or self._reader.done():  # (the loop it ran on ended: asyncio.run returned)
             self._reader = asyncio.get_running_loop().create_task(self._read())
         call = Call.of(request, time.monotonic(), self.resend_after_s)
-        self._mail[call.request_id] = Mailbox()
         self._send(call.frames)
+        self._mail[call.request_id] = Mailbox()  # once sent (no await between): a send that failed leaves none
         return call
 
     async def next(self, call: Call, timeout_s: float) -> Answer:
@@ -185,6 +186,9 @@ class AsyncTransport:
                 box = self._mail.get(request_id)
                 if box is not None:
                     box.put(item)
+                elif isinstance(item, p.Message) and (close := self.orphans.close_for(request_id, item)) is not None:
+                    with contextlib.suppress(ClientError):
+                        self.oneway(close)
 
 
 class AsyncClient:
@@ -243,11 +247,12 @@ class AsyncClient:
     async def _answer(self, call: Call, kind: type[M], timeout: float | None) -> M:
         try:
             answer = await self._transport.next(call, self._timeout(timeout))
-        except BaseException:  # a Timeout, the task cancelled: a generation nobody waits for is stopped
-            cancel = call.cancel()
+        except BaseException:  # a Timeout, the task cancelled: a generation nobody waits for is stopped, a session
+            cancel = call.cancel()  # a create or fork makes is closed when its answer comes
             if cancel is not None:
                 with contextlib.suppress(ClientError):
                     self._transport.oneway(cancel)
+            self._transport.orphans.add(call)
             raise
         finally:
             self._transport.finish(call)

@@ -121,6 +121,10 @@ class Call:
             return None
         return p.Cancel(request_id=new_request_id(), session_id=self.request.session_id, target=self.request_id)
 
+    def makes_a_session(self) -> bool:
+        """A create or a fork: should nobody wait for its answer any more, the session it makes is to be closed."""
+        return isinstance(self.request, (p.CreateSession, p.Fork))
+
     def heard(self, now: float) -> None:
         """An answer came: the peer is alive, so start the resend clock again."""
         self.resend_s = self.base_resend_s
@@ -159,6 +163,39 @@ def addressed(message: p.Message | None) -> list[tuple[str, Answer]]:
     if message is None or request_id is None:
         return []
     return [(request_id, message)]
+
+
+MAX_ORPHANS = 1024  # creates and forks given up on, remembered so that the sessions they make are closed
+
+
+def close_for(message: p.Message | None) -> p.Close | None:
+    """The CLOSE of the session a create's or fork's answer made (for a call given up on: nobody would use it)."""
+    if isinstance(message, p.Created):
+        return p.Close(request_id=new_request_id(), session_id=message.session_id)
+    if isinstance(message, p.Forked):
+        return p.Close(request_id=new_request_id(), session_id=message.child_id)
+    return None
+
+
+class Orphans:
+    """The creates and forks a caller gave up on (timed out, cancelled): their answers, should they come, close the
+    sessions they made."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, None] = {}
+
+    def add(self, call: Call) -> None:
+        if call.makes_a_session():
+            self._ids[call.request_id] = None
+            if len(self._ids) > MAX_ORPHANS:
+                del self._ids[next(iter(self._ids))]
+
+    def close_for(self, request_id: str, message: p.Message) -> p.Close | None:
+        """The CLOSE to send for an answer to nobody's call (None: none to send)."""
+        if request_id not in self._ids:
+            return None
+        del self._ids[request_id]
+        return close_for(message)
 
 
 def expect(message: Answer, kind: type[M]) -> M:

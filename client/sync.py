@@ -85,11 +85,12 @@ class Client:
     def _answer(self, call: calls.Call, kind: type[M], timeout: float | None) -> M:
         try:
             answer = self._transport.next(call, self._timeout(timeout))
-        except BaseException:  # a Timeout, an interrupt: a generation nobody waits for is stopped (a retry may follow)
-            cancel = call.cancel()
+        except BaseException:  # a Timeout, an interrupt: a generation nobody waits for is stopped (a retry may follow),
+            cancel = call.cancel()  # a session a create or fork makes is closed when its answer comes
             if cancel is not None:
                 with contextlib.suppress(ClientError):
                     self._transport.oneway(cancel)
+            self._transport.orphans.add(call)
             raise
         finally:
             self._transport.finish(call)

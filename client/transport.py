@@ -12,6 +12,7 @@ closes its sockets and ends its ZeroMQ context by itself, waiting at most LINGER
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 import weakref
@@ -23,7 +24,7 @@ import zmq
 from broker.common import protocol as p
 from broker.common.arguments import address_problem
 from broker.common.keys import HANDSHAKE_FAILED, HANDSHAKE_REFUSED, CurveClient
-from client.calls import CONNECT_TIMEOUT_S, Answer, Call, addressed, decode_answer
+from client.calls import CONNECT_TIMEOUT_S, Answer, Call, Orphans, addressed, decode_answer
 from client.errors import BadRequest, BrokerUnreachable, ClientError, Timeout, Unauthorized
 from client.logs import log
 
@@ -155,6 +156,7 @@ class Transport:
         self._watch = connect_client(self._context, self._socket, address, curve)
         self._release = weakref.finalize(self, release, self._context, [self._watch.pair, self._socket])
         self._mail: dict[str, deque[Answer]] = {}
+        self.orphans = Orphans()
         self._heard = False  # the broker has answered once: its handshake succeeded
         self.closed = False
 
@@ -163,8 +165,8 @@ class Transport:
         if self.closed:
             raise ClientError("the client is closed")
         call = Call.of(request, time.monotonic(), self.resend_after_s)
-        self._mail[call.request_id] = deque()
         self._send(call.frames)
+        self._mail[call.request_id] = deque()  # once sent: a send that failed leaves no mailbox
         return call
 
     def next(self, call: Call, timeout_s: float) -> Answer:
@@ -230,3 +232,6 @@ class Transport:
                 box = self._mail.get(request_id)
                 if box is not None:
                     box.append(item)
+                elif isinstance(item, p.Message) and (close := self.orphans.close_for(request_id, item)) is not None:
+                    with contextlib.suppress(ClientError):
+                        self.oneway(close)

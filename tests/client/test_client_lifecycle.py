@@ -258,3 +258,37 @@ def test_a_stream_read_after_its_client_closed_is_a_client_error() -> None:
         c.close()
         with pytest.raises(ClientError, match="the client is closed"):
             list(stream)
+
+
+def test_a_session_whose_create_was_given_up_on_is_closed_when_its_answer_comes() -> None:
+    """A create that timed out or was cancelled made its session on a worker all the same: nobody can use it, so the
+    client closes it when the late answer comes (it held a slot until the broker's grace ran out)."""
+    def late_creates(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.CreateSession):
+            threading.Timer(0.3, answer_everything, (request, reply)).start()
+        else:
+            answer_everything(request, reply)
+
+    async def main() -> None:
+        async with AsyncClient(fake.address, timeout=5) as c:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.session(), 0.05)
+            with pytest.raises(Timeout):
+                await c.session(timeout=0.1)
+            await asyncio.sleep(0.6)  # both answers come
+
+    with FakeBroker(late_creates) as fake:
+        asyncio.run(main())
+        wait_for(lambda: [m.session_id for m in fake.received if isinstance(m, p.Close)] == [SID, SID])
+
+
+def test_an_async_client_serves_a_second_event_loop_after_the_first_ended() -> None:
+    async def use(client: AsyncClient) -> list[int]:
+        async with client.session() as s:
+            return (await s.generate(max_tokens=2)).token_ids
+
+    with FakeBroker(answer_everything) as fake:
+        client = AsyncClient(fake.address, timeout=5)
+        assert asyncio.run(use(client)) == [1, 2]
+        assert asyncio.run(use(client)) == [1, 2]  # its reader ended with the first loop: a new one reads
+        asyncio.run(client.close())
