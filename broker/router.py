@@ -736,10 +736,10 @@ class Router:
                 return
             assert isinstance(fanout, p.Fanout)
             held_by = self.registry.held_by
-            lost_requests = self._lost_requests.get(identity)
+            lost_here = identity in self._lost_requests  # (rare: a worker back from the dead, before it dropped them)
             for route, part in fanout.sends():
-                if lost_requests and any((route, rid) in lost_requests for rid in _chunk_request_ids(part)):
-                    continue  # (rare: a worker back from the dead, before it has dropped what was declared lost)
+                if lost_here and self._of_lost_requests(identity, route, part):
+                    continue
                 self._out.append(Send(Peer.CLIENT, route, part))
                 if track and held_by(route):  # a client with a request in flight holds its session's lease
                     self._delivered[identity, route] = now
@@ -753,8 +753,7 @@ class Router:
             if not isinstance(listed, list) or not listed or envelope.payload:
                 self._drop("malformed", identity, "CHUNKS without a list of chunks")
                 return
-            lost_requests = self._lost_requests.get(identity)
-            if lost_requests and any((route, rid) in lost_requests for rid in _chunk_request_ids(frames)):
+            if identity in self._lost_requests and self._of_lost_requests(identity, route, frames):
                 return
             self._out.append(Send(Peer.CLIENT, route, frames))
             if track and self.registry.held_by(route):
@@ -797,6 +796,11 @@ class Router:
         if envelope.command is p.Command.ERROR:
             self.counters.error(envelope.header.get("code"))
         self._out.append(Send(Peer.CLIENT, route, frames, key))
+
+    def _of_lost_requests(self, identity: bytes, route: bytes, frames: Sequence[p.Frame]) -> bool:
+        """Whether a CHUNKS message for `route` carries tokens of a generation answered session_lost on this worker."""
+        lost = self._lost_requests[identity]
+        return any((route, rid) in lost for rid in _chunk_request_ids(frames))
 
     def _account(self, identity: bytes, flight: InFlight, envelope: p.Envelope, key: RequestKey) -> str | None:
         """Keep the session table in step with a final answer to `flight`, a request in flight on this worker. What is

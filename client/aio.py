@@ -13,7 +13,6 @@ so any number of sessions and streams can run concurrently on one AsyncClient (w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 import weakref
@@ -186,9 +185,8 @@ class AsyncTransport:
                 box = self._mail.get(request_id)
                 if box is not None:
                     box.put(item)
-                elif isinstance(item, p.Message) and (close := self.orphans.close_for(request_id, item)) is not None:
-                    with contextlib.suppress(ClientError):
-                        self.oneway(close)
+                else:
+                    self.orphans.answered(request_id, item, self.oneway)
 
 
 class AsyncClient:
@@ -247,12 +245,8 @@ class AsyncClient:
     async def _answer(self, call: Call, kind: type[M], timeout: float | None) -> M:
         try:
             answer = await self._transport.next(call, self._timeout(timeout))
-        except BaseException:  # a Timeout, the task cancelled: a generation nobody waits for is stopped, a session
-            cancel = call.cancel()  # a create or fork makes is closed when its answer comes
-            if cancel is not None:
-                with contextlib.suppress(ClientError):
-                    self._transport.oneway(cancel)
-            self._transport.orphans.add(call)
+        except BaseException:  # a Timeout, the task cancelled
+            self._transport.orphans.given_up(call, self._transport.oneway)
             raise
         finally:
             self._transport.finish(call)

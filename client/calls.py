@@ -14,6 +14,7 @@ text always equals the result's text.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from broker.common import protocol as p
-from client.errors import BadRequest, InternalError, error_for
+from client.errors import BadRequest, ClientError, InternalError, error_for
 from client.logs import log
 from client.results import Chunk, Generation, SessionInfo, WorkerInfo
 
@@ -168,34 +169,38 @@ def addressed(message: p.Message | None) -> list[tuple[str, Answer]]:
 MAX_ORPHANS = 1024  # creates and forks given up on, remembered so that the sessions they make are closed
 
 
-def close_for(message: p.Message | None) -> p.Close | None:
-    """The CLOSE of the session a create's or fork's answer made (for a call given up on: nobody would use it)."""
-    if isinstance(message, p.Created):
-        return p.Close(request_id=new_request_id(), session_id=message.session_id)
-    if isinstance(message, p.Forked):
-        return p.Close(request_id=new_request_id(), session_id=message.child_id)
-    return None
-
-
 class Orphans:
-    """The creates and forks a caller gave up on (timed out, cancelled): their answers, should they come, close the
-    sessions they made."""
+    """Calls a caller gave up on (timed out, cancelled), for either transport: a generation is stopped at once, and
+    the session a create or fork makes is closed when its answer comes (nobody would use it)."""
 
     def __init__(self) -> None:
         self._ids: dict[str, None] = {}
 
-    def add(self, call: Call) -> None:
+    def given_up(self, call: Call, oneway: Callable[[p.Message], None]) -> None:
+        """`oneway`: the transport's send of a message nothing answers (passed, not kept: a dropped client is freed
+        without waiting for the garbage collector)."""
+        cancel = call.cancel()
+        if cancel is not None:
+            _send(oneway, cancel)
         if call.makes_a_session():
             self._ids[call.request_id] = None
             if len(self._ids) > MAX_ORPHANS:
                 del self._ids[next(iter(self._ids))]
 
-    def close_for(self, request_id: str, message: p.Message) -> p.Close | None:
-        """The CLOSE to send for an answer to nobody's call (None: none to send)."""
+    def answered(self, request_id: str, message: Answer, oneway: Callable[[p.Message], None]) -> None:
+        """An answer no call waits for: a given-up create's or fork's closes the session it made."""
         if request_id not in self._ids:
-            return None
+            return
         del self._ids[request_id]
-        return close_for(message)
+        if isinstance(message, p.Created):
+            _send(oneway, p.Close(request_id=new_request_id(), session_id=message.session_id))
+        elif isinstance(message, p.Forked):
+            _send(oneway, p.Close(request_id=new_request_id(), session_id=message.child_id))
+
+
+def _send(oneway: Callable[[p.Message], None], message: p.Message) -> None:
+    with contextlib.suppress(ClientError):  # best effort: a closed or full client sends nothing
+        oneway(message)
 
 
 def expect(message: Answer, kind: type[M]) -> M:

@@ -13,7 +13,6 @@ A Client and its sessions belong to one thread; use AsyncClient, or one Client p
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -85,12 +84,8 @@ class Client:
     def _answer(self, call: calls.Call, kind: type[M], timeout: float | None) -> M:
         try:
             answer = self._transport.next(call, self._timeout(timeout))
-        except BaseException:  # a Timeout, an interrupt: a generation nobody waits for is stopped (a retry may follow),
-            cancel = call.cancel()  # a session a create or fork makes is closed when its answer comes
-            if cancel is not None:
-                with contextlib.suppress(ClientError):
-                    self._transport.oneway(cancel)
-            self._transport.orphans.add(call)
+        except BaseException:  # a Timeout, an interrupt (a retry may follow)
+            self._transport.orphans.given_up(call, self._transport.oneway)
             raise
         finally:
             self._transport.finish(call)

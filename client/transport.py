@@ -12,7 +12,6 @@ closes its sockets and ends its ZeroMQ context by itself, waiting at most LINGER
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 import weakref
@@ -232,6 +231,5 @@ class Transport:
                 box = self._mail.get(request_id)
                 if box is not None:
                     box.append(item)
-                elif isinstance(item, p.Message) and (close := self.orphans.close_for(request_id, item)) is not None:
-                    with contextlib.suppress(ClientError):
-                        self.oneway(close)
+                else:
+                    self.orphans.answered(request_id, item, self.oneway)

@@ -128,25 +128,24 @@ def create_app(config: GatewayConfig) -> Starlette:
 
         return handle
 
-    async def models(request: Request) -> Response:
+    async def served_models(request: Request) -> list[str]:
+        """The models of the live workers, for a request with a valid key (503 when the broker does not answer)."""
         gw.keys.owner(request.headers.get("authorization"))
         assert gw.models is not None
         served = await gw.models.served()
         if served.error:
             raise no_worker(f"the broker does not answer: {served.error}")
-        data = [_model_object(m) for m in served.models]
+        return served.models
+
+    async def models(request: Request) -> Response:
+        data = [_model_object(m) for m in await served_models(request)]
         return Response(responses.dumps({"object": "list", "data": data}), media_type=JSON)
 
     async def model(request: Request) -> Response:
-        gw.keys.owner(request.headers.get("authorization"))
-        assert gw.models is not None
-        served = await gw.models.served()
-        if served.error:
-            raise no_worker(f"the broker does not answer: {served.error}")
-        name = request.path_params["model"]
-        found = next((m for m in served.models if m.casefold() == name.casefold()), None)
+        served, name = await served_models(request), request.path_params["model"]
+        found = next((m for m in served if m.casefold() == name.casefold()), None)
         if found is None:
-            raise model_not_found(name, served.models)
+            raise model_not_found(name, served)
         return Response(responses.dumps(_model_object(found)), media_type=JSON)
 
     async def chat(request: Request) -> Response:
