@@ -59,9 +59,12 @@ print("device", torch.cuda.get_device_name(0), "| capability", torch.cuda.get_de
 EOF
 '
 
-if ! stage pytest 240 python -m pytest -m gpu -x -q --durations=15 --junitxml="$OUT/pytest-gpu.xml" tests/; then
+# The gateway's tests drive it with the openai package, which GPU images may lack; none of them is gpu-marked.
+SKIP=()
+python -c "import openai" 2>/dev/null || SKIP=(--ignore=tests/gateway)
+if ! stage pytest 240 python -m pytest -m gpu -x -q --durations=15 --junitxml="$OUT/pytest-gpu.xml" "${SKIP[@]}" tests/; then
     # -x stopped at the first failure: run everything once more so every failure is visible.
-    stage pytest-all 150 python -m pytest -m gpu -q -rfE --durations=10 tests/
+    stage pytest-all 150 python -m pytest -m gpu -q -rfE --durations=10 "${SKIP[@]}" tests/
 fi
 
 stage bench 150 python -m cuda_state.bench.table --json "$OUT/bench.json"
@@ -73,7 +76,7 @@ stage memory-churn 120 python -m worker.bench.memory_churn --rounds 12 --prompt-
 
 stage sanitizer 400 env GPU_TESTS_UNDER_SANITIZER=1 \
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
-    python -m pytest -m gpu -q -p no:cacheprovider -k "bleed or cycle or inflight" tests/
+    python -m pytest -m gpu -q -p no:cacheprovider -k "bleed or cycle or inflight" "${SKIP[@]}" tests/
 
 echo "=== done: $FAILED failed stage(s) in $(($(date +%s) - START))s; log $LOG" | tee -a "$LOG"
 exit "$FAILED"
