@@ -74,6 +74,7 @@ class WorkerRecord:
             draining=self.draining,
             device=self.device,
             last_seen_ms=max(0, round((now - self.seen_at) * 1000)),
+            max_context=self.max_context,
         )
 
 

@@ -93,7 +93,7 @@ def as_dict(worker: p.WorkerStatus) -> dict[str, Any]:
     """A worker as `--json` prints it (the heartbeat age in seconds)."""
     return {"name": worker.name, "model": worker.model, "capacity": worker.capacity, "free_slots": worker.free_slots,
             "sessions": worker.sessions, "draining": worker.draining, "device": worker.device,
-            "last_seen_s": worker.last_seen_ms / 1000}
+            "max_context": worker.max_context, "last_seen_s": worker.last_seen_ms / 1000}
 
 
 def table(workers: Sequence[p.WorkerStatus]) -> Table:
@@ -101,14 +101,14 @@ def table(workers: Sequence[p.WorkerStatus]) -> Table:
     t.add_column("worker", no_wrap=True)
     t.add_column("model")
     t.add_column("device")
-    for name in ("capacity", "sessions", "free", "draining", "last seen"):
+    for name in ("context", "capacity", "sessions", "free", "draining", "last seen"):
         t.add_column(name, justify="right")
     for w in sorted(workers, key=lambda w: (w.model, w.name)):
-        t.add_row(w.name, w.model, w.device or "-", str(w.capacity), str(w.sessions), str(w.free_slots),
-                  "yes" if w.draining else "no", f"{w.last_seen_ms / 1000:.1f}s")
+        t.add_row(w.name, w.model, w.device or "-", str(w.max_context or "-"), str(w.capacity), str(w.sessions),
+                  str(w.free_slots), "yes" if w.draining else "no", f"{w.last_seen_ms / 1000:.1f}s")
     t.add_section()
     draining = sum(1 for w in workers if w.draining)
-    t.add_row("total", "", "", str(sum(w.capacity for w in workers)), str(sum(w.sessions for w in workers)),
+    t.add_row("total", "", "", "", str(sum(w.capacity for w in workers)), str(sum(w.sessions for w in workers)),
               str(sum(w.free_slots for w in workers)), str(draining), "")
     return t
 

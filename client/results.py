@@ -48,3 +48,4 @@ class WorkerInfo:
     draining: bool
     device: str
     last_seen_s: float = 0.0  # since the broker last heard from the worker
+    max_context: int = 0  # the tokens a session on this worker can hold (0: the broker did not say)

@@ -380,6 +380,7 @@ class WorkerStatus:
     draining: Annotated[bool, boolean] = False
     device: Label = ""
     last_seen_ms: Count = 0  # since the broker last heard from the worker
+    max_context: Count = 0  # the tokens a session on this worker can hold (0: an older broker did not say)
 
     def __post_init__(self) -> None:
         _checked(self)

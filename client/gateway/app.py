@@ -35,7 +35,7 @@ from client.gateway.auth import ApiKeys
 from client.gateway.errors import ApiError, bad_request, from_client_error, model_not_found, no_worker
 from client.gateway.events import EventStream
 from client.gateway.metrics import GatewayMetrics
-from client.gateway.models import Models
+from client.gateway.models import Models, Served
 from client.gateway.service import Service, chat_ask, completion_ask
 from client.gateway.sessions import SessionStore
 
@@ -128,25 +128,26 @@ def create_app(config: GatewayConfig) -> Starlette:
 
         return handle
 
-    async def served_models(request: Request) -> list[str]:
-        """The models of the live workers, for a request with a valid key (503 when the broker does not answer)."""
+    async def served_models(request: Request) -> Served:
+        """The live workers and their models, for a request with a valid key (503 when the broker does not answer)."""
         gw.keys.owner(request.headers.get("authorization"))
         assert gw.models is not None
         served = await gw.models.served()
         if served.error:
             raise no_worker(f"the broker does not answer: {served.error}")
-        return served.models
+        return served
 
     async def models(request: Request) -> Response:
-        data = [_model_object(m) for m in await served_models(request)]
+        served = await served_models(request)
+        data = [_model_object(m, served.max_context(m)) for m in served.models]
         return Response(responses.dumps({"object": "list", "data": data}), media_type=JSON)
 
     async def model(request: Request) -> Response:
         served, name = await served_models(request), request.path_params["model"]
-        found = next((m for m in served if m.casefold() == name.casefold()), None)
+        found = next((m for m in served.models if m.casefold() == name.casefold()), None)
         if found is None:
-            raise model_not_found(name, served)
-        return Response(responses.dumps(_model_object(found)), media_type=JSON)
+            raise model_not_found(name, served.models)
+        return Response(responses.dumps(_model_object(found, served.max_context(found))), media_type=JSON)
 
     async def chat(request: Request) -> Response:
         owner = gw.keys.owner(request.headers.get("authorization"))
@@ -252,8 +253,12 @@ def create_app(config: GatewayConfig) -> Starlette:
     return app
 
 
-def _model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "sessionserve"}
+def _model_object(name: str, max_context: int) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's `max_model_len` (a conversation's tokens, prompt and answers) when known."""
+    model: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "sessionserve"}
+    if max_context:
+        model["max_model_len"] = max_context
+    return model
 
 
 async def _body(request: Request) -> bytes:

@@ -29,6 +29,11 @@ class Served:
     def models(self) -> list[str]:
         return sorted({w.model for w in self.workers})
 
+    def max_context(self, model: str) -> int:
+        """The tokens a conversation with `model` can hold on any of its workers (the least of theirs; 0: unknown)."""
+        known = [w.max_context for w in self.workers if w.model == model and w.max_context > 0]
+        return min(known, default=0)
+
     def ready(self) -> tuple[bool, str]:
         if self.error:
             return False, f"the broker does not answer: {self.error}"

@@ -370,7 +370,7 @@ def test_status_and_heartbeats() -> None:
     router = running((W1, ready("w1", capacity=3, sessions=("1" * 32,))))
     _, _, report = one(router.client_message(C1, p.encode(p.Status(request_id="s1")), 2.0))
     assert report == p.StatusReport(request_id="s1", broker_id="b1",
-                                    workers=(p.WorkerStatus("w1", "m", 3, 2, 1, False, ""),))
+                                    workers=(p.WorkerStatus("w1", "m", 3, 2, 1, False, "", max_context=64),))
     router.worker_message(W1, p.encode(p.Heartbeat(free_slots=2, sessions=1, draining=True)), 2.1)
     assert router.registry.workers[W1].draining
     beats = decoded(router.tick(2.25))

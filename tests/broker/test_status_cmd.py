@@ -11,8 +11,8 @@ import pytest
 from broker import status_cmd
 from broker.common import protocol as p
 
-WORKERS = [  # as a StatusReport lists them; the heartbeat age in ms
-    p.WorkerStatus("gpu0", "SmolLM2-135M-Instruct", 64, 60, 4, False, "cuda:0", 250),
+WORKERS = [  # as a StatusReport lists them; the heartbeat age in ms; cpu1's broker did not say its context
+    p.WorkerStatus("gpu0", "SmolLM2-135M-Instruct", 64, 60, 4, False, "cuda:0", 250, 2048),
     p.WorkerStatus("cpu1", "SmolLM2-135M-Instruct", 8, 8, 0, True, "", 1500),
 ]
 
@@ -27,12 +27,12 @@ def test_the_table_lists_workers_by_model_and_name_with_a_totals_row() -> None:
     assert status_cmd.render(WORKERS) == (
         "2 workers\n"
         "\n"
-        "  worker   model                   device   capacity   sessions   free   draining   last seen\n"
-        " ─────────────────────────────────────────────────────────────────────────────────────────────\n"
-        "  cpu1     SmolLM2-135M-Instruct   -               8          0      8        yes        1.5s\n"
-        "  gpu0     SmolLM2-135M-Instruct   cuda:0         64          4     60         no        0.2s\n"
+        "  worker   model                   device   context   capacity   sessions   free   draining   last seen\n"
+        " ───────────────────────────────────────────────────────────────────────────────────────────────────────\n"
+        "  cpu1     SmolLM2-135M-Instruct   -              -          8          0      8        yes        1.5s\n"
+        "  gpu0     SmolLM2-135M-Instruct   cuda:0      2048         64          4     60         no        0.2s\n"
         "\n"
-        "  total                                           72          4     68          1\n"
+        "  total                                                     72          4     68          1\n"
         "\n"
     )
 
@@ -40,7 +40,7 @@ def test_the_table_lists_workers_by_model_and_name_with_a_totals_row() -> None:
 def test_no_workers_is_an_empty_table_with_zero_totals() -> None:
     lines = status_cmd.render([]).splitlines()
     assert lines[0] == "0 workers"
-    assert lines[-2] == "  total                            0          0      0          0"
+    assert lines[-2] == "  total                                      0          0      0          0"
 
 
 def test_json_lists_every_field_and_the_heartbeat_age(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,9 +49,9 @@ def test_json_lists_every_field_and_the_heartbeat_age(monkeypatch: pytest.Monkey
     assert status_cmd.run(parse("--json"), out, err) == 0
     assert json.loads(out.getvalue()) == [
         {"name": "gpu0", "model": "SmolLM2-135M-Instruct", "capacity": 64, "free_slots": 60, "sessions": 4,
-         "draining": False, "device": "cuda:0", "last_seen_s": 0.25},
+         "draining": False, "device": "cuda:0", "max_context": 2048, "last_seen_s": 0.25},
         {"name": "cpu1", "model": "SmolLM2-135M-Instruct", "capacity": 8, "free_slots": 8, "sessions": 0,
-         "draining": True, "device": "", "last_seen_s": 1.5},
+         "draining": True, "device": "", "max_context": 0, "last_seen_s": 1.5},
     ]
     assert err.getvalue() == ""
 

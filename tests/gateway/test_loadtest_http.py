@@ -34,6 +34,16 @@ def test_http_users_resume_their_sessions_every_turn(gateways: Gateways) -> None
         assert after.get("session_id", 0) - before.get("session_id", 0) == 4  # ... resumed on each later turn
 
 
+def test_http_users_keep_to_the_context_the_gateway_lists(gateways: Gateways) -> None:
+    """--max-context above the worker's 1,024: the users learn max_model_len from GET /v1/models and start a new
+    conversation before a turn would pass it (the third 304-token turn ends at 912; a fourth would reach 1,216)."""
+    url = gateways.start(extra=["--max-idle-sessions", "2"])
+    report = run(LoadConfig(broker=None, http=url, sessions=1, prompt_tokens=300, max_tokens=4, turns=4,
+                            max_context=4096, ignore_eos=True, timeout=60))
+    assert (report.completed, report.failed) == (4, 0)
+    assert report.counts["context_rollovers"] == 1 and report.counts["sessions_opened"] == 2
+
+
 def test_http_refuses_what_the_openai_api_cannot_do() -> None:
     with pytest.raises(ValueError, match="no fork"):
         LoadConfig(http="http://127.0.0.1:1", fork_every=2).validate()

@@ -39,8 +39,10 @@ def _close_clients() -> Iterator[None]:
     _CLIENTS.clear()
 
 
-def test_models_lists_the_workers_model(gateway: str) -> None:
-    assert [m.id for m in sync_client(gateway).models.list()] == [MODEL]
+def test_models_lists_the_workers_model_and_its_context(gateway: str) -> None:
+    models = sync_client(gateway).models.list().data
+    assert [(m.id, getattr(m, "max_model_len", None)) for m in models] == [(MODEL, 1024)]  # the worker's --max-context
+    assert getattr(sync_client(gateway).models.retrieve(MODEL), "max_model_len", None) == 1024
 
 
 def test_chat_answers_sensible_text_with_usage(gateway: str) -> None:

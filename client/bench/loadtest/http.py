@@ -135,6 +135,7 @@ class HttpDriver:
         self.raw = raw
         self.tally = tally
         self.max_context = max_context
+        self._served_context: int | None = None  # the model's max_model_len in the gateway's GET /v1/models
 
     async def run_user(self, script: Script) -> None:
         conn = Connection(self.url, self.api_key, self.timeout)
@@ -156,7 +157,7 @@ class HttpDriver:
 
     async def _act(self, conn: Connection, action: Any) -> Any:
         if isinstance(action, Create):  # the gateway opens the session with the conversation's first turn
-            return Opened(Conversation(uuid.uuid4().hex), self.max_context)
+            return Opened(Conversation(uuid.uuid4().hex), await self._context(conn))
         if isinstance(action, Turn):
             return await self._turn(conn, action)
         if isinstance(action, Close):
@@ -174,6 +175,22 @@ class HttpDriver:
             return None
         assert isinstance(action, Fork)
         raise Failed("fork_unsupported")
+
+    async def _context(self, conn: Connection) -> int:
+        """The tokens a conversation can hold: the gateway's `max_model_len` for the model (asked once, by the first
+        user that opens one), or --max-context when the gateway does not say."""
+        if self._served_context is None:
+            try:
+                status, headers, reader = await conn.request("GET", "/v1/models")
+                body = await conn.body(headers, reader)
+                if status != 200:
+                    return self.max_context  # asked again by the next conversation
+                self._served_context = model_context(json.loads(body)["data"], self.model)
+            except (HttpError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, KeyError,
+                    TypeError):
+                await conn.close()
+                return self.max_context
+        return self._served_context or self.max_context
 
     async def _turn(self, conn: Connection, turn: Turn) -> TurnDone:
         conv: Conversation = turn.session
@@ -256,6 +273,15 @@ def served_model(url: str, api_key: str | None, timeout: float) -> str:
         return asyncio.run(ask())
     except (HttpError, OSError, asyncio.TimeoutError, ValueError, KeyError) as e:
         raise LoadTestError(f"no gateway answers at {url}: {e}") from e
+
+
+def model_context(models: list[Any], model: str | None) -> int:
+    """`max_model_len` of `model` (or of the first model) in a GET /v1/models list; 0 when not there."""
+    for m in models:
+        if model is None or str(m["id"]).casefold() == model.casefold():
+            context = m.get("max_model_len")
+            return context if isinstance(context, int) and context > 0 else 0
+    return 0
 
 
 def _code(e: BaseException) -> str:
