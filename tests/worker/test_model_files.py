@@ -39,6 +39,23 @@ def test_mistral_slides_by_its_window_whatever_the_other_fields_say() -> None:
     assert read_common({**mistral, "sliding_window": None}, "m", "llama", "t")["context_length"] == 8192
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_slides_by_transformers_default_window_where_use_sliding_window_says(model_type: str) -> None:
+    """transformers' Qwen2 and Qwen3 slide by 4096 keys when use_sliding_window is on and sliding_window absent (a
+    4150-token prompt gave other tokens than full attention), and not at all when use_sliding_window is absent."""
+    qwen = {**LLAMA_CFG, "model_type": model_type, "max_position_embeddings": 32768}
+
+    def context(change: dict[str, Any]) -> int:
+        return int(read_common({**qwen, **change}, "q", model_type, "t")["context_length"])
+
+    assert context({"use_sliding_window": True}) == 4096
+    assert context({"use_sliding_window": True, "sliding_window": 64}) == 64
+    assert context({"use_sliding_window": True, "sliding_window": None}) == 32768
+    assert context({"sliding_window": 64}) == 32768  # use_sliding_window is false when absent
+    assert context({}) == 32768
+    assert context({"sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"]}) == 64
+
+
 @pytest.mark.parametrize(("top", "text", "tied"), [(False, True, False), (True, False, True), (None, True, False)])
 def test_a_vision_language_folder_ties_its_head_by_its_own_field(top: bool | None, text: bool, tied: bool) -> None:
     cfg: dict[str, Any] = {"model_type": "qwen3_5", "text_config": {"tie_word_embeddings": text}}

@@ -29,6 +29,10 @@ COMMON = frozenset({
 })
 
 
+# model_types whose transformers config has use_sliding_window and a sliding_window of its own default.
+QWEN_WINDOWED = frozenset({"qwen2", "qwen3"})
+
+
 def refuse_unknown(cfg: Mapping[str, Any], family_fields: Collection[str], where: str) -> None:
     """Refuse any field neither metadata, common, nor read by the family (null ones are let through)."""
     unknown = sorted(k for k, v in cfg.items() if k not in METADATA | COMMON | set(family_fields) and v is not None)
@@ -139,9 +143,13 @@ def _sliding_limit(cfg: Mapping[str, Any], where: str) -> int:
     if cfg.get("model_type") == "mistral":  # transformers' Mistral slides by sliding_window (4096 when absent) in every
         window = cfg.get("sliding_window", 4096)  # layer, whatever use_sliding_window and layer_types say
         return 1 << 62 if window is None else _positive_int(window, "sliding_window", where)
-    window = cfg.get("sliding_window")
+    if cfg.get("model_type") in QWEN_WINDOWED:  # transformers' Qwen2 and Qwen3 slide by sliding_window (4096 when
+        window = cfg.get("sliding_window", 4096)  # absent) where use_sliding_window (false when absent) says so
+        uses_window = cfg.get("use_sliding_window", False)
+    else:  # elsewhere a window given is taken as meant
+        window = cfg.get("sliding_window")
+        uses_window = cfg.get("use_sliding_window", window is not None)
     types = cfg.get("layer_types")
-    uses_window = cfg.get("use_sliding_window", window is not None)
     if types is not None:
         bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
         if bad:
