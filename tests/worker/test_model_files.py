@@ -30,6 +30,21 @@ def test_rope_scaling_wins_over_rope_parameters_as_in_transformers() -> None:
     assert (read_rope(both, "test").kind, read_rope(both, "test").factor) == ("linear", 4.0)
 
 
+@pytest.mark.parametrize("kind", [{"rope_type": "yarn", "factor": 4.0},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}])
+def test_original_max_position_embeddings_defaults_to_max_position_embeddings_as_in_transformers(
+    kind: dict[str, Any],
+) -> None:
+    """transformers' standardize_rope_params fills it in (a folder without it gave transformers' greedy tokens
+    exactly); without max_position_embeddings either (whose default is the family's) it is refused."""
+    given = read_rope({**LLAMA_CFG, "rope_parameters": {**kind, "original_max_position_embeddings": 1024}}, "t")
+    assert read_rope({**LLAMA_CFG, "rope_parameters": kind}, "t") == given
+    assert given.original_context == LLAMA_CFG["max_position_embeddings"] == 1024
+    without = {k: v for k, v in LLAMA_CFG.items() if k != "max_position_embeddings"}
+    with pytest.raises(ModelLoadError, match="original_max_position_embeddings=None"):
+        read_rope({**without, "rope_parameters": kind}, "t")
+
+
 def test_mistral_slides_by_its_window_whatever_the_other_fields_say() -> None:
     mistral = {**LLAMA_CFG, "model_type": "mistral", "max_position_embeddings": 8192}
     assert read_common(mistral, "m", "llama", "t")["context_length"] == 4096  # transformers' default window

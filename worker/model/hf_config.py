@@ -116,15 +116,19 @@ def read_rope(cfg: Mapping[str, Any], where: str, partial_rotary: bool = False,
         raise ModelLoadError(f"{where}: rope parameters not implemented here: {', '.join(unknown)}")
     if kind == "default":
         return RopeScaling()
-    context = int(cfg.get("max_position_embeddings", 2048))
+    # transformers' defaults below come from max_position_embeddings, whose own default is the family's (not known
+    # here): they are taken only where the config gives it.
+    context = cfg.get("max_position_embeddings")
     original = int(params.get("original_max_position_embeddings") or 0)
+    if kind in ("yarn", "llama3") and not original:
+        if context is None:
+            raise refuse(where, "original_max_position_embeddings", None, f"{kind} needs it or max_position_embeddings")
+        original = int(context)  # transformers' standardize_rope_params default
     factor = params.get("factor")
     if factor is None:
-        if kind != "yarn" or not original:
+        if kind != "yarn" or context is None:
             raise refuse(where, "rope factor", None, f"{kind} needs a factor")
-        factor = context / original  # transformers' yarn default
-    if kind in ("yarn", "llama3") and not original:
-        raise refuse(where, "original_max_position_embeddings", None, f"{kind} needs it")
+        factor = int(context) / original  # transformers' yarn default
     return RopeScaling(
         kind=kind, factor=float(factor), original_context=original,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
