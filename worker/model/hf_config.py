@@ -124,6 +124,9 @@ def read_rope(cfg: Mapping[str, Any], where: str, partial_rotary: bool = False,
         if context is None:
             raise refuse(where, "original_max_position_embeddings", None, f"{kind} needs it or max_position_embeddings")
         original = int(context)  # transformers' standardize_rope_params default
+    for field in ("low_freq_factor", "high_freq_factor") if kind == "llama3" else ():
+        if params.get(field) is None:  # transformers refuses such a config; no default is taken for it here either
+            raise refuse(where, field, None, "llama3 needs it")
     factor = params.get("factor")
     if factor is None:
         if kind != "yarn" or context is None:
