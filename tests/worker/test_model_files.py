@@ -45,6 +45,16 @@ def test_original_max_position_embeddings_defaults_to_max_position_embeddings_as
         read_rope({**without, "rope_parameters": kind}, "t")
 
 
+def test_a_qwen3_head_is_128_wide_when_head_dim_is_absent_as_in_transformers() -> None:
+    """(A folder transformers wrote with head_dim 128 over hidden 64 / 4 heads, head_dim then left out of its
+    config.json, was refused for its tensors' shapes; it gives transformers' greedy tokens now.)"""
+    from worker.model import qwen3
+
+    qwen = {**LLAMA_CFG, "model_type": "qwen3"}
+    assert qwen3.read_hf_config(qwen, "q", "t").head_dim == 128
+    assert qwen3.read_hf_config({**qwen, "head_dim": 16}, "q", "t").head_dim == 16
+
+
 def test_mistral_slides_by_its_window_whatever_the_other_fields_say() -> None:
     mistral = {**LLAMA_CFG, "model_type": "mistral", "max_position_embeddings": 8192}
     assert read_common(mistral, "m", "llama", "t")["context_length"] == 4096  # transformers' default window

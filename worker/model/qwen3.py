@@ -44,7 +44,8 @@ def read_hf_config(cfg: Mapping[str, Any], name: str, where: str) -> ModelConfig
     if cfg.get("attention_bias"):
         raise refuse(where, "attention_bias", cfg["attention_bias"], "Qwen3 without biases only")
     common = read_common(cfg, name, "qwen3", where)
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None:  # Qwen3's head size is its own field even where it equals hidden / heads
+    # Qwen3's head size is its own field even where it equals hidden / heads, 128 when absent (transformers' default)
+    head_dim = cfg.get("head_dim", 128)
+    if head_dim is not None:
         common["explicit_head_dim"] = int(head_dim)
     return ModelConfig(**common, qk_norm=True)
