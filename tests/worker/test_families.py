@@ -156,7 +156,6 @@ LLAMA_CFG: dict[str, Any] = {"model_type": "llama", "hidden_size": 64, "intermed
 @pytest.mark.parametrize(("change", "named"), [
     ({"attention_bias": True}, "attention_bias=True"),
     ({"mlp_bias": True}, "mlp_bias=True"),
-    ({"pretraining_tp": 2}, "pretraining_tp=2"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type='longrope'"),
     ({"rope_scaling": {"type": "linear"}}, "rope factor=None"),

@@ -55,6 +55,14 @@ def test_a_qwen3_head_is_128_wide_when_head_dim_is_absent_as_in_transformers() -
     assert qwen3.read_hf_config({**qwen, "head_dim": 16}, "q", "t").head_dim == 16
 
 
+@pytest.mark.parametrize("change", [{"pretraining_tp": 2}])
+def test_fields_transformers_reads_to_the_same_arithmetic_are_taken(change: dict[str, Any]) -> None:
+    """(Each was refused; a folder transformers wrote, the field then set, gives transformers' greedy tokens.)"""
+    from worker.model import llama
+
+    assert llama.read_hf_config({**LLAMA_CFG, **change}, "l", "t") == llama.read_hf_config(LLAMA_CFG, "l", "t")
+
+
 def test_mistral_slides_by_its_window_whatever_the_other_fields_say() -> None:
     mistral = {**LLAMA_CFG, "model_type": "mistral", "max_position_embeddings": 8192}
     assert read_common(mistral, "m", "llama", "t")["context_length"] == 4096  # transformers' default window

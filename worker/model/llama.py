@@ -295,14 +295,13 @@ HF_LAYER_NAMES = {
 
 
 def read_hf_config(cfg: Mapping[str, Any], name: str, where: str) -> ModelConfig:
-    """Llama 1/2/3.x and Mistral: no biases (attention_bias, mlp_bias refused when set), one tensor-parallel rank's
-    arithmetic (pretraining_tp > 1 refused); a sliding window caps the context (worker.model.hf_config)."""
+    """Llama 1/2/3.x and Mistral: no biases (attention_bias, mlp_bias refused when set); a sliding window caps the
+    context (worker.model.hf_config). pretraining_tp changes nothing: transformers 5 does not read it, and 4.x only
+    cut each product into that many slices and summed the same terms."""
     refuse_unknown(cfg, ("attention_bias", "mlp_bias", "pretraining_tp"), where)
     for field in ("attention_bias", "mlp_bias"):
         if cfg.get(field):
             raise refuse(where, field, cfg[field], "Llama without biases only")
-    if int(cfg.get("pretraining_tp") or 1) != 1:
-        raise refuse(where, "pretraining_tp", cfg["pretraining_tp"], "the products are not split")
     return ModelConfig(**read_common(cfg, name, "llama", where))
 
 
