@@ -55,7 +55,7 @@ def test_a_qwen3_head_is_128_wide_when_head_dim_is_absent_as_in_transformers() -
     assert qwen3.read_hf_config({**qwen, "head_dim": 16}, "q", "t").head_dim == 16
 
 
-@pytest.mark.parametrize("change", [{"pretraining_tp": 2}])
+@pytest.mark.parametrize("change", [{"pretraining_tp": 2}, {"hidden_act": "swish"}])
 def test_fields_transformers_reads_to_the_same_arithmetic_are_taken(change: dict[str, Any]) -> None:
     """(Each was refused; a folder transformers wrote, the field then set, gives transformers' greedy tokens.)"""
     from worker.model import llama

@@ -49,7 +49,7 @@ def read_common(cfg: Mapping[str, Any], name: str, family: str, where: str, part
     """The ModelConfig fields every family reads the same way, checked; the family adds its own and builds it.
     `partial_rotary`, `rope_no_ops`: see read_rope."""
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' "swish" is SiLU too
         raise refuse(where, "hidden_act", act, "only silu")
     def size(field: str, default: int | None = None) -> int:
         return _positive_int(cfg.get(field, default), field, where)
