@@ -21,7 +21,7 @@ from worker.model.loader import load_model
 from worker.model.qwen3_5 import text_config
 from worker.model.tokenizer import Tokenizer
 
-from .test_families import LLAMA_CFG, VOCAB, config_folder
+from .test_families import LLAMA_CFG, NEW_TOKENS, VOCAB, config_folder, write_folder
 
 
 def test_rope_scaling_wins_over_rope_parameters_as_in_transformers() -> None:
@@ -131,6 +131,35 @@ def weights_folder(tmp: Path, dtype: torch.dtype = torch.float32, truncate: bool
     if truncate:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     return tmp
+
+
+def test_a_head_stored_apart_from_an_embedding_said_tied_is_served_as_transformers_serves_it(tmp_path: Path) -> None:
+    """transformers ties the head to the embedding only where the stored head equals it; a different one stored is
+    the head it serves (the product served the embedding: other tokens)."""
+    import transformers
+
+    folder = write_folder(tmp_path, "llama")  # its head stored apart from the embedding
+    cfg = json.loads((folder.path / "config.json").read_text())
+    (folder.path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder.path, dtype=torch.float32).eval()
+    prompt = folder.prompts[1]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    expected = out[0, len(prompt):].tolist()
+    assert expected == folder.expected[1]  # the head stored, as before the change
+    eng = Engine.load(str(folder.path), device="cpu", max_sessions=1, max_context=256)
+    try:
+        assert not eng.model.config.tie_embeddings
+        sid = eng.create_session()
+        eng.append(sid, token_ids=prompt)
+        assert eng.generate(sid, max_tokens=NEW_TOKENS, ignore_eos=True).token_ids == expected
+    finally:
+        eng.unload()
+    weights = load_safetensors(folder.path / "model.safetensors")  # the head stored equal to the embedding: tied
+    save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()},
+              str(folder.path / "model.safetensors"))
+    assert load_model(str(folder.path)).config.tie_embeddings
 
 
 def test_weights_that_are_not_floating_point_or_a_truncated_file_are_refused(tmp_path: Path) -> None:

@@ -268,6 +268,11 @@ def load_safetensors_folder(folder: Path) -> LoadedModel:
     head_stored = any("lm_head.weight" in map(family.hf_name, _tensor_names(f)) for f in files)
     if not head_stored and not config.tie_embeddings:
         raise ModelLoadError(f"{folder}: tensor lm_head.weight is missing and tie_word_embeddings is false")
+    if head_stored and config.tie_embeddings and not _same_tensors(files, family.hf_name, "model.embed_tokens.weight",
+                                                                   "lm_head.weight"):
+        # transformers ties only a head equal to the embedding; a different one stored is the head it serves
+        log.warning("tied_head_stored_apart", model=str(folder))
+        config = dataclasses.replace(config, tie_embeddings=False)
 
     def read(device: torch.device) -> Tensors:
         for f in files:
@@ -284,6 +289,26 @@ def load_safetensors_folder(folder: Path) -> LoadedModel:
                     yield name, shard.get_tensor(hf_name)
 
     return LoadedModel(config, read, Tokenizer.from_hf_folder(folder), str(folder))
+
+
+def _same_tensors(files: list[Path], hf_name: Callable[[str], str | None], a: str, b: str) -> bool:
+    """Whether the tensors named `a` and `b` (as hf_name gives the folder's names) hold the same shape and values (as
+    transformers' tie_weights compares them; a dtype apart is compared in fp32)."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as shard:
+            for stored in shard.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                if hf_name(stored) in (a, b):
+                    found[str(hf_name(stored))] = shard.get_tensor(stored)
+    if a not in found or b not in found or found[a].shape != found[b].shape:
+        return False
+    x, y = found[a], found[b]
+    if x.dtype == y.dtype:
+        return torch.equal(x, y)
+    rows = 4096  # a few rows at a time in fp32: a real vocabulary's embedding is gigabytes
+    return all(torch.equal(x[i : i + rows].float(), y[i : i + rows].float()) for i in range(0, x.shape[0], rows))
 
 
 def _tensor_names(path: Path) -> list[str]:
