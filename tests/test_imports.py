@@ -2,8 +2,8 @@
 
 Every .py file of broker/, worker/, client/ and cuda_state/ is parsed; every import counts, absolute or relative,
 at module level, inside functions and under `if TYPE_CHECKING:` (`from X import Y` is an import of the module X.Y
-when there is one, else of X). Library code is everything but the bench/ subpackages, the demos and the thin
-aliases kept at the old `python -m` names (ON_TOP): those sit on top and may import any package's library.
+when there is one, else of X). Library code is everything but the bench/ subpackages and the demos (on_top): those sit on top
+and may import any package's library.
 
     client       -> client, broker.common (the protocol, keys, logs, ...)
     worker       -> worker, broker.common, cuda_state
@@ -33,11 +33,6 @@ ALLOWED: Mapping[str, tuple[str, ...]] = {
     "worker": ("worker", "broker.common", "cuda_state"),
     "cuda_state": ("cuda_state",),
 }
-# The thin aliases at the old `python -m` names, kept for one release: each only imports its bench/ module.
-ALIASES = frozenset({
-    "broker.bench_stream", "client.bench_gpu", "client.loadtest", "client.soak",
-    "worker.bench_matmul", "worker.bench_prefill", "worker.memory_churn", "worker.step_profile",
-})
 DEMOS = frozenset({"client.demo", "worker.demo"})
 # Worker-internal circles being removed by the worker rewrite on another branch (flip the xfail when merged).
 @dataclass(frozen=True)
@@ -98,8 +93,8 @@ def is_bench(module: str) -> bool:
 
 
 def on_top(module: str) -> bool:
-    """Benchmarks and tools, demos and aliases: not library code."""
-    return is_bench(module) or module in ALIASES or module in DEMOS
+    """Benchmarks and tools, and demos: not library code."""
+    return is_bench(module) or module in DEMOS
 
 
 def layer(module: str) -> str:
@@ -131,8 +126,8 @@ def wrong_way(edges: Iterable[Import]) -> list[str]:
 
 
 def library_on_top(edges: Iterable[Import]) -> list[str]:
-    """Library code that imports a bench module, a demo or an alias."""
-    return sorted(f"{edge}: library code never imports a bench module, a demo or an alias"
+    """Library code that imports a bench module or a demo."""
+    return sorted(f"{edge}: library code never imports a bench module or a demo"
                   for edge in edges if not on_top(edge.source) and on_top(edge.target))
 
 
@@ -224,7 +219,7 @@ def test_library_imports_point_one_way(edges: list[Import]) -> None:
     assert wrong_way(edges) == []
 
 
-def test_library_code_never_imports_a_bench_module_a_demo_or_an_alias(edges: list[Import]) -> None:
+def test_library_code_never_imports_a_bench_module_or_a_demo(edges: list[Import]) -> None:
     assert library_on_top(edges) == []
 
 
@@ -234,14 +229,6 @@ def test_no_import_cycles_outside_worker(edges: list[Import]) -> None:
 
 def test_no_import_cycles_inside_worker(edges: list[Import]) -> None:
     assert [c for c in cycles(edges) if c.startswith("import cycle: worker.")] == []
-
-
-def test_the_aliases_are_thin_and_still_there(edges: list[Import]) -> None:
-    """Each alias imports its bench/ module and nothing else of the project (they go in the next release)."""
-    files = project_files(ROOT)
-    assert sorted(ALIASES - set(files)) == []
-    targets = {alias: sorted({e.target for e in edges if e.source == alias}) for alias in sorted(ALIASES)}
-    assert {alias: t for alias, t in targets.items() if len(t) != 1 or not is_bench(t[0])} == {}
 
 
 # -- the rules themselves, on a made-up project ---------------------------------------------------------------
@@ -265,7 +252,6 @@ MADE_UP = {
     "client/sync.py": "from broker.common import protocol\n\ndef late():\n    from .bench import gpu\n",
     "client/bench/__init__.py": "",
     "client/bench/gpu.py": "import worker.engine\nfrom ..sync import Client\n",
-    "client/bench_gpu.py": "from client.bench.gpu import main\n",
     "cuda_state/__init__.py": "import worker.nothing\n",
     "worker/__init__.py": "",
     "worker/engine.py": "from cuda_state import SessionTable\nfrom client import Client\n",
@@ -282,7 +268,6 @@ def test_imports_are_read_absolute_relative_and_inside_functions(made_up: list[I
     assert sorted(str(e) for e in made_up if e.source.startswith("client.")) == [
         "client/bench/gpu.py:1: client.bench.gpu imports worker.engine",
         "client/bench/gpu.py:2: client.bench.gpu imports client.sync",
-        "client/bench_gpu.py:1: client.bench_gpu imports client.bench.gpu",
         "client/sync.py:1: client.sync imports broker.common.protocol",
         "client/sync.py:4: client.sync imports client.bench.gpu",
     ]
@@ -298,8 +283,7 @@ def test_each_rule_names_the_offending_import(made_up: list[Import], tmp_path: P
         "worker/engine.py:2: worker.engine imports client: worker may import only worker, broker.common, cuda_state",
     ]
     assert library_on_top(made_up) == [
-        "client/sync.py:4: client.sync imports client.bench.gpu: library code never imports a bench module, a demo "
-        "or an alias",
+        "client/sync.py:4: client.sync imports client.bench.gpu: library code never imports a bench module or a demo",
     ]
     assert cycles(made_up) == [  # under TYPE_CHECKING too
         "import cycle: broker.metrics -> broker.router -> broker.metrics (broker/metrics.py:3, broker/router.py:1)",

@@ -343,17 +343,6 @@ def test_no_broker_is_a_clear_error() -> None:
         run(LoadConfig(broker=f"tcp://127.0.0.1:{free_port()}", requests=1, timeout=0.5))
 
 
-def test_the_old_module_is_an_alias_for_one_release() -> None:
-    from client import loadtest
-    from client.bench import loadtest as moved
-
-    assert [getattr(loadtest, name) for name in loadtest.__all__] == [getattr(moved, name) for name in loadtest.__all__]
-    assert set(loadtest.__all__) == {"LoadConfig", "LoadTestError", "Report", "main", "run"}
-    done = subprocess.run([sys.executable, "-m", "client.loadtest", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
-    assert done.returncode == 0 and done.stdout.startswith("usage: loadtest")
-
-
 def test_the_progress_bar_counts_requests_then_failures() -> None:
     assert requests_text(Tally(done=9, failed=3), 100) == "12/100 requests, 3 failed"
     assert requests_text(Tally(), None) == "0 requests, 0 failed"
