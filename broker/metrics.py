@@ -22,7 +22,7 @@ worker). What a broker exports:
     sessionserve:worker_capacity                  gauge    per worker {worker, model, device}: session slots
     sessionserve:worker_sessions                  gauge    per worker: live sessions
     sessionserve:worker_free_slots                gauge    per worker: slots a new session could take
-    sessionserve:worker_draining                  gauge    per worker: 1 while it drains
+    sessionserve:worker_draining                  gauge    per worker: 1 while it drains or after `broker drain`
     sessionserve:worker_session_bytes             gauge    per worker: device memory of one session's state
     sessionserve:worker_last_seen_seconds         gauge    per worker: since the broker last heard from it
     sessionserve:requests_total{command}          counter  client requests (create, append, generate, ...)
@@ -142,7 +142,8 @@ class _BrokerCollector(Collector):
             "free": GaugeMetricFamily(PREFIX + "worker_free_slots",
                                       "Slots a new session could take (capacity - sessions - creates in flight).",
                                       labels=WORKER_LABELS),
-            "draining": GaugeMetricFamily(PREFIX + "worker_draining", "1 while the worker drains (takes no new work).",
+            "draining": GaugeMetricFamily(PREFIX + "worker_draining",
+                                          "1 while the worker drains, or after `broker drain` (it takes no new session).",
                                           labels=WORKER_LABELS),
             "bytes": GaugeMetricFamily(PREFIX + "worker_session_bytes", "Device memory of one session's state.",
                                        labels=WORKER_LABELS, unit="bytes"),
@@ -159,7 +160,7 @@ class _BrokerCollector(Collector):
             families["capacity"].add_metric(labels, w.capacity)
             families["sessions"].add_metric(labels, len(w.sessions))
             families["free"].add_metric(labels, max(w.free, 0))
-            families["draining"].add_metric(labels, 1 if w.draining else 0)
+            families["draining"].add_metric(labels, 1 if w.closed else 0)
             if w.bytes_per_session:
                 families["bytes"].add_metric(labels, w.bytes_per_session)
             families["seen"].add_metric(labels, max(now - w.seen_at, 0.0))
@@ -218,7 +219,7 @@ class BrokerMetrics:
         if self.router.recovering(self.clock()):
             return False, "recovering: waiting for workers to re-register"
         workers = _copied(lambda: list(self.router.registry.workers.values())) or []
-        taking = sum(1 for w in workers if not w.draining)
+        taking = sum(1 for w in workers if not w.closed)
         if taking < self.min_workers:
             return False, f"{taking} workers take new sessions; {self.min_workers} needed"
         return True, f"ready: {len(workers)} workers, {taking} taking new sessions"

@@ -157,7 +157,7 @@ class Moves:
         job = Job(Kind.REBALANCE, None, key)
         models: dict[str, list[WorkerRecord]] = {}
         for w in self.registry.workers.values():
-            if not w.draining and not w.cordoned and w.capacity > 0:
+            if not w.closed and w.capacity > 0:
                 models.setdefault(w.model.casefold(), []).append(w)
         for workers in models.values():
             counts = {w.identity: len(w.sessions) for w in workers}
@@ -217,7 +217,7 @@ class Moves:
         draining, not drained) with the most free slots, if it has one."""
         candidates = [w for w in self.registry.workers.values()
                       if w.identity != source.identity and w.model.casefold() == source.model.casefold()
-                      and not w.draining and not w.cordoned and w.free > 0]
+                      and not w.closed and w.free > 0]
         if wanted is not None:
             candidates = [w for w in candidates if w.identity == wanted]
         if not candidates:

@@ -26,7 +26,7 @@ def place(workers: Iterable[WorkerRecord], model: str | None) -> WorkerRecord:
     if not serving:
         what = "no worker is registered" if model is None else f"no worker serves model {model!r}"
         raise NoPlacement(ErrorCode.MODEL_NOT_FOUND, what)
-    open_ = [w for w in serving if not w.draining and not w.cordoned]
+    open_ = [w for w in serving if not w.closed]
     if not open_:
         raise NoPlacement(ErrorCode.WORKER_DRAINING, "every worker serving this model is draining")
     # Most free slots first; then the emptier worker; then a stable order.

@@ -61,6 +61,11 @@ class WorkerRecord:
         """Slots a new session could still take, counting the ones already promised and the ones being closed."""
         return self.capacity - len(self.sessions) - self.pending + len(self.closing)
 
+    @property
+    def closed(self) -> bool:
+        """Takes no new session: it drains (SIGTERM), or `broker drain` cordoned it. Status shows either as draining."""
+        return self.draining or self.cordoned
+
     def serves(self, model: str | None) -> bool:
         return model is None or model.casefold() == self.model.casefold()
 
@@ -71,7 +76,7 @@ class WorkerRecord:
             capacity=self.capacity,
             free_slots=max(self.free, 0),
             sessions=len(self.sessions),
-            draining=self.draining,
+            draining=self.closed,
             device=self.device,
             last_seen_ms=max(0, round((now - self.seen_at) * 1000)),
             max_context=self.max_context,

@@ -4,7 +4,11 @@ giving the session back, a session two workers claim dropped on the second, reba
 
 from __future__ import annotations
 
+from prometheus_client import generate_latest
+
 from broker.common import protocol as p
+from broker.counters import RouterCounters
+from broker.metrics import BrokerMetrics
 from broker.router import Peer, Router, Send
 
 from .test_router import C1, W1, W2, decoded, ready, running
@@ -159,3 +163,19 @@ def test_a_release_or_abort_not_reported_on_is_sent_again_until_it_is() -> None:
     assert tick(router, late + MOVE_END_RESEND_S + 0.1) == [abort]
     report(router, W2, move, "aborted", now=late + MOVE_END_RESEND_S + 0.2)
     assert router.moves.moving == {} and router.registry.worker_of(A) is router.registry.workers[W1]
+
+
+def test_a_drained_worker_shows_as_draining_in_status_metrics_and_readiness() -> None:
+    """`broker drain` places nothing more on the worker: `broker status`, worker_draining and /readyz say so (they
+    showed it as taking new sessions, free slots and all, until the worker registered anew)."""
+    router = running((W1, ready("w1", 2, (A,))), (W2, ready("w2", 2)))
+    move = drain_w1(router)
+    report(router, W2, move, "imported")
+    report(router, W1, move, "released", now=3.5)
+    _, _, status = decoded(router.client_message(C1, p.encode(p.Status(request_id="s1")), 3.6))[0]
+    assert isinstance(status, p.StatusReport)
+    assert {w.name: w.draining for w in status.workers} == {"w1": True, "w2": False}
+    metrics = BrokerMetrics(router, RouterCounters(), clock=lambda: 3.6, process=False)
+    text = generate_latest(metrics.registry).decode()
+    assert 'sessionserve:worker_draining{device="",model="m",worker="w1"} 1.0' in text
+    assert metrics.readiness() == (True, "ready: 2 workers, 1 taking new sessions")
