@@ -66,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
     start.add_argument("--device", type=device, default=env("WORKER_DEVICE", "auto"),
                        help="auto, cpu, cuda or cuda:N [env WORKER_DEVICE] (default %(default)s)")
     start.add_argument("--max-sessions", type=positive_int, default=from_env("WORKER_MAX_SESSIONS", 8),
-                       help="session slots (fewer if memory is short) [env WORKER_MAX_SESSIONS] (default %(default)s)")
+                       help="session slots (virtual: memory is held by the sessions' tokens, see --state-pages) "
+                            "[env WORKER_MAX_SESSIONS] (default %(default)s)")
     start.add_argument("--max-context", type=positive_int, default=from_env("WORKER_MAX_CONTEXT", 2048),
                        help="tokens per session [env WORKER_MAX_CONTEXT] (default %(default)s)")
     start.add_argument("--name", default=env("WORKER_NAME", f"{socket.gethostname()}-{os.getpid()}"),
