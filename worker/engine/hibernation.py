@@ -19,10 +19,16 @@ when; this module keeps the bytes:
 
 On a clean stop with a store the worker writes every session here (`persist`); a worker started with the same
 store lists the files (`index`: headers only, the digest is checked when a session is restored) and serves them.
+
+A store belongs to one worker process at a time (a lock on `.lock` inside it, held while the process lives): a second
+worker would list the first one's sessions as its own, the broker would drop them there as claimed twice, and that
+drop would delete the files the first one still restores from.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -47,12 +53,17 @@ SUFFIX = ".session"
 _LENGTH = struct.Struct("<Q")
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what may name a file in the store
 MAX_HEADER_BYTES = 64 << 20
+LOCK_FILE = ".lock"
 
 
 class SessionLost(EngineError):
     """A hibernated session's stored state is missing, corrupt or of another model: the session is gone."""
 
     code = "session_lost"
+
+
+class StoreInUse(EngineError):
+    """Another worker process serves from this session store: a worker refuses to start on it."""
 
 
 @dataclass
@@ -83,8 +94,10 @@ class Hibernation:
         self.host: OrderedDict[str, Stored] = OrderedDict()  # oldest first
         self.disk: dict[str, Stored] = {}
         self.host_bytes = 0
+        self._lock_fd: int | None = None  # held open while this process lives: closing it would release the lock
         if self.store is not None:
             self.store.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _lock_store(self.store)
 
     @property
     def enabled(self) -> bool:
@@ -306,6 +319,25 @@ def _set_aside(path: Path) -> None:
         path.rename(path.with_name(path.name + ".corrupt"))
     except OSError:
         pass
+
+
+def _lock_store(store: Path) -> int:
+    """Lock the store for this process, or StoreInUse naming the process that holds it. A POSIX record lock: it is the
+    process's (an engine loaded again in the same process takes it again), and the kernel drops it when the process
+    ends however it ends, so a worker killed -9 leaves no stale lock behind."""
+    fd = os.open(store / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            raise StoreInUse(f"session store {store} is in use by another worker (pid {holder}): "
+                             "each worker needs a --session-store of its own") from e
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def _fsync_dir(path: Path) -> None:
