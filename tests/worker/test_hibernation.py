@@ -15,6 +15,7 @@ import pytest
 from cuda_state import CapacityExhausted
 from worker.engine import Engine
 from worker.engine.hibernation import DIGEST_BYTES, MAGIC, SessionLost
+from worker.engine.migration import MoveRefused
 
 HYB = "random:tiny-qwen3.5"
 
@@ -147,3 +148,38 @@ def test_failed_restore_does_not_leak_a_slot(tmp_path: Path) -> None:
     with pytest.raises(SessionLost):
         again.restore("s")  # lost for good
     assert again.table.live == live and "s" not in again.sessions()
+
+
+def test_state_of_other_weights_under_the_same_name_is_not_served(tmp_path: Path) -> None:
+    """random:tiny:1 and random:tiny:2 are both "random-tiny" (as two quantizations of one GGUF, or two fine-tunes in
+    folders of one name): a store written by one was served by the other, K/V of other weights taken as its own, and
+    a move between them was taken too. Now both are refused; the same weights serve the store again."""
+    first = load("random:tiny:1", session_store=tmp_path / "store")
+    first.create_session("s")
+    first.append("s", token_ids=list(range(1, 30)))
+    greedy(first, "s", 3)
+    snap = first.export_session("s")
+    assert snap is not None
+    other = load("random:tiny:2", session_store=tmp_path / "other")
+    assert other.model_name == first.model_name == "random-tiny"
+    with pytest.raises(MoveRefused, match="another build, configuration or weights"):
+        other.import_session(snap, snap.digest())
+    assert first.persist() == 1
+    assert load("random:tiny:2", session_store=tmp_path / "store").sessions() == []
+    assert (tmp_path / "store" / "s.session").exists()  # left for the weights that wrote it
+    assert load("random:tiny:1", session_store=tmp_path / "store").sessions() == ["s"]
+
+
+def test_weights_identity_follows_content_not_place(tmp_path: Path) -> None:
+    from worker.model.loader import weights_identity
+
+    data = bytes(range(256)) * 8192  # 2 MiB
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "m.gguf").write_bytes(data)
+    changed = bytearray(data)
+    changed[-4096:] = bytes(4096)  # inside the last window (the same size: only the sampled bytes differ)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "m.gguf").write_bytes(bytes(changed))
+    ids = [weights_identity([tmp_path / name / "m.gguf"]) for name in ("a", "b", "c")]
+    assert ids[0] == ids[1] != ids[2]

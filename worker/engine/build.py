@@ -34,6 +34,7 @@ class Parts(NamedTuple):
     executor: Executor
     model_name: str
     step_tokens: int
+    weights_id: str = ""  # LoadedModel.weights_id: which weights, beyond the name
 
 
 def build_parts(model: str | None, device: str, max_sessions: int, max_context: int, step_tokens: int | None,
@@ -52,7 +53,7 @@ def build_parts(model: str | None, device: str, max_sessions: int, max_context: 
     table = open_table(choice, llama, max_sessions, state_pages, host_page_bytes)
     executor = make_executor(llama, table, options)
     return Parts(llama, loaded.tokenizer, table, executor, loaded.config.name,
-                 step_tokens or (GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS))
+                 step_tokens or (GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS), loaded.weights_id)
 
 
 def select_device(device: str) -> Choice:

@@ -74,12 +74,14 @@ class Engine:
         model_name: str,
         step_tokens: int,
         overlap: bool | None = None,
+        weights_id: str = "",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.table = table
         self.executor = executor
         self.model_name = model_name
+        self.weights_id = weights_id  # which weights (LoadedModel.weights_id): part of the state's layout below
         self.max_context = model.max_context
         self.step_tokens = step_tokens
         self.prefill_chunk = min(step_tokens, PREFILL_CHUNK[model.device.type])
@@ -133,8 +135,10 @@ class Engine:
         options = EngineOptions.from_env() if options is None else options
         if not cuda_graphs:
             options = dataclasses.replace(options, cuda_graphs=False)
-        engine = cls(*build_parts(model, device, max_sessions, max_context, step_tokens, options, state_pages,
-                                  host_page_bytes))
+        parts = build_parts(model, device, max_sessions, max_context, step_tokens, options, state_pages,
+                            host_page_bytes)
+        engine = cls(parts.model, parts.tokenizer, parts.table, parts.executor, parts.model_name, parts.step_tokens,
+                     weights_id=parts.weights_id)
         if host_cache_bytes > 0 or session_store is not None:
             engine.enable_hibernation(host_cache_bytes, session_store)
         table = engine.table
@@ -148,7 +152,7 @@ class Engine:
         """Idle sessions may hibernate: their state copied to host memory (at most `host_cache_bytes`, pinned on a
         GPU) and, with `session_store`, on to checksummed files there, and their pages released. Sessions the store
         already holds (a worker stopped cleanly) are served again: their ids, oldest first."""
-        self.hibernation = Hibernation(self.model_name, self.table.spec.fingerprint(), host_cache_bytes, session_store,
+        self.hibernation = Hibernation(self.model_name, self.state_layout, host_cache_bytes, session_store,
                                        pin=self.model.device.type == "cuda")
         found = self.hibernation.index()
         for stored in found:
@@ -203,6 +207,13 @@ class Engine:
                     free += 1
                     host += 0 if h.store is not None and storable_id(s.id) else nbytes
         return free
+
+    @property
+    def state_layout(self) -> str:
+        """What a stored or moved state must have been written under to be read back here: the table's layout and
+        the weights that computed it (K/V of other weights under the same model name would be read as this model's)."""
+        fingerprint = self.table.spec.fingerprint()
+        return f"{fingerprint};weights@{self.weights_id}" if self.weights_id else fingerprint
 
     @property
     def bytes_per_session(self) -> int:

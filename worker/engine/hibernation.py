@@ -261,7 +261,10 @@ class Hibernation:
         if size != len(MAGIC) + _LENGTH.size + length + stored.nbytes + DIGEST_BYTES:
             raise ValueError(f"{size} bytes, not what its header says")
         if head.get("model") != self.model or head.get("layout") != self.fingerprint:
-            log.warning("session_file_of_another_model", path=str(path), model=head.get("model"))
+            # Left in place, not served: a worker started again as before serves it again.
+            log.warning("session_file_of_another_model", path=str(path), model=head.get("model"),
+                        differs="model" if head.get("model") != self.model else
+                        "layout (dtype, max_context, block size or weights)")
             return None
         return stored
 

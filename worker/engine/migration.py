@@ -100,7 +100,7 @@ def export_session(engine: Engine, session_id: str) -> Snapshot | None:
         if on_disk:
             stored.state = None  # the file stays the truth until the session is released
     return Snapshot(session.id, session.owner, list(session.tokens), computed, engine.model_name,
-                    engine.table.spec.fingerprint(), state)
+                    engine.state_layout, state)
 
 
 def check_snapshot(engine: Engine, session_id: str, tokens: list[int], computed: int, nbytes: int, model: str,
@@ -109,8 +109,8 @@ def check_snapshot(engine: Engine, session_id: str, tokens: list[int], computed:
     state size its computed count takes, tokens within the context and the vocabulary, a session id not in use."""
     if model != engine.model_name:
         raise MoveRefused(f"the session is of model {model!r}; this worker serves {engine.model_name!r}")
-    if layout != engine.table.spec.fingerprint():
-        raise MoveRefused("the session's state layout is not this worker's (another build or configuration)")
+    if layout != engine.state_layout:
+        raise MoveRefused("the session's state layout is not this worker's (another build, configuration or weights)")
     if not 0 <= computed <= len(tokens) or len(tokens) > engine.max_context:
         raise MoveRefused(f"a session of {len(tokens)} tokens ({computed} computed) does not fit max_context "
                           f"{engine.max_context}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import json
 import time
@@ -50,6 +51,10 @@ class LoadedModel:
     read: Callable[[torch.device], Tensors]  # the device random weights are drawn on (files ignore it)
     tokenizer: Tokenizer
     source: str
+    # Which weights these are, beyond the config's name: the name is a folder's or a GGUF's stem (another quantization,
+    # a fine-tune in a folder of the same name) or a preset without its seed, so state computed by other weights under
+    # the same name would be taken as this model's. A session's stored or moved state is read back only under the same.
+    weights_id: str = ""
 
     @functools.cached_property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -225,7 +230,7 @@ def load_gguf(path: Path) -> LoadedModel:
                     w = _unpermute_rope(w, config.n_kv_heads)
                 yield f"layers.{i}.{ours}", torch.from_numpy(np.ascontiguousarray(w))
 
-    return LoadedModel(config, read, Tokenizer.from_gguf_fields(fields), str(path))
+    return LoadedModel(config, read, Tokenizer.from_gguf_fields(fields), str(path), weights_identity([path]))
 
 
 def _gguf_rope_scaling(meta: Any, path: Path) -> RopeScaling:
@@ -288,7 +293,29 @@ def load_safetensors_folder(folder: Path) -> LoadedModel:
                         continue  # tied: the embedding is the head
                     yield name, shard.get_tensor(hf_name)
 
-    return LoadedModel(config, read, Tokenizer.from_hf_folder(folder), str(folder))
+    return LoadedModel(config, read, Tokenizer.from_hf_folder(folder), str(folder),
+                       weights_identity([cfg_path, *files]))
+
+
+IDENTITY_WINDOWS = 16  # windows of each file hashed for its identity: the start (headers), the end, spread between
+IDENTITY_WINDOW_BYTES = 64 << 10
+
+
+def weights_identity(files: list[Path]) -> str:
+    """A short digest naming these weight files by content: each file's name, size and IDENTITY_WINDOWS windows spread
+    over it (a megabyte a file: milliseconds for any model, where hashing whole files would take seconds per
+    gigabyte at every start). Another quantization or a fine-tune changes the sizes, the headers or the sampled bytes;
+    a copy of the same files elsewhere keeps it."""
+    digest = hashlib.blake2b(digest_size=16)
+    for path in sorted(files, key=lambda f: f.name):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}:".encode())
+        span = max(0, size - IDENTITY_WINDOW_BYTES)
+        with open(path, "rb") as f:
+            for i in range(IDENTITY_WINDOWS):
+                f.seek(span * i // (IDENTITY_WINDOWS - 1))
+                digest.update(f.read(IDENTITY_WINDOW_BYTES))
+    return digest.hexdigest()
 
 
 def _same_tensors(files: list[Path], hf_name: Callable[[str], str | None], a: str, b: str) -> bool:
@@ -383,4 +410,4 @@ def load_random(spec: str) -> LoadedModel:
         for i in range(config.n_layers):
             yield from family.random_layer(config, i, draw)
 
-    return LoadedModel(config, read, Tokenizer.bytes_only(), spec)
+    return LoadedModel(config, read, Tokenizer.bytes_only(), spec, f"random:{preset}:{seed}")
