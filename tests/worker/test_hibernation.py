@@ -4,8 +4,10 @@ are no file names, the free slots the broker places by, and a hybrid session who
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -183,3 +185,26 @@ def test_weights_identity_follows_content_not_place(tmp_path: Path) -> None:
     (tmp_path / "c" / "m.gguf").write_bytes(bytes(changed))
     ids = [weights_identity([tmp_path / name / "m.gguf"]) for name in ("a", "b", "c")]
     assert ids[0] == ids[1] != ids[2]
+
+
+def test_a_write_that_fails_leaves_no_part_and_the_session_serves(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk while a session hibernates to the store: its partial .tmp file stayed, one per session tried,
+    holding the space a full disk lacks until the worker restarted. Now it is removed; the session stays resident."""
+    e = load("random:tiny", session_store=tmp_path)
+    ref = load("random:tiny")
+    for x in (e, ref):
+        x.create_session("s")
+        x.append("s", token_ids=list(range(1, 40)))
+        greedy(x, "s", 2)
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert not e.hibernate("s")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.glob("*.session*")) == []
+    assert e.is_resident("s") and e.residency() == (1, 0, 0)
+    assert greedy(e, "s", 5) == greedy(ref, "s", 5)
+    assert e.hibernate("s") and [p.name for p in tmp_path.glob("*.session*")] == ["s.session"]

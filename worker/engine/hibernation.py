@@ -27,6 +27,7 @@ drop would delete the files the first one still restores from.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -233,14 +234,21 @@ class Hibernation:
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
         payload = stored.state[: stored.nbytes].numpy().data
-        with open(tmp, "wb") as f:
-            for part in (MAGIC, _LENGTH.pack(len(header)), header, payload):
-                digest.update(part)
-                f.write(part)
-            f.write(digest.digest())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                for part in (MAGIC, _LENGTH.pack(len(header)), header, payload):
+                    digest.update(part)
+                    f.write(part)
+                f.write(digest.digest())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            # A write cut short (a full disk, an I/O error): its part would hold the space a full disk lacks until the
+            # next start, one more per session tried. The session stays where it was (the caller keeps it).
+            with contextlib.suppress(OSError):  # (a store gone read-only: the write's own error is the one to tell)
+                tmp.unlink(missing_ok=True)
+            raise
         _fsync_dir(path.parent)
         stored.state = None
         self.disk[stored.session_id] = stored
