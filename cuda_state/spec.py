@@ -214,9 +214,13 @@ class StateSpec:
         return sum(b.nbytes for b in self.buffers if b.seq_axis is None)
 
     def fingerprint(self) -> str:
-        """The layout in one line: a stored state is only read back into the same layout."""
-        parts = [f"{b.name}:{'x'.join(map(str, b.shape))}:{str(b.dtype).removeprefix('torch.')}:{b.seq_axis}"
-                 for b in self.buffers]
+        """The layout in one line: a stored state is only read back into the same layout. A growing buffer's length
+        (max_context) is left out, as `*`: a slot's prefix (the fixed-size state, then whole blocks) is the same bytes
+        at any context, so a state fits any table whose context holds its tokens (checked apart)."""
+        def shape(b: BufferSpec) -> str:
+            return "x".join("*" if axis == b.seq_axis else str(n) for axis, n in enumerate(b.shape))
+
+        parts = [f"{b.name}:{shape(b)}:{str(b.dtype).removeprefix('torch.')}:{b.seq_axis}" for b in self.buffers]
         return ";".join(parts) + f";blocks@{self.token_offset}+{self.block}x{self.block_bytes}"
 
     def buffer(self, name: str) -> BufferSpec:

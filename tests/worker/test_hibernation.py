@@ -208,3 +208,36 @@ def test_a_write_that_fails_leaves_no_part_and_the_session_serves(tmp_path: Path
     assert e.is_resident("s") and e.residency() == (1, 0, 0)
     assert greedy(e, "s", 5) == greedy(ref, "s", 5)
     assert e.hibernate("s") and [p.name for p in tmp_path.glob("*.session*")] == ["s.session"]
+
+
+@pytest.mark.parametrize("preset", ["random:tiny", HYB, "random:tiny-qwen3.5-moe"])
+def test_stored_and_moved_state_is_read_at_any_context_that_holds_it(preset: str, tmp_path: Path) -> None:
+    """A slot's prefix is the same bytes at any --max-context: a worker restarted with a longer context served none of
+    its store's sessions (the layout named the context), and moves between workers of different contexts were
+    refused. Now a longer context serves them with an uninterrupted run's tokens; a shorter one serves those that fit
+    and leaves the others' files in place."""
+    store = tmp_path / "store"
+    first = load(preset, max_context=64, session_store=store)
+    ref = load(preset, max_context=128)
+    for x in (first, ref):
+        for sid, n in (("short", 10), ("long", 40)):
+            x.create_session(sid)
+            x.append(sid, token_ids=list(range(1, n + 1)))
+            greedy(x, sid, 3)
+    moved = first.export_session("short")
+    assert moved is not None
+    longer = load(preset, max_context=128)
+    assert longer.import_session(moved, moved.digest()) == "short"
+    ref.fork("short", "short-moved")
+    assert greedy(longer, "short", 6) == greedy(ref, "short-moved", 6)
+    assert first.persist() == 2
+    first.table.close()
+    again = load(preset, max_context=128, session_store=store)
+    assert sorted(again.sessions()) == ["long", "short"]
+    assert greedy(again, "long", 6) == greedy(ref, "long", 6)
+    assert again.persist() == 2  # "long" now holds 49 tokens, "short" 16
+    again.table.close()
+    shorter = load(preset, max_context=32, session_store=store)
+    assert shorter.sessions() == ["short"]
+    assert greedy(shorter, "short", 5) == greedy(ref, "short", 5)
+    assert (store / "long.session").exists()  # left for a worker whose context holds it

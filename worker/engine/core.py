@@ -153,7 +153,7 @@ class Engine:
         GPU) and, with `session_store`, on to checksummed files there, and their pages released. Sessions the store
         already holds (a worker stopped cleanly) are served again: their ids, oldest first."""
         self.hibernation = Hibernation(self.model_name, self.state_layout, host_cache_bytes, session_store,
-                                       pin=self.model.device.type == "cuda")
+                                       pin=self.model.device.type == "cuda", max_context=self.max_context)
         found = self.hibernation.index()
         for stored in found:
             if stored.session_id in self._sessions:

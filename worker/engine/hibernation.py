@@ -13,7 +13,8 @@ when; this module keeps the bytes:
       b"SSESSION" | u64 header length | header (JSON) | state bytes | BLAKE2b-256 of everything before
 
   The header holds the session's id, owner, tokens, computed count, the model's name and the state's layout
-  (`StateSpec.fingerprint`). A file is read back only into the same model and layout, and only if its digest
+  (`StateSpec.fingerprint`, which leaves out the context length). A file is read back only into the same model and
+  layout, by an engine whose context holds its tokens, and only if its digest
   matches; otherwise the session is lost (`SessionLost`), and nothing else is touched. A file is deleted when its
   session is restored or closed, so the store holds exactly the sessions that are on disk.
 
@@ -86,9 +87,10 @@ def storable_id(session_id: str) -> bool:
 
 class Hibernation:
     def __init__(self, model: str, fingerprint: str, host_limit_bytes: int, store_dir: str | Path | None,
-                 pin: bool) -> None:
+                 pin: bool, max_context: int) -> None:
         self.model = model
         self.fingerprint = fingerprint
+        self.max_context = max_context  # a stored session longer than this is left in the store, not served
         self.host_limit_bytes = max(0, host_limit_bytes)
         self.store = None if store_dir is None else Path(store_dir)
         self.pin = pin
@@ -272,7 +274,11 @@ class Hibernation:
             # Left in place, not served: a worker started again as before serves it again.
             log.warning("session_file_of_another_model", path=str(path), model=head.get("model"),
                         differs="model" if head.get("model") != self.model else
-                        "layout (dtype, max_context, block size or weights)")
+                        "layout (dtype, block size, the model's shapes or weights)")
+            return None
+        if len(stored.tokens) > self.max_context:  # left in place too, for a worker of a longer context
+            log.warning("session_file_too_long", path=str(path), tokens=len(stored.tokens),
+                        max_context=self.max_context)
             return None
         return stored
 
