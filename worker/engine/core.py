@@ -42,7 +42,7 @@ from worker.engine.budget import PREFILL_CHUNK
 from worker.engine.build import build_parts
 from worker.engine.detokenizer import Detokenizer
 from worker.engine.executor import Executor
-from worker.engine.hibernation import Hibernation, SessionLost, Stored, storable_id
+from worker.engine.hibernation import Hibernation, SessionLost, Stored
 from worker.engine.options import EngineOptions
 from worker.engine.sampling import RowRandom, SamplingParams, sample_ids, step_logprobs
 from worker.engine.scheduler import StepPlan, schedule
@@ -199,14 +199,9 @@ class Engine:
         h = self.hibernation
         if h is None or not h.enabled:
             return free
-        host = h.host_bytes  # the idle sessions whose hibernation would be kept, as _hibernate would keep them
-        for s in self._sessions.values():
-            if s.resident and s.request is None:
-                nbytes = self.table.spec.bytes_for(s.computed)
-                if h.admits(nbytes, s.id, host):
-                    free += 1
-                    host += 0 if h.store is not None and storable_id(s.id) else nbytes
-        return free
+        idle = [(s.id, self.table.spec.bytes_for(s.computed)) for s in self._sessions.values()
+                if s.resident and s.request is None]
+        return free + h.admissible(idle)
 
     @property
     def state_layout(self) -> str:

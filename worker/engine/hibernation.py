@@ -38,6 +38,7 @@ import re
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,12 +114,21 @@ class Hibernation:
         """Host memory for a copy of `nbytes` (pinned when a GPU is present)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
-    def admits(self, nbytes: int, session_id: str, host_bytes: int | None = None) -> bool:
-        """Whether a hibernation of `nbytes` can be kept (in host memory, or on disk), with `host_bytes` of host
-        memory taken (default: what is)."""
-        if self.store is not None and storable_id(session_id):
-            return True
-        return (self.host_bytes if host_bytes is None else host_bytes) + nbytes <= self.host_limit_bytes
+    def admits(self, nbytes: int, session_id: str) -> bool:
+        """Whether a hibernation of `nbytes` can be kept now (in host memory, or on disk)."""
+        return self.admissible([(session_id, nbytes)]) == 1
+
+    def admissible(self, sessions: Iterable[tuple[str, int]]) -> int:
+        """How many of these sessions (id, state bytes) could hibernate one after another, each kept where `put`
+        keeps it: a session the store can name costs the host nothing for long (its copy spills to disk); another
+        stays in host memory, within its limit."""
+        host, count = self.host_bytes, 0
+        for session_id, nbytes in sessions:
+            cost = 0 if self.store is not None and storable_id(session_id) else nbytes
+            if host + cost <= self.host_limit_bytes or cost == 0:
+                count += 1
+                host += cost
+        return count
 
     def put(self, stored: Stored) -> None:
         """Keep a hibernated session (its `state` set): in host memory, the oldest copies spilling to disk while
