@@ -19,6 +19,8 @@ pages count as free (`free_pages`, `free_slots`), so admission is by the tokens 
 growth finds too few pages unmapped, the kept slots give theirs back first, then live slots their surplus (each
 after its last queued use, as any unmapping). The table learns a live slot's tokens from `create`, `ensure` and
 `covers` (the most asked of it since it was handed out), so a surplus never reaches a page a session's tokens use.
+The same happens when the budget has room but the device has no memory left (another process holds it): the pages
+the table holds unused go back to the driver before a create or a growth is refused.
 """
 
 from __future__ import annotations
@@ -225,13 +227,33 @@ class SessionTable:
         self._unmapped_room(want - have, slot)
         before = self._surplus_of(slot)
         try:
-            self.backend.grow(slot, want)
-        except CapacityExhausted:
-            if need > have:
-                self.backend.grow(slot, need)  # the pages ahead are not to be had: only those needed
+            try:
+                self._map(slot, want, need, have)
+            except CapacityExhausted:
+                # Within the budget, yet the device itself is full (another process holds its memory): the kept
+                # slots' pages and the live slots' surplus are ours, so they go back to the driver and the pages are
+                # asked for again, rather than refusing a session while the table holds the memory it needs.
+                if not self._reclaim(slot):
+                    raise
+                self._map(slot, want, need, have)
         finally:
             self._set_room(slot)
             self._surplus += self._surplus_of(slot) - before
+
+    def _map(self, slot: int, want: int, need: int, have: int) -> None:
+        """The slot's pages up to `want`, or only up to `need` when the pages ahead are not to be had."""
+        try:
+            self.backend.grow(slot, want)
+        except CapacityExhausted:
+            if need > have:
+                self.backend.grow(slot, need)
+
+    def _reclaim(self, slot: int) -> bool:
+        """Unmap every kept slot and every other live slot's surplus (each after its last queued use). Whether any
+        page was released."""
+        mapped = self.backend.mapped_pages
+        self._unmapped_room(_NO_LIMIT, slot)
+        return self.backend.mapped_pages < mapped
 
     def _unmapped_room(self, pages: int, slot: int) -> None:
         """Make `pages` pages unmapped if the kept slots, then the other live slots' surplus, can give them."""

@@ -677,6 +677,32 @@ def test_fake_kept_slots_keep_their_pages_and_trim_waits_then_releases(fake: Fak
     assert fake.free == fake.total
 
 
+def test_fake_a_device_out_of_memory_takes_the_kept_pages_and_the_surplus_first(fake: FakeDriver) -> None:
+    """Within the budget, but another process holds the device's memory: a growth takes the kept slots' pages, then
+    the live slots' surplus, rather than refusing while the table itself holds the memory it needs."""
+    table = SessionTable(open_fake(small_spec(), capacity=4), keep_mapped=4)
+    a, b = table.create(40), table.create()  # 4 pages, 1 page
+    table.free(a)  # kept, its 4 pages mapped
+    fake.free = 0  # the rest of the device is someone else's now
+    table.ensure(b, 40)  # 3 more pages: only the kept slot's can be had
+    assert table.pages(b) == 4 and table.kept == 0 and table.live == 1
+    assert fake.free == GRANULARITY  # 4 released, 3 taken
+    table.free(b)  # kept with 4 pages
+    c = table.create()  # reuses them: 1 page claimed, 3 surplus
+    assert table.pages(c) == 4 and table.surplus_pages == 3
+    fake.free = 0
+    d = table.create()  # a fresh slot's page: c's surplus gives it
+    assert table.pages(d) == 1 and table.pages(c) == 1 and table.surplus_pages == 0
+    assert table.backend.mapped_bytes() == 3 * GRANULARITY and len(fake.handles) == 3
+    fake.free = 0
+    with pytest.raises(CapacityExhausted, match="no memory left"):
+        table.ensure(d, 40)  # nothing of ours left to give: refused, nothing changed
+    assert table.pages(d) == 1 and table.pages(c) == 1 and table.live == 2
+    assert table.backend.mapped_bytes() == 3 * GRANULARITY and len(fake.handles) == 3
+    table.close()
+    assert not fake.handles and not fake.mapped and fake.reserved is None
+
+
 # -- the real driver (-m gpu) ----------------------------------------------------------------------
 
 
@@ -888,6 +914,38 @@ def test_gpu_out_of_memory_is_capacity_exhausted(gpu: torch.device) -> None:
         hog.clear()
         torch.cuda.empty_cache()
         b.close()
+
+
+def fill_device(gpu: torch.device) -> list[torch.Tensor]:
+    """Allocations that leave less than 1 MiB of the device free, as another process would hold them."""
+    hog: list[torch.Tensor] = []
+    chunk = 1 << 32
+    while chunk >= (1 << 20):
+        try:
+            hog.append(torch.empty(chunk, dtype=torch.uint8, device=gpu))
+        except torch.cuda.OutOfMemoryError:
+            chunk //= 2
+    return hog
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_full_device_takes_the_kept_slots_pages_before_refusing(gpu: torch.device) -> None:
+    spec = kv_spec(8192, layers=32)  # 64 MiB per session: 32 pages of 2 MiB
+    table = SessionTable(vmm.VmmBackend(spec, 4, gpu), keep_mapped=4)
+    hog: list[torch.Tensor] = []
+    try:
+        a, b = table.create(8192), table.create()  # 32 pages, 1 page
+        table.free(a)  # kept, every page mapped
+        hog = fill_device(gpu)
+        assert device_free_bytes() < 4 * table.page_bytes
+        table.ensure(b, 8192)  # 31 more pages, within the budget: only the kept slot's memory can give them
+        assert table.pages(b) == 32 and table.kept == 0
+        assert table.backend.mapped_bytes() == 33 * table.page_bytes and table.live == 1
+    finally:
+        hog.clear()
+        torch.cuda.empty_cache()
+        table.close()
 
 
 @pytest.mark.gpu
