@@ -112,8 +112,9 @@ class _EventRing:
     for a slot syncs its mark's event while the ring still holds that mark. An older mark's event has
     been recorded again since: while every mark so far went to one stream, the oldest mark the ring
     holds comes after it on that stream, and the wait syncs that (long done, typically: a slot released
-    after seconds idle does not wait for the step in flight); once marks have gone to more than one
-    stream, the wait falls back to a context synchronize. The ring never holds more than `size` events.
+    after seconds idle does not wait for the step in flight). Once marks have gone to more than one
+    stream, every wait is a context synchronize: a slot's last mark on one stream says nothing of its
+    earlier uses on another. The ring never holds more than `size` events.
     """
 
     def __init__(self, size: int) -> None:
@@ -145,12 +146,14 @@ class _EventRing:
         seq = self._last.pop(slot, None)
         if seq is None:
             return
-        if self._seq - seq <= self._size:  # its event has not been recorded again since
-            _ok("cuEventSynchronize", driver.cuEventSynchronize(self._events[seq % self._size]))
-        elif not self._mixed:  # the oldest mark held, later on the same stream
-            _ok("cuEventSynchronize", driver.cuEventSynchronize(self._events[self._seq % self._size]))
-        else:
+        if self._mixed:
+            # The slot's last mark is on one stream; an earlier use on another (a step replayed on the engine's
+            # stream, then a copy on a second one) may still be running, and no event of the ring orders the two.
             _ok("cuCtxSynchronize", driver.cuCtxSynchronize())
+        elif self._seq - seq <= self._size:  # its event has not been recorded again since
+            _ok("cuEventSynchronize", driver.cuEventSynchronize(self._events[seq % self._size]))
+        else:  # the oldest mark held, later on the same stream
+            _ok("cuEventSynchronize", driver.cuEventSynchronize(self._events[self._seq % self._size]))
 
     def destroy(self) -> None:
         first: BaseException | None = None

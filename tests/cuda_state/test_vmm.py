@@ -576,6 +576,20 @@ def test_fake_a_mark_older_than_the_event_ring_waits_on_the_oldest_mark_or_the_c
     assert not fake.events
 
 
+def test_fake_a_use_on_another_stream_is_waited_for_too(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step marked on one stream, then a zero (or copy) of the slot on another: the later mark says nothing of the
+    step, which may still run. The release waits for the whole context."""
+    b = open_fake(small_spec())
+    b.grow(0, 1)
+    b.mark_used([0])  # a graph replay on the engine's stream
+    monkeypatch.setattr(vmm, "_current_stream", lambda device: 8)
+    b.zero(0)  # on a second stream: its mark is the slot's latest
+    fake.log.clear()
+    b.shrink(0, 0)
+    assert "cuCtxSynchronize" in calls(fake) and calls(fake).index("cuCtxSynchronize") < calls(fake).index("cuMemUnmap")
+    b.close()
+
+
 def test_fake_refuses_mapping_during_capture(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
     b = open_fake(small_spec())
     b.grow(0, 1)
@@ -966,6 +980,28 @@ def test_gpu_shrink_while_inflight_waits_for_the_stream(gpu: torch.device) -> No
         assert float(sink) == 0.0
         if not UNDER_SANITIZER:  # the sanitizer runs every launch to completion: nothing is left to wait for
             assert waited > 0.01
+    finally:
+        b.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_shrink_waits_for_a_use_on_another_stream(gpu: torch.device) -> None:
+    b = vmm.VmmBackend(kv_spec(4096), 2, gpu)
+    try:
+        b.grow(0, b.pages_per_slot)
+        k = b.views()["k"]
+        sink = torch.empty((), device=gpu, dtype=torch.float32)
+        engine = torch.cuda.current_stream(gpu)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the read
+        sink.copy_(k[0].float().sum())  # reads slot 0 after the sleep, on the engine's stream
+        b.mark_used([0])
+        side = torch.cuda.Stream(gpu)
+        with torch.cuda.stream(side):
+            b.zero(0)  # the slot's last mark, on another stream, done long before the read
+        b.shrink(0, 0)  # must wait for the read too
+        assert engine.query() and side.query()
+        assert float(sink) == 0.0
     finally:
         b.close()
 
