@@ -319,7 +319,8 @@ class VmmBackend:
 
     def grow(self, slot: int, pages: int) -> None:
         """Map pages after the slot's current ones until it has `pages` (one allocation each), zeroed on the current
-        stream. CapacityExhausted past the budget or when the device is full; then nothing is left mapped."""
+        stream. CapacityExhausted past the budget or when the device is full, CudaDriverError naming the call on
+        any other driver error; either way nothing of this growth is left mapped."""
         with self._lock:
             self._check_slot(slot)
             if slot == self.spare_slot:
@@ -348,11 +349,13 @@ class VmmBackend:
                     held.append(handle)  # mapped: released by _release_pages from here on
                     self._mapped += 1
                     self._checked_map("cuMemSetAccess", driver.cuMemSetAccess(ptr + i * page, page, [self._access], 1))
+                stream = self._stream()
+                # Inside the try: a memset that could not be queued leaves the pages unzeroed, so they go back (no
+                # queued work touches them) rather than stay mapped and counted for a growth that failed.
+                _ok("cuMemsetD8Async", driver.cuMemsetD8Async(ptr + have * page, 0, more * page, stream))
             except BaseException:
                 self._release_pages(slot, have)
                 raise
-            stream = self._stream()
-            _ok("cuMemsetD8Async", driver.cuMemsetD8Async(ptr + have * page, 0, more * page, stream))
             self._events.record([slot], stream)
 
     def shrink(self, slot: int, pages: int) -> None:

@@ -468,7 +468,7 @@ def test_fake_a_failed_spare_mapping_releases_everything(fake: FakeDriver, call:
     assert fake.free == fake.total
 
 
-@pytest.mark.parametrize("call", ["cuMemCreate", "cuMemMap", "cuMemSetAccess"])
+@pytest.mark.parametrize("call", ["cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemsetD8Async"])
 def test_fake_other_driver_errors_are_typed_and_release_what_was_taken(fake: FakeDriver, call: str) -> None:
     b = open_fake(small_spec())
     b.grow(0, 1)
@@ -482,6 +482,36 @@ def test_fake_other_driver_errors_are_typed_and_release_what_was_taken(fake: Fak
     b.grow(0, 3)  # nothing was left half-done
     assert b.pages(0) == 3
     b.close()
+
+
+@pytest.mark.parametrize("call", ["cuMemCreate", "cuMemMap", "cuMemSetAccess"])
+def test_fake_a_growth_failing_at_its_third_page_releases_the_two_before(
+        fake: FakeDriver, monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+    backend = open_fake(small_spec())
+    table = SessionTable(backend)
+    a, b = table.create(), table.create()
+    free, handles = fake.free, dict(fake.handles)
+    real = getattr(fake, call)
+    made = [0]
+
+    def third_fails(*args: Any) -> tuple[Any, ...]:
+        made[0] += 1
+        if made[0] >= 3:  # the device is full from the third page on
+            fake.log.append((call, threading.get_ident()))
+            return (R.CUDA_ERROR_OUT_OF_MEMORY,) if call != "cuMemCreate" else (R.CUDA_ERROR_OUT_OF_MEMORY, None)
+        return real(*args)
+
+    monkeypatch.setattr(fake, call, third_fails)
+    with pytest.raises(CapacityExhausted, match="no memory left"):
+        table.ensure(a, 40)  # pages 2-4 of the slot: the first two made, the third refused
+    assert table.pages(a) == 1 and table.room(a) == table.spec.tokens_in(1, GRANULARITY)
+    assert fake.free == free and fake.handles == handles and table.backend.mapped_bytes() == 3 * GRANULARITY
+    assert set(fake.mapped) == spare_pages(backend) | {BASE, BASE + table.slot_bytes}  # b untouched
+    monkeypatch.setattr(fake, call, real)
+    table.ensure(a, 40)  # nothing was left half-done
+    assert table.pages(a) == 4 and table.pages(b) == 1
+    table.close()
+    assert not fake.handles and not fake.mapped and fake.reserved is None
 
 
 def test_fake_errors_for_bad_slots(fake: FakeDriver) -> None:
