@@ -17,10 +17,10 @@ when idle), all of them on close.
 A reused slot may hold more pages than its session's tokens (and the `ahead_tokens`) call for: its surplus. Surplus
 pages count as free (`free_pages`, `free_slots`), so admission is by the tokens sessions use. When a create or a
 growth finds too few pages unmapped, the kept slots give theirs back first, then live slots their surplus (each
-after its last queued use, as any unmapping). The table learns a live slot's tokens from `create`, `ensure` and
-`covers` (the most asked of it since it was handed out), so a surplus never reaches a page a session's tokens use.
-The same happens when the budget has room but the device has no memory left (another process holds it): the pages
-the table holds unused go back to the driver before a create or a growth is refused.
+after its last queued use, as any unmapping); so do they all when the budget has room but the device has no memory
+left (another process holds it), before a create or a growth is refused. The table learns a live slot's tokens from
+`create`, `ensure`, `covers`, `prefix` (a restore's copy in) and `clone` (its source's), the most asked of it since
+it was handed out, so a surplus never reaches a page a session's tokens use.
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ class SessionTable:
     def clone(self, src: int, used: int) -> int:
         """A new slot holding the fixed state and the first `used` positions of `src` (the rest zero)."""
         self._check_live(src)
+        self._raise_claim(src, used)  # the pages being copied: no surplus for the new slot's growth to take
         slot = self.create(used)
         try:
             self.backend.copy_prefix(slot, src, self.spec.bytes_for(used))
@@ -167,8 +168,9 @@ class SessionTable:
 
     def prefix(self, slot: int, tokens: int) -> torch.Tensor:
         """The slot's state for its first `tokens` positions as one uint8 tensor over the slab (zero copy): what a
-        hibernation copies out and a restore copies in."""
+        hibernation copies out and a restore copies in. The slot's session uses `tokens` positions from here on."""
         self._check_live(slot)
+        self._raise_claim(slot, tokens)  # a restore writes them into pages a reused slot may count as surplus
         return self.backend.prefix(slot, self.spec.bytes_for(tokens))
 
     def save_prefix(self, slot: int, tokens: int, out: torch.Tensor) -> None:

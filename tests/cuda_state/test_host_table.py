@@ -292,6 +292,35 @@ def test_a_surplus_is_never_taken_below_what_its_session_was_backed_for() -> Non
     assert table.pages(b) == 3  # the 9 positions b was backed for are never unmapped
 
 
+def test_a_restore_and_a_clone_claim_the_tokens_they_copy() -> None:
+    """A restore writes its tokens into the pages a reused slot already has, and a clone copies its source's first
+    `used` positions: those pages hold state, so they are no surplus for another growth (here the clone's) to take."""
+    backend = HostBackend(SPEC, capacity=3, page_bytes=PAGE, page_budget=6)
+    table = SessionTable(backend, keep_mapped=3)
+    table.free(table.create(16))  # kept with its 4 pages
+    src = table.create()  # the kept slot: 4 pages, 1 claimed
+    state = (torch.arange(SPEC.bytes_for(12)) % 251).to(torch.uint8)
+    table.load_prefix(src, 12, state)  # a restore's copy in: 12 positions, 3 pages
+    assert table.surplus_pages == 1
+    child = table.clone(src, 12)  # 3 pages: the 2 unmapped and src's one surplus page
+    assert (table.pages(src), table.pages(child)) == (3, 3)
+    assert torch.equal(table.prefix(src, 12), state) and torch.equal(table.prefix(child, 12), state)
+    with pytest.raises(CapacityExhausted):
+        table.create()  # no page left, and none of src's or child's to take
+    assert (table.pages(src), table.pages(child), table.live) == (3, 3, 2)
+
+
+def test_a_clone_claims_its_sources_used_positions() -> None:
+    backend = HostBackend(SPEC, capacity=3, page_bytes=PAGE, page_budget=6)
+    table = SessionTable(backend, keep_mapped=3)
+    table.free(table.create(16))
+    src = table.create()  # the kept slot: 4 pages, 1 claimed
+    backend.prefix(src, SPEC.bytes_for(12)).fill_(7)  # 12 positions written into its pages (as a step writes them)
+    child = table.clone(src, 12)  # 3 pages: 2 unmapped, 1 of src's pages past its 12 positions
+    assert (table.pages(src), table.pages(child)) == (3, 3)
+    assert bool((table.prefix(child, 12) == 7).all()) and bool((table.prefix(src, 12) == 7).all())
+
+
 def test_kept_slots_give_their_pages_back_when_a_growth_needs_them() -> None:
     backend = HostBackend(SPEC, capacity=3, page_bytes=PAGE, page_budget=4)
     table = SessionTable(backend, keep_mapped=3)
