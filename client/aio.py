@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Coroutine, Generator, Mapping, Sequence
@@ -95,7 +96,7 @@ class AsyncTransport:
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket = self._context.socket(zmq.DEALER)
         self._watch = connect_client(self._context, self._socket, address, curve)
-        self._release = weakref.finalize(self, release, self._context, [self._watch.pair, self._socket])
+        self._release = weakref.finalize(self, _dropped, self._context, [self._watch.pair, self._socket], address)
         self._mail: dict[str, Mailbox] = {}
         self.orphans = calls.Orphans()
         self._reader: asyncio.Task[None] | None = None
@@ -106,7 +107,7 @@ class AsyncTransport:
         if self.closed:
             raise ClientError("the client is closed")
         if self._reader is None or self._reader.done():  # (the loop it ran on ended: asyncio.run returned)
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            self._reader = asyncio.get_running_loop().create_task(_read(self._socket, weakref.ref(self)))
         call = Call.of(request, time.monotonic(), self.resend_after_s)
         self._send(call.frames)
         self._mail[call.request_id] = Mailbox()  # once sent (no await between): a send that failed leaves none
@@ -166,7 +167,8 @@ class AsyncTransport:
                 await self._reader
             except asyncio.CancelledError:
                 pass
-        self._release()
+        if self._release.detach() is not None:  # closed, not dropped: no ResourceWarning
+            release(self._context, [self._watch.pair, self._socket])
 
     def _send(self, frames: list[bytes]) -> None:
         # NOBLOCK sends now: the future is done already, and a full queue is its exception (zmq.Again), not a raise.
@@ -177,16 +179,38 @@ class AsyncTransport:
         if error is not None:
             raise error
 
-    async def _read(self) -> None:
-        while True:
-            frames = await self._socket.recv_multipart()
-            self._heard = True
-            for request_id, item in addressed(decode_answer(frames)):
-                box = self._mail.get(request_id)
-                if box is not None:
-                    box.put(item)
-                else:
-                    self.orphans.answered(request_id, item, self.oneway)
+    def _sort(self, frames: list[bytes]) -> None:
+        """One message from the broker into its calls' mailboxes (an answer nobody waits for to the orphans)."""
+        self._heard = True
+        for request_id, item in addressed(decode_answer(frames)):
+            box = self._mail.get(request_id)
+            if box is not None:
+                box.put(item)
+            else:
+                self.orphans.answered(request_id, item, self.oneway)
+
+
+async def _read(sock: zmq.asyncio.Socket, owner: weakref.ref[AsyncTransport]) -> None:
+    """The reader task: sorts the socket's messages into the transport's mailboxes.
+
+    It holds the transport only while it sorts a message, never while it waits: the event loop holds this task (the
+    socket's pending read), so a transport the task kept would live as long as the loop, socket and all. Dropped,
+    the transport is collected, and its finalizer closes the socket, which cancels the read and ends this task."""
+    while True:
+        frames = await sock.recv_multipart()
+        transport = owner()
+        if transport is None:
+            return
+        transport._sort(frames)
+        del transport
+
+
+def _dropped(context: zmq.asyncio.Context, sockets: list[zmq.Socket[Any]], address: str) -> None:
+    """The finalizer of a transport collected (or left at exit) unclosed: release it, then say so, as asyncio does
+    for an unclosed transport (a ResourceWarning: silent unless warnings are enabled, e.g. `python -X dev`)."""
+    release(context, sockets)
+    warnings.warn(f"unclosed AsyncClient for {address}: close() it, or use `async with`", ResourceWarning,
+                  stacklevel=1)
 
 
 class AsyncClient:
@@ -204,7 +228,10 @@ class AsyncClient:
         file and this client's key pair file (NAME.key_secret, from `broker keygen`). `connect_timeout`: a call
         raises BrokerUnreachable after this many seconds when the client has never reached a broker.
 
-        close() (or leaving the `async with` block) releases the socket; one dropped unclosed releases it too."""
+        close() (or leaving the `async with` block) releases the socket and ends the reader task. An AsyncClient
+        nobody references any more, unclosed, is released when it is collected (at once in CPython, while its event
+        loop runs on), with a ResourceWarning as for asyncio's unclosed transports; its streams and sessions hold
+        it."""
         self.address = address
         self.timeout = timeout
         self._transport = AsyncTransport(address, resend_after, CurveClient.from_files(broker_key, key),

@@ -5,13 +5,13 @@ before anything is sent, and `async with client.session()`."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,6 +84,7 @@ def test_an_address_without_its_scheme_is_a_bad_request_that_says_what_was_meant
 # -- dropped, garbage-collected, left open at exit ---------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore:unclosed AsyncClient:ResourceWarning")  # dropped unclosed on purpose
 def test_a_client_dropped_without_close_in_a_thread_lets_the_thread_end() -> None:
     """A thread makes a Client, opens a session, generates (streamed too) and returns without closing anything."""
     errors: list[BaseException] = []
@@ -111,9 +112,35 @@ def test_a_client_dropped_without_close_in_a_thread_lets_the_thread_end() -> Non
         thread.start()
         thread.join(10)
         assert not thread.is_alive(), "the thread hung releasing a client it dropped"
-        gc.collect()  # the AsyncClient lives on in its cancelled reader task's frame until a collection
     assert errors == []
     assert time.monotonic() - start < 5
+
+
+def test_an_async_client_dropped_unclosed_is_released_while_its_loop_runs_on() -> None:
+    """The reader task waits on the socket for as long as the loop runs: it must not keep the client alive. Dropped
+    after a call, the AsyncClient's socket is closed and its reader task ends at once (no gc.collect()), with a
+    ResourceWarning as asyncio gives for an unclosed transport; one closed gives none."""
+    async def main(address: str) -> None:
+        c = AsyncClient(address, timeout=5)
+        await (await c.session()).generate(max_tokens=2)
+        sock, reader = c._transport._socket, c._transport._reader
+        assert reader is not None
+        with pytest.warns(ResourceWarning, match=r"^unclosed AsyncClient for tcp://127\.0\.0\.1:\d+: close\(\) it"):
+            del c
+        assert sock.closed
+        for _ in range(3):  # the close cancelled its read: the task ends on the loop's next turns
+            await asyncio.sleep(0)
+        assert reader.cancelled()
+
+        closed = AsyncClient(address, timeout=5)
+        await closed.session()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            await closed.close()
+            del closed
+
+    with FakeBroker(answer_everything) as fake:
+        asyncio.run(main(fake.address))
 
 
 def test_a_client_left_open_at_exit_does_not_hold_the_process() -> None:
