@@ -436,7 +436,11 @@ class SessionOpening:
 class AsyncStream:
     """An async iterator of Chunks; the last has finish_reason set. Closing it early cancels the generation.
 
-    Each token comes once and in order, and the chunks' texts add up to `result.text` exactly (see Stream)."""
+    Each token comes once and in order, and the chunks' texts add up to `result.text` exactly (see Stream). A read
+    that times out (Timeout after `timeout` without a chunk) or is cancelled (asyncio.wait_for or asyncio.timeout
+    around it, its task cancelled) closes the stream and cancels the generation; every later read raises
+    StreamCancelled, never a quiet end. Closed by its caller (close(), aclose(), `async with`), it ends quietly. To
+    look whether a chunk is there without waiting for it, use `ready`, not a read with a short timeout."""
 
     def __init__(self, transport: AsyncTransport, call: Call, session_id: str, timeout_s: float,
                  chat: bool = False) -> None:
@@ -452,12 +456,14 @@ class AsyncStream:
 
     async def __anext__(self) -> Chunk:
         if not self._open:
-            raise StopAsyncIteration
+            raise self._state.closed_error(self._call.request_id) or StopAsyncIteration
         while True:
             try:
                 message = await self._transport.next(self._call, self._timeout_s)
-            except (Timeout, asyncio.CancelledError):
+            except (Timeout, asyncio.CancelledError) as e:
+                # Nobody reads the rest (the gateway cancels a departed client's reads): stop the generation now.
                 self.close()
+                self._state.cut_off("timed out" if isinstance(e, Timeout) else "was cancelled")
                 raise
             try:
                 chunk = self._state.take(message)
@@ -484,7 +490,8 @@ class AsyncStream:
         return self._open and box is not None and bool(box.items)
 
     def close(self) -> None:
-        """Stop reading; a generation still running is cancelled (CANCEL is sent at once, no await needed)."""
+        """Stop reading; a generation still running is cancelled (CANCEL is sent at once, no await needed). Later
+        reads end the iteration (StopAsyncIteration); a stream a read gave up on already stays cut off."""
         if self._open:
             self._end()
             cancel = self._call.cancel()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from broker.common import protocol as p
-from client.errors import BadRequest, ClientError, InternalError, error_for
+from client.errors import BadRequest, ClientError, InternalError, StreamCancelled, error_for
 from client.logs import log
 from client.results import Chunk, Generation, SessionInfo, WorkerInfo
 
@@ -243,6 +243,7 @@ class StreamState:
         self._text_len = 0
         self.result: Generation | None = None
         self.missing = False  # a chunk came from beyond `tokens`: the ones between are to be asked for
+        self._cut_why: str | None = None  # closed because a read timed out or was cancelled: how
         self._call = call
         self._chat = chat
         self._asked_for = -1
@@ -280,6 +281,20 @@ class StreamState:
         self.tokens = len(final.token_ids)
         self._text, self._text_len = [final.text], len(final.text)
         return tail
+
+    def cut_off(self, why: str) -> None:
+        """A read gave up (`why`: "timed out", "was cancelled") and the stream was closed for it: the answer is cut
+        off, which later reads say (`closed_error`) instead of ending as if it were whole."""
+        self._cut_why = why
+
+    def closed_error(self, request_id: str) -> StreamCancelled | None:
+        """What a read of the closed stream raises: StreamCancelled (a fresh one each time, so tracebacks do not pile
+        up) when a read gave up on it; None when it ended or its caller closed it (the iteration stops quietly)."""
+        if self._cut_why is None:
+            return None
+        tokens = f"{self.tokens} token{'' if self.tokens == 1 else 's'}"
+        return StreamCancelled(f"the stream was closed and its generation cancelled when a read {self._cut_why}: its "
+                               f"answer is cut off after {tokens}", request_id=request_id)
 
     def ask(self, now: float, every_s: float) -> bool:
         """Whether to ask the worker for the missing chunks now: at once for a new gap, again every `every_s` while

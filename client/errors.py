@@ -61,6 +61,16 @@ class BrokerUnreachable(Timeout):
     runs. A Timeout too: code `timeout`."""
 
 
+class StreamCancelled(ClientError):
+    """A read of this stream timed out or was cancelled (its `timeout`, asyncio.wait_for, a task cancelled), which
+    closed the stream and cancelled its generation: the answer is cut off, and the stream's `result` stays None.
+    Every later read of the stream raises this, so that a cut-off answer is never taken for a finished one (a
+    stream the caller closed itself ends quietly instead). Start a new generation. The client's own error: no
+    server sends it (code `cancelled`, as the finish reason of a cancelled generation)."""
+
+    code = "cancelled"
+
+
 class WorkerDraining(ClientError):
     """The worker is shutting down and takes no new sessions or generations. Retry: others may take it."""
 

@@ -6,8 +6,9 @@
             print(chunk.text, end="")
 
 (`chat` renders the model's chat template; `append(text=...)` and `generate()` take raw text and tokens.)
-Timeouts: `timeout` (seconds) bounds the wait for an answer; for a stream, the wait for each chunk; a client
-that never reached a broker raises BrokerUnreachable after `connect_timeout`.
+Timeouts: `timeout` (seconds) bounds the wait for an answer; for a stream, the wait for each chunk (a Timeout cancels
+the generation: reading the stream on raises StreamCancelled); a client that never reached a broker raises
+BrokerUnreachable after `connect_timeout`.
 A Client and its sessions belong to one thread; use AsyncClient, or one Client per thread, for more.
 """
 
@@ -257,8 +258,9 @@ class Stream:
     """An iterator of Chunks; the last has finish_reason set. Closing it early cancels the generation.
 
     Each token comes once and in order, and the chunks' texts add up to `result.text` exactly (chunks lost on the
-    way, e.g. while the broker restarted, are asked for again). `timeout` bounds the wait for each chunk; on Timeout
-    the generation is cancelled.
+    way, e.g. while the broker restarted, are asked for again). `timeout` bounds the wait for each chunk; a Timeout
+    closes the stream and cancels the generation, and every later read raises StreamCancelled (the answer is cut off),
+    never a quiet end. Closed by its caller (close(), `with`), it ends quietly.
     """
 
     def __init__(self, transport: Transport, call: calls.Call, session_id: str, timeout_s: float,
@@ -275,12 +277,13 @@ class Stream:
 
     def __next__(self) -> Chunk:
         if not self._open:
-            raise StopIteration
+            raise self._state.closed_error(self._call.request_id) or StopIteration
         while True:
             try:
                 message = self._transport.next(self._call, self._timeout_s)
             except Timeout:
-                self.close()
+                self.close()  # the worker may still be generating: stop it, so the session is free again
+                self._state.cut_off("timed out")
                 raise
             try:
                 chunk = self._state.take(message)
@@ -301,7 +304,8 @@ class Stream:
         return self._state.result
 
     def close(self) -> None:
-        """Stop reading; a generation still running is cancelled so the session is free again."""
+        """Stop reading; a generation still running is cancelled so the session is free again. Later reads end the
+        iteration (StopIteration); a stream whose read timed out already stays cut off (StreamCancelled)."""
         if self._open:
             self._end()
             cancel = self._call.cancel()

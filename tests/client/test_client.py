@@ -23,6 +23,7 @@ from client import (
     ModelNotFound,
     SessionLost,
     SessionNotFound,
+    StreamCancelled,
     Timeout,
     WorkerDraining,
 )
@@ -50,7 +51,7 @@ def chunk(request: p.Generate, ids: tuple[int, ...], offset: int = 0) -> p.Chunk
 
 def test_every_error_class_is_importable_from_client_with_its_code() -> None:
     codes = {cls.code for cls in vars(client_pkg).values() if isinstance(cls, type) and issubclass(cls, ClientError)}
-    assert codes == {c.value for c in p.ErrorCode}
+    assert codes == {c.value for c in p.ErrorCode} | {"cancelled"}  # StreamCancelled: the client's own
     assert isinstance(error_for("session_lost", "x"), SessionLost)
     assert type(error_for("no_such_code", "x")).__name__ == "InternalError"
     assert issubclass(Timeout, TimeoutError)
@@ -135,17 +136,43 @@ def test_closing_a_stream_early_or_timing_out_sends_cancel() -> None:
         s = c.attach(SID)
         with s.generate(max_tokens=50, stream=True) as stream:
             assert next(stream) == Chunk([1], "b")
+        with pytest.raises(StopIteration):  # closed by its caller: the iteration ends quietly
+            next(stream)
         slow = s.generate(max_tokens=50, stream=True, timeout=0.2)
         next(slow)
         with pytest.raises(Timeout):
-            next(slow)
-        with pytest.raises(StopIteration):
             next(slow)
         deadline = time.monotonic() + 2
         while len(fake.of(p.Cancel)) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
     targets = [m.target for m in fake.of(p.Cancel)]
     assert targets == [m.request_id for m in fake.of(p.Generate)]
+
+
+def test_reading_a_stream_on_after_its_read_timed_out_says_the_answer_is_cut_off() -> None:
+    """The Timeout closed the stream and cancelled its generation: a caller who catches it and reads on gets
+    StreamCancelled (not a Timeout, which a retrying reader would catch forever), on every read, never the quiet end
+    of a finished answer; `result` stays None."""
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Generate):
+            reply(chunk(request, (1, 2)))
+
+    with FakeBroker(script) as fake, Client(fake.address, timeout=5, resend_after=10) as c:
+        stream = c.attach(SID).generate(max_tokens=50, stream=True, timeout=0.2)
+        assert next(stream) == Chunk([1, 2], "bc")
+        with pytest.raises(Timeout):
+            next(stream)
+        for _ in range(2):
+            with pytest.raises(StreamCancelled, match=r"^the stream was closed and its generation cancelled when a "
+                               r"read timed out: its answer is cut off after 2 tokens$") as cut:
+                next(stream)
+            assert not isinstance(cut.value, Timeout)
+            assert (cut.value.code, cut.value.request_id) == ("cancelled", fake.of(p.Generate)[0].request_id)
+        stream.close()  # (leaving a `with` block): still cut off, and nothing more is sent
+        with pytest.raises(StreamCancelled):
+            list(stream)
+        assert stream.result is None
+    assert [m.target for m in fake.of(p.Cancel)] == [fake.of(p.Generate)[0].request_id]
 
 
 def test_an_error_ends_a_stream_with_its_typed_exception() -> None:
@@ -316,6 +343,52 @@ def test_an_async_stream_times_out_and_resends_while_waiting() -> None:
     # once a chunk came, each resend also says where to resume the stream: after the one token it has
     assert all(g == replace(generates[0], resume=1) for g in generates[3:])
     assert len(fake.of(p.Cancel)) == 1  # the timeout cancelled the generation
+
+
+def test_an_async_stream_whose_read_timed_out_or_was_cancelled_says_so_on_the_next_read() -> None:
+    """A read cut short from outside (asyncio.wait_for timing out) or by the stream's own timeout closes the stream
+    and cancels the generation; the next reads raise StreamCancelled saying which, never StopAsyncIteration. A
+    stream its caller closed ends quietly."""
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Generate):
+            reply(chunk(request, (1,)))
+
+    async def read_after(stream: AsyncStream) -> str:
+        with pytest.raises(StreamCancelled) as cut:
+            await stream.__anext__()
+        with pytest.raises(StreamCancelled):
+            async for _ in stream:
+                pass
+        assert stream.result is None and not stream.ready
+        return cut.value.message
+
+    async def main() -> list[str]:
+        async with AsyncClient(fake.address, timeout=5, resend_after=10) as c:
+            s = c.attach(SID)
+            waited = await s.generate(max_tokens=50, stream=True)
+            assert await waited.__anext__() == Chunk([1], "b")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(waited.__anext__(), 0.05)
+            timed = await s.generate(max_tokens=50, stream=True, timeout=0.1)
+            with pytest.raises(Timeout):
+                while True:
+                    await timed.__anext__()
+            closed = await s.generate(max_tokens=50, stream=True)
+            await closed.__anext__()
+            await closed.aclose()
+            with pytest.raises(StopAsyncIteration):
+                await closed.__anext__()
+            messages = [await read_after(waited), await read_after(timed)]
+            await asyncio.sleep(0.1)  # let the CANCELs leave before the socket closes
+            return messages
+
+    with FakeBroker(script) as fake:
+        messages = asyncio.run(main())
+    assert messages == [
+        "the stream was closed and its generation cancelled when a read was cancelled: its answer is cut off after 1 token",
+        "the stream was closed and its generation cancelled when a read timed out: its answer is cut off after 1 token",
+    ]
+    assert [m.target for m in fake.of(p.Cancel)] == [m.request_id for m in fake.of(p.Generate)]
 
 
 def test_closing_an_async_stream_or_client_wakes_its_waiting_reader() -> None:

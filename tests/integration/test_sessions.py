@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from broker.common import protocol as p
-from client import AsyncClient, BadRequest, Chunk, SessionNotFound
+from client import AsyncClient, BadRequest, Chunk, SessionNotFound, StreamCancelled
 from worker.model.tokenizer import Tokenizer
 
 from .cluster import Cluster
@@ -161,6 +161,30 @@ def test_closing_a_stream_early_cancels_the_generation(one_worker: Cluster) -> N
                 break
         assert not s.info().busy
         assert len(s.generate(max_tokens=2, ignore_eos=True).token_ids) == 2
+
+
+def test_a_stream_whose_read_was_cancelled_is_cut_off_and_its_generation_stopped(one_worker: Cluster) -> None:
+    """asyncio.wait_for around a read timing out (the gateway's way when its HTTP client goes): the generation is
+    cancelled on the worker, so the session is free for the next turn, and reading the stream on raises
+    StreamCancelled rather than ending as a whole answer would."""
+    async def main() -> None:
+        async with AsyncClient(one_worker.clients, timeout=20) as c, c.session() as s:
+            await s.append(token_ids=PROMPT)
+            stream = await s.generate(max_tokens=1500, ignore_eos=True, stream=True)
+            for _ in range(1500):  # reads that find a chunk waiting return at once: one of them will wait
+                try:
+                    await asyncio.wait_for(stream.__anext__(), 0.0005)
+                except asyncio.TimeoutError:
+                    break
+            with pytest.raises(StreamCancelled, match="when a read was cancelled: its answer is cut off after"):
+                await stream.__anext__()
+            assert stream.result is None
+            for _ in range(100):  # the CANCEL is on its way
+                if not (await s.info()).busy:
+                    break
+            assert len((await s.generate(max_tokens=2, ignore_eos=True)).token_ids) == 2
+
+    asyncio.run(main())
 
 
 def test_async_client(one_worker: Cluster) -> None:
