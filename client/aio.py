@@ -440,7 +440,10 @@ class AsyncStream:
     that times out (Timeout after `timeout` without a chunk) or is cancelled (asyncio.wait_for or asyncio.timeout
     around it, its task cancelled) closes the stream and cancels the generation; every later read raises
     StreamCancelled, never a quiet end. Closed by its caller (close(), aclose(), `async with`), it ends quietly. To
-    look whether a chunk is there without waiting for it, use `ready`, not a read with a short timeout."""
+    look whether a chunk is there without waiting for it, use `ready`, not a read with a short timeout.
+
+    As with Stream, an `async for` left early cancels the generation at once only when nothing else refers to the
+    stream; one kept in a variable generates on until close(), or use `async with`."""
 
     def __init__(self, transport: AsyncTransport, call: Call, session_id: str, timeout_s: float,
                  chat: bool = False) -> None:

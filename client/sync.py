@@ -261,6 +261,11 @@ class Stream:
     way, e.g. while the broker restarted, are asked for again). `timeout` bounds the wait for each chunk; a Timeout
     closes the stream and cancels the generation, and every later read raises StreamCancelled (the answer is cut off),
     never a quiet end. Closed by its caller (close(), `with`), it ends quietly.
+
+    A `for` loop left early (break, an exception) cancels the generation at once only when the loop held the stream
+    alone (`for chunk in s.generate(..., stream=True):`): CPython frees it there and __del__ closes it. A stream
+    kept in a variable generates on, holding the session, until it is closed or dropped: read it in a `with` block,
+    or close() it.
     """
 
     def __init__(self, transport: Transport, call: calls.Call, session_id: str, timeout_s: float,

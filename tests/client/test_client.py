@@ -13,6 +13,7 @@ import client as client_pkg
 from broker.common import protocol as p
 from client import (
     AsyncClient,
+    AsyncSession,
     AsyncStream,
     BadRequest,
     CapacityExhausted,
@@ -147,6 +148,43 @@ def test_closing_a_stream_early_or_timing_out_sends_cancel() -> None:
             time.sleep(0.01)
     targets = [m.target for m in fake.of(p.Cancel)]
     assert targets == [m.request_id for m in fake.of(p.Generate)]
+
+
+def test_a_loop_left_by_break_cancels_at_once_unless_a_variable_keeps_the_stream() -> None:
+    """What the README and Stream's docstring promise: CPython frees a stream only the loop held as the loop ends,
+    and __del__ cancels its generation (no gc needed); one kept in a variable runs on until it is closed."""
+    def script(request: p.Message, reply: Reply) -> None:
+        if isinstance(request, p.Generate):
+            reply(chunk(request, (1,)))
+
+    def cancelled() -> list[str]:
+        time.sleep(0.2)  # a CANCEL sent would have arrived
+        return [m.target for m in fake.of(p.Cancel)]
+
+    async def loop_left_async(s: AsyncSession) -> None:
+        async for _ in await s.generate(max_tokens=50, stream=True):
+            break
+
+    with FakeBroker(script) as fake, Client(fake.address, timeout=5, resend_after=10) as c:
+        s = c.attach(SID)
+        for _ in s.generate(max_tokens=50, stream=True):
+            break
+        assert cancelled() == [fake.of(p.Generate)[0].request_id]
+        kept = s.generate(max_tokens=50, stream=True)
+        for _ in kept:
+            break
+        assert len(cancelled()) == 1  # still generating
+        kept.close()
+        assert cancelled()[1:] == [fake.of(p.Generate)[1].request_id]
+
+    async def main() -> None:
+        async with AsyncClient(fake.address, timeout=5, resend_after=10) as c:
+            await loop_left_async(c.attach(SID))
+            await asyncio.sleep(0.2)  # let the CANCEL leave before the socket closes
+
+    with FakeBroker(script) as fake:
+        asyncio.run(main())
+        assert [m.target for m in fake.of(p.Cancel)] == [fake.of(p.Generate)[0].request_id]
 
 
 def test_reading_a_stream_on_after_its_read_timed_out_says_the_answer_is_cut_off() -> None:
