@@ -975,17 +975,20 @@ def fill_device(gpu: torch.device) -> list[torch.Tensor]:
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_a_full_device_takes_the_kept_slots_pages_before_refusing(gpu: torch.device) -> None:
-    spec = kv_spec(8192, layers=32)  # 64 MiB per session: 32 pages of 2 MiB
+    spec = kv_spec(8192, layers=32)  # 128 MiB per session: 64 pages of 2 MiB
     table = SessionTable(vmm.VmmBackend(spec, 4, gpu), keep_mapped=4)
+    full = spec.pages_for(8192, table.page_bytes)
     hog: list[torch.Tensor] = []
     try:
-        a, b = table.create(8192), table.create()  # 32 pages, 1 page
+        a, b = table.create(8192), table.create()  # every page, one page
         table.free(a)  # kept, every page mapped
+        mapped = table.backend.mapped_bytes()
         hog = fill_device(gpu)
         assert device_free_bytes() < 4 * table.page_bytes
-        table.ensure(b, 8192)  # 31 more pages, within the budget: only the kept slot's memory can give them
-        assert table.pages(b) == 32 and table.kept == 0
-        assert table.backend.mapped_bytes() == 33 * table.page_bytes and table.live == 1
+        table.ensure(b, 8192)  # the rest of its pages, within the budget: only the kept slot's memory can give them
+        assert table.pages(b) == full and table.kept == 0 and table.live == 1
+        # a's pages released, b grown by full - 1: one page less than before, nothing leaked
+        assert table.backend.mapped_bytes() == mapped - table.page_bytes
     finally:
         hog.clear()
         torch.cuda.empty_cache()

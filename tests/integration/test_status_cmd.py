@@ -39,13 +39,13 @@ def test_status_lists_the_live_worker_and_follows_its_sessions(one_worker: Clust
     lines = out.splitlines()
     assert lines[0] == "1 worker"
     row = lines[4].split()
-    assert (row[0], row[3:7]) == ("w1", ["4", "0", "4", "no"])
+    assert (row[0], row[3:8]) == ("w1", ["2048", "4", "0", "4", "no"])  # context, capacity, sessions, free, draining
     with one_worker.client() as c, c.session():
         code, out, _ = run_status("--clients", one_worker.clients, "--json")
         assert code == 0
         [worker] = json.loads(out)
         assert (worker["name"], worker["capacity"], worker["sessions"], worker["free_slots"]) == ("w1", 4, 1, 3)
-        assert worker["device"] == "cpu" and worker["draining"] is False
+        assert worker["device"] == "cpu" and worker["draining"] is False and worker["max_context"] == 2048
 
 
 def test_status_without_a_broker_exits_1_after_the_timeout() -> None:
