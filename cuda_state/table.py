@@ -247,8 +247,11 @@ class SessionTable:
         try:
             self.backend.grow(slot, want)
         except CapacityExhausted:
-            if need > have:
-                self.backend.grow(slot, need)
+            if need <= have:
+                return  # the pages ahead are not to be had; the pages needed are there
+            if need == want:
+                raise  # nothing less to ask for: asking again would create and release the same pages
+            self.backend.grow(slot, need)
 
     def _reclaim(self, slot: int) -> bool:
         """Unmap every kept slot and every other live slot's surplus (each after its last queued use). Whether any

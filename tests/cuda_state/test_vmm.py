@@ -739,8 +739,11 @@ def test_fake_a_device_out_of_memory_takes_the_kept_pages_and_the_surplus_first(
     assert table.pages(d) == 1 and table.pages(c) == 1 and table.surplus_pages == 0
     assert table.backend.mapped_bytes() == 3 * GRANULARITY and len(fake.handles) == 3
     fake.free = 0
+    fake.log.clear()
     with pytest.raises(CapacityExhausted, match="no memory left"):
         table.ensure(d, 40)  # nothing of ours left to give: refused, nothing changed
+    creates = [call for call, _ in fake.log if call == "cuMemCreate"]
+    assert len(creates) == 1  # asked once: the same pages were asked for again at once (need == want), in vain
     assert table.pages(d) == 1 and table.pages(c) == 1 and table.live == 2
     assert table.backend.mapped_bytes() == 3 * GRANULARITY and len(fake.handles) == 3
     table.close()
