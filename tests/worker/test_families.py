@@ -159,6 +159,7 @@ LLAMA_CFG: dict[str, Any] = {"model_type": "llama", "hidden_size": 64, "intermed
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type='longrope'"),
     ({"rope_scaling": {"type": "linear"}}, "rope factor=None"),
+    ({"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 256}}, "rope factor=None"),  # as transformers
     ({"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}}, "high_freq_factor=None"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor=0.5"),

@@ -128,10 +128,8 @@ def read_rope(cfg: Mapping[str, Any], where: str, partial_rotary: bool = False,
         if params.get(field) is None:  # transformers refuses such a config; no default is taken for it here either
             raise refuse(where, field, None, "llama3 needs it")
     factor = params.get("factor")
-    if factor is None:
-        if kind != "yarn" or context is None:
-            raise refuse(where, "rope factor", None, f"{kind} needs a factor")
-        factor = int(context) / original  # transformers' yarn default
+    if factor is None:  # transformers refuses such a config (its yarn validation reads the factor as required)
+        raise refuse(where, "rope factor", None, f"{kind} needs a factor")
     return RopeScaling(
         kind=kind, factor=float(factor), original_context=original,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
