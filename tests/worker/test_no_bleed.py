@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from worker.engine import Engine
 
 PROMPTS = [
@@ -130,6 +132,29 @@ def test_prefill_chunks_do_not_depend_on_the_batch(engine: Engine) -> None:
         for s in sids:
             engine.close(s)
     assert seen[0] == seen[1] == [256, 256, 88]
+
+
+@pytest.mark.parametrize("step_tokens", [1, 2, 3])
+def test_a_prompt_cut_into_one_token_chunks_samples_only_at_its_end(step_tokens: int) -> None:
+    """A step budget of 1 cuts a prompt into 1-token chunks: each used to be taken for a decode row, sampled and
+    appended as a generated token (the prompt came back as the answer)."""
+    prompt = [5, 6, 7, 8, 9]
+    plain = Engine.load("random:tiny", device="cpu", max_sessions=1, max_context=64)
+    small = Engine.load("random:tiny", device="cpu", max_sessions=1, max_context=64, step_tokens=step_tokens)
+    results = []
+    for eng in (plain, small):
+        sid = eng.create_session()
+        eng.append(sid, token_ids=prompt)
+        results.append(eng.generate(sid, max_tokens=3, ignore_eos=True).token_ids)
+        assert eng.session_tokens(sid) == prompt + results[-1]
+    assert results[1] == results[0]
+
+
+@pytest.mark.parametrize("step_tokens", [0, -5])
+def test_a_step_budget_below_one_token_is_refused(step_tokens: int) -> None:
+    """(-5 made every generation wait forever: no prompt token ever fit a step.)"""
+    with pytest.raises(ValueError, match="step_tokens must be >= 1"):
+        Engine.load("random:tiny", device="cpu", max_sessions=1, max_context=64, step_tokens=step_tokens)
 
 
 def test_generate_many_runs_every_request_from_the_first_step(engine: Engine) -> None:

@@ -44,6 +44,8 @@ def build_parts(model: str | None, device: str, max_sessions: int, max_context: 
         raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
     if max_context < 2:
         raise ValueError(f"max_context must be >= 2, got {max_context}")
+    if step_tokens is not None and step_tokens < 1:  # no prompt token would ever fit a step: generations never end
+        raise ValueError(f"step_tokens must be >= 1 (None: the device's default), got {step_tokens}")
     choice = select_device(device)
     on_gpu = choice.device.type == "cuda"
     if on_gpu:

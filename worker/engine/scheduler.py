@@ -66,7 +66,7 @@ class StepPlan:
         (a decode row always does)."""
         s = request.session
         self.reach.append((request, start + n))
-        if n == 1:
+        if n == 1 and start + 1 == len(s.tokens):  # a 1-token chunk mid-prompt (step_tokens 1) samples nothing
             self._decode.append(request)
             self._decode_positions.append(start)
             self._decode_slots.append(s.slot)
