@@ -137,6 +137,33 @@ def test_a_failed_step_leaves_the_session_able_to_generate(engine: Engine, monke
     engine.close(sid)
 
 
+def test_a_failed_step_keeps_the_ends_made_between_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel's final chunk (made between steps) was taken by the next step and lost when that step failed: the
+    caller never heard that generation end."""
+    import worker.engine.core
+
+    a, b = engine.create_session(), engine.create_session()
+    engine.append(a, text=PROMPT)
+    engine.append(b, text=PROMPT)
+    engine.start_generate(a, SamplingParams(max_tokens=4, ignore_eos=True), request_id="cancelled")
+    engine.cancel("cancelled")
+    engine.start_generate(b, SamplingParams(max_tokens=1, ignore_eos=True), request_id="runs")
+
+    def failing(*args: object) -> torch.Tensor:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(worker.engine.core, "sample_ids", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    monkeypatch.undo()
+    ends: dict[str, str | None] = {}
+    while engine.has_work():
+        ends.update((c.request_id, c.finish_reason) for c in engine.step() if c.finish_reason is not None)
+    assert ends == {"cancelled": "cancelled", "runs": "length"}
+    engine.close(a)
+    engine.close(b)
+
+
 def test_every_bit_of_a_seed_counts() -> None:
     """torch's CPU generator kept 32 bits of a seed: 1, 1 + 2**32 and 2**62 + 1 drew the same numbers."""
     draws = {seed: RowRandom(seed).uniform() for seed in (1, 1 + 2**32, 2**62 + 1, 2**63 - 1)}

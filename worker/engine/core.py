@@ -477,7 +477,8 @@ class Engine:
         returns without reading it (only chunks made outside a step). wait False: a step with prompt tokens is read
         only once the device has made its tokens (`prefill_running`); until then the call launches what it can and
         returns. Decode steps (about a millisecond) are always waited for."""
-        chunks, self._finished = self._finished, []
+        outside, self._finished = self._finished, []  # final chunks made between steps (cancels, closes)
+        chunks = list(outside)
         self.last_rows = self.last_prefill_tokens = 0  # what this call launches (a call may only read)
         self.last_read = False
         try:
@@ -498,6 +499,8 @@ class Engine:
             if not self._rewritable:  # the failed steps may have advanced their sessions' state: rebuild it
                 self._forget_state([*self._active.values(), *self._rows_of(self._unread), *self._rows_of(self._ahead)])
             self._unread = self._ahead = None  # nothing of a failed step is kept: its requests run it again
+            # The ends made between steps belong to no step: they come with the next call, not lost with this one.
+            self._finished = outside + self._finished
             raise
         return chunks
 
