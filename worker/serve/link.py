@@ -40,6 +40,10 @@ log = structlog.get_logger()
 # the socket to it (see Link). A longer wait (an idle engine) is for the link thread to hand requests over.
 BUSY_WAIT_S = 1e-3
 MAX_INBOX_BATCH = 1024  # requests taken in one receive
+# And at most about this many received bytes per receive (at least one request, whatever its size). A batch is decoded
+# whole before any of it is handled, and a decoded request is several times its wire size (a valid APPEND of 1M token
+# ids is 5 MB on the wire and ~25 MB as Python ints): 1024 of them at once took 20+ GB and the kernel killed the worker.
+MAX_INBOX_BATCH_BYTES = 16 << 20
 HANDSHAKE_LOG_S = 10.0  # a refused handshake is logged at most this often (ZeroMQ retries every reconnect)
 REQUEST_COMMANDS = frozenset(t.COMMAND.value for t in p.REQUEST_TYPES)
 # Passed to the compute loop undecoded: requests, DROP, and the moves of sessions (worker.serve.moves).
@@ -143,7 +147,8 @@ class Link:
         self._inbox.put(WAKE)
 
     def receive(self, timeout_s: float) -> list[p.Message]:
-        """Requests from the broker: waits up to timeout_s for the first, then takes what is there.
+        """Requests from the broker: waits up to timeout_s for the first, then takes what is there (at most a batch:
+        MAX_INBOX_BATCH requests, MAX_INBOX_BATCH_BYTES; the rest waits in the inbox for the next call).
 
         A wait up to BUSY_WAIT_S is the busy compute loop's (between steps, or while a prefill runs): it reads the
         socket itself. A longer one (an idle engine) waits for the link thread to hand requests over.
@@ -161,11 +166,14 @@ class Link:
         except queue.Empty:
             return []
         batch = [first]
-        while len(batch) < MAX_INBOX_BATCH:
+        size = _size(first)
+        while len(batch) < MAX_INBOX_BATCH and size < MAX_INBOX_BATCH_BYTES:
             try:
-                batch.append(self._inbox.get_nowait())
+                frames = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            batch.append(frames)
+            size += _size(frames)
         requests: list[p.Message] = []
         errors: list[p.Message] = []
         for frames in batch:
@@ -429,6 +437,11 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the enums' op
 
 def _readable(dealer: zmq.Socket[bytes]) -> bool:
     return bool(cast(int, dealer.getsockopt(_EVENTS)) & _POLLIN)
+
+
+def _size(frames: Frames) -> int:
+    """The bytes of a received message (payload frames are memoryviews)."""
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
 
 
 def _refusal(e: p.ProtocolError) -> list[p.Message]:
