@@ -3,6 +3,7 @@ CPU engine of `random:tiny`: the interleavings a live worker sees, driven as its
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -128,3 +129,32 @@ def test_a_release_sent_again_is_reported_again_and_closes_nothing_more(engine: 
         assert isinstance(released, p.MoveReport)
         assert (released.migration, released.session_id, released.status) == ("m1", A, "released")
     assert engine.sessions() == [B] and moves.counts.released == 1
+
+
+def test_a_move_in_whose_chunks_stop_coming_is_given_up_and_reported_failed(engine: Engine,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # A MOVE_STATE whose chunks never came (a chunk without its payload frame is dropped unanswered) kept its state
+    # buffer and one of the MAX_IMPORTS places for good: 64 of them refused every later move in.
+    import worker.serve.moves as moves_module
+
+    d = dispatch(engine)
+    create(d, A)
+    d.handle(p.Generate(request_id="g1", session_id=A, prompt_ids=(5, 6, 7), params=p.Sampling(max_tokens=2),
+                        route=b"c"))
+    run_steps(engine, d)  # its state computed: the move has chunks to send
+    source = Moves(engine, d, lambda: "b1")
+    state, *chunks = source.handle(p.Move(migration="m1", session_id=A, target="w2"))
+    assert isinstance(state, p.MoveState) and chunks
+    source.handle(p.MoveEnd(migration="m1", session_id=A, outcome="release"))
+    target = Moves(engine, d, lambda: "b1")  # the same engine, now without A: it takes A back
+    assert target.handle(dataclasses.replace(state, migration="m2")) == []
+    assert target.poll() == [] and "m2" in target.imports  # waiting for its chunks
+    monkeypatch.setattr(moves_module, "IMPORT_KEEP_S", 0.0)
+    [report] = target.poll()
+    assert isinstance(report, p.MoveReport)
+    assert (report.migration, report.session_id, report.status, report.code) == ("m2", A, "failed", p.ErrorCode.TIMEOUT)
+    assert target.imports == {} and A not in engine.sessions()
+    chunk = chunks[0]
+    assert isinstance(chunk, p.MoveChunk)
+    assert target.handle(dataclasses.replace(chunk, migration="m2")) == []  # a late chunk: nothing to add it to
+    assert A not in engine.sessions()

@@ -40,6 +40,12 @@ MAX_RELEASED = 1024  # releases remembered, to answer one sent again
 IMPORT_KEEP_S = 120.0
 
 
+class ImportStalled(Exception):
+    """A move into this worker whose chunks stopped coming."""
+
+    code = "timeout"
+
+
 @dataclass
 class Export:
     migration: str
@@ -55,6 +61,7 @@ class Import:
     next_index: int = 0
     session_id: str | None = None  # set once imported (an abort closes it)
     started: float = field(default_factory=time.perf_counter)
+    touched: float = field(default_factory=time.perf_counter)  # when its state or last chunk came
 
 
 @dataclass
@@ -155,6 +162,14 @@ class Moves:
             now = time.perf_counter()
             for mid in [m for m, w in self.imports.items() if w.session_id is not None and now - w.started > IMPORT_KEEP_S]:
                 del self.imports[mid]
+            # A partial import whose chunks stopped coming (lost, never sent, or undecodable: a MOVE_CHUNK without its
+            # payload is dropped unanswered) held its state buffer and one of the MAX_IMPORTS places for good; 64 of
+            # them refused every later move into this worker until the broker restarted. The broker aborts a stalled
+            # move long before this (MOVE_TIMEOUT_S); past it the move is given up here and reported failed.
+            for mid in [m for m, w in self.imports.items() if w.session_id is None and now - w.touched > IMPORT_KEEP_S]:
+                work = self.imports.pop(mid)
+                out.append(self._failed(mid, work.header.session_id, ImportStalled(
+                    f"no chunk for {IMPORT_KEEP_S:g} s: chunk {work.next_index} of {work.header.chunks} was due")))
         for export in list(self.exports.values()):
             if export.sent or self.dispatch.busy(export.session_id):
                 continue
@@ -243,6 +258,7 @@ class Moves:
         if expected:
             work.state.numpy()[start:start + expected] = np.frombuffer(chunk.data, dtype=np.uint8)  # one copy
         work.next_index += 1
+        work.touched = time.perf_counter()
         return self._complete(chunk.migration) if work.next_index == header.chunks else []
 
     def _complete(self, mid: str) -> list[p.Message]:
