@@ -37,6 +37,8 @@ CASES: list[tuple[str, type[EngineError], str, Callable[[Engine, str], object]]]
     ("too many logprobs", BadRequest, "logprobs must be", lambda e, s: e.generate(s, logprobs=21)),
     ("negative temperature", BadRequest, "temperature must be in", lambda e, s: e.generate(s, temperature=-0.5)),
     ("top_p zero", BadRequest, "top_p", lambda e, s: e.generate(s, top_p=0.0)),
+    ("boolean temperature", BadRequest, "temperature must be in", lambda e, s: e.generate(s, temperature=True)),
+    ("boolean top_p", BadRequest, "top_p must be in", lambda e, s: e.generate(s, top_p=True)),
     ("negative top_k", BadRequest, "top_k", lambda e, s: e.generate(s, top_k=-3)),
     ("unknown parameter", BadRequest, "unexpected keyword", lambda e, s: e.generate(s, beam_width=2)),
     ("unknown session", SessionNotFound, "no session 'nope'", lambda e, s: e.generate("nope", max_tokens=2)),

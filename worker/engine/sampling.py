@@ -45,9 +45,10 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise BadRequest(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
+                0.0 <= self.temperature <= 100.0):
             raise BadRequest(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise BadRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
             raise BadRequest(f"top_k must be an integer in [0, {MAX_TOP_K}], got {self.top_k!r}")
