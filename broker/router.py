@@ -466,6 +466,8 @@ class Router:
                                    or flight.addressed() != request.session_id):
             self._reused_id(route, request.request_id, flight)
             return
+        if flight is None and self._too_long(route, request, worker):
+            return
         sent_at = now if flight is None else flight.sent_at  # a resend does not move the deadline
         if isinstance(request, p.Fork):
             if flight is not None and flight.command is p.Command.FORK:
@@ -484,6 +486,17 @@ class Router:
         if isinstance(request, p.Close):
             worker.closing.add(request.session_id)  # its slot is free for what comes after it (WorkerRecord.closing)
         self._to_worker(worker, request.routed(route), key)
+
+    def _too_long(self, route: bytes, request: p.SessionRequest, worker: WorkerRecord) -> bool:
+        """Refuse token ids that could never fit the session's worker (more than its whole context), here rather than
+        on the worker: such a list can be megabytes, and a flood of them would pile up in the worker's queue."""
+        ids = request.token_ids if isinstance(request, p.Append) else (
+            request.prompt_ids if isinstance(request, p.Generate) else None)
+        if ids is None or not worker.max_context or len(ids) <= worker.max_context:
+            return False
+        self._error(route, request.request_id, p.ErrorCode.BAD_REQUEST,
+                    f"{len(ids)} token ids exceed max_context {worker.max_context} of session {request.session_id}")
+        return True
 
     def _unknown_session(self, route: bytes, request: p.SessionRequest, now: float, user: str) -> None:
         if isinstance(request, p.Cancel):

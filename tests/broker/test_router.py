@@ -69,6 +69,22 @@ def test_create_is_placed_forwarded_with_route_and_session_id_and_the_answer_com
     assert router.registry.workers[W1].pending == 0 and not router.inflight
 
 
+def test_token_ids_past_the_workers_whole_context_are_refused_at_the_broker() -> None:
+    """An id list longer than the worker's max_context (64 here) never fits the session: refused without a trip to
+    the worker (a flood of megabyte lists piled up in its queue); one that may fit goes on."""
+    sid = "b" * 32
+    router = running((W1, ready("w1", sessions=(sid,))))
+    for request in (p.Append(request_id="a1", session_id=sid, token_ids=(7,) * 65),
+                    p.Generate(request_id="g1", session_id=sid, prompt_ids=(7,) * 65)):
+        peer, identity, error = one(router.client_message(C1, p.encode(request), 2.0))
+        assert (peer, identity) == (Peer.CLIENT, C1) and isinstance(error, p.Error)
+        assert (error.code, error.message) == (p.ErrorCode.BAD_REQUEST,
+                                               f"65 token ids exceed max_context 64 of session {sid}")
+    assert not router.inflight
+    fits = p.Append(request_id="a2", session_id=sid, token_ids=(7,) * 64)
+    assert one(router.client_message(C1, p.encode(fits), 2.1)) == (Peer.WORKER, W1, fits.routed(C1))
+
+
 def test_session_requests_go_to_the_session_s_worker() -> None:
     sid = "b" * 32
     router = running((W1, ready("w1")), (W2, ready("w2", sessions=(sid,))))
