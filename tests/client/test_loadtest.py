@@ -17,6 +17,7 @@ import pytest
 from client.bench.loadtest import LoadConfig, LoadTestError, run
 from client.bench.loadtest.progress import Tally, requests_text
 from client.bench.loadtest.report import build_report
+from client.bench.loadtest.stack import request_shares, split
 from client.bench.loadtest.stats import RawRun, RequestSample, Summary, e2e, itls, merge, percentile, timeline, tpot, ttft
 from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, Opened, Turn, TurnDone, Workload, user
 
@@ -223,6 +224,17 @@ def test_config_is_checked() -> None:
     assert LoadConfig(sessions=3, turns=2).request_limit == 6
     assert LoadConfig(sessions=2, turns=4, fork_every=2).request_limit == 12  # each conversation's 2 forked turns too
     assert LoadConfig(duration=1.0).request_limit is None
+
+
+def test_requests_are_split_over_processes_in_proportion_to_their_users() -> None:
+    """3 users over 2 processes, one conversation of 2 turns each (6 requests): the process of 2 users needs 4 of them
+    (an even split, 3 and 3, ran 3 + 2 = 5 requests)."""
+    config = LoadConfig(sessions=3, turns=2, processes=2)
+    parts = split("tcp://x:1", None, 1.0, config.workload(), 3, 2, config.request_limit, None)
+    assert [(p.first, p.count, p.requests) for p in parts] == [(0, 2, 4), (2, 1, 2)]
+    assert [p.requests for p in split("tcp://x:1", None, 1.0, config.workload(), 4, 3, 5, None)] == [2, 1, 2]
+    assert [p.requests for p in split("tcp://x:1", None, 1.0, config.workload(), 4, 2, None, 2.0)] == [None, None]
+    assert request_shares(9, [1, 2]) == [3, 6]  # --compare together: 3 sessions, the native side 1 of them
 
 
 # -- in-process on random:tiny ----------------------------------------------------------------------

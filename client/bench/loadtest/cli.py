@@ -253,7 +253,7 @@ def run_together(config: LoadConfig, log_level: str = "warning") -> tuple[Report
     process starting on one signal. Both see the same load at the same moments (the engine's steps, the host's other
     work), which run-to-run differences no longer blur. The native report and the gateway's."""
     from client.bench.loadtest.http import served_model
-    from client.bench.loadtest.stack import run_each, split
+    from client.bench.loadtest.stack import request_shares, run_each, split
 
     config.validate()
     if config.http is None or config.broker is None:
@@ -265,7 +265,8 @@ def run_together(config: LoadConfig, log_level: str = "warning") -> tuple[Report
     model = config.model or served_model(config.http, config.api_key, min(config.timeout, REACH_TIMEOUT_S))
     half_sessions, half_processes = config.sessions // 2, config.processes // 2
     limit = config.request_limit
-    native_requests, http_requests = (None, None) if limit is None else (limit // 2, limit - limit // 2)
+    native_requests, http_requests = (None, None) if limit is None else request_shares(
+        limit, [half_sessions, config.sessions - half_sessions])
 
     def side(http: bool, workload: Workload, sessions: int, processes: int, requests: int | None,
              duration: float | None) -> list[Any]:

@@ -58,16 +58,27 @@ class Part:
     api_key: str | None = None  # the gateway's API key
 
 
+def request_shares(requests: int, users: Sequence[int]) -> list[int]:
+    """`requests` shared in proportion to each part's users, exactly (a part of 2 users of 3 gets 2/3 of them: an
+    even split would leave the default length, each user's one conversation, short by the part with more users)."""
+    total = sum(users)
+    shares, first = [], 0
+    for count in users:
+        shares.append(requests * (first + count) // total - requests * first // total)
+        first += count
+    return shares
+
+
 def split(address: str, model: str | None, timeout: float, workload: Workload, sessions: int, processes: int,
           requests: int | None, duration: float | None, broker_key: str | None = None,
           key: str | None = None, http: str | None = None, api_key: str | None = None) -> list[Part]:
-    """Users and requests shared as evenly as possible (the first parts get the remainders)."""
+    """Users shared as evenly as possible (the first parts get the remainders), requests in proportion to them."""
     processes = max(1, min(processes, sessions))
+    counts = [sessions // processes + (i < sessions % processes) for i in range(processes)]
+    shares: list[int | None] = [None] * processes if requests is None else list(request_shares(requests, counts))
     parts = []
     first = 0
-    for i in range(processes):
-        count = sessions // processes + (i < sessions % processes)
-        share = None if requests is None else requests // processes + (i < requests % processes)
+    for count, share in zip(counts, shares, strict=True):
         parts.append(Part(address, model, timeout, workload, first, count, share, duration, broker_key, key, http, api_key))
         first += count
     return parts
