@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from client.bench.loadtest import LoadConfig, LoadTestError, run
+from client.bench.loadtest import LoadConfig, LoadTestError, main, run
 from client.bench.loadtest.progress import Tally, requests_text
 from client.bench.loadtest.report import build_report
 from client.bench.loadtest.stack import request_shares, split
@@ -221,6 +221,11 @@ def test_config_is_checked() -> None:
                          (dict(prompt_tokens=2000, max_tokens=100), "does not fit")]:
         with pytest.raises(ValueError, match=message):
             LoadConfig(**bad).validate()  # type: ignore[arg-type]
+    nan, inf = float("nan"), float("inf")
+    for bad, message in [(dict(duration=nan), "duration"), (dict(duration=inf), "duration"), (dict(timeout=nan), "timeout"),
+                         (dict(temperature=-0.5), "temperature"), (dict(temperature=nan), "temperature")]:
+        with pytest.raises(ValueError, match=message):  # accepted before: a run without end, or every request failed
+            LoadConfig(**bad).validate()  # type: ignore[arg-type]
     assert LoadConfig(sessions=3, turns=2).request_limit == 6
     assert LoadConfig(sessions=2, turns=4, fork_every=2).request_limit == 12  # each conversation's 2 forked turns too
     assert LoadConfig(duration=1.0).request_limit is None
@@ -348,6 +353,15 @@ def test_full_stack_api_in_this_process(stack: Cluster) -> None:
 def test_full_stack_unknown_model_fails_every_create(stack: Cluster) -> None:
     report = run(LoadConfig(broker=stack.clients, model="no-such-model", sessions=2, requests=4, timeout=5))
     assert report.completed == 0 and report.op_errors == {"create": {"model_not_found": 2}}
+
+
+@pytest.mark.parametrize("args", [["--duration", "nan"], ["--temperature", "-1"],
+                                  ["--http", "http://127.0.0.1:9", "--compare", "together", "--sessions", "1", "--processes", "2"]])
+def test_bad_values_exit_2_before_the_run(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """--compare together with one session exited 1 after checking the broker; nan and -1 were accepted."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--broker", f"tcp://127.0.0.1:{free_port()}", "--no-progress", *args])
+    assert exited.value.code == 2 and "error:" in capsys.readouterr().err
 
 
 def test_no_broker_is_a_clear_error() -> None:

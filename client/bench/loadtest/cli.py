@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -58,6 +59,7 @@ log = structlog.get_logger()
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 PROMPT_KINDS = ("tokens", "text")
 WARMUP_SEED = 1 << 40  # added to the seed for warm-up prompts
+MAX_TEMPERATURE = 100.0  # the engine's SamplingParams limit
 REACH_TIMEOUT_S = 5.0  # how long the broker gets to answer a STATUS before the run starts
 
 
@@ -100,14 +102,16 @@ class LoadConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.requests is not None and self.requests < 1:
             raise ValueError(f"requests must be >= 1, got {self.requests}")
-        if self.duration is not None and self.duration <= 0:
-            raise ValueError(f"duration must be > 0, got {self.duration}")
+        if self.duration is not None and not (0 < self.duration < math.inf):  # nan and inf: a run that never ends
+            raise ValueError(f"duration must be a number of seconds > 0, got {self.duration}")
         if self.fork_every < 0 or self.warmup < 0:
             raise ValueError(f"fork_every and warmup must be >= 0, got {self.fork_every} and {self.warmup}")
         if self.prompt_kind not in PROMPT_KINDS:
             raise ValueError(f"prompt_kind must be one of {', '.join(PROMPT_KINDS)}, got {self.prompt_kind!r}")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {self.timeout}")
+        if not 0 < self.timeout < math.inf:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # else every request would fail bad_request
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.in_process and self.processes > 1:
             raise ValueError("in-process mode runs in one process: leave processes at 1")
         if not self.in_process and not self.broker and not self.http:
@@ -247,6 +251,15 @@ def _run_http(config: LoadConfig, log_level: str) -> RawRun:
     return raw
 
 
+def validate_together(config: LoadConfig) -> None:
+    """Raise ValueError unless `config` can be measured both ways at once (run_together)."""
+    config.validate()
+    if config.http is None or config.broker is None:
+        raise ValueError("measuring together needs both a broker address and a gateway URL (http)")
+    if config.sessions < 2 or config.processes < 2:
+        raise ValueError("measuring together needs at least 2 sessions and 2 processes (one side each)")
+
+
 def run_together(config: LoadConfig, log_level: str = "warning") -> tuple[Report, Report]:
     """The native client and the gateway measured at once, on one engine: half the sessions (and processes and
     requests) through the broker, half through the gateway's OpenAI API, the same users' prompts on both sides, every
@@ -255,11 +268,7 @@ def run_together(config: LoadConfig, log_level: str = "warning") -> tuple[Report
     from client.bench.loadtest.http import served_model
     from client.bench.loadtest.stack import request_shares, run_each, split
 
-    config.validate()
-    if config.http is None or config.broker is None:
-        raise ValueError("measuring together needs both a broker address and a gateway URL (http)")
-    if config.sessions < 2 or config.processes < 2:
-        raise ValueError("measuring together needs at least 2 sessions and 2 processes (one side each)")
+    validate_together(config)
     native_config = replace(config, http=None)
     _check_broker(native_config)
     model = config.model or served_model(config.http, config.api_key, min(config.timeout, REACH_TIMEOUT_S))
@@ -411,6 +420,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(e))
     if args.compare and not config.http:
         ap.error("--compare needs --http (and --broker for the native run)")
+    if args.compare == "together":
+        try:
+            validate_together(config)
+        except ValueError as e:
+            ap.error(f"--compare together: {e}")
     native: Report | None
     try:
         if args.compare == "together":
