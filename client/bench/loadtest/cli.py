@@ -269,6 +269,7 @@ def run_together(config: LoadConfig, log_level: str = "warning") -> tuple[Report
     from client.bench.loadtest.stack import request_shares, run_each, split
 
     validate_together(config)
+    assert config.http is not None  # validate_together() checked
     native_config = replace(config, http=None)
     _check_broker(native_config)
     model = config.model or served_model(config.http, config.api_key, min(config.timeout, REACH_TIMEOUT_S))
