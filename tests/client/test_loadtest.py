@@ -3,14 +3,16 @@ exact counts, and the full stack (real broker and worker processes, two client p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -242,6 +244,78 @@ def test_requests_are_split_over_processes_in_proportion_to_their_users() -> Non
     assert request_shares(9, [1, 2]) == [3, 6]  # --compare together: 3 sessions, the native side 1 of them
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class FakeStream:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.result = SimpleNamespace(appended=4, session_length=6)
+
+    async def __aiter__(self) -> AsyncIterator[SimpleNamespace]:
+        for _ in range(2):
+            self.clock.now += 1.0  # each token a second after the last (the first a second after the send)
+            yield SimpleNamespace(token_ids=[7])
+
+
+class FakeSession:
+    """Create, fork and close each take 0.25 s of the fake clock."""
+
+    max_context = 0
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    async def generate(self, **_: object) -> FakeStream:
+        return FakeStream(self.clock)
+
+    async def fork(self) -> FakeSession:
+        self.clock.now += 0.25
+        return FakeSession(self.clock)
+
+    def close_soon(self) -> asyncio.Task[None]:
+        self.clock.now += 0.25
+        return asyncio.ensure_future(asyncio.sleep(0))
+
+
+class FakeClient:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    async def session(self, model: str | None) -> FakeSession:
+        self.clock.now += 0.25
+        return FakeSession(self.clock)
+
+
+def test_full_stack_ttft_counts_from_the_create_only_for_the_turn_sent_right_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --fork-every 1 the first turn forks first: the child's turn, then the parent's. The parent's TTFT counted
+    from its session's CREATE, so it took in the fork, the child's whole turn and its close (3.75 s, not 1 s)."""
+    from client.bench.loadtest import stack
+
+    clock = FakeClock()
+    monkeypatch.setattr(stack, "time", clock)
+    raw = RawRun(start=clock.now)
+    driver = stack.StackDriver(FakeClient(clock), None, raw, Tally())  # type: ignore[arg-type]
+
+    async def go(w: Workload, budget: Budget) -> None:
+        await driver.run_user(user(0, w, budget, raw.counts))
+        await driver.settle()
+
+    asyncio.run(go(workload(turns=1, fork_every=1), Budget(2, None)))
+    # create 100-100.25, fork -100.5, child turn -102.5, child close -102.75, parent turn -104.75
+    assert [(r.forked, r.opened, r.start, ttft(r), e2e(r)) for r in raw.requests] == [
+        (True, False, 100.5, 1.0, 2.0), (False, False, 102.75, 1.0, 2.0)]
+    raw.requests.clear()
+    asyncio.run(go(workload(turns=2), Budget(2, None)))  # create 105-105.25, turn -107.25, turn -109.25
+    assert [(r.opened, r.start, ttft(r), e2e(r)) for r in raw.requests] == [(True, 105.0, 1.25, 2.25),
+                                                                            (False, 107.25, 1.0, 2.0)]
+
+
 # -- in-process on random:tiny ----------------------------------------------------------------------
 
 
@@ -277,6 +351,15 @@ def test_in_process_run_counts_exactly(tiny_engine: object) -> None:
     text = str(report.table())  # print(report.table()) shows the table
     assert "Successful requests" in text and "12" in text and "\x1b[" not in text
     assert tiny_engine.sessions() == []  # type: ignore[attr-defined]
+
+
+def test_in_process_ttft_later_leaves_out_the_turns_that_opened_their_session(tiny_engine: object) -> None:
+    """In-process runs never marked a turn as opening its session: "TTFT, turns after a session's first" (ttft_later)
+    took in every turn, as on neither of the other paths."""
+    config = LoadConfig(in_process=True, sessions=2, prompt_tokens=8, max_tokens=4, turns=3, ignore_eos=True)
+    report = run(config, engine=tiny_engine)  # type: ignore[arg-type]
+    assert (report.completed, report.ttft.count, report.ttft_later.count) == (6, 6, 4)
+    assert "TTFT, turns after a session's first" in report.render()
 
 
 def test_in_process_rolls_sessions_over_before_the_context_fills(tiny_engine: object) -> None:

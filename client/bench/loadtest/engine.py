@@ -3,7 +3,8 @@
 One loop: advance every user that is ready (create, fork and close are synchronous engine calls; a
 turn, prompt and generation, is queued with one `start_generate`), then run one batched `step()` for
 all of them and stamp its chunks with the time `step()` returned. So the numbers are the engine's own, and
-a full-stack run of the same workload over them is the stack's overhead.
+a full-stack run of the same workload over them is the stack's overhead. As on the full stack, the turn that
+opens its session counts its TTFT (and end-to-end latency) from the session's create.
 """
 
 from __future__ import annotations
@@ -87,22 +88,31 @@ class EngineDriver:
 
     def _advance(self, script: Script, value: Any, error: Failed | None) -> None:
         """Run the user's synchronous actions until it waits on a generation or ends."""
+        created: tuple[str, float] | None = None  # a new session and its create's start (as the full-stack driver)
         while True:
             try:
                 action = script.throw(error) if error is not None else script.send(value)
             except StopIteration:
                 return
             value, error = None, None
+            opened_at = created[1] if created is not None and isinstance(action, Turn) and action.session == created[0] \
+                else None
+            created = None
             try:
                 if isinstance(action, Turn):
-                    self._start_turn(script, action)
+                    self._start_turn(script, action, opened_at)
                     return
-                value = self._op(action)
+                start = time.perf_counter()
+                value = self._op(action, start)
+                if isinstance(action, Create):
+                    created = (value.session, start)
             except Failed as e:
                 error = e
 
-    def _start_turn(self, script: Script, turn: Turn) -> None:
-        sample = RequestSample(start=time.perf_counter(), forked=turn.forked)
+    def _start_turn(self, script: Script, turn: Turn, opened_at: float | None = None) -> None:
+        """`opened_at`: the turn opened its session, whose create began then: its TTFT counts from there."""
+        sample = RequestSample(start=time.perf_counter() if opened_at is None else opened_at, forked=turn.forked,
+                               opened=opened_at is not None)
         self.raw.requests.append(sample)
         session: str = turn.session
         try:
@@ -119,9 +129,8 @@ class EngineDriver:
             raise Failed(sample.error) from e
         self._waiting[request_id] = _Waiting(script, sample, session)
 
-    def _op(self, action: Create | Fork | Close) -> Any:
+    def _op(self, action: Create | Fork | Close, start: float) -> Any:
         kind = type(action).__name__.lower()
-        start = time.perf_counter()
         try:
             result: Any
             if isinstance(action, Create):

@@ -96,9 +96,6 @@ class StackDriver:
         self.raw = raw
         self.tally = tally
         self.closing: set[asyncio.Task[None]] = set()  # closes sent and not answered yet
-        # When each new session's CREATE was sent: its first turn's TTFT counts from there, as a user waits for both
-        # (and as through the gateway, which opens the session within the conversation's first turn).
-        self._opened_at: dict[int, float] = {}
 
     async def settle(self) -> None:
         """Wait for the closes still on their way (before the client goes)."""
@@ -108,20 +105,32 @@ class StackDriver:
     async def run_user(self, script: Script) -> None:
         value: Any = None
         error: Failed | None = None
+        # A new session and when its CREATE was sent: the turn sent right after it, on it, counts its TTFT from there,
+        # as its user waits for both (and as through the gateway, which opens the session within that turn). Any other
+        # action in between (a fork on the first turn with --fork-every 1) ends that: the turn was not waiting on it.
+        created: tuple[AsyncSession, float] | None = None
         while True:
             try:
                 action = script.throw(error) if error is not None else script.send(value)
             except StopIteration:
                 return
             value, error = None, None
+            opened_at = created[1] if created is not None and isinstance(action, Turn) and action.session is created[0] \
+                else None
+            created = None
             try:
-                value = await (self._turn(action) if isinstance(action, Turn) else self._op(action))
+                if isinstance(action, Turn):
+                    value = await self._turn(action, opened_at)
+                else:
+                    start = time.perf_counter()
+                    value = await self._op(action, start)
+                    if isinstance(action, Create) and value is not None:
+                        created = (value.session, start)
             except Failed as e:
                 error = e
 
-    async def _turn(self, turn: Turn) -> TurnDone:
+    async def _turn(self, turn: Turn, opened_at: float | None = None) -> TurnDone:
         session: AsyncSession = turn.session
-        opened_at = self._opened_at.pop(id(session), None)
         sample = RequestSample(start=time.perf_counter() if opened_at is None else opened_at, forked=turn.forked,
                                opened=opened_at is not None)
         self.raw.requests.append(sample)
@@ -149,14 +158,12 @@ class StackDriver:
         sample.prompt_tokens = result.appended
         return TurnDone(result.session_length, result.appended)
 
-    async def _op(self, action: Create | Fork | Close) -> Opened | None:
+    async def _op(self, action: Create | Fork | Close, start: float) -> Opened | None:
         kind = type(action).__name__.lower()
-        start = time.perf_counter()
         try:
             result: Opened | None = None
             if isinstance(action, Create):
                 session = await self.client.session(self.model)
-                self._opened_at[id(session)] = start
                 result = Opened(session, session.max_context)
             elif isinstance(action, Fork):
                 child = await action.session.fork()

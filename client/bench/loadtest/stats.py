@@ -3,7 +3,10 @@
 Times are `time.perf_counter()` seconds (CLOCK_MONOTONIC on Linux, so samples taken by several client
 processes on one host share one clock). Definitions, as vLLM's `bench serve` has them:
 
-- TTFT: from the start of the turn (its prompt sent) to the first chunk that carries a token.
+- A turn's start: its request sent; for the turn that opens its session (sent right after the session's create, on
+  every path: natively the CREATE's send, through the gateway the turn that opens the session), the create's send.
+- TTFT: from the start of the turn to the first chunk that carries a token. `ttft_later`: the turns that did not open
+  their session.
 - ITL: the gaps between consecutive chunks that carry tokens (a chunk of k coalesced tokens is one gap).
 - TPOT: (end - first token) / (output tokens - 1), per request, for requests with more than one token.
 - E2E latency: from the start of the turn to its final chunk.
