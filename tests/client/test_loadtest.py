@@ -205,6 +205,32 @@ def test_a_failed_turn_closes_the_session_and_opens_another() -> None:
     assert counts == Counter(sessions_opened=2, sessions_reopened_after_error=1)
 
 
+def test_a_fork_that_finds_its_parent_gone_gives_back_the_parents_ticket() -> None:
+    """The parent's turn is not sent when its fork answers session_lost: --requests 3 ran 2 requests (none failed)."""
+    budget = Budget(3, None)
+    script = user(0, workload(turns=2, fork_every=2), budget, Counter())
+    log: list[str] = []
+    value: object = None
+    error: Failed | None = None
+    sessions = iter(range(10))
+    while True:
+        try:
+            action = script.throw(error) if error else script.send(value)
+        except StopIteration:
+            break
+        value, error = None, None
+        log.append(type(action).__name__)
+        if isinstance(action, Create | Fork):
+            if isinstance(action, Fork) and log.count("Fork") == 1:
+                error = Failed("session_lost")
+            else:
+                value = Opened(next(sessions), 0)
+        elif isinstance(action, Turn):
+            value = TurnDone(action.length + 6, 4)
+    assert log == ["Create", "Turn", "Fork", "Close", "Create", "Turn", "Turn", "Close"]
+    assert log.count("Turn") == 3 and budget.left == 0
+
+
 def test_prompts_are_the_same_for_the_same_seed() -> None:
     w = workload(prompt_kind="text", prompt_tokens=40)
     from client.bench.loadtest.workload import Prompts

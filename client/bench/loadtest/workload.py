@@ -235,7 +235,8 @@ def user(index: int, workload: Workload, budget: Budget, counts: Counter[str]) -
         turns += 1
         if workload.fork_every and turns % workload.fork_every == 0 and budget.take():
             if not (yield from _fork_turn(session, length, prompts, workload, budget, counts)):
-                session = None  # the parent is gone (its turn's request is dropped)
+                session = None  # the parent is gone: its turn is not sent, its ticket goes back
+                budget.refund()
                 counts["sessions_reopened_after_error"] += 1
                 continue
         turn = _turn(session, length, prompts, workload)
