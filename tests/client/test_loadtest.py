@@ -109,6 +109,9 @@ def test_timeline_bins_tokens_by_chunk_time() -> None:
     assert sum(rates) == pytest.approx(60.0)
     long = timeline([sample(0.0, [0.5, 99.5], [7, 9], end=99.5)], 0.0, 100.0)  # 1 s bins once runs are long
     assert len(long) == 100 and long[0] == (0.5, 7.0) and long[99] == (99.5, 9.0)
+    # The last bin of 40.5 s in 1 s bins is 0.5 s: its 5 tokens are 10 tokens/s (they were shown as 5, at 40.5 s).
+    partial = timeline([sample(0.0, [0.5, 40.25], [3, 5], end=40.5)], 0.0, 40.5)
+    assert len(partial) == 41 and partial[0] == (0.5, 3.0) and partial[40] == (40.25, 10.0)
 
 
 def test_merge_joins_runs_of_several_processes() -> None:

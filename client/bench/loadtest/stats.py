@@ -146,11 +146,17 @@ class Summary:
 
 
 def timeline(samples: Iterable[RequestSample], start: float, end: float) -> list[tuple[float, float]]:
-    """Output tokens/s over time: (bin centre in seconds from start, tokens/s in that bin)."""
+    """Output tokens/s over time: (bin centre in seconds from start, tokens/s in that bin). Bins are `width` wide but
+    the last, which ends at `end` (a run of 40.5 s in 1 s bins: its last bin is 0.5 s, its tokens over 0.5 s)."""
     span = max(end - start, 1e-9)
     width = min(TIMELINE_MAX_BIN_S, span / TIMELINE_BINS)
-    bins = [0] * max(1, math.ceil(span / width))
+    count = max(1, math.ceil(span / width - 1e-9))  # 1e-9: span / (span / 40) may come out a hair over 40
+    bins = [0] * count
     for sample in samples:
         for t, n in zip(sample.chunk_times, sample.chunk_tokens, strict=True):
-            bins[min(max(int((t - start) / width), 0), len(bins) - 1)] += n
-    return [((i + 0.5) * width, n / width) for i, n in enumerate(bins)]
+            bins[min(max(int((t - start) / width), 0), count - 1)] += n
+    out = []
+    for i, n in enumerate(bins):
+        low, high = i * width, span if i == count - 1 else (i + 1) * width
+        out.append(((low + high) / 2, n / (high - low)))
+    return out
