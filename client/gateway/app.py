@@ -118,13 +118,20 @@ def create_app(config: GatewayConfig) -> Starlette:
                 log.exception("request_crashed", endpoint=endpoint)
                 response = Response(ApiError(500, "internal error (see the gateway's log)", kind="server_error").json(),
                                     500, media_type=JSON)
-            finally:
+            except BaseException:
                 gw.metrics.running.dec()
-            gw.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-            gw.metrics.sync_sessions()
-            if not isinstance(response, EventStream):
-                gw.metrics.duration.labels(endpoint).observe(time.perf_counter() - start)
+                raise
+            if isinstance(response, EventStream):  # in progress until its last event went out, or its client left
+                response.on_done = lambda gone: ended(CLIENT_GONE if gone else response.status_code)
+                return response
+            ended(response.status_code)
+            gw.metrics.duration.labels(endpoint).observe(time.perf_counter() - start)
             return response
+
+        def ended(status: int) -> None:
+            gw.metrics.running.dec()
+            gw.metrics.requests.labels(endpoint, str(status)).inc()
+            gw.metrics.sync_sessions()
 
         return handle
 

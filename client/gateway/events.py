@@ -10,17 +10,21 @@ closes (and with it the generation).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 
 class EventStream(Response):
+    """`on_done(gone)` runs once the answer ended, written whole (gone False) or its client gone (True): the request is
+    in progress until then (the gateway's num_requests_running and requests_total count it there)."""
+
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], headers: Mapping[str, str] | None = None) -> None:
         self.events = events
+        self.on_done: Callable[[bool], None] | None = None
         self.status_code = 200
         self.background = None
         self.init_headers(headers)
@@ -62,3 +66,5 @@ class EventStream(Response):
             state["writing"] = False
             if watcher is not None:
                 watcher.cancel()
+            if self.on_done is not None:
+                self.on_done(state["gone"])

@@ -401,3 +401,44 @@ def test_a_whole_answer_longer_than_the_timeout_is_not_a_timeout(gateways: Gatew
                                                  max_tokens=150, extra_body={"ignore_eos": True})
     assert r.usage is not None and r.usage.completion_tokens == 150
     assert time.monotonic() - start > 4  # (~18 tokens/s on a 2-core machine)
+
+
+def gateway_samples(url: str) -> dict[str, float]:
+    """The gateway's /metrics: name{label=value,...} -> value (labels sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, text = http_get(url + "/metrics")
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def test_a_stream_is_running_until_it_ends_and_a_client_gone_mid_stream_counts_499(gateways: Gateways) -> None:
+    import http.client
+
+    url = gateways.start()
+    running, gone = "sessionserve:gateway_num_requests_running{}", "sessionserve:gateway_requests_total{endpoint=completions,status=499}"
+    ok = "sessionserve:gateway_requests_total{endpoint=completions,status=200}"
+    connection = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": "Count:", "max_tokens": 500, "stream": True, "ignore_eos": True})
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    assert answer.status == 200
+    assert answer.readline().startswith(b"data: ")  # the stream is under way
+    during = gateway_samples(url)
+    assert during[running] == 1
+    assert ok not in during and gone not in during
+    connection.close()  # gone mid-stream
+    deadline = time.monotonic() + 30
+    while (after := gateway_samples(url)).get(gone) != 1:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+    assert after[running] == 0 and ok not in after
+    assert len(list(sync_client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True))) >= 1
+    while (whole := gateway_samples(url)).get(ok) != 1:  # counted as its last byte went out
+        assert time.monotonic() < deadline, whole
+        time.sleep(0.05)
+    assert whole[gone] == 1 and whole[running] == 0
