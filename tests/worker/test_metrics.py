@@ -278,6 +278,18 @@ def test_where_sessions_are_pages_and_restore_latency() -> None:
     assert got[("sessionserve:session_restore_seconds_sum", labels(source="disk"))] == pytest.approx(0.2)
 
 
+@pytest.mark.parametrize(("resident", "free_slots", "pages", "budget", "usage"), [
+    (3, 4, 3, 4, 0.75),  # hibernation on: free_slots counts the 3 idle resident sessions too, the table is 3/4 full
+    (1, 3, 4, 4, 1.0),  # one long session holds every page: no create fits
+    (0, 4, 0, 4, 0.0),  # all hibernated
+])
+def test_kv_cache_usage_is_the_fuller_of_resident_slots_and_pages(resident: int, free_slots: int, pages: int, budget: int,
+                                                                 usage: float) -> None:
+    snapshot = WorkerSnapshot(sessions=3, capacity=4, free_slots=free_slots, running=0, bytes_per_session=1 << 20,
+                              resident=resident, in_host=3 - resident, pages=pages, page_budget=budget)
+    assert scrape(new_metrics(snapshot))[("sessionserve:kv_cache_usage_perc", LABELS)] == usage
+
+
 def test_a_worker_that_does_not_hibernate_has_no_residency_gauges() -> None:
     got = scrape(new_metrics())
     assert not [k for k in got if k[0] in ("sessionserve:sessions", "sessionserve:state_pages")]

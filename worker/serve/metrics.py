@@ -20,7 +20,8 @@ count; the sum may be one step ahead. Names follow vLLM's (`vllm:time_to_first_t
 `sessionserve:time_to_first_token_seconds`). Every series has the labels {worker, model, device}:
 
     sessionserve:num_sessions, session_capacity, free_slots        gauges   the session table
-    sessionserve:kv_cache_usage_perc                               gauge    slots in use / capacity (0..1)
+    sessionserve:kv_cache_usage_perc                               gauge    the fuller of slots resident sessions hold /
+                                                                            capacity and state pages held / budget (0..1)
     sessionserve:session_bytes, session_state_bytes                gauges   one session's state; memory mapped for slots
     sessionserve:num_requests_running                              gauge    generations in flight
     sessionserve:draining                                          gauge    1 while draining
@@ -319,6 +320,17 @@ class WorkerMetrics:
             return {}
 
 
+def _usage(s: WorkerSnapshot) -> float:
+    """kv_cache_usage_perc: the fuller of the slots resident sessions hold and the state pages held. Not capacity - free
+    slots: with hibernation on, free_slots counts the idle resident sessions too (a create would hibernate one), so a
+    full table read 0."""
+    used = s.capacity - s.free_slots if s.resident is None else s.resident
+    usage = used / s.capacity if s.capacity else 0.0
+    if s.pages is not None and s.page_budget:
+        usage = max(usage, s.pages / s.page_budget)
+    return min(max(usage, 0.0), 1.0)
+
+
 class _WorkerCollector(Collector):
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.m = metrics
@@ -362,7 +374,8 @@ class _WorkerCollector(Collector):
             ("session_capacity", "Session slots.", s.capacity),
             ("free_slots", "Session slots free.", s.free_slots),
             ("num_requests_running", "Generations in flight.", s.running),
-            ("kv_cache_usage_perc", "Fraction of session slots in use (1 = full).", used / s.capacity if s.capacity else 0.0),
+            ("kv_cache_usage_perc", "Fraction of the session table in use: slots held by resident sessions, or state "
+             "pages held, whichever is fuller (1 = full).", _usage(s)),
             ("draining", "1 while the worker drains.", 1 if s.draining else 0),
         ]
         if s.bytes_per_session:
