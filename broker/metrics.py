@@ -140,7 +140,8 @@ class _BrokerCollector(Collector):
             "sessions": GaugeMetricFamily(PREFIX + "worker_sessions", "Live sessions on the worker.",
                                           labels=WORKER_LABELS),
             "free": GaugeMetricFamily(PREFIX + "worker_free_slots",
-                                      "Slots a new session could take (capacity - sessions - creates in flight).",
+                                      "Slots a new session could take (capacity - sessions - creates in flight + "
+                                      "sessions being closed).",
                                       labels=WORKER_LABELS),
             "draining": GaugeMetricFamily(PREFIX + "worker_draining",
                                           "1 while the worker drains, or after `broker drain` (it takes no new session).",

@@ -235,7 +235,12 @@ def create_app(config: GatewayConfig) -> Starlette:
     async def readyz(request: Request) -> Response:
         if gw.models is None:
             return Response(b"starting\n", 503, media_type="text/plain; charset=utf-8")
-        ready, why = (await gw.models.served()).ready()
+        try:  # a probe's own timeout is short (Kubernetes': 1 s): answer within it (the question goes on, shared)
+            served = await asyncio.wait_for(gw.models.served(), READYZ_WAIT_S)
+        except asyncio.TimeoutError:
+            why = f"the broker does not answer within {READYZ_WAIT_S} s"
+            return Response(f"{why}\n".encode(), 503, media_type="text/plain; charset=utf-8")
+        ready, why = served.ready()
         return Response(f"{why}\n".encode(), 200 if ready else 503, media_type="text/plain; charset=utf-8")
 
     routes = [
@@ -258,6 +263,9 @@ def create_app(config: GatewayConfig) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.gateway = gw
     return app
+
+
+READYZ_WAIT_S = 0.8  # /readyz answers 503 when the broker's STATUS takes longer
 
 
 def _model_object(name: str, max_context: int) -> dict[str, Any]:

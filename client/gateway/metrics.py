@@ -5,7 +5,7 @@
     time_to_first_token_seconds                from the request to its first generated token (histogram)
     num_requests_running                       requests in progress
     prompt_tokens_total, cached_tokens_total   prompt tokens of the answers, and those not computed again
-    generation_tokens_total                    tokens generated
+    generation_tokens_total                    tokens generated (a stream cut short: those it sent)
     sessions{state}                            live sessions the gateway holds: idle (kept for the next turn), busy
     sessions_opened_total{how}                 sessions a request used: new, resumed by session_id, resumed by prefix
     sessions_closed_total{why}                 evicted (for a free slot or the idle cap), replaced, ended, gone

@@ -98,6 +98,7 @@ class Live:
         self.started = started
         self.results: list[Generation | None] = [None] * len(entries)
         self.first_token_at: float | None = None
+        self.sent_tokens = 0  # streamed: the tokens of the chunks handed on so far, every choice's
         self.settled = False
 
     @property
@@ -150,11 +151,13 @@ class Live:
         m.generation_tokens.inc(usage.completion_tokens)
 
     def fail(self) -> None:
-        """The turn did not finish: its sessions hold something the client never saw. Close them."""
+        """The turn did not finish: its sessions hold something the client never saw. Close them. The tokens a stream
+        cut short handed on still count as generated."""
         if not self.settled:
             self.settled = True
             for entry in self.entries:
                 self.service.discard(entry, "ended")
+            self.service.metrics.generation_tokens.inc(self.sent_tokens)
 
     def first_token(self) -> None:
         if self.first_token_at is None:
@@ -247,6 +250,7 @@ class Service:
                 more = await stream.__anext__()
                 chunk = Chunk(chunk.token_ids + more.token_ids, chunk.text + more.text, more.finish_reason,
                               chunk.logprobs + more.logprobs)
+            live.sent_tokens += len(chunk.token_ids)
             yield Delta(index, chunk)
             if chunk.finish_reason is not None:
                 live.results[index] = stream.result

@@ -260,6 +260,19 @@ def test_capacity_is_429_with_retry_after(gateways: Gateways) -> None:
     assert isinstance(e.value.body, dict) and e.value.body["code"] == "capacity_exhausted"
 
 
+def test_readyz_answers_within_a_probes_timeout_when_no_broker_does(gateways: Gateways) -> None:
+    """No broker at the address: /readyz is a 503 with the reason within a second (it waited for the 5 s STATUS,
+    so a probe with Kubernetes' 1 s timeout failed by timing out instead)."""
+    from client.stack import free_address
+
+    url = gateways.start(broker=free_address(), ready=False)
+    for _ in range(2):
+        started = time.monotonic()
+        status, why = http_get(url + "/readyz")
+        assert (status, why) == (503, "the broker does not answer within 0.8 s\n")
+        assert time.monotonic() - started < 1.5
+
+
 def test_no_worker_is_503(gateways: Gateways) -> None:
     from client.stack import Daemon, free_address
 
@@ -437,8 +450,12 @@ def test_a_stream_is_running_until_it_ends_and_a_client_gone_mid_stream_counts_4
         assert time.monotonic() < deadline, after
         time.sleep(0.05)
     assert after[running] == 0 and ok not in after
-    assert len(list(sync_client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True))) >= 1
+    tokens = "sessionserve:gateway_generation_tokens_total{}"
+    cut = after.get(tokens, 0)
+    assert cut >= 1  # the tokens the cut stream sent count as generated (they counted only at a whole answer's end)
+    assert len(list(sync_client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True,
+                                                        extra_body={"ignore_eos": True}))) >= 1
     while (whole := gateway_samples(url)).get(ok) != 1:  # counted as its last byte went out
         assert time.monotonic() < deadline, whole
         time.sleep(0.05)
-    assert whole[gone] == 1 and whole[running] == 0
+    assert whole[gone] == 1 and whole[running] == 0 and whole[tokens] == cut + 2

@@ -372,7 +372,8 @@ class _WorkerCollector(Collector):
         values: list[tuple[str, str, float]] = [
             ("num_sessions", "Live sessions.", s.sessions),
             ("session_capacity", "Session slots.", s.capacity),
-            ("free_slots", "Session slots free.", s.free_slots),
+            ("free_slots", "Sessions a create can admit now (with hibernation on, idle resident sessions count: one "
+             "would hibernate for it).", s.free_slots),
             ("num_requests_running", "Generations in flight.", s.running),
             ("kv_cache_usage_perc", "Fraction of the session table in use: slots held by resident sessions, or state "
              "pages held, whichever is fuller (1 = full).", _usage(s)),
