@@ -6,10 +6,29 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO, cast
 
 import structlog
 
 LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Stderr:
+    """The process's stderr as it is at each line, and never a reason to fail: a log line that cannot be written (a
+    closed or broken pipe, a stream a test harness closed) is dropped rather than raised into the code that logged,
+    which would take a daemon's loop down over its log (Python's logging handlers swallow such errors the same way)."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stderr.write(text)
+        except (OSError, ValueError):
+            return 0
+
+    def flush(self) -> None:
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def configure(level: str = "info", json: bool | None = None, **context: object) -> None:
@@ -36,6 +55,6 @@ def configure(level: str = "info", json: bool | None = None, **context: object) 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _Stderr())),  # print() needs write and flush
         cache_logger_on_first_use=True,
     )
