@@ -1,0 +1,74 @@
+"""A resumed session must hold exactly the context a fresh session would compute from the request: every answer after
+a resume equals the answer the same request gets on a new session (the reference, opened under a new session_id)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import openai
+
+from .conftest import MODEL
+from .test_openai_client import sync_client
+
+QUESTION = "What is the capital of France?"
+_names = itertools.count()
+
+
+def ask(client: openai.OpenAI, messages: list[dict[str, str]], fresh: bool = False, **kw: Any) -> Any:
+    extra = dict(kw.pop("extra_body", {}))
+    if fresh:
+        extra["session_id"] = f"reference-{next(_names)}"  # a name not used yet: a new session, computed from scratch
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0,  # type: ignore[arg-type]
+                                          extra_body=extra, **kw)
+
+
+def same_as_fresh(client: openai.OpenAI, messages: list[dict[str, str]]) -> tuple[Any, Any]:
+    resumed = ask(client, messages, max_tokens=12)
+    fresh = ask(client, messages, fresh=True, max_tokens=12)
+    assert resumed.usage.prompt_tokens == fresh.usage.prompt_tokens
+    assert resumed.choices[0].message.content == fresh.choices[0].message.content
+    return resumed, fresh
+
+
+def test_an_answer_that_ended_on_a_stop_token_id_is_not_resumed(gateway: str) -> None:
+    client = sync_client(gateway)
+    plain = ask(client, [{"role": "user", "content": QUESTION}], max_tokens=12, extra_body={"return_token_ids": True})
+    stop_id = plain.choices[0].model_extra["token_ids"][4]  # " is" in "The capital of France is Paris."
+    first = ask(client, [{"role": "user", "content": QUESTION}], max_tokens=12, extra_body={"stop_token_ids": [stop_id]})
+    assert first.choices[0].message.content == "The capital of France" and first.choices[0].finish_reason == "stop"
+    history = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The capital of France"},
+               {"role": "user", "content": "And of Spain?"}]
+    resumed, _ = same_as_fresh(client, history)  # resumed, the session held " is" after the answer: "...Spain is"
+    assert resumed.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_an_answer_past_eos_with_ignore_eos_is_not_resumed(gateway: str) -> None:
+    client = sync_client(gateway)
+    first = ask(client, [{"role": "user", "content": "Say hi."}], max_tokens=30, extra_body={"ignore_eos": True})
+    text = first.choices[0].message.content
+    assert "\nuser\n" in text  # the model went on past its <|im_end|>, which the text leaves out
+    history = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": text},
+               {"role": "user", "content": "Say bye."}]
+    resumed, _ = same_as_fresh(client, history)  # resumed, the session held the special tokens: 2 more prompt tokens
+    assert resumed.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_an_answer_cut_inside_a_utf8_character_is_not_resumed(gateway: str) -> None:
+    client = sync_client(gateway)
+    question = "Write the Japanese word for cat in kanji, then an emoji of a cat."
+    first = ask(client, [{"role": "user", "content": question}], max_tokens=1)
+    assert first.choices[0].message.content == "\ufffd"  # the first byte of a character, replaced
+    history = [{"role": "user", "content": question}, {"role": "assistant", "content": "\ufffd"},
+               {"role": "user", "content": "Thanks"}]
+    resumed, _ = same_as_fresh(client, history)
+    assert resumed.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_plain_answer_is_still_resumed_and_matches_a_fresh_session(gateway: str) -> None:
+    client = sync_client(gateway)
+    first = ask(client, [{"role": "user", "content": QUESTION}], max_tokens=24)
+    history = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": "And of Spain?"}]
+    resumed, fresh = same_as_fresh(client, history)
+    assert resumed.usage.prompt_tokens_details.cached_tokens > 0 and fresh.usage.prompt_tokens_details.cached_tokens == 0
