@@ -128,7 +128,7 @@ class Live:
             cut = result.finish_reason == "cancelled" or (result.finish_reason == "stop" and stop_token == 0)
             if ask.kind != "chat" and stop_token:
                 cut = True  # the text the client holds has no stop token: it no longer starts with the session's
-            if ask.kind != "ids" and not _text_is_tokens(ask.sampling, result, stop_token):
+            if ask.kind != "ids" and not _text_is_tokens(ask.kind, ask.sampling, result, stop_token):
                 cut = True
             if cut:
                 service.discard(entry, "ended")
@@ -514,17 +514,18 @@ def _with_max_tokens(params: Any, max_tokens: int) -> Any:
     return dataclasses.replace(params, max_tokens=max_tokens)
 
 
-def _text_is_tokens(sampling: schema.Sampling, result: Generation, stop_token: int) -> bool:
+def _text_is_tokens(kind: Kind, sampling: schema.Sampling, result: Generation, stop_token: int) -> bool:
     """Whether the answer's text, resent by the client, stands for exactly the tokens the session holds.
 
     Not when the text replaced an unfinished UTF-8 character (an answer cut by max_tokens mid-character) with U+FFFD:
-    the session holds the character's first bytes. Not with `ignore_eos`: the model may have generated its stop tokens
-    (<|im_end|>...), which the text leaves out. Not (chat) when the answer ended on a token of `stop_token_ids`: the
-    session holds that token, the text does not, and the next turn would follow it (the model's own EOS is part of the
-    template, but the gateway cannot tell one from the other)."""
-    if "\ufffd" in result.text or sampling.ignore_eos:
+    the session holds the character's first bytes. Not (chat) with `ignore_eos`: the model may have generated its stop
+    tokens (<|im_end|>, then <|im_start|> for a turn of its own), which the text leaves out (text completions with
+    ignore_eos are kept: the load test resumes them; an EOS inside one has the same flaw). Not (chat) when the answer
+    ended on a token of `stop_token_ids`: the session holds that token, the text does not, and the next turn would
+    follow it (the model's own EOS is part of the template, but the gateway cannot tell one from the other)."""
+    if "\ufffd" in result.text:
         return False
-    return not (stop_token and sampling.stop_token_ids)
+    return kind != "chat" or not (sampling.ignore_eos or (stop_token and sampling.stop_token_ids))
 
 
 def _finish(reason: str) -> str:
