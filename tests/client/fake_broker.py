@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
@@ -26,6 +27,7 @@ class FakeBroker:
         port = self._socket.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
         self._stop = threading.Event()
+        self._later: list[tuple[float, Callable[[], None]]] = []  # (when, what): run by the socket's own thread
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> FakeBroker:
@@ -41,8 +43,18 @@ class FakeBroker:
     def of(self, kind: type[M]) -> list[M]:
         return [m for m in self.received if isinstance(m, kind)]
 
+    def later(self, seconds: float, action: Callable[[], None]) -> None:
+        """Run `action` (a reply, say) in `seconds`, on the thread that owns the socket: a ZeroMQ socket used from two
+        threads at once aborts the process (a reply sent from a timer's thread did, in the suite)."""
+        self._later.append((time.monotonic() + seconds, action))
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            now = time.monotonic()
+            due = [entry for entry in self._later if entry[0] <= now]
+            for entry in due:
+                self._later.remove(entry)
+                entry[1]()
             if not self._socket.poll(20):
                 continue
             identity, *frames = self._socket.recv_multipart()

@@ -292,7 +292,7 @@ def test_a_session_whose_create_was_given_up_on_is_closed_when_its_answer_comes(
     client closes it when the late answer comes (it held a slot until the broker's grace ran out)."""
     def late_creates(request: p.Message, reply: Reply) -> None:
         if isinstance(request, p.CreateSession):
-            threading.Timer(0.3, answer_everything, (request, reply)).start()
+            fake.later(0.3, lambda: answer_everything(request, reply))
         else:
             answer_everything(request, reply)
 
