@@ -320,12 +320,15 @@ class WorkerMetrics:
             return {}
 
 
+def _slots_used(s: WorkerSnapshot) -> int:
+    """Slots resident sessions hold. Not capacity - free slots where the resident count is known: with hibernation on,
+    free_slots counts the idle resident sessions too (a create would hibernate one), so a full table read empty."""
+    return s.capacity - s.free_slots if s.resident is None else s.resident
+
+
 def _usage(s: WorkerSnapshot) -> float:
-    """kv_cache_usage_perc: the fuller of the slots resident sessions hold and the state pages held. Not capacity - free
-    slots: with hibernation on, free_slots counts the idle resident sessions too (a create would hibernate one), so a
-    full table read 0."""
-    used = s.capacity - s.free_slots if s.resident is None else s.resident
-    usage = used / s.capacity if s.capacity else 0.0
+    """kv_cache_usage_perc: the fuller of the slots resident sessions hold and the state pages held."""
+    usage = _slots_used(s) / s.capacity if s.capacity else 0.0
     if s.pages is not None and s.page_budget:
         usage = max(usage, s.pages / s.page_budget)
     return min(max(usage, 0.0), 1.0)
@@ -368,7 +371,6 @@ class _WorkerCollector(Collector):
         yield restore
 
     def _gauges(self, s: WorkerSnapshot, memory: dict[str, float]) -> Iterator[Metric]:
-        used = s.capacity - s.free_slots
         values: list[tuple[str, str, float]] = [
             ("num_sessions", "Live sessions.", s.sessions),
             ("session_capacity", "Session slots.", s.capacity),
@@ -382,7 +384,7 @@ class _WorkerCollector(Collector):
         if s.bytes_per_session:
             values.append(("session_bytes", "Device memory of one session's state.", s.bytes_per_session))
             values.append(("session_state_bytes", "Memory mapped for session state (slots in use, and the spare).",
-                           used * s.bytes_per_session if s.mapped_bytes is None else s.mapped_bytes))
+                           _slots_used(s) * s.bytes_per_session if s.mapped_bytes is None else s.mapped_bytes))
         if s.pages is not None:
             values.append(("state_pages", "Pages of state memory the sessions hold.", s.pages))
             values.append(("state_page_budget", "Pages of state memory the sessions may hold together.", s.page_budget))
