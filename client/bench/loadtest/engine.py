@@ -18,7 +18,20 @@ import structlog
 
 from client.bench.loadtest.progress import REFRESH_S, Tally
 from client.bench.loadtest.stats import RawRun, RequestSample
-from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
+from client.bench.loadtest.workload import (
+    Budget,
+    Close,
+    Create,
+    Failed,
+    Fork,
+    Opened,
+    Script,
+    Turn,
+    TurnDone,
+    Workload,
+    session_opened_at,
+    user,
+)
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -88,19 +101,17 @@ class EngineDriver:
 
     def _advance(self, script: Script, value: Any, error: Failed | None) -> None:
         """Run the user's synchronous actions until it waits on a generation or ends."""
-        created: tuple[str, float] | None = None  # a new session and its create's start (as the full-stack driver)
+        created: tuple[str, float] | None = None  # the session just created, and when (workload.session_opened_at)
         while True:
             try:
                 action = script.throw(error) if error is not None else script.send(value)
             except StopIteration:
                 return
             value, error = None, None
-            opened_at = created[1] if created is not None and isinstance(action, Turn) and action.session == created[0] \
-                else None
-            created = None
+            opened, created = session_opened_at(created, action), None
             try:
                 if isinstance(action, Turn):
-                    self._start_turn(script, action, opened_at)
+                    self._start_turn(script, action, opened)
                     return
                 start = time.perf_counter()
                 value = self._op(action, start)
@@ -111,8 +122,7 @@ class EngineDriver:
 
     def _start_turn(self, script: Script, turn: Turn, opened_at: float | None = None) -> None:
         """`opened_at`: the turn opened its session, whose create began then: its TTFT counts from there."""
-        sample = RequestSample(start=time.perf_counter() if opened_at is None else opened_at, forked=turn.forked,
-                               opened=opened_at is not None)
+        sample = RequestSample.begun(time.perf_counter(), turn.forked, opened_at)
         self.raw.requests.append(sample)
         session: str = turn.session
         try:

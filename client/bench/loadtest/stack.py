@@ -27,7 +27,20 @@ import structlog
 from client.aio import AsyncClient, AsyncSession
 from client.bench.loadtest.progress import REFRESH_S, Tally
 from client.bench.loadtest.stats import RawRun, RequestSample, merge
-from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, Workload, user
+from client.bench.loadtest.workload import (
+    Budget,
+    Close,
+    Create,
+    Failed,
+    Fork,
+    Opened,
+    Script,
+    Turn,
+    TurnDone,
+    Workload,
+    session_opened_at,
+    user,
+)
 from client.errors import ClientError
 
 log = structlog.get_logger()
@@ -105,22 +118,17 @@ class StackDriver:
     async def run_user(self, script: Script) -> None:
         value: Any = None
         error: Failed | None = None
-        # A new session and when its CREATE was sent: the turn sent right after it, on it, counts its TTFT from there,
-        # as its user waits for both (and as through the gateway, which opens the session within that turn). Any other
-        # action in between (a fork on the first turn with --fork-every 1) ends that: the turn was not waiting on it.
-        created: tuple[AsyncSession, float] | None = None
+        created: tuple[AsyncSession, float] | None = None  # the session just created, and when (workload.session_opened_at)
         while True:
             try:
                 action = script.throw(error) if error is not None else script.send(value)
             except StopIteration:
                 return
             value, error = None, None
-            opened_at = created[1] if created is not None and isinstance(action, Turn) and action.session is created[0] \
-                else None
-            created = None
+            opened, created = session_opened_at(created, action), None
             try:
                 if isinstance(action, Turn):
-                    value = await self._turn(action, opened_at)
+                    value = await self._turn(action, opened)
                 else:
                     start = time.perf_counter()
                     value = await self._op(action, start)
@@ -131,8 +139,7 @@ class StackDriver:
 
     async def _turn(self, turn: Turn, opened_at: float | None = None) -> TurnDone:
         session: AsyncSession = turn.session
-        sample = RequestSample(start=time.perf_counter() if opened_at is None else opened_at, forked=turn.forked,
-                               opened=opened_at is not None)
+        sample = RequestSample.begun(time.perf_counter(), turn.forked, opened_at)
         self.raw.requests.append(sample)
         p = turn.params
         try:

@@ -42,6 +42,12 @@ class RequestSample:
     error: str | None = None  # the wire error code when the request failed
     opened: bool = False  # the turn opened its session (natively a CREATE before it): its TTFT counts from that
 
+    @classmethod
+    def begun(cls, now: float, forked: bool, opened_at: float | None) -> RequestSample:
+        """A turn's sample, from `now` (the driver's clock), or from its session's create when the turn opened it
+        (workload.session_opened_at)."""
+        return cls(start=now if opened_at is None else opened_at, forked=forked, opened=opened_at is not None)
+
     @property
     def output_tokens(self) -> int:
         return sum(self.chunk_tokens)

@@ -94,6 +94,16 @@ class Turn:
     forked: bool = False
 
 
+def session_opened_at(created: tuple[Any, float] | None, action: object) -> float | None:
+    """When the turn `action` began for its user, if it opens its session: `created` is the session a driver's last
+    action created and when its CREATE was sent. The turn sent right after it, on it, counts its TTFT from there, as
+    its user waits for both (and as through the gateway, which opens the session within that turn); any other action
+    in between (a fork on the first turn with --fork-every 1) ends that: the turn was not waiting on it. None: now."""
+    if created is not None and isinstance(action, Turn) and action.session == created[0]:
+        return created[1]
+    return None
+
+
 @dataclass(frozen=True)
 class Fork:
     session: Any
