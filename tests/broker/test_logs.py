@@ -13,9 +13,12 @@ from broker.common import logs
 
 
 @pytest.fixture(autouse=True)
-def _reset() -> object:
+def _restore() -> object:
+    """Put back the suite's set-up (tests/conftest.py: warnings and up), not structlog's defaults: those print debug
+    lines to stdout, into what later tests in this process capture (the README example's printed lines)."""
+    saved = structlog.get_config()
     yield
-    structlog.reset_defaults()
+    structlog.configure(**saved)
 
 
 def test_lines_follow_stderr_and_a_closed_one_fails_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
