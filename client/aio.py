@@ -297,10 +297,12 @@ class AsyncSession:
         return f"AsyncSession({self.id!r}, worker={self.worker!r})"
 
     async def append(
-        self, text: str | None = None, *, token_ids: Sequence[int] | None = None, timeout: float | None = None
+        self, text: str | None = None, *, token_ids: Sequence[int] | None = None, boundary_check: bool = False,
+        timeout: float | None = None,
     ) -> int:
         request = build(p.Append, request_id=new_request_id(), session_id=self.id,
-                        token_ids=None if token_ids is None else items("token_ids", token_ids), text=text)
+                        token_ids=None if token_ids is None else items("token_ids", token_ids), text=text,
+                        boundary_check=boundary_check)
         return (await self.client._call(request, p.Appended, timeout)).length
 
     async def append_chat(self, content: str, *, role: str = "user", timeout: float | None = None) -> int:
@@ -335,14 +337,14 @@ class AsyncSession:
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ...,
                        stream: Literal[False] = ..., *, stop_token_ids: Sequence[int] = ...,
-                       ignore_eos: bool = ..., prompt: str | None = ...,
+                       ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ...,
                        prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                        logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ..., *,
                        stream: Literal[True], stop_token_ids: Sequence[int] = ...,
-                       ignore_eos: bool = ..., prompt: str | None = ...,
+                       ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ...,
                        prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                        logprobs: int | None = ..., timeout: float | None = ...) -> AsyncStream: ...
 
@@ -350,11 +352,12 @@ class AsyncSession:
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
+        boundary_check: bool = False,
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
         logprobs: int | None = None, timeout: float | None = None,
     ) -> Generation | AsyncStream:
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
-        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages)
+        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check)
         return await self._send_generate(request, timeout)
 
     async def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | AsyncStream:

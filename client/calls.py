@@ -60,13 +60,14 @@ def items(name: str, value: Any) -> tuple[Any, ...]:
 
 def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: str | None = None,
                      prompt_ids: Sequence[int] | None = None,
-                     messages: Sequence[Mapping[str, str]] | None = None) -> p.Generate:
+                     messages: Sequence[Mapping[str, str]] | None = None,
+                     boundary_check: bool = False) -> p.Generate:
     """The whole GENERATE, checked before anything is sent: a turn (prompt, prompt ids or chat messages) and its
     generation are one request, which the worker takes whole or refuses whole."""
     turns = None if messages is None else tuple(chat_message(m) for m in items("messages", messages))
     return build(p.Generate, request_id=new_request_id(), session_id=session_id, params=params, stream=stream,
                  prompt=prompt, prompt_ids=None if prompt_ids is None else items("prompt_ids", prompt_ids),
-                 messages=turns)
+                 messages=turns, boundary_check=boundary_check)
 
 
 def chat_message(message: Mapping[str, str]) -> p.ChatMessage:

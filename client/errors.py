@@ -101,11 +101,18 @@ class InternalError(ClientError):
     code = "internal"
 
 
+class PromptBoundary(BadRequest):
+    """A text sent with boundary_check would change how the session's last tokens tokenize (e.g. "Par" held, "is"
+    sent: one token, "Paris"): nothing was appended. A new session given the whole text gets its exact tokens."""
+
+    code = "prompt_boundary"
+
+
 _BY_CODE: dict[str, type[ClientError]] = {
     c.code: c
     for c in (
         BadRequest, CapacityExhausted, SessionNotFound, SessionLost, ModelNotFound, Timeout, WorkerDraining,
-        Unauthorized, VersionMismatch, InternalError, SessionExpired,
+        Unauthorized, VersionMismatch, InternalError, SessionExpired, PromptBoundary,
     )
 }
 

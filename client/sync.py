@@ -108,11 +108,18 @@ class Session:
         return f"Session({self.id!r}, worker={self.worker!r})"
 
     def append(
-        self, text: str | None = None, *, token_ids: Sequence[int] | None = None, timeout: float | None = None
+        self, text: str | None = None, *, token_ids: Sequence[int] | None = None, boundary_check: bool = False,
+        timeout: float | None = None,
     ) -> int:
-        """Add prompt text or token ids; returns the session's length in tokens."""
+        """Add prompt text or token ids; returns the session's length in tokens.
+
+        A text is tokenized on its own (the model's BOS only on an empty session). `boundary_check=True` takes it as
+        the continuation of the session's text instead: PromptBoundary, nothing appended, where the tokenizer would
+        merge across the boundary (e.g. the session ends in "Par", the text starts with "is": one token "Paris"), so
+        that the session's tokens are always those of its whole text tokenized at once."""
         request = build(p.Append, request_id=new_request_id(), session_id=self.id,
-                        token_ids=None if token_ids is None else items("token_ids", token_ids), text=text)
+                        token_ids=None if token_ids is None else items("token_ids", token_ids), text=text,
+                        boundary_check=boundary_check)
         return self.client._call(request, p.Appended, timeout).length
 
     def append_chat(self, content: str, *, role: str = "user", timeout: float | None = None) -> int:
@@ -147,12 +154,14 @@ class Session:
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., stream: Literal[False] = ..., *,
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
+                 boundary_check: bool = ...,
                  prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                  logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., *, stream: Literal[True],
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
+                 boundary_check: bool = ...,
                  prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                  logprobs: int | None = ..., timeout: float | None = ...) -> Stream: ...
 
@@ -160,12 +169,14 @@ class Session:
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
+        boundary_check: bool = False,
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
         logprobs: int | None = None, timeout: float | None = None,
     ) -> Generation | Stream:
         """Continue the session. The generated tokens become part of it, so the next turn follows on.
 
-        `prompt` (text) or `prompt_ids` is appended first in the same request, as `append` would: a turn
+        `prompt` (text) or `prompt_ids` is appended first in the same request, as `append` would (`boundary_check`
+        too): a turn
         in one round trip. If either part is refused, neither happens. Or `messages`, chat turns
         ({"role", "content"} maps) rendered by the worker with the model's chat template, then the assistant
         prompt (on a session holding a conversation: what the template puts after its last answer).
@@ -173,7 +184,7 @@ class Session:
         `logprobs`. max_tokens 0 only computes the prompt (then fork it: each child computes one token).
         """
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
-        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages)
+        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check)
         return self._send_generate(request, timeout)
 
     def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | Stream:

@@ -27,6 +27,14 @@ class SessionBusy(BadRequest):
     """The session already has a generation in flight; wait for it or cancel it."""
 
 
+class PromptBoundary(BadRequest):
+    """A text appended with boundary_check would change how the session's last tokens tokenize (the tokenizer merges
+    across the boundary): appended on its own it would give other tokens than the whole text. Nothing was appended;
+    a tokenization of the whole text in a new session is exact."""
+
+    code = "prompt_boundary"
+
+
 class SessionNotFound(EngineError):
     code = "session_not_found"
 
@@ -40,6 +48,7 @@ __all__ = [
     "CapacityExhausted",
     "ContextOverflow",
     "EngineError",
+    "PromptBoundary",
     "SessionBusy",
     "SessionExists",
     "SessionNotFound",

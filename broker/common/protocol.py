@@ -146,6 +146,7 @@ class ErrorCode(str, Enum):
     UNAUTHORIZED = "unauthorized"
     SESSION_EXPIRED = "session_expired"
     VERSION_MISMATCH = "version_mismatch"
+    PROMPT_BOUNDARY = "prompt_boundary"  # a text sent with boundary_check would re-tokenize the session's last tokens
     INTERNAL = "internal"
 
 
@@ -406,6 +407,10 @@ class Append(Message):
     session_id: SessionId
     token_ids: Annotated[tuple[int, ...] | None, int_list(MAX_TOKENS, optional=True)] = None
     text: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
+    # The text continues the session's text: refused with prompt_boundary, nothing appended, where tokenizing it after
+    # the session's last tokens would change theirs (the tokenizer merges across the boundary), instead of appended
+    # tokenized on its own (worker.engine.Engine.append).
+    boundary_check: Annotated[bool, boolean] = False
     route: Route = b""
 
     def _check(self) -> None:
@@ -435,6 +440,7 @@ class Generate(Message):
     # A prompt appended first, as by APPEND, in the same request (one round trip for a turn): both or neither.
     prompt_ids: Annotated[tuple[int, ...] | None, int_list(MAX_TOKENS, optional=True)] = None
     prompt: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
+    boundary_check: Annotated[bool, boolean] = False  # for `prompt`, as APPEND's
     # Or chat turns, appended as CHAT appends one (the model's template, then the assistant prompt), in the same
     # request: a turn is done whole or refused whole. On a session that holds a conversation, an empty list appends
     # the assistant prompt alone.

@@ -23,7 +23,14 @@ import structlog
 
 from broker.common.protocol import TokenLogprob
 from client.aio import AsyncClient, AsyncSession, AsyncStream
-from client.errors import CapacityExhausted, ClientError, SessionExpired, SessionLost, SessionNotFound
+from client.errors import (
+    CapacityExhausted,
+    ClientError,
+    PromptBoundary,
+    SessionExpired,
+    SessionLost,
+    SessionNotFound,
+)
 from client.gateway import schema
 from client.gateway.errors import from_client_error, session_busy
 from client.gateway.metrics import GatewayMetrics
@@ -35,6 +42,9 @@ log = structlog.get_logger()
 
 MAX_EVICTIONS = 8  # idle sessions closed to make room for one new session before answering 429
 GONE = (SessionLost, SessionNotFound, SessionExpired)
+# A resumed session cannot take the turn (gone, or its new text would re-tokenize its last tokens): the request holds
+# the whole conversation, so the turn starts over in a new session.
+START_OVER = (*GONE, PromptBoundary)
 
 
 @dataclass(frozen=True)
@@ -207,12 +217,12 @@ class Service:
             for i in range(len(live.entries)):
                 streams.append(await self._open_stream(live, i))
             firsts = [await s.__anext__() for s in streams]
-        except GONE as e:
+        except START_OVER as e:
             for s in streams:
                 s.close()
             live.fail()
             if replay and live.resumed:
-                log.info("session_gone_replayed", code=e.code)
+                log.info("session_replayed", code=e.code)
                 return await self.stream(ask, replay=False)
             raise from_client_error(e) from e
         except ClientError as e:
@@ -297,13 +307,13 @@ class Service:
         entry, resumed = await self._session_for(ask)
         try:
             return await self._begin(ask, entry, resumed, started)
-        except GONE as e:
+        except START_OVER as e:
+            why = "replaced" if isinstance(e, PromptBoundary) else "gone"
             if not resumed:
-                self.discard(entry, "gone")
+                self.discard(entry, why)
                 raise from_client_error(e) from e
-            # The session expired or its worker is gone: the request holds the whole conversation, so start over.
-            log.info("session_gone_replayed", session=entry.session.id, code=e.code)
-            self.discard(entry, "gone")
+            log.info("session_replayed", session=entry.session.id, code=e.code)
+            self.discard(entry, why)
             fresh = await self._new_entry(ask)
             try:
                 return await self._begin(ask, fresh, False, started)
@@ -380,7 +390,10 @@ class Service:
             return ("messages", [{"role": r, "content": c} for r, c in ask.history[len(held):]])  # type: ignore[misc]
         if ask.kind == "text":
             assert isinstance(ask.history, str)
-            return ("prompt", ask.history[len(held):])
+            # A resumed session's new text is checked against the tokens the session ends with: where the tokenizer
+            # would merge across the boundary the worker refuses it (PromptBoundary) and the turn starts over in a
+            # new session given the whole prompt, so that the session's tokens are the whole prompt's.
+            return ("prompt", ask.history[len(held):], resumed)
         assert isinstance(ask.history, tuple)
         return ("prompt_ids", list(ask.history[len(held):]))
 
@@ -490,7 +503,8 @@ class Service:
             await asyncio.wait(list(self._closing), timeout=timeout)
 
 
-NewPart = tuple[str, Any] | None  # ("messages" | "prompt" | "prompt_ids", value) or None (nothing to append)
+# ("messages" | "prompt_ids", value), ("prompt", text, with boundary_check), or None (nothing to append)
+NewPart = tuple[str, Any] | tuple[str, Any, bool] | None
 
 
 def _empty(kind: Kind) -> tuple[Turn, ...] | str | tuple[int, ...]:
@@ -503,10 +517,12 @@ def _call_args(params: Any, new_part: NewPart) -> dict[str, Any]:
                             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
                             "logprobs": params.logprobs}
     if new_part is not None:
-        key, value = new_part
+        key, value = new_part[:2]
         if key != "messages" and not value:
             return args
         args[key] = value
+        if len(new_part) == 3 and new_part[2]:
+            args["boundary_check"] = True
     return args
 
 

@@ -19,12 +19,14 @@ EXAMPLES: list[p.Message] = [
     p.CreateSession(request_id="r1", model="m", session_id=SID, route=b"c1"),
     p.Append(request_id="r2", session_id=SID, token_ids=(1, 2, 3)),
     p.Append(request_id="r2", session_id=SID, text="héllo"),
+    p.Append(request_id="r2", session_id=SID, text="héllo", boundary_check=True),
     p.Chat(request_id="r3", session_id=SID, content="hi", role="system"),
     p.Generate(request_id="r4", session_id=SID, params=p.Sampling(max_tokens=9, temperature=0.7, top_p=0.9, top_k=5,
                                                                    seed=7, stop=("\n",), stop_token_ids=(2,)),
                stream=True, route=b"c1"),
     p.Generate(request_id="r4", session_id=SID, prompt_ids=(1, 2, 3)),
     p.Generate(request_id="r4", session_id=SID, prompt="héllo", stream=True),
+    p.Generate(request_id="r4", session_id=SID, prompt="héllo", boundary_check=True),
     p.Generate(request_id="r4", session_id=SID, messages=(p.ChatMessage(role="system", content="héllo"),), stream=True,
                resume=12),
     p.Fork(request_id="r5", session_id=SID, child_id=SID2),
@@ -45,6 +47,7 @@ EXAMPLES: list[p.Message] = [
     p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"),)),
     p.Fanout(routes=(b"c1", b"c2"), parts=(p.chunks_part((p.StreamChunk("r4", (4,), "a"),)), b"\x80")),
     p.Error(request_id="r4", code=p.ErrorCode.SESSION_LOST, message="gone"),
+    p.Error(request_id="r2", code=p.ErrorCode.PROMPT_BOUNDARY, message="merges"),
     p.Error(request_id=None, code=p.ErrorCode.VERSION_MISMATCH),
     p.Ready(name="w", model="m", capacity=4, free_slots=3, max_context=64, sessions=(SID,), draining=False, device="cpu"),
     p.Welcome(broker_id="b1", heartbeat_ms=100, liveness=3),
@@ -65,7 +68,7 @@ def test_every_message_round_trips(message: p.Message) -> None:
 def test_the_error_codes_are_the_designed_ones() -> None:
     assert {c.value for c in p.ErrorCode} == {
         "bad_request", "capacity_exhausted", "session_not_found", "session_lost", "model_not_found", "timeout",
-        "worker_draining", "unauthorized", "version_mismatch", "internal", "session_expired",
+        "worker_draining", "unauthorized", "version_mismatch", "internal", "session_expired", "prompt_boundary",
     }
 
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from client import AsyncClient, BadRequest, Client
+from client import AsyncClient, BadRequest, Client, PromptBoundary
 from client.stack import LocalStack
 
 TOO_LONG = 5000  # max_tokens past the worker's --max-context 2048: only the worker can refuse it
@@ -50,3 +50,28 @@ def test_a_refused_async_chat_turn_leaves_the_session_as_it_was(smol_stack: Loca
 
     before, appended = asyncio.run(main())
     assert before == 0 and appended > 0
+
+
+def test_a_text_sent_with_boundary_check_that_would_retokenize_the_session_is_refused_whole(
+        smol_stack: LocalStack) -> None:
+    """SmolLM2 tokenizes "Paris" as one token: "is" after a session ending in "Par" is PromptBoundary (a BadRequest),
+    appended or as a turn's prompt, streamed or not, and the session keeps its tokens; " Paris" goes on."""
+    with Client(smol_stack.clients, timeout=120) as c, c.session() as s:
+        held = s.append("The capital of France is Par")
+        with pytest.raises(PromptBoundary, match="changes how the session's last tokens tokenize"):
+            s.append("is", boundary_check=True)
+        with pytest.raises(PromptBoundary):
+            s.generate(prompt="is", boundary_check=True, max_tokens=2)
+        with pytest.raises(BadRequest) as refused:
+            list(s.generate(prompt="is", boundary_check=True, max_tokens=2, stream=True))
+        assert refused.value.code == "prompt_boundary" and s.info().length == held
+        assert s.append("is") == held + 1  # unchecked: tokenized on its own
+
+    async def main() -> tuple[int, int]:
+        async with AsyncClient(smol_stack.clients, timeout=120) as c, c.session() as s:
+            held = await s.append("The capital of France is")
+            with pytest.raises(PromptBoundary):
+                await s.append("n't", boundary_check=True)  # " isn't" is one token
+            return held, (await s.generate(prompt=" Paris", boundary_check=True, max_tokens=0)).appended
+
+    assert asyncio.run(main()) == (5, 1)

@@ -12,6 +12,7 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from client.errors import CapacityExhausted
 from client.sync import Client, Session
@@ -201,6 +202,45 @@ def test_completions_with_token_ids_resume_by_prefix(gateway: str, gateways: Gat
     assert second.usage.prompt_tokens_details is not None
     assert second.usage.prompt_tokens_details.cached_tokens == len(prompt) + 4
     assert gateways.prefilled() - before == 2  # the last generated token and the new one
+
+
+def test_a_resumed_text_prompt_that_merges_across_the_boundary_gets_the_whole_prompts_tokens(
+        gateway: str, gateways: Gateways) -> None:
+    """The answer ends in "\n" and the next prompt goes on with "\n\n": SmolLM2 tokenizes ".\n\n\nThe" as ".", "\n\n",
+    "\n", "The", so the new part tokenized on its own would leave the session with 15 tokens where the whole prompt
+    has 14. The worker refuses it (prompt_boundary) and the turn starts over in a new session: the answer, token for
+    token, of a request that no session held. A continuation that does not merge resumes the session."""
+    c = sync_client(gateway)
+    prompt = "The capital of France is"
+    first = c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=3)
+    assert first.choices[0].text == " Paris.\n" and first.choices[0].finish_reason == "length"
+    whole = prompt + first.choices[0].text + "\n\nThe capital of Japan is"
+    replaced = _closed_replaced(gateway)
+    before = gateways.prefilled()
+    second = c.completions.create(model=MODEL, prompt=whole, temperature=0, max_tokens=4,
+                                  extra_body={"return_token_ids": True})
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens == 0 and _closed_replaced(gateway) == replaced + 1
+    assert gateways.prefilled() - before == second.usage.prompt_tokens  # the whole prompt, computed again
+    alone = c.completions.create(model=MODEL, prompt=whole, temperature=0, max_tokens=4,
+                                 extra_body={"return_token_ids": True, "session_id": "no-session-held-it"})
+    assert alone.usage is not None and second.usage.prompt_tokens == alone.usage.prompt_tokens == 14
+    assert second.choices[0].model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert second.choices[0].text == " Tokyo.\n\n"  # "\n", "\n": before a letter, as the whole text has them
+    third = c.completions.create(model=MODEL, prompt=whole + second.choices[0].text + "Q: And Italy?", temperature=0,
+                                 max_tokens=2)
+    assert third.usage is not None and third.usage.prompt_tokens_details is not None
+    assert third.usage.prompt_tokens_details.cached_tokens == second.usage.total_tokens - 1  # resumed
+
+
+def _closed_replaced(url: str) -> float:
+    status, text = http_get(url + "/metrics")
+    assert status == 200
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "sessionserve:gateway_sessions_closed_total" and sample.labels == {"why": "replaced"}:
+                return sample.value
+    return 0.0
 
 
 def test_async_client_runs_conversations_concurrently(gateway: str) -> None:

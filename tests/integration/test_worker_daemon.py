@@ -81,7 +81,8 @@ class FakeEngine:
                 del self.active[engine_id]
                 self.finished.append(FakeChunk(engine_id, sid, [], "", "cancelled"))
 
-    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int:
+    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None, *,
+               boundary_check: bool = False) -> int:
         self.appends += 1
         self.lengths[self._known(session_id)] += len(token_ids or ())
         return self.lengths[session_id]
@@ -98,9 +99,12 @@ class FakeEngine:
     def check_text_fits(self, session_id: str, text: str) -> None:
         self._known(session_id)
 
-    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]:
         """A byte tokenizer, as the random models' (the real tokenizers library: it releases the GIL)."""
         return TOKENIZER.encode(text, add_bos)
+
+    def boundary_tail(self, session_id: str) -> list[int]:
+        return []
 
     def sessions(self) -> list[str]:
         return list(self.lengths)
@@ -112,7 +116,8 @@ class FakeEngine:
         return self.lengths[self._known(session_id)]
 
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
-                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None) -> str:
+                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
+                       boundary_check: bool = False) -> str:
         self._known(session_id)
         if any(s == session_id for s, _ in self.active.values()):
             raise SessionBusy("busy")

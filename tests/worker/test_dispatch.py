@@ -54,9 +54,9 @@ def test_a_session_whose_text_is_being_tokenized_is_not_expired_under_it(engine:
     monkeypatch.setattr(dispatch_module, "OFFLOAD_CHARS", LONG)
     tokenize = engine.tokenize
 
-    def slow_tokenize(text: str, add_bos: bool | None = None) -> list[int]:  # longer than the idle timeout
-        time.sleep(0.5)
-        return tokenize(text, add_bos)
+    def slow_tokenize(text: str, add_bos: bool | None = None, after: list[int] | None = None) -> list[int]:
+        time.sleep(0.5)  # longer than the idle timeout
+        return tokenize(text, add_bos, after)
 
     monkeypatch.setattr(engine, "tokenize", slow_tokenize)
     d = dispatch(engine, idle_timeout_s=0.1)

@@ -239,3 +239,37 @@ def test_a_gguf_file_with_arithmetic_not_implemented_is_refused(tmp_path: Path) 
                           ({"experts": 4}, "expert_count 4 is not implemented")):
         with pytest.raises(ModelLoadError, match=named):
             load_model(str(gguf_file(tmp_path / "bad.gguf", **kwargs)))
+
+
+def _tokenizer_folder(folder: Path, single: str | None) -> Path:
+    """A byte-level tokenizer as transformers writes it, whose post-processor makes a text `single` (None: none)."""
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.bytes_only()._tok
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|begin_of_text|>", "<|eot|>")])
+    specials = [(t, tok.token_to_id(t)) for t in ("<|begin_of_text|>", "<|eot|>")]
+    tok.post_processor = None if single is None else processors.TemplateProcessing(single=single, special_tokens=specials)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot|>").save_pretrained(
+        folder)
+    return folder
+
+
+@pytest.mark.parametrize("single", ["<|begin_of_text|> $A", "$A", None])
+def test_a_text_prompt_starts_with_the_bos_where_transformers_puts_one(tmp_path: Path, single: str | None) -> None:
+    """Llama 3's folders start a text with <|begin_of_text|> from tokenizer.json's post-processor (its
+    tokenizer_config.json has no add_bos_token, and transformers writes none): the prompt's tokens are transformers'."""
+    from transformers import AutoTokenizer
+
+    folder = _tokenizer_folder(tmp_path, single)
+    theirs, ours = AutoTokenizer.from_pretrained(folder), Tokenizer.from_hf_folder(folder)
+    for text in ("The capital of France is", "<|eot|> x", "é"):
+        assert ours.encode(text) == theirs(text)["input_ids"]
+    assert (ours.encode("a")[0] == 259) is (single is not None and "begin" in single)  # 259: <|begin_of_text|>
+    assert ours.apply_chat_template([{"role": "user", "content": "a"}], tokenize=True)[0] != 259  # the template's own
+
+
+def test_a_post_processor_that_adds_other_tokens_is_refused(tmp_path: Path) -> None:
+    folder = _tokenizer_folder(tmp_path, "$A <|eot|>")
+    with pytest.raises(ValueError, match=r"post-processor turns \[97\] into \[97, 260\]; only a BOS token before a text"):
+        Tokenizer.from_hf_folder(folder)

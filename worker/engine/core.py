@@ -47,7 +47,15 @@ from worker.engine.options import EngineOptions
 from worker.engine.sampling import RowRandom, SamplingParams, sample_ids, step_logprobs
 from worker.engine.scheduler import StepPlan, schedule
 from worker.engine.session import NO_SLOT, Chunk, Generation, Launched, Request, Session, TokenLogprob
-from worker.errors import BadRequest, ContextOverflow, EngineError, SessionBusy, SessionExists, SessionNotFound
+from worker.errors import (
+    BadRequest,
+    ContextOverflow,
+    EngineError,
+    PromptBoundary,
+    SessionBusy,
+    SessionExists,
+    SessionNotFound,
+)
 from worker.model.llama import Llama
 from worker.model.tokenizer import Tokenizer
 
@@ -239,6 +247,10 @@ class Engine:
     def session_tokens(self, session_id: str) -> list[int]:
         return list(self._session(session_id).tokens)
 
+    def boundary_tail(self, session_id: str) -> list[int]:
+        """The session's last tokens that a text appended with boundary_check is tokenized with (Tokenizer.boundary_tail)."""
+        return self.tokenizer.boundary_tail(self._session(session_id).tokens)
+
     # -- sessions -----------------------------------------------------------------------------
 
     def create_session(self, session_id: str | None = None, owner: str = "") -> str:
@@ -285,10 +297,16 @@ class Engine:
             self.hibernation.drop(session_id)
         log.debug("session_closed", session=session_id)
 
-    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int:
-        """Add prompt tokens (or text) to the session; returns its length in tokens."""
+    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None, *,
+               boundary_check: bool = False) -> int:
+        """Add prompt tokens (or text) to the session; returns its length in tokens.
+
+        A text is tokenized on its own, with the tokenizer's BOS only on an empty session. With `boundary_check` it
+        is taken as the continuation of the session's text: its ids are those a tokenization of the session's last
+        tokens and the text together gives after theirs, and PromptBoundary is raised, nothing appended, where the
+        text would change how those last tokens tokenize ("Par" held, "is" appended: one token, "Paris")."""
         session = self._session(session_id)
-        ids = self._prompt(session, token_ids, text)
+        ids = self._prompt(session, token_ids, text, boundary_check)
         if session.request is not None:
             raise SessionBusy(f"session {session_id} is generating: append after the generation ends")
         self._resident(session)  # a hibernated copy holds the session's tokens too: it comes back before they change
@@ -296,7 +314,8 @@ class Engine:
         session.used_at = time.monotonic()
         return len(session.tokens)
 
-    def _prompt(self, session: Session, token_ids: Sequence[int] | None, text: str | None) -> list[int]:
+    def _prompt(self, session: Session, token_ids: Sequence[int] | None, text: str | None,
+                boundary_check: bool = False) -> list[int]:
         """The ids that appending `token_ids` or `text` would add, checked (nothing is changed)."""
         if (token_ids is None) == (text is None):
             raise BadRequest("append takes exactly one of token_ids or text")
@@ -304,7 +323,8 @@ class Engine:
             if not isinstance(text, str):
                 raise BadRequest("text must be a string")
             self._check_text_fits(session, text)
-            ids = self.tokenize(text)
+            ids = self.tokenize(text, None if not session.tokens else False,
+                                self.tokenizer.boundary_tail(session.tokens) if boundary_check else None)
         else:
             if token_ids is not None and not isinstance(token_ids, (str, bytes)):
                 self._check_fits(session, len(token_ids))  # before the per-id checks of a long list
@@ -318,11 +338,21 @@ class Engine:
             )
         return ids
 
-    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """The ids of `text` as an append of it makes them. Reads only the tokenizer: safe on another thread than the
-        engine's (the worker tokenizes long texts off its compute loop), and releases the GIL for long texts."""
+    def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]:
+        """The ids of `text` as an append of it makes them; `after`: the last tokens of the session it continues
+        (`boundary_tail`), for an append with boundary_check (PromptBoundary where the text re-tokenizes them). Reads
+        only the tokenizer: safe on another thread than the engine's (the worker tokenizes long texts off its compute
+        loop), and releases the GIL for long texts."""
         try:
-            ids = self.tokenizer.encode(text, add_bos)
+            if after is None:
+                ids = self.tokenizer.encode(text, add_bos)
+            else:
+                found = self.tokenizer.encode_after(after, text)
+                if found is None:
+                    raise PromptBoundary(
+                        f"the text changes how the session's last tokens tokenize ({self.tokenizer.decode(after)[-24:]!r} "
+                        f"then {text[:24]!r}): appended on its own it would give other tokens than the whole text does")
+                ids = found
         except ValueError as e:
             raise BadRequest(str(e)) from e
         vocab = self.model.config.vocab_size
@@ -412,10 +442,11 @@ class Engine:
     # -- generation: the step-driven core ---------------------------------------------------------
 
     def start_generate(self, session_id: str, params: SamplingParams, request_id: str | None = None, *,
-                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None) -> str:
+                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
+                       boundary_check: bool = False) -> str:
         """Queue a generation; it runs in the following steps. Validates everything now.
 
-        With `prompt_ids` or `prompt` (text), that prompt is appended first, as by `append`: one call for a
+        With `prompt_ids` or `prompt` (text), that prompt is appended first, as by `append` (`boundary_check` too): one call for a
         turn. Either both happen or, when anything is refused, neither. max_tokens 0 only prefills: the prompt is
         computed but for its last token, which stays pending as after a generation (so forks of the session then
         each compute one token, not the prompt), and the request ends "length" with no tokens.
@@ -427,7 +458,7 @@ class Engine:
                              "(worker --max-context)")
         if session.request is not None:
             raise SessionBusy(f"session {session_id} already has a generation in flight")
-        ids = [] if prompt_ids is None and prompt is None else self._prompt(session, prompt_ids, prompt)
+        ids = [] if prompt_ids is None and prompt is None else self._prompt(session, prompt_ids, prompt, boundary_check)
         length = len(session.tokens) + len(ids)
         if not length:
             raise BadRequest(f"session {session_id} is empty: append a prompt before generating")

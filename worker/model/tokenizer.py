@@ -34,6 +34,11 @@ LLAMA3_PATTERN = (
 # (its single-text call holds it: 4.2M characters held it for ~6 s, and no other thread of the process ran).
 RELEASE_GIL_CHARS = 4096
 
+# The window `Tokenizer.boundary_tail` takes: more bytes than any word, number or run of punctuation a tokenizer's
+# pre-tokenizer keeps in one piece in ordinary text.
+BOUNDARY_BYTES = 128
+BOUNDARY_TOKENS = 64
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
     " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -166,12 +171,16 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # a list of named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        bos = token_id(cfg.get("bos_token"))
+        add_bos = bool(cfg.get("add_bos_token", False))
+        if tok.post_processor is not None:
+            bos, add_bos = _post_processor_bos(tok, bos, folder)
         return cls(
             tok,
-            bos_id=token_id(cfg.get("bos_token")),
+            bos_id=bos,
             eos_id=eos,
             chat_template=template,
-            add_bos=bool(cfg.get("add_bos_token", False)),
+            add_bos=add_bos,
             extra_stop_ids=[int(i) for i in eos_list if int(i) != eos],
         )
 
@@ -203,6 +212,52 @@ class Tokenizer:
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
+
+    def boundary_tail(self, tokens: Sequence[int]) -> list[int]:
+        """The last tokens of a sequence that a text appended to it is tokenized with (`encode_after`): back to
+        BOUNDARY_BYTES bytes or BOUNDARY_TOKENS tokens, then on to a token that starts a piece of the pre-tokenizer's
+        (a space before a character that is not one: a word, or punctuation, with its space, in GPT-2's, Llama 3's and
+        Qwen's patterns) within BOUNDARY_TOKENS more, else to one that does not start inside a UTF-8 character; never
+        past a special token (tokenizers split special tokens out first: nothing merges across one)."""
+        table = self.token_bytes
+        if table is None:
+            return list(tokens[max(0, len(tokens) - BOUNDARY_TOKENS):])
+
+        def starts_piece(token: int) -> bool:
+            data = table[token] if 0 <= token < len(table) else b""
+            return len(data) > 1 and data[0] == 0x20 and data[1] not in b" \t\r\n\v\f"
+
+        def inside_character(token: int) -> bool:
+            data = table[token] if 0 <= token < len(table) else b""
+            return bool(data) and data[0] & 0xC0 == 0x80
+
+        start, size = len(tokens), 0
+        furthest = len(tokens) - 2 * BOUNDARY_TOKENS
+        while start > 0 and tokens[start - 1] not in self.special_ids:
+            if size >= BOUNDARY_BYTES or len(tokens) - start >= BOUNDARY_TOKENS:
+                if starts_piece(tokens[start]) or (start <= furthest and not inside_character(tokens[start])):
+                    break
+            start -= 1
+            size += len(table[tokens[start]]) if 0 <= tokens[start] < len(table) else 1
+        return list(tokens[start:])
+
+    def encode_after(self, tail: Sequence[int], text: str) -> list[int] | None:
+        """The ids `text` adds after a sequence ending in `tail` (its `boundary_tail`), as a tokenization of the two
+        together makes them, or None where that tokenization does not keep the tail's own tokens: the tokenizer merges
+        across the boundary ("Par" then "is": one token "Paris"), and no ids appended after the tail's give the whole
+        text's tokens. Tokenization is local (the pre-tokenizer splits text into pieces, words, numbers, punctuation,
+        spaces, and no token crosses two), so a tail that starts a piece stands for the whole sequence. No BOS."""
+        if not tail:
+            return self.encode(text, add_bos=False)
+        if self.token_bytes is not None:
+            try:
+                before = b"".join(self.token_bytes[t] for t in tail).decode("utf-8")
+            except (IndexError, UnicodeDecodeError):  # it ends inside a character: the text would complete it
+                return None
+        else:
+            before = self.decode(tail)
+        both = self.encode(before + text, add_bos=False)
+        return both[len(tail):] if both[:len(tail)] == list(tail) else None
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on the tokens `encode(text)` makes, found without encoding it (0 where none is known): each
@@ -245,6 +300,26 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
         return self.encode(text, add_bos=False) if tokenize else text
+
+
+def _post_processor_bos(tok: HFTokenizer, bos: int | None, folder: Path) -> tuple[int | None, bool]:
+    """(the BOS id, whether a text prompt starts with it) as tokenizer.json's post-processor says: it is what
+    transformers follows when it tokenizes a text (Llama 3 adds <|begin_of_text|> there, and its tokenizer_config.json
+    has no add_bos_token; a folder transformers writes keeps the choice only there). A post-processor that adds
+    anything else (a token after the text, several before it) is refused: those prompts would be other tokens."""
+    probe = "a"
+    plain = tok.encode(probe, add_special_tokens=False).ids
+    full = tok.encode(probe, add_special_tokens=True).ids
+    start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+    if start is None or full[start + len(plain):] or start > 1:
+        raise ValueError(f"{folder}: tokenizer.json's post-processor turns {plain} into {full}; only a BOS token "
+                         "before a text is supported")
+    if start == 0:
+        return bos, False
+    if bos is not None and full[0] != bos:
+        raise ValueError(f"{folder}: tokenizer.json's post-processor starts a text with token {full[0]}, "
+                         f"tokenizer_config.json's bos_token is {bos}")
+    return full[0], True
 
 
 def _raise_template_error(message: str) -> None:

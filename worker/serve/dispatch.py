@@ -67,16 +67,19 @@ class EngineAPI(Protocol):
     def session_owner(self, session_id: str) -> str: ...
     def fork(self, session_id: str, child_id: str | None = None) -> str: ...
     def close(self, session_id: str) -> None: ...
-    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None) -> int: ...
+    def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None, *,
+               boundary_check: bool = False) -> int: ...
     def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
     def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]: ...
     def chat_text(self, session_id: str, messages: Sequence[dict[str, str]]) -> str: ...
     def check_text_fits(self, session_id: str, text: str) -> None: ...
-    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]: ...
+    def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]: ...
+    def boundary_tail(self, session_id: str) -> list[int]: ...
     def sessions(self) -> list[str]: ...
     def session_length(self, session_id: str) -> int: ...
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
-                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None) -> str: ...
+                       prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
+                       boundary_check: bool = False) -> str: ...
     def cancel(self, request_id: str) -> None: ...
     def release_idle_slots(self, older_than_s: float) -> int: ...
     def has_work(self) -> bool: ...
@@ -319,18 +322,21 @@ class Dispatch:
             # room checked, against the session before its generation's tokens
             raise SessionBusy(f"session {sid} already has a generation in flight" if isinstance(request, p.Generate)
                               else f"session {sid} is generating: append after the generation ends")
+        after: list[int] | None = None  # the session's last tokens, for a text sent with boundary_check
         if isinstance(request, p.Chat):
             text = e.chat_text(sid, [{"role": request.role, "content": text}])
             add_bos: bool | None = False
         elif isinstance(request, p.Generate) and request.messages is not None:
             text = e.chat_text(sid, _turns(request.messages))
             add_bos = False
-        else:
-            add_bos = None
+        else:  # (the session cannot change while its text is tokenized: its requests wait behind it)
+            add_bos = None if e.session_length(sid) == 0 else False
+            if getattr(request, "boundary_check", False):
+                after = e.boundary_tail(sid)
         e.check_text_fits(sid, text)
         if self._tokenizer is None:
             self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="worker-tokenize")
-        future = self._tokenizer.submit(e.tokenize, text, add_bos)
+        future = self._tokenizer.submit(e.tokenize, text, add_bos, after)
         self.tokenizing[sid] = Tokenizing(request, route, future)
         self.tokenized_chars += len(text)
         future.add_done_callback(lambda _: self.on_tokenized())
@@ -399,7 +405,8 @@ class Dispatch:
                 length = e.append(request.session_id, token_ids=ids)
             else:
                 token_ids = list(request.token_ids) if request.token_ids is not None else None
-                length = e.append(request.session_id, token_ids=token_ids, text=request.text)
+                length = e.append(request.session_id, token_ids=token_ids, text=request.text,
+                                  boundary_check=request.boundary_check)
             return p.Appended(request_id=request.request_id, session_id=request.session_id, length=length)
         if isinstance(request, p.Chat):
             if ids is not None:
@@ -417,7 +424,8 @@ class Dispatch:
             if request.messages is not None and ids is None:
                 prompt_ids = e.chat_ids(request.session_id, _turns(request.messages))
             engine_id = e.start_generate(request.session_id, self._sampling(request.params),
-                                         prompt_ids=prompt_ids, prompt=None if ids is not None else request.prompt)
+                                         prompt_ids=prompt_ids, prompt=None if ids is not None else request.prompt,
+                                         boundary_check=request.boundary_check and ids is None)
             appended = e.session_length(request.session_id) - before
             self.active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream,
                                             appended, logprobs=None if request.params.logprobs is None else [])
