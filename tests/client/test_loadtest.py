@@ -20,7 +20,19 @@ from client.bench.loadtest import LoadConfig, LoadTestError, main, run
 from client.bench.loadtest.progress import Tally, requests_text
 from client.bench.loadtest.report import build_report
 from client.bench.loadtest.stack import request_shares, split
-from client.bench.loadtest.stats import RawRun, RequestSample, Summary, e2e, itls, merge, percentile, timeline, tpot, ttft
+from client.bench.loadtest.stats import (
+    INTERRUPTED,
+    RawRun,
+    RequestSample,
+    Summary,
+    e2e,
+    itls,
+    merge,
+    percentile,
+    timeline,
+    tpot,
+    ttft,
+)
 from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, Opened, Turn, TurnDone, Workload, user
 
 from ..integration.cluster import ROOT, Cluster, free_port
@@ -98,6 +110,24 @@ def test_report_counts_throughput_and_latencies() -> None:
     json.dumps(d)
     text = report.render()
     assert "Output token throughput (tok/s)" in text and "session_lost 1" in text
+
+
+def test_a_report_of_a_run_stopped_early_leaves_out_the_requests_it_cut_short() -> None:
+    raw = RawRun(start=10.0, finish=13.0, interrupted=True)
+    raw.requests = [sample(10.0, [10.5, 11.0], [1, 1], end=11.0),
+                    sample(11.0, [], [], end=11.5, error="timeout"),
+                    sample(11.0, [11.5, 12.0], [1, 1], end=12.5, error=INTERRUPTED)]  # its tokens count nowhere
+    report = build_report(raw, "full-stack", {})
+    assert (report.completed, report.failed, report.cut_short, report.request_errors) == (1, 1, 1, {"timeout": 1})
+    assert report.interrupted and report.duration_s == 2.5 and report.total_output_tokens == 2
+    d = report.to_dict()
+    assert (d["interrupted"], d["cut_short"], d["duration"]) == (True, 1, 2.5)
+    text = report.render()
+    assert "Load test result (full-stack), INTERRUPTED: partial" in text
+    assert "Requests cut short (interrupted)" in text and "Benchmark duration until interrupted (s)" in text
+    assert merge([raw, RawRun(start=9.0)]).interrupted and not merge([RawRun(start=9.0)]).interrupted
+    whole = build_report(RawRun(start=0.0, finish=1.0), "full-stack", {})
+    assert not whole.interrupted and "INTERRUPTED" not in whole.render() and "cut short" not in whole.render()
 
 
 def test_timeline_bins_tokens_by_chunk_time() -> None:

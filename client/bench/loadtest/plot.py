@@ -46,6 +46,7 @@ def plot(report: Report, path: str | Path) -> None:
     over_time.set_xlabel("s since start")
     over_time.set_ylabel("tokens/s")
     over_time.legend()
-    fig.suptitle(f"loadtest ({report.mode}): {report.completed} requests, {report.failed} failed, "
+    interrupted = f", INTERRUPTED after {report.duration_s:.2f} s" if report.interrupted else ""
+    fig.suptitle(f"loadtest ({report.mode}{interrupted}): {report.completed} requests, {report.failed} failed, "
                  f"{report.output_tokens_per_s:,.0f} output tok/s")
     fig.savefig(Path(path), dpi=100)

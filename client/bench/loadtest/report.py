@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from client.bench.loadtest.stats import RawRun, Summary, e2e, itls, timeline, tpot, ttft
+from client.bench.loadtest.stats import INTERRUPTED, RawRun, Summary, e2e, itls, timeline, tpot, ttft
 
 WIDTH = 100  # columns of the plain-text table
 
@@ -21,7 +21,7 @@ WIDTH = 100  # columns of the plain-text table
 
 @dataclass
 class Report:
-    mode: str  # "full-stack" or "in-process"
+    mode: str  # "full-stack", "in-process" or "http"
     config: dict[str, Any]
     duration_s: float  # from the run's start to the end of its last request
     completed: int
@@ -38,6 +38,10 @@ class Report:
     op_errors: dict[str, dict[str, int]]
     counts: dict[str, int]
     timeline: list[tuple[float, float]]
+    # The run was stopped early (Ctrl-C: interrupt.py): the figures are those of its first `duration_s` seconds, and
+    # the requests it cut short (`cut_short`) are in none of them, neither completed nor failed.
+    interrupted: bool = False
+    cut_short: int = 0
     # The distributions themselves (ms), for plots; not part of to_dict().
     ttft_ms: list[float] = field(default_factory=list, repr=False)
     itl_ms: list[float] = field(default_factory=list, repr=False)
@@ -61,9 +65,11 @@ class Report:
         out: dict[str, Any] = {
             "mode": self.mode,
             "config": self.config,
+            "interrupted": self.interrupted,
             "duration": self.duration_s,
             "completed": self.completed,
             "failed": self.failed,
+            "cut_short": self.cut_short,
             "errors": dict(self.request_errors),
             "total_input_tokens": self.total_input_tokens,
             "total_output_tokens": self.total_output_tokens,
@@ -94,7 +100,7 @@ class Report:
 
 def build_report(raw: RawRun, mode: str, config: dict[str, Any]) -> Report:
     done = [r for r in raw.requests if r.error is None]
-    failed = [r for r in raw.requests if r.error is not None]
+    failed = [r for r in raw.requests if r.error is not None and r.error != INTERRUPTED]
     last_end = max((r.end for r in raw.requests), default=raw.finish)
     ttft_ms = [t * 1e3 for t in map(ttft, done) if t is not None]
     itl_ms = [g * 1e3 for r in done for g in itls(r)]
@@ -118,6 +124,8 @@ def build_report(raw: RawRun, mode: str, config: dict[str, Any]) -> Report:
         op_errors={kind: dict(codes) for kind, codes in raw.op_errors.items()},
         counts=dict(raw.counts),
         timeline=timeline(done, raw.start, last_end),
+        interrupted=raw.interrupted,
+        cut_short=sum(r.error == INTERRUPTED for r in raw.requests),
         ttft_ms=ttft_ms,
         itl_ms=itl_ms,
         tpot_ms=tpot_ms,
@@ -153,12 +161,17 @@ class ReportTable(Table):
 
 
 def report_table(report: Report) -> ReportTable:
-    table = ReportTable(title=f"Load test result ({report.mode})", show_header=False, title_justify="left")
+    title = f"Load test result ({report.mode})" + (", INTERRUPTED: partial" if report.interrupted else "")
+    table = ReportTable(title=title, show_header=False, title_justify="left")
     table.add_column("figure", style="cyan", no_wrap=True)
     table.add_column("value", justify="right")
     table.add_row("Successful requests", str(report.completed))
     table.add_row("Failed requests", f"{report.failed} ({_errors(report.request_errors)})" if report.failed else "0")
-    table.add_row("Benchmark duration (s)", f"{report.duration_s:.2f}")
+    if report.interrupted:
+        table.add_row("Requests cut short (interrupted)", str(report.cut_short))
+        table.add_row("Benchmark duration until interrupted (s)", f"{report.duration_s:.2f}")
+    else:
+        table.add_row("Benchmark duration (s)", f"{report.duration_s:.2f}")
     table.add_row("Total input tokens", str(report.total_input_tokens))
     table.add_row("Total generated tokens", str(report.total_output_tokens))
     table.add_row("Request throughput (req/s)", f"{report.requests_per_s:.2f}")

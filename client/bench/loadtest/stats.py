@@ -24,6 +24,7 @@ PERCENTILES = (50, 90, 99)
 TIMELINE_BINS = 40  # throughput-over-time resolution when the run is short
 TIMELINE_MAX_BIN_S = 1.0
 SESSION_OPS = ("create", "fork", "close")
+INTERRUPTED = "interrupted"  # the error code of a request cut short because the run was stopped (interrupt.py)
 
 
 # -- raw samples --------------------------------------------------------------------------------
@@ -39,7 +40,7 @@ class RequestSample:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
     end: float = 0.0  # the final chunk (or the error) arrived
-    error: str | None = None  # the wire error code when the request failed
+    error: str | None = None  # the wire error code when the request failed; INTERRUPTED when the run cut it short
     opened: bool = False  # the turn opened its session (natively a CREATE before it): its TTFT counts from that
 
     @classmethod
@@ -63,6 +64,7 @@ class RawRun:
     ops: dict[str, list[float]] = field(default_factory=lambda: {op: [] for op in SESSION_OPS})  # seconds, successes
     op_errors: dict[str, Counter[str]] = field(default_factory=dict)  # op -> error code -> count
     counts: Counter[str] = field(default_factory=Counter)  # sessions_opened, context_rollovers, forks, ...
+    interrupted: bool = False  # the run was stopped before its end (interrupt.py)
 
     def op(self, kind: str, seconds: float) -> None:
         self.ops.setdefault(kind, []).append(seconds)
@@ -73,7 +75,8 @@ class RawRun:
 
 def merge(runs: Sequence[RawRun]) -> RawRun:
     """One run from several processes' runs."""
-    merged = RawRun(start=min(r.start for r in runs), finish=max(r.finish for r in runs))
+    merged = RawRun(start=min(r.start for r in runs), finish=max(r.finish for r in runs),
+                    interrupted=any(r.interrupted for r in runs))
     for run in runs:
         merged.requests += run.requests
         for kind, values in run.ops.items():
