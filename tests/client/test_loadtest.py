@@ -514,3 +514,36 @@ def test_no_broker_is_a_clear_error() -> None:
 def test_the_progress_bar_counts_requests_then_failures() -> None:
     assert requests_text(Tally(done=9, failed=3), 100) == "12/100 requests, 3 failed"
     assert requests_text(Tally(), None) == "0 requests, 0 failed"
+
+
+# -- stopping a run early (Ctrl-C) ----------------------------------------------------------------------
+
+
+class StopAfter:
+    """A stop request that is set from its `polls`-th look on (the drivers look between engine steps, or every
+    progress.REFRESH_S)."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def is_set(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+def test_in_process_run_stopped_cancels_its_turns_and_closes_its_sessions(tiny_engine: object) -> None:
+    """Stopped in the users' second turns (32 tokens each, all three in lockstep): the first turns are its figures,
+    the second ones cut short, in neither completed nor failed; no session is left in the engine."""
+    config = LoadConfig(in_process=True, sessions=3, prompt_tokens=8, max_tokens=32, turns=100, duration=600,
+                        ignore_eos=True)
+    report = run(config, engine=tiny_engine, stop=StopAfter(50))  # type: ignore[arg-type]
+    assert report.interrupted and (report.completed, report.failed, report.cut_short) == (3, 0, 3)
+    assert report.total_output_tokens == 3 * 32 and report.e2el.count == 3
+    assert {k: s.count for k, s in report.ops.items()} == {"create": 3, "fork": 0, "close": 3}
+    assert report.counts == {"sessions_opened": 3}  # no reopening counted for a cut-short turn
+    assert tiny_engine.sessions() == []  # type: ignore[attr-defined]
+    assert "INTERRUPTED: partial" in report.render() and "Requests cut short (interrupted)" in report.render()
+    d = report.to_dict()
+    assert (d["interrupted"], d["cut_short"]) == (True, 3)
+    stopped = run(config, engine=tiny_engine, stop=StopAfter(0))  # type: ignore[arg-type]
+    assert stopped.interrupted and (stopped.completed, stopped.cut_short, stopped.ops["create"].count) == (0, 0, 0)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,56 @@ def test_http_users_keep_to_the_context_the_gateway_lists(gateways: Gateways) ->
                             max_context=4096, ignore_eos=True, timeout=60))
     assert (report.completed, report.failed) == (4, 0)
     assert report.counts["context_rollovers"] == 1 and report.counts["sessions_opened"] == 2
+
+
+def finished(gateways: Gateways) -> dict[str, float]:
+    """The worker's generations finished so far, by reason."""
+    _, text = http_get(gateways.worker_metrics)
+    return {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "sessionserve:request_success_total"}
+
+
+def held(url: str) -> dict[str, float]:
+    _, text = http_get(url + "/metrics")
+    return {s.labels["state"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "sessionserve:gateway_sessions"}
+
+
+@pytest.mark.slow
+def test_http_run_stopped_drops_its_turns_and_deletes_its_sessions(gateways: Gateways) -> None:
+    """Stopped once two turns are done (as Ctrl-C does): the turns in flight are cut short (their connections
+    dropped: the gateway cancels their generations), every conversation is deleted (a DELETE that finds its session
+    still ending, 409, asked again), and the gateway and the broker hold none of them afterwards."""
+    url = gateways.start()
+    with gateways.stack.client() as c:
+        sessions_before = sum(w.sessions for w in c.status())
+    before = finished(gateways)
+    stop = threading.Event()
+
+    def stop_after_two_turns() -> None:
+        deadline = time.monotonic() + 180
+        while finished(gateways).get("length", 0) - before.get("length", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stop.set()
+
+    watcher = threading.Thread(target=stop_after_two_turns, daemon=True)
+    watcher.start()
+    report = run(LoadConfig(broker=None, http=url, sessions=2, prompt_tokens=8, max_tokens=24, turns=1000,
+                            duration=300, ignore_eos=True, timeout=60), stop=stop)
+    watcher.join()
+    assert report.interrupted and report.completed >= 2 and (report.failed, report.request_errors) == (0, {})
+    assert 1 <= report.cut_short <= 2 and report.total_output_tokens == 24 * report.completed
+    assert report.ops["close"].count == report.counts["sessions_opened"] and not report.op_errors
+    assert held(url) == {"idle": 0, "busy": 0}
+    # The gateway cancels the generations and closes the broker sessions without waiting for their answers.
+    deadline = time.monotonic() + 10
+    with gateways.stack.client() as c:
+        while sum(w.sessions for w in c.status()) != sessions_before:
+            assert time.monotonic() < deadline, "the run's sessions are still open at the broker"
+            time.sleep(0.05)
+    while finished(gateways).get("cancelled", 0) == before.get("cancelled", 0):
+        assert time.monotonic() < deadline, "no generation was cancelled"
+        time.sleep(0.05)
 
 
 def test_http_refuses_what_the_openai_api_cannot_do() -> None:

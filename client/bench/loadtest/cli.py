@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from broker.common.arguments import zmq_address
+from client.bench.loadtest.interrupt import StopFlag
 from client.bench.loadtest.progress import ProgressView, Tally
 from client.bench.loadtest.report import Report, build_report
 from client.bench.loadtest.stack import LoadTestError
@@ -152,27 +154,40 @@ class LoadConfig:
         )
 
 
-def run(config: LoadConfig, *, engine: Engine | None = None, log_level: str = "warning") -> Report:
+def run(config: LoadConfig, *, engine: Engine | None = None, log_level: str = "warning",
+        stop: StopFlag | None = None) -> Report:
     """Run the load test and report. In-process mode loads the engine (or uses `engine`, left open).
 
     `log_level`: what client processes (processes > 1) log at; this process logs as its caller configured.
     With processes > 1 the client processes are started with multiprocessing's spawn, which imports the
     calling script again: a script that calls run() needs the `if __name__ == "__main__":` guard.
+    `stop` (e.g. a threading.Event, or interrupt.Stop): once set, the run stops early, closes its sessions and
+    reports what it measured, `interrupted`.
     """
     config.validate()
     if config.in_process:
-        raw = _run_in_process(config, engine)
+        raw = _run_in_process(config, engine, stop)
     elif config.http:
-        raw = _run_http(config, log_level)
+        raw = _run_http(config, log_level, stop)
     else:
-        raw = _run_stack(config, log_level)
+        raw = _run_stack(config, log_level, stop)
     report = build_report(raw, config.mode, asdict(config))
     log.info("loadtest_done", mode=config.mode, completed=report.completed, failed=report.failed,
              output_tokens_per_s=round(report.output_tokens_per_s, 1))
     return report
 
 
-def _run_in_process(config: LoadConfig, engine: Engine | None) -> RawRun:
+def _stopped(stop: StopFlag | None) -> bool:
+    return stop is not None and stop.is_set()
+
+
+def _not_started() -> RawRun:
+    """The run of a load test stopped before its measured run began (in its warm-up): nothing measured."""
+    now = time.perf_counter()
+    return RawRun(start=now, finish=now, interrupted=True)
+
+
+def _run_in_process(config: LoadConfig, engine: Engine | None, stop: StopFlag | None) -> RawRun:
     from client.bench.loadtest.engine import load_engine, run_in_process
 
     own = engine is None
@@ -185,11 +200,15 @@ def _run_in_process(config: LoadConfig, engine: Engine | None) -> RawRun:
     try:
         if config.warmup:
             warm = Budget(config.warmup, None)
-            run_in_process(engine, config.workload(warmup=True), min(config.sessions, config.warmup), warm, Tally(), _nothing)
+            run_in_process(engine, config.workload(warmup=True), min(config.sessions, config.warmup), warm, Tally(),
+                           _nothing, stop)
+        if _stopped(stop):
+            return _not_started()
         tally = Tally()
         with ProgressView(config.request_limit, config.duration, config.progress) as view:
             budget = Budget(config.request_limit, config.duration)
-            raw = run_in_process(engine, config.workload(), config.sessions, budget, tally, lambda: view.update(tally))
+            raw = run_in_process(engine, config.workload(), config.sessions, budget, tally, lambda: view.update(tally),
+                                 stop)
             view.update(tally)
         return raw
     finally:
@@ -211,7 +230,7 @@ def _check_broker(config: LoadConfig) -> None:
     log.info("loadtest_workers", workers=[(w.name, w.model, w.capacity) for w in workers])
 
 
-def _run_stack(config: LoadConfig, log_level: str) -> RawRun:
+def _run_stack(config: LoadConfig, log_level: str, stop: StopFlag | None) -> RawRun:
     from client.bench.loadtest.stack import run_processes, split
 
     assert config.broker is not None  # validate() checked
@@ -219,17 +238,19 @@ def _run_stack(config: LoadConfig, log_level: str) -> RawRun:
     if config.warmup:
         warm = split(config.broker, config.model, config.timeout, config.workload(warmup=True), min(config.sessions, config.warmup),
                      1, config.warmup, None, config.broker_key, config.key)
-        run_processes(warm, Tally(), _nothing, _nothing)
+        run_processes(warm, Tally(), _nothing, _nothing, stop=stop)
+    if _stopped(stop):
+        return _not_started()
     parts = split(config.broker, config.model, config.timeout, config.workload(), config.sessions, config.processes,
                   config.request_limit, config.duration, config.broker_key, config.key)
     tally = Tally()
     with ProgressView(config.request_limit, config.duration, config.progress) as view:
-        raw = run_processes(parts, tally, view.started, lambda: view.update(tally), log_level)
+        raw = run_processes(parts, tally, view.started, lambda: view.update(tally), log_level, stop)
         view.update(tally)
     return raw
 
 
-def _run_http(config: LoadConfig, log_level: str) -> RawRun:
+def _run_http(config: LoadConfig, log_level: str, stop: StopFlag | None) -> RawRun:
     from client.bench.loadtest.http import served_model
     from client.bench.loadtest.stack import run_processes, split
 
@@ -242,11 +263,13 @@ def _run_http(config: LoadConfig, log_level: str) -> RawRun:
 
     if config.warmup:
         run_processes(parts(config.workload(warmup=True), min(config.sessions, config.warmup), 1, config.warmup, None),
-                      Tally(), _nothing, _nothing)
+                      Tally(), _nothing, _nothing, stop=stop)
+    if _stopped(stop):
+        return _not_started()
     tally = Tally()
     with ProgressView(config.request_limit, config.duration, config.progress) as view:
         raw = run_processes(parts(config.workload(), config.sessions, config.processes, config.request_limit,
-                                  config.duration), tally, view.started, lambda: view.update(tally), log_level)
+                                  config.duration), tally, view.started, lambda: view.update(tally), log_level, stop)
         view.update(tally)
     return raw
 
@@ -260,11 +283,11 @@ def validate_together(config: LoadConfig) -> None:
         raise ValueError("measuring together needs at least 2 sessions and 2 processes (one side each)")
 
 
-def run_together(config: LoadConfig, log_level: str = "warning") -> tuple[Report, Report]:
+def run_together(config: LoadConfig, log_level: str = "warning", stop: StopFlag | None = None) -> tuple[Report, Report]:
     """The native client and the gateway measured at once, on one engine: half the sessions (and processes and
     requests) through the broker, half through the gateway's OpenAI API, the same users' prompts on both sides, every
     process starting on one signal. Both see the same load at the same moments (the engine's steps, the host's other
-    work), which run-to-run differences no longer blur. The native report and the gateway's."""
+    work), which run-to-run differences no longer blur. The native report and the gateway's (`stop`: as for run())."""
     from client.bench.loadtest.http import served_model
     from client.bench.loadtest.stack import request_shares, run_each, split
 
@@ -289,16 +312,22 @@ def run_together(config: LoadConfig, log_level: str = "warning") -> tuple[Report
     if config.warmup:
         warm = min(half_sessions, config.warmup)
         run_each([*side(False, config.workload(warmup=True), warm, 1, config.warmup, None),
-                  *side(True, config.workload(warmup=True), warm, 1, config.warmup, None)], Tally(), _nothing, _nothing)
+                  *side(True, config.workload(warmup=True), warm, 1, config.warmup, None)], Tally(), _nothing, _nothing,
+                 stop=stop)
     native_parts = side(False, config.workload(), half_sessions, half_processes, native_requests, config.duration)
     http_parts = side(True, config.workload(), config.sessions - half_sessions, config.processes - half_processes,
                       http_requests, config.duration)
-    tally = Tally()
-    with ProgressView(config.request_limit, config.duration, config.progress) as view:
-        runs = run_each([*native_parts, *http_parts], tally, view.started, lambda: view.update(tally), log_level)
-        view.update(tally)
-    native = build_report(merge(runs[:len(native_parts)]), native_config.mode, asdict(native_config))
-    http = build_report(merge(runs[len(native_parts):]), config.mode, asdict(config))
+    if _stopped(stop):
+        native_raw, http_raw = _not_started(), _not_started()
+    else:
+        tally = Tally()
+        with ProgressView(config.request_limit, config.duration, config.progress) as view:
+            runs = run_each([*native_parts, *http_parts], tally, view.started, lambda: view.update(tally), log_level,
+                            stop)
+            view.update(tally)
+        native_raw, http_raw = merge(runs[:len(native_parts)]), merge(runs[len(native_parts):])
+    native = build_report(native_raw, native_config.mode, asdict(native_config))
+    http = build_report(http_raw, config.mode, asdict(config))
     log.info("loadtest_done", mode="together", native_output_tokens_per_s=round(native.output_tokens_per_s, 1),
              http_output_tokens_per_s=round(http.output_tokens_per_s, 1))
     return native, http

@@ -4,7 +4,8 @@ One loop: advance every user that is ready (create, fork and close are synchrono
 turn, prompt and generation, is queued with one `start_generate`), then run one batched `step()` for
 all of them and stamp its chunks with the time `step()` returned. So the numbers are the engine's own, and
 a full-stack run of the same workload over them is the stack's overhead. As on the full stack, the turn that
-opens its session counts its TTFT (and end-to-end latency) from the session's create.
+opens its session counts its TTFT (and end-to-end latency) from the session's create. A run stopped early
+(interrupt.py) cancels its generations in flight and closes its sessions; it looks at the stop request between steps.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from client.bench.loadtest.interrupt import StopFlag
 from client.bench.loadtest.progress import REFRESH_S, Tally
-from client.bench.loadtest.stats import RawRun, RequestSample
+from client.bench.loadtest.stats import INTERRUPTED, RawRun, RequestSample
 from client.bench.loadtest.workload import (
     Budget,
     Close,
@@ -65,11 +67,14 @@ class EngineDriver:
         self._params = SamplingParams
         self._waiting: dict[str, _Waiting] = {}  # request id -> user
         self._ready: list[tuple[Script, Any, Failed | None]] = []  # users to advance, with what to send them
+        self.stopping = False
 
-    def run(self, scripts: list[Script], on_progress: Callable[[], None]) -> None:
+    def run(self, scripts: list[Script], on_progress: Callable[[], None], stop: StopFlag | None = None) -> None:
         self._ready = [(s, None, None) for s in scripts]
         next_report = time.perf_counter()
         while self._ready or self._waiting:
+            if stop is not None and not self.stopping and stop.is_set():
+                self.stop()
             ready, self._ready = self._ready, []
             for script, value, error in ready:
                 self._advance(script, value, error)
@@ -78,6 +83,13 @@ class EngineDriver:
             if time.perf_counter() >= next_report:
                 on_progress()
                 next_report = time.perf_counter() + REFRESH_S
+
+    def stop(self) -> None:
+        """Stop the run (interrupt.py): the generations in flight are cancelled (their final chunks, "cancelled", come
+        from the next step) and no action but a close runs any more, so the users close their sessions and end."""
+        self.stopping = self.raw.interrupted = True
+        for request_id in self._waiting:
+            self.engine.cancel(request_id)
 
     def _step(self) -> None:
         chunks = self.engine.step()
@@ -94,8 +106,12 @@ class EngineDriver:
                 self.tally.output_tokens += n
             if chunk.finish_reason is not None:
                 sample.end = now
-                self.tally.done += 1
                 del self._waiting[chunk.request_id]
+                if chunk.finish_reason == "cancelled":  # only stop() cancels
+                    sample.error = INTERRUPTED
+                    self._ready.append((waiting.script, None, Failed(INTERRUPTED)))
+                    continue
+                self.tally.done += 1
                 done = TurnDone(self.engine.session_length(waiting.session), sample.prompt_tokens)
                 self._ready.append((waiting.script, done, None))
 
@@ -109,6 +125,9 @@ class EngineDriver:
                 return
             value, error = None, None
             opened, created = session_opened_at(created, action), None
+            if self.stopping and not isinstance(action, Close):
+                error = Failed(INTERRUPTED)  # not run
+                continue
             try:
                 if isinstance(action, Turn):
                     self._start_turn(script, action, opened)
@@ -165,12 +184,14 @@ def load_engine(model: str | None, device: str, max_sessions: int, max_context: 
 
 def run_in_process(
     engine: Engine, workload: Workload, sessions: int, budget: Budget, tally: Tally, on_progress: Callable[[], None],
+    stop: StopFlag | None = None,
 ) -> RawRun:
-    """Drive `sessions` users against the engine until the budget is spent and every session is closed."""
+    """Drive `sessions` users against the engine until the budget is spent (or `stop` is set) and every session is
+    closed."""
     raw = RawRun(start=time.perf_counter())
     budget.begin(raw.start)
     scripts = [user(i, workload, budget, raw.counts) for i in range(sessions)]
-    EngineDriver(engine, raw, tally).run(scripts, on_progress)
+    EngineDriver(engine, raw, tally).run(scripts, on_progress, stop)
     raw.finish = time.perf_counter()
     log.debug("in_process_run_done", requests=len(raw.requests), steps=engine.steps)
     return raw

@@ -6,7 +6,9 @@ streamed, with `return_token_ids` (to count tokens per chunk as the native drive
 `stream_options.include_usage` (the prompt tokens). The gateway resumes the named session and appends only the new
 prompt, so the work on the workers is the native run's. Closing a conversation is DELETE /v1/sessions/ID.
 A turn that ended on EOS leaves the session with a token the client's history lacks: its next turn starts a new
-session (the whole history prefilled again), which --ignore-eos avoids.
+session (the whole history prefilled again), which --ignore-eos avoids. A run stopped early (interrupt.py) drops
+the connections of its turns in flight, and the gateway cancels their generations; their sessions are deleted as
+any other (a DELETE that finds one still ending, 409, is sent again).
 
 Each user holds one HTTP/1.1 connection (kept alive), so a gateway running several processes sees each
 conversation on one of them. The HTTP client is a small one on asyncio streams (no dependency, little overhead
@@ -27,13 +29,15 @@ from urllib.parse import urlsplit
 import orjson
 import structlog
 
+from client.bench.loadtest.interrupt import StopFlag
 from client.bench.loadtest.progress import Tally
-from client.bench.loadtest.stats import RawRun, RequestSample
+from client.bench.loadtest.stats import INTERRUPTED, RawRun, RequestSample
 from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, Opened, Script, Turn, TurnDone, user
 
 log = structlog.get_logger()
 
 MAX_HEADER_BYTES = 64 << 10
+BUSY_RETRY_S = 0.05  # between two DELETEs of a session the gateway says is busy (409)
 
 
 class HttpError(Exception):
@@ -98,6 +102,11 @@ class Connection:
             data = await asyncio.wait_for(reader.readexactly(size + 2), self.timeout)
             yield data[:-2]
 
+    def abort(self) -> None:
+        """Drop the connection now (no await): a read waiting on it ends with IncompleteReadError."""
+        if self._writer is not None:
+            self._writer.transport.abort()
+
     async def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -136,6 +145,18 @@ class HttpDriver:
         self.tally = tally
         self.max_context = max_context
         self._served_context: int | None = None  # the model's max_model_len in the gateway's GET /v1/models
+        self.turning: set[Connection] = set()  # the connections of the turns in flight
+        self.stopping = False
+
+    def stop(self) -> None:
+        """Stop the run (interrupt.py): the turns in flight are cut short (their connections dropped: the gateway
+        cancels their generations) and no action but a close is sent any more, so the users close their sessions
+        and end."""
+        if self.stopping:
+            return
+        self.stopping = self.raw.interrupted = True
+        for conn in list(self.turning):
+            conn.abort()
 
     async def run_user(self, script: Script) -> None:
         conn = Connection(self.url, self.api_key, self.timeout)
@@ -148,6 +169,9 @@ class HttpDriver:
                 except StopIteration:
                     return
                 value, error = None, None
+                if self.stopping and not isinstance(action, Close):
+                    error = Failed(INTERRUPTED)  # not sent
+                    continue
                 try:
                     value = await self._act(conn, action)
                 except Failed as e:
@@ -163,8 +187,13 @@ class HttpDriver:
         if isinstance(action, Close):
             start = time.perf_counter()
             try:
-                status, headers, reader = await conn.request("DELETE", f"/v1/sessions/{action.session.session_id}")
-                body = await conn.body(headers, reader)
+                while True:
+                    status, headers, reader = await conn.request("DELETE", f"/v1/sessions/{action.session.session_id}")
+                    body = await conn.body(headers, reader)
+                    # 409: a turn cut short (its connection dropped) is still ending at the gateway; ask again.
+                    if status != 409 or time.perf_counter() - start > self.timeout:
+                        break
+                    await asyncio.sleep(BUSY_RETRY_S)
                 if status not in (200, 404):  # 404: the session was never kept (e.g. its last turn failed)
                     raise _error(status, body)
             except (HttpError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
@@ -210,6 +239,7 @@ class HttpDriver:
         new_ids: list[int] = []
         new_text: list[str] = []
         usage: dict[str, Any] = {}
+        self.turning.add(conn)
         try:
             status, headers, reader = await conn.request("POST", "/v1/completions", body)
             if status != 200:
@@ -237,9 +267,14 @@ class HttpDriver:
         except (HttpError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
             await conn.close()
             sample.end = time.perf_counter()
+            if self.stopping:  # its connection was dropped under it
+                sample.error = INTERRUPTED
+                raise Failed(INTERRUPTED) from e
             sample.error = _code(e)
             self.tally.failed += 1
             raise Failed(sample.error) from e
+        finally:
+            self.turning.discard(conn)
         sample.end = time.perf_counter()
         self.tally.done += 1
         if turn.prompt.token_ids is not None:
@@ -294,19 +329,19 @@ def _code(e: BaseException) -> str:
 
 async def run_http_part(url: str, model: str | None, api_key: str | None, timeout: float, workload: Any, first: int,
                         count: int, requests: int | None, duration: float | None, start: float | None, tally: Tally,
-                        on_progress: Any) -> RawRun:
-    """One process's users [first, first + count) against the gateway."""
-    from client.bench.loadtest.stack import _report_every
+                        on_progress: Any, stop: StopFlag | None = None) -> RawRun:
+    """One process's users [first, first + count) against the gateway, until the budget is spent or `stop` is set."""
+    from client.bench.loadtest.stack import tick
 
     raw = RawRun(start=time.perf_counter() if start is None else start)
     budget = Budget(requests, duration)
     budget.begin(raw.start)
     scripts = [user(i, workload, budget, raw.counts) for i in range(first, first + count)]
     driver = HttpDriver(url, model, api_key, timeout, raw, tally, workload.max_context)
-    reporter = asyncio.create_task(_report_every(on_progress))
+    ticker = asyncio.create_task(tick(on_progress, stop, driver.stop))
     try:
         await asyncio.gather(*(driver.run_user(s) for s in scripts))
     finally:
-        reporter.cancel()
+        ticker.cancel()
     raw.finish = time.perf_counter()
     return raw

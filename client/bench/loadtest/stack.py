@@ -3,7 +3,8 @@
 One Python process cannot consume tens of thousands of streamed tokens/s, so `processes > 1` splits the
 users over that many processes (multiprocessing, spawn). They start on one signal and one clock
 (`time.perf_counter()` is CLOCK_MONOTONIC, shared by every process on the host); each sends its running
-totals for the progress bar while it runs and its raw samples at the end, merged by the parent.
+totals for the progress bar while it runs and its raw samples at the end, merged by the parent. A run stopped
+early (interrupt.py) cuts its turns in flight short, closes its sessions and sends its samples all the same.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from typing import Any
 
 import structlog
 
-from client.aio import AsyncClient, AsyncSession
+from client.aio import AsyncClient, AsyncSession, AsyncStream
+from client.bench.loadtest.interrupt import StopFlag
 from client.bench.loadtest.progress import REFRESH_S, Tally
-from client.bench.loadtest.stats import RawRun, RequestSample, merge
+from client.bench.loadtest.stats import INTERRUPTED, RawRun, RequestSample, merge
 from client.bench.loadtest.workload import (
     Budget,
     Close,
@@ -109,6 +111,17 @@ class StackDriver:
         self.raw = raw
         self.tally = tally
         self.closing: set[asyncio.Task[None]] = set()  # closes sent and not answered yet
+        self.streams: set[AsyncStream] = set()  # the turns in flight
+        self.stopping = False
+
+    def stop(self) -> None:
+        """Stop the run (interrupt.py): the turns in flight are cut short (their streams closed, which cancels their
+        generations) and no action but a close is sent any more, so the users close their sessions and end."""
+        if self.stopping:
+            return
+        self.stopping = self.raw.interrupted = True
+        for stream in list(self.streams):
+            stream.close()
 
     async def settle(self) -> None:
         """Wait for the closes still on their way (before the client goes)."""
@@ -126,6 +139,9 @@ class StackDriver:
                 return
             value, error = None, None
             opened, created = session_opened_at(created, action), None
+            if self.stopping and not isinstance(action, Close):
+                error = Failed(INTERRUPTED)  # not sent
+                continue
             try:
                 if isinstance(action, Turn):
                     value = await self._turn(action, opened)
@@ -142,10 +158,12 @@ class StackDriver:
         sample = RequestSample.begun(time.perf_counter(), turn.forked, opened_at)
         self.raw.requests.append(sample)
         p = turn.params
+        stream: AsyncStream | None = None
         try:
             stream = await session.generate(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
                                             ignore_eos=p.ignore_eos, stream=True, prompt=turn.prompt.text,
                                             prompt_ids=turn.prompt.token_ids)
+            self.streams.add(stream)
             async for chunk in stream:
                 if chunk.token_ids:
                     n = len(chunk.token_ids)
@@ -154,12 +172,22 @@ class StackDriver:
                     self.tally.output_tokens += n
         except ClientError as e:
             sample.end = time.perf_counter()
+            if self.stopping:  # its stream was closed under it
+                sample.error = INTERRUPTED
+                raise Failed(INTERRUPTED) from e
             sample.error = e.code
             self.tally.failed += 1
             raise Failed(e.code) from e
+        finally:
+            if stream is not None:
+                self.streams.discard(stream)
         sample.end = time.perf_counter()
-        self.tally.done += 1
+        assert stream is not None
         result = stream.result
+        if result is None and self.stopping:  # closed between two chunks: the iteration ended without its answer
+            sample.error = INTERRUPTED
+            raise Failed(INTERRUPTED)
+        self.tally.done += 1
         if result is None:  # a stream always ends with its final answer; keep going without it
             return TurnDone(turn.length + sample.output_tokens, 0)
         sample.prompt_tokens = result.appended
@@ -201,31 +229,37 @@ class StackDriver:
             log.error("close_failed", error=repr(error))
 
 
-async def run_part(part: Part, start: float | None, tally: Tally, on_progress: Callable[[], None]) -> RawRun:
-    """Run one part's users to the end of the budget; `start` is the shared start (None: now)."""
+async def run_part(part: Part, start: float | None, tally: Tally, on_progress: Callable[[], None],
+                   stop: StopFlag | None = None) -> RawRun:
+    """Run one part's users to the end of the budget, or until `stop` is set; `start` is the shared start (None:
+    now)."""
     if part.http is not None:
         from client.bench.loadtest.http import run_http_part
 
         return await run_http_part(part.http, part.model, part.api_key, part.timeout, part.workload, part.first,
-                                   part.count, part.requests, part.duration, start, tally, on_progress)
+                                   part.count, part.requests, part.duration, start, tally, on_progress, stop)
     raw = RawRun(start=time.perf_counter() if start is None else start)
     budget = Budget(part.requests, part.duration)
     budget.begin(raw.start)
     scripts = [user(i, part.workload, budget, raw.counts) for i in range(part.first, part.first + part.count)]
     async with AsyncClient(part.address, timeout=part.timeout, broker_key=part.broker_key, key=part.key) as client:
         driver = StackDriver(client, part.model, raw, tally)
-        reporter = asyncio.create_task(_report_every(on_progress))
+        ticker = asyncio.create_task(tick(on_progress, stop, driver.stop))
         try:
             await asyncio.gather(*(driver.run_user(s) for s in scripts))
             await driver.settle()
         finally:
-            reporter.cancel()
+            ticker.cancel()
     raw.finish = time.perf_counter()
     return raw
 
 
-async def _report_every(on_progress: Callable[[], None]) -> None:
+async def tick(on_progress: Callable[[], None], stop: StopFlag | None, on_stop: Callable[[], None]) -> None:
+    """Every REFRESH_S: `on_stop()` once `stop` is set (at once when it is set already), and `on_progress()`."""
     while True:
+        if stop is not None and stop.is_set():
+            on_stop()
+            stop = None
         await asyncio.sleep(REFRESH_S)
         on_progress()
 
@@ -234,27 +268,30 @@ async def _report_every(on_progress: Callable[[], None]) -> None:
 
 
 def run_processes(parts: list[Part], tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None],
-                  log_level: str = "warning") -> RawRun:
-    """Run each part in its own client process; `tally` is kept as the sum of theirs."""
+                  log_level: str = "warning", stop: StopFlag | None = None) -> RawRun:
+    """Run each part in its own client process (one part: in this one); `tally` is kept as the sum of theirs.
+    `stop`: set, the run stops early (interrupt.py)."""
     if len(parts) == 1:
         on_start()
-        return asyncio.run(run_part(parts[0], None, tally, on_progress))
-    return merge(run_each(parts, tally, on_start, on_progress, log_level))
+        return asyncio.run(run_part(parts[0], None, tally, on_progress, stop))
+    return merge(run_each(parts, tally, on_start, on_progress, log_level, stop))
 
 
 def run_each(parts: list[Part], tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None],
-             log_level: str = "warning") -> list[RawRun]:
-    """Run each part in its own client process, all starting on one signal: each part's run, in order."""
+             log_level: str = "warning", stop: StopFlag | None = None) -> list[RawRun]:
+    """Run each part in its own client process, all starting on one signal: each part's run, in order. Once `stop`
+    is set, the processes are told to stop through a shared Event, and send their figures as at the end of a run."""
     ctx = mp.get_context("spawn")
     messages: Queue[tuple[str, int, Any]] = ctx.Queue()
-    go = ctx.Event()
+    go, halt = ctx.Event(), ctx.Event()
     start = ctx.Value("d", 0.0)
-    procs = [ctx.Process(target=_child, args=(i, part, messages, go, start, log_level), name=f"loadtest-{i}", daemon=True)
+    procs = [ctx.Process(target=_child, args=(i, part, messages, go, halt, start, log_level), name=f"loadtest-{i}",
+                         daemon=True)
              for i, part in enumerate(parts)]
     for proc in procs:
         proc.start()
     try:
-        return _collect(procs, messages, go, start, tally, on_start, on_progress)
+        return _collect(procs, messages, go, halt, start, tally, on_start, on_progress, stop)
     except BaseException:
         for proc in procs:  # the run is over: stop the others now
             if proc.is_alive():
@@ -268,13 +305,19 @@ def run_each(parts: list[Part], tally: Tally, on_start: Callable[[], None], on_p
                 proc.join()
 
 
-def _collect(procs: Sequence[BaseProcess], messages: Queue[tuple[str, int, Any]], go: Event, start: Synchronized[float],
-             tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None]) -> list[RawRun]:
+def _collect(procs: Sequence[BaseProcess], messages: Queue[tuple[str, int, Any]], go: Event, halt: Event,
+             start: Synchronized[float], tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None],
+             stop: StopFlag | None) -> list[RawRun]:
     ready: set[int] = set()
     tallies: dict[int, Tally] = {}
     runs: dict[int, RawRun] = {}
     deadline = time.monotonic() + START_TIMEOUT_S
     while len(runs) < len(procs):
+        if stop is not None and not halt.is_set() and stop.is_set():
+            halt.set()
+            if not go.is_set():  # not all started yet: they start stopped, and end at once
+                start.value = time.perf_counter()
+                go.set()
         try:
             kind, index, payload = messages.get(timeout=REFRESH_S)
         except queue.Empty:
@@ -286,7 +329,7 @@ def _collect(procs: Sequence[BaseProcess], messages: Queue[tuple[str, int, Any]]
             raise LoadTestError(f"client process {index} failed:\n{payload}")
         if kind == "ready":
             ready.add(index)
-            if len(ready) == len(procs):
+            if len(ready) == len(procs) and not go.is_set():
                 start.value = time.perf_counter()
                 go.set()
                 on_start()
@@ -311,9 +354,10 @@ def _check_alive(procs: Sequence[BaseProcess], runs: dict[int, RawRun]) -> None:
             raise LoadTestError(f"client process {i} exited with code {proc.exitcode} before sending its results")
 
 
-def _child(index: int, part: Part, messages: Queue[tuple[str, int, Any]], go: Event, start: Synchronized[float],
-           log_level: str) -> None:
-    """A client process: its own structlog set-up, then its part of the run on the parent's signal."""
+def _child(index: int, part: Part, messages: Queue[tuple[str, int, Any]], go: Event, halt: Event,
+           start: Synchronized[float], log_level: str) -> None:
+    """A client process: its own structlog set-up, then its part of the run on the parent's signal, until its end or
+    until the parent sets `halt`."""
     from broker.common import heap, logs
 
     logs.configure(log_level, role="loadtest", process=index)
@@ -323,7 +367,8 @@ def _child(index: int, part: Part, messages: Queue[tuple[str, int, Any]], go: Ev
         if not go.wait(timeout=START_TIMEOUT_S):
             return
         tally = Tally()
-        raw = asyncio.run(run_part(part, start.value, tally, lambda: messages.put(("progress", index, copy.copy(tally)))))
+        raw = asyncio.run(run_part(part, start.value, tally, lambda: messages.put(("progress", index, copy.copy(tally))),
+                                   halt))
         messages.put(("done", index, (raw, tally)))
     except BaseException:
         messages.put(("failed", index, traceback.format_exc()))

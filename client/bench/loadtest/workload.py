@@ -12,6 +12,8 @@ decides what comes next:
 
 A failed turn closes its session and opens another; a user whose session cannot be opened (no
 capacity, no such model) gives up. Every failure is counted by the driver, by its wire error code.
+Once a run is stopped (interrupt.py), its driver fails every action but a close with `Failed(INTERRUPTED)`
+without sending it: each user closes the sessions it holds, cannot open another, and ends.
 
 Prompts are deterministic: each user draws from its own RNG seeded by (seed, user index), so the same
 seed gives the same prompts whichever driver and however many client processes run them.
@@ -25,6 +27,8 @@ from collections import Counter
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
+
+from client.bench.loadtest.stats import INTERRUPTED
 
 # A small seeded word list for text prompts (common English words, most of them one BPE token).
 WORDS = (
@@ -252,10 +256,11 @@ def user(index: int, workload: Workload, budget: Budget, counts: Counter[str]) -
         turn = _turn(session, length, prompts, workload)
         try:
             done: TurnDone = yield turn
-        except Failed:
+        except Failed as e:
             yield from _close(session)
             session = None
-            counts["sessions_reopened_after_error"] += 1
+            if e.code != INTERRUPTED:  # (a stopped run opens no other: the budget is spent)
+                counts["sessions_reopened_after_error"] += 1
             continue
         prompts.observe(turn.prompt, done.prompt_tokens)
         length = done.length
