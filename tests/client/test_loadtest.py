@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -15,8 +18,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from client.bench.loadtest import LoadConfig, LoadTestError, main, run
+from client.bench.loadtest.interrupt import Stop, on_signals
 from client.bench.loadtest.progress import Tally, requests_text
 from client.bench.loadtest.report import build_report
 from client.bench.loadtest.stack import request_shares, split
@@ -531,6 +536,16 @@ class StopAfter:
         return self.polls < 0
 
 
+def test_the_first_signal_asks_to_stop_and_the_second_quits_at_once() -> None:
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    stop = Stop()
+    with pytest.raises(KeyboardInterrupt), on_signals(stop):
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.is_set() and (stop.signal, stop.exit_code) == (signal.SIGTERM, 143)
+        signal.raise_signal(signal.SIGINT)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
 def test_in_process_run_stopped_cancels_its_turns_and_closes_its_sessions(tiny_engine: object) -> None:
     """Stopped in the users' second turns (32 tokens each, all three in lockstep): the first turns are its figures,
     the second ones cut short, in neither completed nor failed; no session is left in the engine."""
@@ -547,3 +562,74 @@ def test_in_process_run_stopped_cancels_its_turns_and_closes_its_sessions(tiny_e
     assert (d["interrupted"], d["cut_short"]) == (True, 3)
     stopped = run(config, engine=tiny_engine, stop=StopAfter(0))  # type: ignore[arg-type]
     assert stopped.interrupted and (stopped.completed, stopped.cut_short, stopped.ops["create"].count) == (0, 0, 0)
+
+
+def finished(metrics_url: str) -> dict[str, float]:
+    """The worker's generations finished so far, by reason (sessionserve:request_success_total)."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as answer:
+        text = answer.read().decode()
+    return {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "sessionserve:request_success_total"}
+
+
+@pytest.fixture
+def smol_cluster(tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
+    """A broker and a worker with the bundled SmolLM2 on the CPU (fast heartbeats), and the worker's metrics URL."""
+    cluster = Cluster(tmp_path)
+    metrics_port = free_port()
+    try:
+        cluster.start_broker()
+        cluster.start_worker("smol", model=None, max_sessions=8, extra=["--metrics-port", str(metrics_port)])
+        cluster.wait_for_workers({"smol"}, timeout=300)
+        yield cluster, f"http://127.0.0.1:{metrics_port}/metrics"
+    finally:
+        cluster.close()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_closes_its_sessions_and_prints_the_partial_report(
+        smol_cluster: tuple[Cluster, str], tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) in the middle of a run meant to last two
+    minutes: the turns in flight are cancelled, every session the run opened is closed, and the figures measured so
+    far are printed and written, marked as interrupted, with exit code 130."""
+    cluster, metrics = smol_cluster
+    out_json = tmp_path / "run.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WORKER_THREADS": "1"}
+    args = ["--broker", cluster.clients, "--sessions", "4", "--processes", "2", "--prompt-tokens", "16",
+            "--max-tokens", "24", "--turns", "1000", "--max-context", "2048", "--duration", "120", "--ignore-eos",
+            "--no-progress", "--json", str(out_json)]
+    proc = subprocess.Popen([sys.executable, "-m", "client.bench.loadtest", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while finished(metrics).get("length", 0) < 2:  # a few turns done: the run is well under way
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no turn finished within 180 s"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert time.monotonic() - interrupted < 30  # the turns in flight were cut short, not waited for
+    assert "INTERRUPTED: partial" in stdout and "Benchmark duration until interrupted (s)" in stdout, stdout
+    d = json.loads(out_json.read_text())
+    assert d["interrupted"] is True and d["mode"] == "full-stack"
+    assert d["completed"] >= 2 and (d["failed"], d["errors"]) == (0, {})
+    assert d["total_output_tokens"] == 24 * d["completed"]  # cut-short turns are in no figure
+    assert 1 <= d["cut_short"] <= 4  # at most one turn in flight per session
+    assert 0 < d["duration"] < 120
+    ops, counts = d["session_ops"], d["counts"]
+    assert ops["create"]["count"] == counts["sessions_opened"] >= 4
+    assert ops["close"]["count"] == counts["sessions_opened"]  # every session opened was closed by the run ...
+    assert all(not op["errors"] for op in ops.values())
+    listed = subprocess.run([sys.executable, "-m", "broker.cli", "sessions", "--json", "--clients", cluster.clients],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert (listed.returncode, json.loads(listed.stdout)) == (0, [])  # ... none left to the broker's grace ...
+    deadline = time.monotonic() + 10
+    while not finished(metrics).get("cancelled"):  # ... and its generations in flight cancelled (the worker counts
+        assert time.monotonic() < deadline, "no generation was cancelled"  # a cancel in its next step)
+        time.sleep(0.05)

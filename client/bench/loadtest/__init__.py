@@ -4,6 +4,8 @@
     workload.py  what each simulated user does (turns, forks, rollovers), as a script of steps
     stack.py     the full-stack driver: users on AsyncClients in one or several client processes
     engine.py    the in-process driver: the same users on worker.engine.Engine (no broker)
+    http.py      the HTTP driver: the same users through the gateway's OpenAI API
+    interrupt.py stopping a run early: Ctrl-C or SIGTERM, or a stop flag given to run()
     progress.py  the live progress bar
     stats.py     raw samples and their statistics (TTFT, ITL, TPOT, end-to-end latency)
     report.py    the report under vLLM `bench serve` names, and its table

@@ -22,9 +22,13 @@ The Python API (used by benchmark scripts):
     report = run(LoadConfig(broker="tcp://127.0.0.1:5555", sessions=64, max_tokens=256, ignore_eos=True))
     print(report.output_tokens_per_s); report.to_dict(); report.table()
 
+Ctrl-C (SIGINT) or SIGTERM stops the run: no new request, the turns in flight cut short, every session closed,
+and the report of what was measured so far printed, marked INTERRUPTED (client.bench.loadtest.interrupt); a
+second one quits at once, without a report.
+
 Exit codes: 0 when the run finished with at least one completed request, 1 when none completed or the
 run could not be carried out (no broker answering, a client process failed, the model did not load),
-2 for bad arguments, 130 when interrupted.
+2 for bad arguments, 130 when stopped by SIGINT (143 by SIGTERM).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from broker.common.arguments import zmq_address
-from client.bench.loadtest.interrupt import StopFlag
+from client.bench.loadtest.interrupt import Stop, StopFlag, on_signals
 from client.bench.loadtest.progress import ProgressView, Tally
 from client.bench.loadtest.report import Report, build_report
 from client.bench.loadtest.stack import LoadTestError
@@ -161,8 +165,8 @@ def run(config: LoadConfig, *, engine: Engine | None = None, log_level: str = "w
     `log_level`: what client processes (processes > 1) log at; this process logs as its caller configured.
     With processes > 1 the client processes are started with multiprocessing's spawn, which imports the
     calling script again: a script that calls run() needs the `if __name__ == "__main__":` guard.
-    `stop` (e.g. a threading.Event, or interrupt.Stop): once set, the run stops early, closes its sessions and
-    reports what it measured, `interrupted`.
+    `stop` (e.g. a threading.Event, or interrupt.Stop that main() sets on Ctrl-C): once set, the run stops early,
+    closes its sessions and reports what it measured, `interrupted`.
     """
     config.validate()
     if config.in_process:
@@ -455,19 +459,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             validate_together(config)
         except ValueError as e:
             ap.error(f"--compare together: {e}")
+    stop = Stop()
+    with on_signals(stop):  # the first Ctrl-C (or SIGTERM) stops the run and reports, the next quits at once
+        try:
+            return _main(args, config, stop)
+        except (LoadTestError, ValueError) as e:
+            log.error("loadtest_failed", error=str(e))
+            return 1
+        except KeyboardInterrupt:
+            log.warning("loadtest_quit")
+            return stop.exit_code
+
+
+def _main(args: argparse.Namespace, config: LoadConfig, stop: Stop) -> int:
+    """Run what the arguments ask for, print the report(s), write --json and --plot; the exit code."""
     native: Report | None
-    try:
-        if args.compare == "together":
-            native, report = run_together(config, log_level=args.log_level)
+    if args.compare == "together":
+        native, report = run_together(config, log_level=args.log_level, stop=stop)
+    else:
+        native = run(replace(config, http=None), log_level=args.log_level, stop=stop) if args.compare else None
+        if native is not None and native.interrupted:  # the gateway's run is not started: report the native one
+            report, native = native, None
         else:
-            native = run(replace(config, http=None), log_level=args.log_level) if args.compare else None
-            report = run(config, log_level=args.log_level)
-    except (LoadTestError, ValueError) as e:
-        log.error("loadtest_failed", error=str(e))
-        return 1
-    except KeyboardInterrupt:
-        log.warning("loadtest_interrupted")
-        return 130
+            report = run(config, log_level=args.log_level, stop=stop)
     from rich.console import Console
 
     console = Console()
@@ -486,6 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from client.bench.loadtest.plot import plot
 
         plot(report, args.plot)
+    if stop.is_set():
+        return stop.exit_code
     return 0 if report.completed else 1
 
 

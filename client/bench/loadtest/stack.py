@@ -13,6 +13,7 @@ import asyncio
 import copy
 import multiprocessing as mp
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -26,7 +27,7 @@ from typing import Any
 import structlog
 
 from client.aio import AsyncClient, AsyncSession, AsyncStream
-from client.bench.loadtest.interrupt import StopFlag
+from client.bench.loadtest.interrupt import StopFlag, sigint_ignored
 from client.bench.loadtest.progress import REFRESH_S, Tally
 from client.bench.loadtest.stats import INTERRUPTED, RawRun, RequestSample, merge
 from client.bench.loadtest.workload import (
@@ -279,8 +280,9 @@ def run_processes(parts: list[Part], tally: Tally, on_start: Callable[[], None],
 
 def run_each(parts: list[Part], tally: Tally, on_start: Callable[[], None], on_progress: Callable[[], None],
              log_level: str = "warning", stop: StopFlag | None = None) -> list[RawRun]:
-    """Run each part in its own client process, all starting on one signal: each part's run, in order. Once `stop`
-    is set, the processes are told to stop through a shared Event, and send their figures as at the end of a run."""
+    """Run each part in its own client process, all starting on one signal: each part's run, in order. The
+    processes ignore SIGINT: once `stop` is set, they are told to stop through a shared Event, and send their
+    figures as at the end of a run."""
     ctx = mp.get_context("spawn")
     messages: Queue[tuple[str, int, Any]] = ctx.Queue()
     go, halt = ctx.Event(), ctx.Event()
@@ -288,8 +290,9 @@ def run_each(parts: list[Part], tally: Tally, on_start: Callable[[], None], on_p
     procs = [ctx.Process(target=_child, args=(i, part, messages, go, halt, start, log_level), name=f"loadtest-{i}",
                          daemon=True)
              for i, part in enumerate(parts)]
-    for proc in procs:
-        proc.start()
+    with sigint_ignored():  # from their first instruction (a Ctrl-C while they import would end them)
+        for proc in procs:
+            proc.start()
     try:
         return _collect(procs, messages, go, halt, start, tally, on_start, on_progress, stop)
     except BaseException:
@@ -357,9 +360,10 @@ def _check_alive(procs: Sequence[BaseProcess], runs: dict[int, RawRun]) -> None:
 def _child(index: int, part: Part, messages: Queue[tuple[str, int, Any]], go: Event, halt: Event,
            start: Synchronized[float], log_level: str) -> None:
     """A client process: its own structlog set-up, then its part of the run on the parent's signal, until its end or
-    until the parent sets `halt`."""
+    until the parent sets `halt`. SIGINT is ignored (the parent started it so); SIGTERM ends it at once."""
     from broker.common import heap, logs
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (ignored already when the parent ran in its main thread)
     logs.configure(log_level, role="loadtest", process=index)
     heap.settle()  # imports done: no full collection walks them again during the run
     try:
