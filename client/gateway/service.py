@@ -140,7 +140,7 @@ class Live:
                 cut = True  # the text the client holds has no stop token: it no longer starts with the session's
             if ask.kind != "ids" and not _text_is_tokens(ask.kind, ask.sampling, result, stop_token):
                 cut = True
-            if cut:
+            if cut or entry.deleted:
                 service.discard(entry, "ended")
                 continue
             entry.length = result.session_length
@@ -489,10 +489,11 @@ class Service:
         entry = self.store.named(owner, name)
         if entry is None:
             return False
+        self.store.forget_named(owner, name)  # the name is free now: a request naming it gets a new session
         if entry.busy:
-            raise session_busy(name)
-        self.store.forget_named(owner, name)
-        self._close(entry, "ended")
+            entry.deleted = True  # its turn goes on for the request that runs it; the session is closed after it
+        else:
+            self._close(entry, "ended")
         return True
 
     async def shutdown(self, timeout: float = 5.0) -> None:

@@ -61,6 +61,7 @@ class Entry:
     length: int = 0  # the session's tokens
     name: str | None = None
     busy: bool = False
+    deleted: bool = False  # its name was deleted while it was busy: closed when its turn ends
     last_used: float = field(default_factory=time.monotonic)
 
     def extended_by(self, history: tuple[Turn, ...] | str | tuple[int, ...], digests: Sequence[bytes] = ()) -> bool:

@@ -215,12 +215,12 @@ def test_a_resumed_text_prompt_that_merges_across_the_boundary_gets_the_whole_pr
     first = c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=3)
     assert first.choices[0].text == " Paris.\n" and first.choices[0].finish_reason == "length"
     whole = prompt + first.choices[0].text + "\n\nThe capital of Japan is"
-    replaced = _closed_replaced(gateway)
+    replaced = _closed(gateway, "replaced")
     before = gateways.prefilled()
     second = c.completions.create(model=MODEL, prompt=whole, temperature=0, max_tokens=4,
                                   extra_body={"return_token_ids": True})
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
-    assert second.usage.prompt_tokens_details.cached_tokens == 0 and _closed_replaced(gateway) == replaced + 1
+    assert second.usage.prompt_tokens_details.cached_tokens == 0 and _closed(gateway, "replaced") == replaced + 1
     assert gateways.prefilled() - before == second.usage.prompt_tokens  # the whole prompt, computed again
     alone = c.completions.create(model=MODEL, prompt=whole, temperature=0, max_tokens=4,
                                  extra_body={"return_token_ids": True, "session_id": "no-session-held-it"})
@@ -233,12 +233,13 @@ def test_a_resumed_text_prompt_that_merges_across_the_boundary_gets_the_whole_pr
     assert third.usage.prompt_tokens_details.cached_tokens == second.usage.total_tokens - 1  # resumed
 
 
-def _closed_replaced(url: str) -> float:
+def _closed(url: str, why: str) -> float:
+    """The gateway's sessions_closed_total{why}."""
     status, text = http_get(url + "/metrics")
     assert status == 200
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "sessionserve:gateway_sessions_closed_total" and sample.labels == {"why": "replaced"}:
+            if sample.name == "sessionserve:gateway_sessions_closed_total" and sample.labels == {"why": why}:
                 return sample.value
     return 0.0
 
@@ -362,6 +363,26 @@ def test_a_named_session_closes_on_delete_and_metrics_count(gateway: str) -> Non
     status, text = http_get(gateway + "/metrics")
     assert status == 200 and 'sessionserve:gateway_requests_total{endpoint="chat",status="200"}' in text
     assert "sessionserve:gateway_cached_tokens_total" in text and "sessionserve:gateway_time_to_first_token_seconds" in text
+
+
+def test_a_named_session_deleted_while_it_answers_finishes_that_answer_then_closes(gateway: str) -> None:
+    """DELETE frees the name at once (a request naming it gets a new session) and closes the session when the turn it
+    is answering ends; that turn's stream is answered whole."""
+    c = sync_client(gateway)
+    closed = _closed(gateway, "ended")
+    stream = c.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=24,
+                                  stream=True, extra_body={"session_id": "deleted-busy", "ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    request = urllib.request.Request(gateway + "/v1/sessions/deleted-busy", method="DELETE")
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert json.loads(r.read()) == {"id": "deleted-busy", "object": "session", "deleted": True}
+    text = first.choices[0].text + "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert _closed(gateway, "ended") == closed + 1
+    again = c.completions.create(model=MODEL, prompt="The capital of France is" + text + " And", temperature=0,
+                                 max_tokens=1, extra_body={"session_id": "deleted-busy"})
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # a new session: the deleted one was not kept
 
 
 def test_sigterm_closes_the_sessions_it_keeps_and_exits_0(gateways: Gateways) -> None:

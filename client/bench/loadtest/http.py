@@ -8,7 +8,7 @@ prompt, so the work on the workers is the native run's. Closing a conversation i
 A turn that ended on EOS leaves the session with a token the client's history lacks: its next turn starts a new
 session (the whole history prefilled again), which --ignore-eos avoids. A run stopped early (interrupt.py) drops
 the connections of its turns in flight, and the gateway cancels their generations; their sessions are deleted as
-any other (a DELETE that finds one still ending, 409, is sent again).
+any other (the gateway closes one still ending once its turn has ended).
 
 Each user holds one HTTP/1.1 connection (kept alive), so a gateway running several processes sees each
 conversation on one of them. The HTTP client is a small one on asyncio streams (no dependency, little overhead
@@ -37,7 +37,6 @@ from client.bench.loadtest.workload import Budget, Close, Create, Failed, Fork, 
 log = structlog.get_logger()
 
 MAX_HEADER_BYTES = 64 << 10
-BUSY_RETRY_S = 0.05  # between two DELETEs of a session the gateway says is busy (409)
 
 
 class HttpError(Exception):
@@ -187,13 +186,8 @@ class HttpDriver:
         if isinstance(action, Close):
             start = time.perf_counter()
             try:
-                while True:
-                    status, headers, reader = await conn.request("DELETE", f"/v1/sessions/{action.session.session_id}")
-                    body = await conn.body(headers, reader)
-                    # 409: a turn cut short (its connection dropped) is still ending at the gateway; ask again.
-                    if status != 409 or time.perf_counter() - start > self.timeout:
-                        break
-                    await asyncio.sleep(BUSY_RETRY_S)
+                status, headers, reader = await conn.request("DELETE", f"/v1/sessions/{action.session.session_id}")
+                body = await conn.body(headers, reader)
                 if status not in (200, 404):  # 404: the session was never kept (e.g. its last turn failed)
                     raise _error(status, body)
             except (HttpError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
