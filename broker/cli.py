@@ -26,7 +26,7 @@ from broker.admission import MAX_WORKER_SESSIONS_FLAG
 from broker.common import heap, keys, logs
 from broker.common.arguments import C_INT_MAX, from_env, non_negative_int, one_of, port, positive_int, zmq_address
 from broker.common.metrics_http import MetricsServer
-from broker.metrics import BrokerMetrics
+from broker.metrics import MIN_WORKERS, BrokerMetrics
 from broker.router import GRACE_FLAG, MAX_SESSIONS_FLAG
 from broker.server import BrokerConfig, BrokerServer
 
@@ -96,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
                        help="serve /metrics, /healthz and /readyz on this port [env BROKER_METRICS_PORT] (default: off)")
     start.add_argument("--metrics-host", default=os.environ.get("BROKER_METRICS_HOST") or "127.0.0.1",
                        help="interface of the metrics port [env BROKER_METRICS_HOST] (default %(default)s)")
+    start.add_argument("--min-workers", type=non_negative_int, default=from_env("BROKER_MIN_WORKERS", MIN_WORKERS),
+                       help="/readyz answers 503 while fewer workers take new sessions (registered, not draining); "
+                            "0: ready without any [env BROKER_MIN_WORKERS] (default %(default)s)")
     status_cmd.add_parser(sub)
     sessions_cmd.add_parsers(sub)
     moves_cmd.add_parsers(sub)
@@ -167,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_STARTUP_FAILED
     metrics_server: MetricsServer | None = None
     if args.metrics_port is not None:
-        metrics = BrokerMetrics(server.router, server.router.counters)
+        metrics = BrokerMetrics(server.router, server.router.counters, min_workers=args.min_workers)
         try:
             metrics_server = MetricsServer(metrics.registry, args.metrics_host, args.metrics_port,
                                            alive=server.pulse.alive, ready=metrics.readiness).start()

@@ -196,16 +196,21 @@ class _BrokerCollector(Collector):
                                   value=c.sessions_lease_closed)
 
 
+# Workers that take new sessions (registered, not draining) a broker needs to be ready (`broker start --min-workers`):
+# one, since a broker without one can serve nothing; 0 makes it ready as soon as it has recovered.
+MIN_WORKERS = 1
+
+
 class BrokerMetrics:
     """The broker process's metrics registry. Serve `registry` with a MetricsServer.
 
     `readiness()` is the broker's /readyz: not ready while it recovers after a restart (requests for
-    unknown sessions are held), or while fewer than `min_workers` workers take new sessions. Workers
-    must still be able to reach a broker that is not ready: point them at its address directly, or
-    at a Service that publishes not-ready addresses.
+    unknown sessions are held), or while fewer than `min_workers` workers take new sessions (by default
+    one: with none, nothing it is sent can be served). Workers must still be able to reach a broker that is
+    not ready: point them at its address directly, or at a Service that publishes not-ready addresses.
     """
 
-    def __init__(self, router: Router, counters: RouterCounters, *, min_workers: int = 0,
+    def __init__(self, router: Router, counters: RouterCounters, *, min_workers: int = MIN_WORKERS,
                  clock: Callable[[], float] = time.monotonic, process: bool = True) -> None:
         self.router = router
         self.counters = counters

@@ -979,6 +979,9 @@ def test_k8s_service_exposes_the_broker_where_workers_look_for_it() -> None:
     assert ports["clients"][1] == listen["clients"] and ports["workers"][1] == listen["workers"]
     address = effective(parse_command(worker.command.argv), "--broker", worker.command.env) or ""
     assert host_of(address).split(".")[0] == service["metadata"]["name"] and port_of(address) == ports["workers"][0]
+    # The broker's /readyz waits for a worker (--min-workers 1): workers must reach it through the Service before.
+    assert effective(parse_command(broker.command.argv), "--min-workers", broker.command.env) != "0"
+    assert service["spec"]["publishNotReadyAddresses"] is True
     address = effective(parse_command(gateway.command.argv), "--broker", gateway.command.env) or ""
     assert host_of(address).split(".")[0] == service["metadata"]["name"] and port_of(address) == ports["clients"][0]
     (front,) = [d for d in all_k8s_docs() if d["kind"] == "Service" and d["metadata"]["name"] == "sessionserve-gateway"]

@@ -176,15 +176,30 @@ def test_held_requests_and_recovery_are_visible_and_the_broker_is_not_ready_whil
     assert got[("sessionserve:num_requests_waiting", ())] == 1
     assert got[("sessionserve:recovering", ())] == 1
     assert metrics.readiness() == (False, "recovering: waiting for workers to re-register")
-    clock[0] = 1.5
-    assert metrics.readiness() == (True, "ready: 0 workers, 0 taking new sessions")
+    clock[0] = 1.5  # recovered, but no worker registered: nothing could serve the held request either
+    assert metrics.readiness() == (False, "0 workers take new sessions; 1 needed")
 
 
-def test_readiness_can_require_workers_that_take_new_sessions() -> None:
+def test_by_default_a_broker_is_ready_only_with_a_worker_that_takes_new_sessions() -> None:
+    """It answered 200 with no worker at all (nothing could be served) unless told how many to wait for."""
+    empty = Router(SETTINGS, now=0.0, broker_id="b1")
+    assert BrokerMetrics(empty, RouterCounters(), clock=lambda: 4.0, process=False).readiness() == (
+        False, "0 workers take new sessions; 1 needed")
+    draining_only = Router(SETTINGS, now=0.0, broker_id="b1")
+    draining_only.worker_message(W2, p.encode(p.Ready(name="w2", model="m", capacity=4, free_slots=4, max_context=64,
+                                                      draining=True)), 2.0)
+    assert BrokerMetrics(draining_only, RouterCounters(), clock=lambda: 4.0, process=False).readiness() == (
+        False, "0 workers take new sessions; 1 needed")
+    assert BrokerMetrics(two_workers(), RouterCounters(), clock=lambda: 4.0, process=False).readiness() == (
+        True, "ready: 2 workers, 1 taking new sessions")
+
+
+def test_readiness_can_require_more_workers_or_none() -> None:
     metrics = BrokerMetrics(two_workers(), RouterCounters(), min_workers=2, clock=lambda: 4.0, process=False)
     assert metrics.readiness() == (False, "1 workers take new sessions; 2 needed")
-    metrics.min_workers = 1
-    assert metrics.readiness() == (True, "ready: 2 workers, 1 taking new sessions")
+    empty = BrokerMetrics(Router(SETTINGS, now=0.0, broker_id="b1"), RouterCounters(), min_workers=0,
+                          clock=lambda: 4.0, process=False)
+    assert empty.readiness() == (True, "ready: 0 workers, 0 taking new sessions")
 
 
 def test_two_workers_with_one_name_keep_separate_series() -> None:

@@ -46,6 +46,7 @@ def test_a_flag_s_environment_variable_is_checked_as_the_flag_is(tmp_path: Path)
     """Exit 2 (a bad argument: systemd's units do not restart on it) naming the flag, before anything starts."""
     cases = [("broker.cli", {"BROKER_HEARTBEAT_MS": "0"}, "argument --heartbeat-ms: must be >= 1"),
              ("broker.cli", {"BROKER_LOG_LEVEL": "loud"}, "argument --log-level: expected one of"),
+             ("broker.cli", {"BROKER_MIN_WORKERS": "-1"}, "argument --min-workers: must be >= 0"),
              ("worker.cli", {"WORKER_SESSION_IDLE_TIMEOUT": "abc"}, "argument --session-idle-timeout"),
              ("worker.cli", {"WORKER_THREADS": "0"}, "argument --threads: must be >= 1"),
              ("client.gateway.cli", {"GATEWAY_TIMEOUT": "soon"}, "argument --timeout"),

@@ -70,3 +70,41 @@ def test_both_daemons_serve_health_readiness_and_exact_counts(cluster: Cluster) 
     assert b["sessionserve:num_workers{}"] == 1
     assert b["sessionserve:requests_total{command=generate}"] == 2
     assert b["sessionserve:requests_total{command=create}"] == 1
+
+
+def wait_for(url: str, wanted: tuple[int, str], passing: tuple[tuple[int, str], ...], timeout_s: float = 10) -> None:
+    """Poll `url` until it answers `wanted`; meanwhile it may answer only one of `passing` (or not be up yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            got = get(url)
+        except urllib.error.URLError:
+            got = (0, "not listening yet")
+        if got == wanted:
+            return
+        assert got in (*passing, (0, "not listening yet")), got
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+
+
+def test_a_broker_is_ready_only_once_a_worker_takes_new_sessions(cluster: Cluster) -> None:
+    """A broker without a worker cannot serve anything: its /readyz said 200 all the same (--min-workers was 0)."""
+    port = free_port()
+    cluster.start_broker(["--metrics-port", str(port)])
+    readyz = f"http://127.0.0.1:{port}/readyz"
+    recovering = (503, "recovering: waiting for workers to re-register\n")
+    no_worker = (503, "0 workers take new sessions; 1 needed\n")
+    wait_for(readyz, no_worker, passing=(recovering,))
+    time.sleep(3 * cluster.heartbeat_ms / 1000)
+    assert get(readyz) == no_worker  # for good, not for a moment
+    cluster.start_worker("w1")
+    cluster.wait_for_workers({"w1"})
+    assert get(readyz) == (200, "ready: 1 workers, 1 taking new sessions\n")
+
+
+def test_min_workers_0_makes_a_broker_without_workers_ready(cluster: Cluster) -> None:
+    port = free_port()
+    cluster.start_broker(["--metrics-port", str(port), "--min-workers", "0"])
+    recovering = (503, "recovering: waiting for workers to re-register\n")
+    wait_for(f"http://127.0.0.1:{port}/readyz", (200, "ready: 0 workers, 0 taking new sessions\n"),
+             passing=(recovering,))
