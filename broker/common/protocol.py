@@ -1157,5 +1157,39 @@ def route_of(header: Mapping[str, Any]) -> bytes:
     return b""
 
 
+class Address(NamedTuple):
+    """Where the answer to a request goes, read off its raw header by `peek_address`: "" / None / b"" where the header
+    has no valid one."""
+
+    request_id: str | None
+    session_id: str
+    route: bytes
+
+
+_ADDRESS_FIELDS: Final = frozenset(Address._fields)
+
+
+def peek_address(header: Frame) -> Address:
+    """The request id, session id and route of a raw header (each as request_id_of, is_session_id and route_of check
+    it), its other fields skipped without being built: what answering a request that will not be decoded takes (a
+    1M-token APPEND's ids are ~1 ms to skip and ~40 to decode). An empty Address for a header that is not a msgpack
+    map."""
+    found: dict[str, Any] = {}
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(header), 1))
+        unpacker.feed(header)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key in _ADDRESS_FIELDS:
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+    except Exception:  # the trust boundary: msgpack raises many types on garbage
+        return Address(None, "", b"")
+    session_id = found.get("session_id")
+    return Address(request_id_of(found), session_id if isinstance(session_id, str) and is_session_id(session_id) else "",
+                   route_of(found))
+
+
 def error_for(e: ProtocolError) -> Error:
     return Error(request_id=e.request_id, code=e.code, message=e.message, route=e.route)

@@ -324,3 +324,25 @@ def test_a_payload_is_bytes_or_a_memoryview_within_its_limit() -> None:
         check("data", "abcd")
     with pytest.raises(FieldError, match="data is longer than 4 bytes"):
         check("data", memoryview(b"abcde"))
+
+
+@pytest.mark.parametrize(
+    ("header", "address"),
+    [
+        (p.encode(p.Append(request_id="a1", session_id=SID, token_ids=tuple(range(70_000, 71_000)) * 100,
+                           route=b"c9"))[2], ("a1", SID, b"c9")),
+        (msgpack.packb({"route": b"c1", "x": [{"y": [1, 2]}], "session_id": SID, "request_id": "r2"}, use_bin_type=True),
+         ("r2", SID, b"c1")),
+        (msgpack.packb({"request_id": "bad id!", "session_id": "nope", "route": "not bytes"}, use_bin_type=True),
+         (None, "", b"")),
+        (msgpack.packb({"request_id": "r3"}, use_bin_type=True), ("r3", "", b"")),
+        (msgpack.packb(["r", b"c"]), (None, "", b"")),
+        (msgpack.packb({1: "r"}), (None, "", b"")),
+        (b"\xc1", (None, "", b"")),
+        (msgpack.packb({"request_id": "r4", "route": b"c"}, use_bin_type=True)[:-1], (None, "", b"")),  # cut short
+        (b"", (None, "", b"")),
+    ],
+)
+def test_the_address_of_a_raw_header_is_read_without_decoding_it(header: bytes, address: tuple[str | None, str, bytes]
+                                                                 ) -> None:
+    assert p.peek_address(header) == address
