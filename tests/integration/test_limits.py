@@ -5,6 +5,7 @@ Every breached limit is a typed error whose message names the limit; nothing bre
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,9 @@ from typing import Any
 import pytest
 
 from broker.common import protocol as p
-from client import BadRequest, SessionExpired, Timeout
+from client import AsyncClient, BadRequest, InternalError, SessionExpired, Timeout
+from worker.errors import ContextOverflow
+from worker.serve.link import MAX_INBOX_BYTES
 from worker.serve.loop import Serve, WorkerConfig
 
 from .cluster import Cluster
@@ -139,3 +142,84 @@ def test_a_request_on_a_hung_compute_loop_times_out_and_the_worker_s_sessions_su
         assert other.info().length == len(PROMPT)  # the worker's other sessions are still there
         assert stuck.info().length >= len(PROMPT) + 2
         assert len(stuck.generate(max_tokens=3).token_ids) == 3  # and the timed-out one works again
+
+
+@pytest.fixture
+def stuck(cluster: Cluster) -> Iterator[tuple[Cluster, Serve, threading.Event]]:
+    """A broker and an in-process worker whose engine step hangs while a generation runs, until released (its compute
+    loop takes no request meanwhile); a text that cannot fit a session is refused before it is tokenized."""
+    cluster.start_broker()
+    release = threading.Event()
+    engine = FakeEngine()
+    engine.capacity = 4
+    step = engine.step
+
+    def stuck_step(wait: bool = True) -> Any:
+        if engine.active:
+            release.wait(60)
+        return step(wait)
+
+    def check_text_fits(session_id: str, text: str) -> None:
+        if len(text) > engine.max_context * 4:
+            raise ContextOverflow(f"a text of {len(text)} characters cannot fit the session")
+
+    engine.step = stuck_step  # type: ignore[method-assign]
+    engine.check_text_fits = check_text_fits  # type: ignore[method-assign]
+    serve = Serve(engine, WorkerConfig(broker=cluster.workers_address, name="fw", heartbeat_ms=100), lambda s: s)
+    thread = threading.Thread(target=serve.run, daemon=True)
+    thread.start()
+    try:
+        cluster.wait_for_workers({"fw"})
+        yield cluster, serve, release
+    finally:
+        release.set()
+        serve.drain()
+        serve.drain()
+        thread.join(timeout=10)
+
+
+def test_big_requests_past_a_stuck_worker_s_inbox_bound_are_answered_overloaded_and_resends_get_their_answers(
+    stuck: tuple[Cluster, Serve, threading.Event],
+) -> None:
+    """Valid 3 MB APPENDs sent faster than the worker's compute loop takes them were all read into the worker's memory
+    (1,000 of them: 3 GB). Now what waits there stays within MAX_INBOX_BYTES, the worker stays registered, and once
+    its compute loop goes on it answers every request: those it queued (and their resends, which the client sent
+    while it waited, from its answers) as ever, those past the bound `internal` "overloaded" (InternalError in the
+    client), and another client's small request sent behind the flood."""
+    cluster, serve, release = stuck
+    link = serve.link
+    flood, count = "x" * 3_000_000, 30
+
+    async def scenario() -> tuple[list[BaseException | int], int, int, int]:
+        async with AsyncClient(cluster.clients, timeout=60) as ac, AsyncClient(cluster.clients, timeout=60) as oc:
+            busy, flooded, other = await ac.session(), await ac.session(), await oc.session()
+            await busy.append(token_ids=PROMPT)
+            generation = asyncio.ensure_future(busy.generate(max_tokens=1))  # its step hangs: the loop is stuck
+            await asyncio.sleep(0.3)
+            appends = [asyncio.ensure_future(flooded.append(text=flood)) for _ in range(count)]
+            deadline = time.monotonic() + 20
+            while link.unqueued < 1 or link.inbox_bytes + 3_000_100 <= MAX_INBOX_BYTES:  # full
+                assert time.monotonic() < deadline, (link.unqueued, link.inbox_bytes)
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.5)  # the client resends what has no answer after a second
+            queued, unqueued = link.inbox_bytes, link.unqueued
+            info = asyncio.ensure_future(other.info())  # another client's request, behind the flood
+            await asyncio.sleep(0.3)
+            assert not info.done() and not any(a.done() for a in appends)  # the loop answers in its turn
+            assert [w.name for w in await oc.status()] == ["fw"]  # its heartbeats went on
+            release.set()
+            results = await asyncio.gather(*appends, return_exceptions=True)
+            assert (await info).length == 0
+            assert (await generation).token_ids == [len(PROMPT) + 1]
+            return results, queued, unqueued, link.unqueued
+
+    results, queued, unqueued, left = asyncio.run(scenario())
+    assert queued <= MAX_INBOX_BYTES and unqueued > count - MAX_INBOX_BYTES // 3_000_000  # the resends too
+    kept = [r for r in results if isinstance(r, BadRequest)]  # the requests it queued: the fake engine's answer
+    overloaded = [r for r in results if isinstance(r, InternalError)]
+    assert len(kept) == MAX_INBOX_BYTES // 3_000_100 and len(kept) + len(overloaded) == count, results
+    assert {str(e) for e in kept} == {"a text of 3000000 characters cannot fit the session"}
+    assert {str(e) for e in overloaded} == {f"worker fw is overloaded: {(len(kept) * 3_000_100) >> 20} MiB of "
+                                            f"requests were waiting for it (at most {MAX_INBOX_BYTES >> 20} MiB): "
+                                            "retry later"}
+    assert left == 0

@@ -21,9 +21,9 @@ from broker.common import protocol as p
 from cuda_state import CapacityExhausted
 from worker.errors import SessionBusy, SessionNotFound
 from worker.model.tokenizer import Tokenizer
-from worker.serve.config import WorkerConfig, WorkerState
+from worker.serve.config import Unqueued, WorkerConfig, WorkerState
 from worker.serve.dispatch import error_code
-from worker.serve.link import BUSY_WAIT_S, Link
+from worker.serve.link import BUSY_WAIT_S, Link, Received
 from worker.serve.loop import BUSY_LINGER_S, IDLE_WAIT_S, PREFILL_WAIT_SLICE_S, Serve
 
 SID = "a" * 32
@@ -484,7 +484,7 @@ def test_the_compute_thread_sends_on_the_socket_itself_and_reads_requests_betwee
         request = p.Info(request_id="i1", session_id=SID, route=b"c")
         broker.send(request)
         deadline = time.monotonic() + 5
-        got: list[p.Message] = []
+        got: list[Received] = []
         while not got and time.monotonic() < deadline:
             got = link.receive(0.0)
         assert got == [request]
@@ -510,11 +510,11 @@ def test_the_busy_compute_loop_reads_requests_itself_and_the_idle_one_has_the_li
     link._on_message = recording  # type: ignore[method-assign]
     link.start()
 
-    def ask(n: int, wait_s: float) -> list[p.Message]:
+    def ask(n: int, wait_s: float) -> list[Received]:
         sent = [p.Info(request_id=f"i{n}-{i}", session_id=SID, route=b"c") for i in range(3)]
         for request in sent:
             broker.send(request)
-        got: list[p.Message] = []
+        got: list[Received] = []
         deadline = time.monotonic() + 5
         while len(got) < len(sent) and time.monotonic() < deadline:
             got += link.receive(wait_s)
@@ -537,6 +537,97 @@ def test_the_busy_compute_loop_reads_requests_itself_and_the_idle_one_has_the_li
         link.stop()
         broker.sock.close()
         broker.context.term()
+
+
+def test_requests_past_the_inbox_s_byte_bound_are_not_queued_and_reach_the_compute_loop_as_their_address_in_order(
+) -> None:
+    """Valid 3 MB APPENDs that came faster than the compute loop took them were all queued in the worker, whatever their
+    bytes (1,000 of them: 3 GB). Past MAX_INBOX_BYTES queued, the link keeps only each one's address (Unqueued, its
+    header skipped, not decoded), in its place, heartbeats on, and still queues a small request of another client
+    that fits; the compute loop gets everything in the order it came."""
+    from worker.serve import link as link_module
+
+    header = msgpack.unpackb(p.encode(p.Append(request_id="a00", session_id=SID, route=b"flood",
+                                               token_ids=tuple(range(70_000, 71_000)) * 600))[2])
+    floods = []
+    for i in range(30):  # 90 MB; the compute loop takes none of it meanwhile
+        header["request_id"] = f"a{i:02d}"
+        floods.append([p.VERSION, b"APPEND", msgpack.packb(header, use_bin_type=True)])
+    size = sum(map(len, floods[0]))
+    assert size > 3_000_000 and all(sum(map(len, f)) == size for f in floods)
+    broker = Broker()
+    link = bare_link(broker, heartbeat_ms=50)
+    link.start()
+    try:
+        assert isinstance(broker.recv(), p.Ready)
+        broker.send(p.Welcome(broker_id="b1", heartbeat_ms=50, liveness=100))  # this broker sends no heartbeats
+        first, last = (p.Info(request_id=f"i{n}", session_id=SID, route=b"other") for n in (1, 2))
+        small = sum(map(len, p.encode(first)))
+        broker.send(first)
+        for frames in floods:
+            broker.sock.send_multipart([broker.worker, *frames])
+        broker.send(last)
+        fits = (link_module.MAX_INBOX_BYTES - small) // size  # 22 of them; the 23rd would take it past the bound
+        deadline = time.monotonic() + 10
+        while link.unqueued < len(floods) - fits:  # all read
+            assert time.monotonic() < deadline, f"{link.unqueued} not queued, {link.inbox_bytes} bytes queued"
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert link.inbox_bytes == fits * size + 2 * small <= link_module.MAX_INBOX_BYTES
+        beats: list[float] = []
+        while len(beats) < 3:  # it heartbeats on
+            message = broker.recv(timeout_s=1.0)
+            assert isinstance(message, (p.Heartbeat, p.Ready)), message  # nothing is answered by the link itself
+            beats += [time.monotonic()] if isinstance(message, p.Heartbeat) else []
+        got: list[Received] = []
+        while len(got) < len(floods) + 2 and time.monotonic() < deadline + 20:
+            got += link.receive(0.0)
+        assert [(type(m).__name__, m.request_id) for m in got] == [  # type: ignore[union-attr]
+            ("Info", "i1"), *(("Append", f"a{i:02d}") for i in range(fits)),
+            *(("Unqueued", f"a{i:02d}") for i in range(fits, len(floods))), ("Info", "i2")]
+        queued_before = (fits * size + small) >> 20
+        assert {(u.command, u.session_id, u.route, u.message) for u in got if isinstance(u, Unqueued)} == {
+            (b"APPEND", SID, b"flood", f"worker fw is overloaded: {queued_before} MiB of requests were waiting for it "
+                                       f"(at most {link_module.MAX_INBOX_BYTES >> 20} MiB): retry later")}
+        assert (link.inbox_bytes, link.unqueued) == (0, 0)
+    finally:
+        link.stop()
+        broker.sock.close()
+        broker.context.term()
+
+
+def unqueue(link: Link, item: Unqueued) -> None:
+    """Put a request's Unqueued in the link's inbox, as the link does with one past MAX_INBOX_BYTES."""
+    with link._lock:
+        link._unqueued_in += 1
+        link._inbox.put(item)
+    link.wake_loop()
+
+
+def test_a_request_not_queued_is_answered_overloaded_unless_it_is_the_resend_of_one_the_worker_has(
+    served: tuple[Serve, FakeEngine, Broker],
+) -> None:
+    """Refused on the spot, the resend of a request queued before it, or still running, would end its call with an
+    error while the request ran (the client resends after a second without an answer)."""
+    serve, engine, broker = served
+    broker.send(p.CreateSession(request_id="c1", session_id=SID, route=b"client"))
+    broker.recv_until(p.Created)
+    broker.send(p.Append(request_id="a1", session_id=SID, token_ids=(1, 2), route=b"client"))
+    appended = broker.recv_until(p.Appended)
+    why = "worker fw is overloaded: 64 MiB of requests were waiting for it (at most 64 MiB): retry later"
+    unqueue(serve.link, Unqueued(b"APPEND", "a1", SID, b"client-2", why))  # a resend of an answered request
+    assert broker.recv_until(p.Appended) == appended.routed(b"client-2")
+    unqueue(serve.link, Unqueued(b"APPEND", "a2", SID, b"client", why))  # a new one
+    assert broker.recv_until(p.Error) == p.Error(request_id="a2", code=p.ErrorCode.INTERNAL, message=why,
+                                                 route=b"client")
+    assert engine.appends == 1  # neither ran
+    engine.step_delay = 0.05
+    broker.send(p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=20), route=b"client"))
+    time.sleep(0.2)
+    unqueue(serve.link, Unqueued(b"GENERATE", "g1", SID, b"client-3", why))  # a resend of a running generation
+    done = broker.recv_until(p.Generated, timeout_s=10)
+    assert isinstance(done, p.Generated) and done.route == b"client-3" and len(done.token_ids) == 20
+    assert serve.link.unqueued == 0
 
 
 def test_error_codes_of_exceptions() -> None:

@@ -28,7 +28,7 @@ def test_one_receive_decodes_a_bounded_number_of_bytes_of_big_requests_and_the_r
                                                           route=b"c"))))
         batches = []
         while got := link.receive(0.0):
-            batches.append([m.request_id for m in got])  # type: ignore[attr-defined]
+            batches.append([m.request_id for m in got])  # type: ignore[union-attr]
         assert max(map(len, batches)) <= 4  # at most ~20 MB of them decoded at once
         assert sum(batches, []) == [f"a{i}" for i in range(count)]
     finally:

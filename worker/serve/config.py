@@ -1,4 +1,4 @@
-"""The worker daemon's settings, and the state it reports to the broker."""
+"""The worker daemon's settings, the state it reports to the broker, and a request its link did not queue."""
 
 from __future__ import annotations
 
@@ -42,3 +42,15 @@ class WorkerState:
     def heartbeat(self, steps: int, expired: tuple[str, ...] = ()) -> p.Heartbeat:
         return p.Heartbeat(free_slots=self.free_slots, sessions=len(self.sessions), draining=self.draining,
                            steps=steps, expired=expired, evacuate=self.evacuate)
+
+
+@dataclass(frozen=True, slots=True)
+class Unqueued:
+    """A request the link read but did not queue, its backlog full (worker.serve.link.MAX_INBOX_BYTES): what answering
+    it takes, handed to the compute loop in the request's place, in its order (Dispatch.unqueued answers it)."""
+
+    command: bytes
+    request_id: str
+    session_id: str  # "" for a request that names none
+    route: bytes
+    message: str  # why: what the overloaded answer says

@@ -33,7 +33,7 @@ import structlog
 
 from broker.common import protocol as p
 from worker.errors import SessionBusy
-from worker.serve.config import WorkerConfig
+from worker.serve.config import Unqueued, WorkerConfig
 from worker.serve.metrics import NoMetrics, WorkerMetrics
 
 log = structlog.get_logger()
@@ -309,6 +309,25 @@ class Dispatch:
         self._remember((sid, rid), answer)
         return [answer]
 
+    def unqueued(self, request: Unqueued) -> list[p.Message]:
+        """A request the link did not queue (worker.serve.link.MAX_INBOX_BYTES), in its turn: a resend of a request this
+        worker has (answered, generating, being tokenized or waiting behind that) is answered as such a resend is; any
+        other gets `internal` "overloaded", not remembered (sent again later, it runs)."""
+        sid, rid, route = request.session_id, request.request_id, request.route
+        self.metrics.request(p.COMMANDS.get(request.command, request.command.decode(errors="replace")))
+        waiting = self.tokenizing.get(sid) if sid else None
+        if waiting is not None:
+            if getattr(waiting.request, "request_id", None) == rid:
+                waiting.route = route
+                return []
+            if any(getattr(later, "request_id", None) == rid for later in waiting.waiting):
+                return []  # its first copy waits behind the tokenization, and will answer
+        resent = self._resent((sid, rid), route, None)
+        if resent is not None:
+            return resent
+        self.metrics.error(p.ErrorCode.INTERNAL)
+        return [p.Error(request_id=rid, code=p.ErrorCode.INTERNAL, message=request.message, route=route)]
+
     def _resent_while_tokenizing(self, waiting: Tokenizing, request: p.Message) -> bool:
         return getattr(request, "request_id", None) == getattr(waiting.request, "request_id", "")
 
@@ -364,7 +383,7 @@ class Dispatch:
         if self._tokenizer is not None:
             self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
-    def _resent(self, key: tuple[str, str], route: bytes, request: p.Message) -> list[p.Message] | None:
+    def _resent(self, key: tuple[str, str], route: bytes, request: p.Message | None) -> list[p.Message] | None:
         """A request id seen before: its cached answer, or (a generation still running) the rest of its stream and its
         answer going to the new route, and with `resume` what it made from there now. None for a request not seen
         before. Never a re-run."""

@@ -13,6 +13,10 @@ CURVE keys the DEALER authenticates to the broker (broker/common/keys.py); a ref
 
 A DROP from the broker (sessions it declared lost while this worker was cut off) goes to the compute loop with the
 requests; an ERROR from it (a READY it refused: too many slots, over its rate) is logged.
+
+The link reads the socket whatever the compute loop is doing (the broker's heartbeats come on it too), so the requests
+it has read and the compute loop has not taken are bounded in bytes here: past MAX_INBOX_BYTES, a request is not
+queued but replaced by what answering it takes (config.Unqueued), which the compute loop answers in its turn.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 from broker.common import protocol as p
 from broker.common.keys import HANDSHAKE_FAILED
 from broker.common.receive import ENVELOPE, receive
-from worker.serve.config import WorkerConfig, WorkerState
+from worker.serve.config import Unqueued, WorkerConfig, WorkerState
 
 log = structlog.get_logger()
 
@@ -44,8 +48,26 @@ MAX_INBOX_BATCH = 1024  # requests taken in one receive
 # whole before any of it is handled, and a decoded request is several times its wire size (a valid APPEND of 1M token
 # ids is 5 MB on the wire and ~25 MB as Python ints): 1024 of them at once took 20+ GB and the kernel killed the worker.
 MAX_INBOX_BATCH_BYTES = 16 << 20
+# The bytes of requests read off the socket that the compute loop has not taken yet (the inbox). The link reads on
+# whatever the compute loop does, so without this bound a client sending valid 3 MB APPENDs faster than the compute
+# loop took them (its steps busy, or ~40 ms to decode each) had them all queued: 1,000 of them were 3 GB in the worker.
+# 64 MiB is four receive batches (MAX_INBOX_BATCH_BYTES) and eight of the largest requests (p.MAX_MESSAGE_BYTES), far
+# more than a full worker's sessions send at once in normal use (64 sessions x 2,048-token prompts are under 1 MiB),
+# and small next to a worker's memory. A request that would take the inbox past it is read but not decoded or kept:
+# its address (config.Unqueued, a few hundred bytes) takes its place, and the compute loop, when it gets there,
+# answers it `internal` "overloaded" (as the broker answers a request for a worker whose queue is full), or, a resend
+# of a request it has (queued before it, running, answered), as the resend it is: refused on the spot, a resend would
+# end its call with an error while its request still ran. The others queue as before, so a small request still fits
+# behind a flood of big ones. A CANCEL (nothing answers it) is always queued; the broker's own messages (DROP, moves)
+# are not requests: they neither count nor are held back.
+MAX_INBOX_BYTES = 64 << 20
+# Unqueued requests waiting in the inbox for the compute loop (~400 bytes each). Past this many (a loop stuck for long
+# under a flood), the link answers a request it does not queue itself, at once, even one that may be a resend.
+MAX_UNQUEUED = 4096
+OVERLOAD_LOG_S = 10.0  # requests not queued for MAX_INBOX_BYTES are logged (with their count so far) at most this often
 HANDSHAKE_LOG_S = 10.0  # a refused handshake is logged at most this often (ZeroMQ retries every reconnect)
 REQUEST_COMMANDS = frozenset(t.COMMAND.value for t in p.REQUEST_TYPES)
+UNANSWERED_COMMANDS = frozenset({p.Command.CANCEL.value})  # requests nothing answers: never refused for MAX_INBOX_BYTES
 # Passed to the compute loop undecoded: requests, DROP, and the moves of sessions (worker.serve.moves).
 LOOP_COMMANDS = REQUEST_COMMANDS | {p.Command.DROP.value} | {t.COMMAND.value for t in p.MOVE_TYPES}
 LINK_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -55,6 +77,7 @@ LINK_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCO
 # until ZeroMQ has sent them.
 Frames = list[p.Frame]
 WAKE: Frames = []  # in the inbox: no request, the compute loop has something else to do (Link.wake_loop)
+Received = p.Message | Unqueued  # what `receive` hands the compute loop
 
 
 class Link:
@@ -89,7 +112,14 @@ class Link:
         self._context = zmq.Context()
         self._lock = threading.Lock()  # held for every use of the dealer, and of the state below it
         self._dealer: zmq.Socket[bytes] | None = None  # from start() until the link thread closes it
-        self._inbox: queue.SimpleQueue[Frames] = queue.SimpleQueue()  # requests, as received
+        self._inbox: queue.SimpleQueue[Frames | Unqueued] = queue.SimpleQueue()  # requests, as received
+        # Bytes of requests (and a count of Unqueued) ever put in the inbox (under the lock, by whichever thread reads
+        # the socket) and ever taken from it (by the compute thread alone, in receive): their differences are the
+        # inbox's, read without a lock.
+        self._inbox_in = self._inbox_out = 0
+        self._unqueued_in = self._unqueued_out = 0
+        self._overloaded = 0  # requests not queued for MAX_INBOX_BYTES
+        self._overload_logged_at = -OVERLOAD_LOG_S
         wake = f"inproc://wake-{secrets.token_hex(8)}"
         self._wake_rx: zmq.Socket[bytes] = self._context.socket(zmq.PAIR)
         self._wake_rx.bind(wake)
@@ -142,18 +172,29 @@ class Link:
             if not self.busy:  # the link thread waits on the socket's signal, which sending may have taken
                 self._take_incoming(dealer)
 
+    @property
+    def inbox_bytes(self) -> int:
+        """Bytes of requests read off the socket and not yet taken by `receive`. Off the compute thread, it may count
+        some just taken (never fewer than are there)."""
+        return self._inbox_in - self._inbox_out
+
+    @property
+    def unqueued(self) -> int:
+        """Requests not queued for MAX_INBOX_BYTES whose answers wait in the inbox (as inbox_bytes is read)."""
+        return self._unqueued_in - self._unqueued_out
+
     def wake_loop(self) -> None:
         """From any thread: make a waiting `receive` return (empty) now."""
         self._inbox.put(WAKE)
 
-    def receive(self, timeout_s: float) -> list[p.Message]:
+    def receive(self, timeout_s: float) -> list[Received]:
         """Requests from the broker: waits up to timeout_s for the first, then takes what is there (at most a batch:
         MAX_INBOX_BATCH requests, MAX_INBOX_BATCH_BYTES; the rest waits in the inbox for the next call).
 
         A wait up to BUSY_WAIT_S is the busy compute loop's (between steps, or while a prefill runs): it reads the
         socket itself. A longer one (an idle engine) waits for the link thread to hand requests over.
         Decoded here, on the caller's thread; a malformed one is answered with its error when it names a
-        route and a request id, and logged either way."""
+        route and a request id, and logged either way. A request not queued (MAX_INBOX_BYTES) comes as its Unqueued."""
         busy = timeout_s <= BUSY_WAIT_S
         if busy != self.busy:
             self.busy = busy
@@ -169,20 +210,29 @@ class Link:
         size = _size(first)
         while len(batch) < MAX_INBOX_BATCH and size < MAX_INBOX_BATCH_BYTES:
             try:
-                frames = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            batch.append(frames)
-            size += _size(frames)
-        requests: list[p.Message] = []
+            batch.append(item)
+            size += _size(item)
+        requests: list[Received] = []
         errors: list[p.Message] = []
-        for frames in batch:
-            if not frames:  # WAKE
+        taken = unqueued = 0
+        for item in batch:
+            if isinstance(item, Unqueued):
+                unqueued += 1
+                requests.append(item)
                 continue
+            if not item:  # WAKE
+                continue
+            if _is_request(item):
+                taken += _size(item)
             try:
-                requests.append(p.decode(frames))
+                requests.append(p.decode(item))
             except p.ProtocolError as e:
                 errors += _refusal(e)
+        self._inbox_out += taken
+        self._unqueued_out += unqueued
         self.send(errors)
         return requests
 
@@ -323,8 +373,12 @@ class Link:
                              "--broker-key is not the broker's public key, or the broker wants keys and none were given")
 
     def _receive_all(self, dealer: zmq.Socket[bytes]) -> bool:
-        """Read what the socket holds, at most a batch (under the lock). True when more is waiting."""
+        """Read what the socket holds, at most a batch: MAX_INBOX_BATCH messages, about MAX_INBOX_BATCH_BYTES (under the
+        lock, which the compute loop's answers and the link's heartbeats wait for). True when more is waiting."""
+        size = 0
         for _ in range(MAX_INBOX_BATCH):
+            if size >= MAX_INBOX_BATCH_BYTES:
+                return True  # maybe: the caller reads on (the lock let go meanwhile)
             if not _readable(dealer):  # also takes the socket's pending signal
                 return False
             try:
@@ -332,11 +386,19 @@ class Link:
             except zmq.Again:
                 return False
             self._last_heard = time.monotonic()
+            size += _size(frames)
             self._on_message(dealer, frames)
         return _readable(dealer)
 
     def _on_message(self, dealer: zmq.Socket[bytes], frames: Frames) -> None:
         if len(frames) >= 3 and frames[0] == p.VERSION and frames[1] in LOOP_COMMANDS:
+            if frames[1] in REQUEST_COMMANDS:
+                size = _size(frames)
+                queued = self._inbox_in - self._inbox_out
+                if queued + size > MAX_INBOX_BYTES and frames[1] not in UNANSWERED_COMMANDS:
+                    self._not_queued(dealer, frames, queued)
+                    return
+                self._inbox_in += size
             self._inbox.put(frames)  # decoded (and checked) by the compute loop
             return
         try:
@@ -358,6 +420,28 @@ class Link:
             log.error("broker_refused_registration", code=message.code.value, error=message.message)
         else:
             log.warning("broker_message_unexpected", command=message.COMMAND.name)
+
+    def _not_queued(self, dealer: zmq.Socket[bytes], frames: Frames, queued: int) -> None:
+        """A request that would take the inbox past MAX_INBOX_BYTES (under the lock): its Unqueued goes in its place,
+        or, past MAX_UNQUEUED of them, its overloaded answer goes at once."""
+        self._overloaded += 1
+        now = time.monotonic()
+        if now - self._overload_logged_at >= OVERLOAD_LOG_S:
+            self._overload_logged_at = now
+            log.warning("requests_not_queued", overloaded=self._overloaded, queued_bytes=queued,
+                        limit_bytes=MAX_INBOX_BYTES, unqueued=self.unqueued)
+        command = bytes(frames[1])
+        request_id, session_id, route = p.peek_address(frames[2])
+        if request_id is None or not route:  # the broker always sends both: not a request of its
+            log.warning("request_unanswerable", command=command.decode(errors="replace"))
+            return
+        message = (f"worker {self.config.name} is overloaded: {queued >> 20} MiB of requests were waiting for it "
+                   f"(at most {MAX_INBOX_BYTES >> 20} MiB): retry later")
+        if self.unqueued < MAX_UNQUEUED:
+            self._unqueued_in += 1
+            self._inbox.put(Unqueued(command, request_id, session_id, route, message))
+        else:
+            self._send(dealer, p.Error(request_id=request_id, code=p.ErrorCode.INTERNAL, message=message, route=route))
 
     def _welcomed(self, welcome: p.Welcome) -> None:
         if welcome.broker_id != self.broker_id:
@@ -394,11 +478,17 @@ class Link:
     def _refuse_unserved(self, dealer: zmq.Socket[bytes]) -> None:
         """Requests that arrived too late to be served get an answer rather than silence."""
         received: list[Frames] = []
+        message = f"worker {self.config.name} is shutting down"
         while True:
             try:
-                received.append(self._inbox.get_nowait())
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            if isinstance(item, Unqueued):
+                self._send(dealer, p.Error(request_id=item.request_id, code=self._refuse_code, message=message,
+                                           route=item.route))
+            else:
+                received.append(item)
         while True:
             try:
                 received.append(receive(dealer, ENVELOPE))
@@ -413,7 +503,6 @@ class Link:
         for request in unserved:
             route: bytes = getattr(request, "route", b"")
             if isinstance(request, p.REQUEST_TYPES) and not isinstance(request, p.Cancel) and route:
-                message = f"worker {self.config.name} is shutting down"
                 self._send(dealer, p.Error(request_id=request.request_id, code=self._refuse_code, message=message,
                                            route=route))
 
@@ -439,9 +528,15 @@ def _readable(dealer: zmq.Socket[bytes]) -> bool:
     return bool(cast(int, dealer.getsockopt(_EVENTS)) & _POLLIN)
 
 
-def _size(frames: Frames) -> int:
-    """The bytes of a received message (payload frames are memoryviews)."""
-    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+def _is_request(frames: Frames) -> bool:
+    return len(frames) >= 3 and frames[1] in REQUEST_COMMANDS
+
+
+def _size(item: Frames | Unqueued) -> int:
+    """The bytes of a received message (payload frames are memoryviews); 0 for an Unqueued."""
+    if isinstance(item, Unqueued):
+        return 0
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in item)
 
 
 def _refusal(e: p.ProtocolError) -> list[p.Message]:

@@ -15,6 +15,9 @@
   hears of it in the next HEARTBEAT (`expired`), and a later request gets `session_expired`.
 - Sessions idle longer than `hibernate_after_s` hibernate (worker.engine.hibernation): their state goes to host
   memory or the session store and their pages are released; their next request brings them back.
+- A request the link did not queue (its backlog of requests past worker.serve.link.MAX_INBOX_BYTES) comes as its
+  address, config.Unqueued, in its turn: `Dispatch.unqueued` answers it `internal` "overloaded", or as the resend of a
+  request the worker has that it may be.
 - A long text is tokenized on a thread of its own (worker.serve.dispatch): the loop takes the request's ids when
   they are there (`Dispatch.completed`, woken by the link), and afterwards gives the C heap's free memory back to
   the system (a 4M-character text's tokenization takes hundreds of MB for a moment).
@@ -36,9 +39,9 @@ import structlog
 from broker.common import heap
 from broker.common import protocol as p
 from broker.common.metrics_http import Pulse
-from worker.serve.config import WorkerConfig, WorkerState
+from worker.serve.config import Unqueued, WorkerConfig, WorkerState
 from worker.serve.dispatch import Active, Dispatch, EngineAPI
-from worker.serve.link import BUSY_WAIT_S, Link
+from worker.serve.link import BUSY_WAIT_S, Link, Received
 from worker.serve.metrics import NoMetrics, WorkerMetrics, WorkerSnapshot, torch_memory
 from worker.serve.moves import Moves
 
@@ -214,7 +217,7 @@ class Serve:
 
     # -- requests --
 
-    def _admit(self, requests: list[p.Message]) -> None:
+    def _admit(self, requests: list[Received]) -> None:
         """Handle a batch of requests, each answer sent as soon as it is made: the first clients of a burst
         (64 sessions turning over at once) are not held back by the rest of it."""
         if requests:
@@ -223,7 +226,7 @@ class Serve:
             if isinstance(request, p.MOVE_TYPES):
                 self._move_step(lambda: self.moves.handle(request))  # noqa: B023  (called now)
                 continue
-            answers = self.dispatch.handle(request)
+            answers = self.dispatch.unqueued(request) if isinstance(request, Unqueued) else self.dispatch.handle(request)
             if answers:
                 self.link.send(answers)
         if self.dispatch.sessions_changed:  # once per batch: a burst of creates or closes builds it once, not once each
