@@ -330,7 +330,7 @@ class Router:
                 flight = self.inflight.pop(send.key, None)
                 self._settle_pending(flight)
                 name = self._name(send.identity)
-                self._error(*send.key, p.ErrorCode.INTERNAL, f"worker {name} is overloaded (queue full): retry later")
+                self._error(*send.key, p.ErrorCode.OVERLOADED, f"worker {name} is overloaded (queue full): retry later")
             return self._flush()
         if failure is Failure.UNREACHABLE and now < self._distrust_until:
             return self._flush()  # closed by the broker's own stall, maybe: the client reconnects and resends

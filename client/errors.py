@@ -101,6 +101,13 @@ class InternalError(ClientError):
     code = "internal"
 
 
+class Overloaded(ClientError):
+    """The worker (or the broker's queue for it) has more requests waiting than it keeps: nothing was done, retry
+    later."""
+
+    code = "overloaded"
+
+
 class PromptBoundary(BadRequest):
     """A text sent with boundary_check would change how the session's last tokens tokenize (e.g. "Par" held, "is"
     sent: one token, "Paris"): nothing was appended. A new session given the whole text gets its exact tokens."""
@@ -112,7 +119,7 @@ _BY_CODE: dict[str, type[ClientError]] = {
     c.code: c
     for c in (
         BadRequest, CapacityExhausted, SessionNotFound, SessionLost, ModelNotFound, Timeout, WorkerDraining,
-        Unauthorized, VersionMismatch, InternalError, SessionExpired, PromptBoundary,
+        Unauthorized, VersionMismatch, InternalError, SessionExpired, PromptBoundary, Overloaded,
     )
 }
 

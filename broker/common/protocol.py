@@ -146,6 +146,7 @@ class ErrorCode(str, Enum):
     UNAUTHORIZED = "unauthorized"
     SESSION_EXPIRED = "session_expired"
     VERSION_MISMATCH = "version_mismatch"
+    OVERLOADED = "overloaded"  # a worker's queue is full: retry later
     PROMPT_BOUNDARY = "prompt_boundary"  # a text sent with boundary_check would re-tokenize the session's last tokens
     INTERNAL = "internal"
 

@@ -7,7 +7,8 @@
     model_not_found (a model nobody serves)      404 invalid_request_error, code model_not_found
     a named session busy with another request    409 invalid_request_error, code session_busy
     capacity_exhausted                           429 rate_limit_error, with Retry-After
-    worker_draining, model_not_found (no worker) 503 service_unavailable, with Retry-After
+    worker_draining, model_not_found (no worker), 503 service_unavailable, with Retry-After
+    overloaded, a resumed session gone
     timeout                                      504 timeout
     anything else (internal, version_mismatch,   500 server_error
       the broker refusing the gateway's key)
@@ -78,7 +79,8 @@ def from_client_error(e: ClientError) -> ApiError:
     if code == "capacity_exhausted":
         return ApiError(429, f"no session slot is free: {e.message}", kind="rate_limit_error", code="capacity_exhausted",
                         retry_after=RETRY_AFTER_S)
-    if code in ("worker_draining", "model_not_found", "session_lost", "session_expired", "session_not_found"):
+    if code in ("worker_draining", "model_not_found", "session_lost", "session_expired", "session_not_found",
+                "overloaded"):
         return ApiError(503, e.message, kind="service_unavailable", code=code, retry_after=RETRY_AFTER_S)
     if code == "timeout":
         return ApiError(504, e.message, kind="timeout", code="timeout")

@@ -69,6 +69,7 @@ def test_the_error_codes_are_the_designed_ones() -> None:
     assert {c.value for c in p.ErrorCode} == {
         "bad_request", "capacity_exhausted", "session_not_found", "session_lost", "model_not_found", "timeout",
         "worker_draining", "unauthorized", "version_mismatch", "internal", "session_expired", "prompt_boundary",
+        "overloaded",
     }
 
 

@@ -247,12 +247,12 @@ def test_a_create_whose_worker_vanishes_before_answering_is_placed_again() -> No
     assert not router.registry.workers and not router.inflight
 
 
-def test_a_full_worker_queue_is_an_internal_error_for_that_request_only() -> None:
+def test_a_full_worker_queue_is_an_overloaded_error_for_that_request_only() -> None:
     router = running((W1, ready("w1")))
     _, _, request = create(router, C1, "r1")
     failed = Send(Peer.WORKER, W1, p.encode(request), (C1, "r1"))
     _, identity, error = one(router.undeliverable(failed, Failure.FULL, 2.1))
-    assert identity == C1 and isinstance(error, p.Error) and error.code is p.ErrorCode.INTERNAL
+    assert identity == C1 and isinstance(error, p.Error) and error.code is p.ErrorCode.OVERLOADED
     assert W1 in router.registry.workers and router.registry.workers[W1].pending == 0
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from broker.common import protocol as p
-from client import AsyncClient, BadRequest, InternalError, SessionExpired, Timeout
+from client import AsyncClient, BadRequest, Overloaded, SessionExpired, Timeout
 from worker.errors import ContextOverflow
 from worker.serve.link import MAX_INBOX_BYTES
 from worker.serve.loop import Serve, WorkerConfig
@@ -184,8 +184,8 @@ def test_big_requests_past_a_stuck_worker_s_inbox_bound_are_answered_overloaded_
     """Valid 3 MB APPENDs sent faster than the worker's compute loop takes them were all read into the worker's memory
     (1,000 of them: 3 GB). Now what waits there stays within MAX_INBOX_BYTES, the worker stays registered, and once
     its compute loop goes on it answers every request: those it queued (and their resends, which the client sent
-    while it waited, from its answers) as ever, those past the bound `internal` "overloaded" (InternalError in the
-    client), and another client's small request sent behind the flood."""
+    while it waited, from its answers) as ever, those past the bound `overloaded` (Overloaded in the client), and
+    another client's small request sent behind the flood."""
     cluster, serve, release = stuck
     link = serve.link
     flood, count = "x" * 3_000_000, 30
@@ -216,7 +216,7 @@ def test_big_requests_past_a_stuck_worker_s_inbox_bound_are_answered_overloaded_
     results, queued, unqueued, left = asyncio.run(scenario())
     assert queued <= MAX_INBOX_BYTES and unqueued > count - MAX_INBOX_BYTES // 3_000_000  # the resends too
     kept = [r for r in results if isinstance(r, BadRequest)]  # the requests it queued: the fake engine's answer
-    overloaded = [r for r in results if isinstance(r, InternalError)]
+    overloaded = [r for r in results if isinstance(r, Overloaded)]
     assert len(kept) == MAX_INBOX_BYTES // 3_000_100 and len(kept) + len(overloaded) == count, results
     assert {str(e) for e in kept} == {"a text of 3000000 characters cannot fit the session"}
     assert {str(e) for e in overloaded} == {f"worker fw is overloaded: {(len(kept) * 3_000_100) >> 20} MiB of "

@@ -618,7 +618,7 @@ def test_a_request_not_queued_is_answered_overloaded_unless_it_is_the_resend_of_
     unqueue(serve.link, Unqueued(b"APPEND", "a1", SID, b"client-2", why))  # a resend of an answered request
     assert broker.recv_until(p.Appended) == appended.routed(b"client-2")
     unqueue(serve.link, Unqueued(b"APPEND", "a2", SID, b"client", why))  # a new one
-    assert broker.recv_until(p.Error) == p.Error(request_id="a2", code=p.ErrorCode.INTERNAL, message=why,
+    assert broker.recv_until(p.Error) == p.Error(request_id="a2", code=p.ErrorCode.OVERLOADED, message=why,
                                                  route=b"client")
     assert engine.appends == 1  # neither ran
     engine.step_delay = 0.05

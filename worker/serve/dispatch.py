@@ -312,7 +312,7 @@ class Dispatch:
     def unqueued(self, request: Unqueued) -> list[p.Message]:
         """A request the link did not queue (worker.serve.link.MAX_INBOX_BYTES), in its turn: a resend of a request this
         worker has (answered, generating, being tokenized or waiting behind that) is answered as such a resend is; any
-        other gets `internal` "overloaded", not remembered (sent again later, it runs)."""
+        other gets `overloaded`, not remembered (sent again later, it runs)."""
         sid, rid, route = request.session_id, request.request_id, request.route
         self.metrics.request(p.COMMANDS.get(request.command, request.command.decode(errors="replace")))
         waiting = self.tokenizing.get(sid) if sid else None
@@ -325,8 +325,8 @@ class Dispatch:
         resent = self._resent((sid, rid), route, None)
         if resent is not None:
             return resent
-        self.metrics.error(p.ErrorCode.INTERNAL)
-        return [p.Error(request_id=rid, code=p.ErrorCode.INTERNAL, message=request.message, route=route)]
+        self.metrics.error(p.ErrorCode.OVERLOADED)
+        return [p.Error(request_id=rid, code=p.ErrorCode.OVERLOADED, message=request.message, route=route)]
 
     def _resent_while_tokenizing(self, waiting: Tokenizing, request: p.Message) -> bool:
         return getattr(request, "request_id", None) == getattr(waiting.request, "request_id", "")

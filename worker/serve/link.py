@@ -55,7 +55,7 @@ MAX_INBOX_BATCH_BYTES = 16 << 20
 # more than a full worker's sessions send at once in normal use (64 sessions x 2,048-token prompts are under 1 MiB),
 # and small next to a worker's memory. A request that would take the inbox past it is read but not decoded or kept:
 # its address (config.Unqueued, a few hundred bytes) takes its place, and the compute loop, when it gets there,
-# answers it `internal` "overloaded" (as the broker answers a request for a worker whose queue is full), or, a resend
+# answers it `overloaded` (as the broker answers a request for a worker whose queue is full), or, a resend
 # of a request it has (queued before it, running, answered), as the resend it is: refused on the spot, a resend would
 # end its call with an error while its request still ran. The others queue as before, so a small request still fits
 # behind a flood of big ones. A CANCEL (nothing answers it) is always queued; the broker's own messages (DROP, moves)
@@ -441,7 +441,7 @@ class Link:
             self._unqueued_in += 1
             self._inbox.put(Unqueued(command, request_id, session_id, route, message))
         else:
-            self._send(dealer, p.Error(request_id=request_id, code=p.ErrorCode.INTERNAL, message=message, route=route))
+            self._send(dealer, p.Error(request_id=request_id, code=p.ErrorCode.OVERLOADED, message=message, route=route))
 
     def _welcomed(self, welcome: p.Welcome) -> None:
         if welcome.broker_id != self.broker_id:

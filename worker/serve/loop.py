@@ -16,7 +16,7 @@
 - Sessions idle longer than `hibernate_after_s` hibernate (worker.engine.hibernation): their state goes to host
   memory or the session store and their pages are released; their next request brings them back.
 - A request the link did not queue (its backlog of requests past worker.serve.link.MAX_INBOX_BYTES) comes as its
-  address, config.Unqueued, in its turn: `Dispatch.unqueued` answers it `internal` "overloaded", or as the resend of a
+  address, config.Unqueued, in its turn: `Dispatch.unqueued` answers it `overloaded`, or as the resend of a
   request the worker has that it may be.
 - A long text is tokenized on a thread of its own (worker.serve.dispatch): the loop takes the request's ids when
   they are there (`Dispatch.completed`, woken by the link), and afterwards gives the C heap's free memory back to
