@@ -2,7 +2,7 @@
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
-    bad_request                                  400 invalid_request_error
+    bad_request, prompt_boundary                 400 invalid_request_error
     unauthorized (an API key)                    401 authentication_error
     model_not_found (a model nobody serves)      404 invalid_request_error, code model_not_found
     a named session busy with another request    409 invalid_request_error, code session_busy
@@ -74,8 +74,8 @@ def from_client_error(e: ClientError) -> ApiError:
     """The HTTP answer for an error the broker or a worker gave (model_not_found is decided by the caller, which
     knows whether any worker is up)."""
     code = e.code
-    if code == "bad_request":
-        return ApiError(400, e.message, code="bad_request")
+    if code in ("bad_request", "prompt_boundary"):
+        return ApiError(400, e.message, code=code)
     if code == "capacity_exhausted":
         return ApiError(429, f"no session slot is free: {e.message}", kind="rate_limit_error", code="capacity_exhausted",
                         retry_after=RETRY_AFTER_S)

@@ -13,6 +13,8 @@ from client.errors import (
     CapacityExhausted,
     InternalError,
     ModelNotFound,
+    Overloaded,
+    PromptBoundary,
     SessionExpired,
     SessionLost,
     Timeout,
@@ -198,11 +200,12 @@ def test_api_key_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("error", "status", "retry_after"), [
     (BadRequest("x"), 400, None), (CapacityExhausted("x"), 429, "1"), (WorkerDraining("x"), 503, "1"),
     (ModelNotFound("x"), 503, "1"), (SessionLost("x"), 503, "1"), (SessionExpired("x"), 503, "1"), (Timeout("x"), 504, None),
-    (InternalError("x"), 500, None), (Unauthorized("x"), 500, None),
+    (InternalError("x"), 500, None), (Unauthorized("x"), 500, None), (Overloaded("x"), 503, "1"),
+    (PromptBoundary("x"), 400, None),
 ])
 def test_broker_errors_map_to_http(error: Exception, status: int, retry_after: str | None) -> None:
     assert isinstance(error, (BadRequest, CapacityExhausted, WorkerDraining, ModelNotFound, SessionLost, SessionExpired,
-                              Timeout, InternalError, Unauthorized))
+                              Timeout, InternalError, Unauthorized, Overloaded))
     api = from_client_error(error)
     assert api.status == status and api.headers().get("Retry-After") == retry_after
     assert set(api.body()["error"]) == {"message", "type", "param", "code"}
