@@ -2,18 +2,25 @@
 
 Built with `tokenizers` from GGUF metadata (byte-level BPE: tokens, merges, token types), from a
 Hugging Face tokenizer.json, or as a plain byte tokenizer for models with random weights. The chat
-template is rendered with jinja2 the way Hugging Face renders it (sandboxed, trim/lstrip blocks).
+template is rendered with jinja2 the way Hugging Face transformers renders it (its `render_jinja_template`): sandboxed,
+trim/lstrip blocks, loop controls, the `{% generation %}` block, `raise_exception`, `strftime_now`, its `tojson`, and
+the variables it passes (messages, tools and documents None, add_generation_prompt, the special tokens the model has).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import structlog
+from jinja2 import nodes
+from jinja2.parser import Parser
+from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -110,9 +117,11 @@ class Tokenizer:
             self.max_token_bytes = max([1, *map(len, self.token_bytes), *specials])
         # Ids that end a generation: EOS plus e.g. Llama 3's <|eot_id|>.
         self.stop_ids: frozenset[int] = frozenset({eos_id, *extra_stop_ids})
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = _raise_template_error
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(self.chat_template)
         except jinja2.TemplateError as e:
@@ -171,6 +180,8 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # a list of named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (folder / "chat_template.jinja").exists():  # where transformers saves it (not in the config): it comes first
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         bos = token_id(cfg.get("bos_token"))
         add_bos = bool(cfg.get("add_bos_token", False))
         if tok.post_processor is not None:
@@ -290,13 +301,12 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ChatTemplateError("each message must be a dict with string 'role' and 'content'")
+        # As transformers passes them: a special token the model lacks is left undefined, not "".
+        specials = {name: token for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))
+                    if i is not None and (token := self.token(i)) is not None}
         try:
-            text = self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.token(self.bos_id) if self.bos_id is not None else "",
-                eos_token=self.token(self.eos_id) or "",
-            )
+            text = self._template.render(messages=list(messages), tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **specials)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
         return self.encode(text, add_bos=False) if tokenize else text
@@ -324,6 +334,32 @@ def _post_processor_bos(tok: HFTokenizer, bos: int | None, folder: Path) -> tupl
 
 def _raise_template_error(message: str) -> None:
     raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    """The local date and time in `fmt`, as transformers gives templates (Llama 3.2's "Today Date")."""
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' `tojson` filter: json.dumps with its arguments, no HTML escaping (jinja's own escapes <, >, &)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers' mark of the assistant's tokens (for training masks),
+    which templates saved for fine-tuning carry. Rendered as its body, as transformers renders it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Macro) -> str:
+        return str(caller())
 
 
 def _byte_level_table(tok: HFTokenizer) -> list[bytes]:
