@@ -110,7 +110,9 @@ class Overloaded(ClientError):
 
 class PromptBoundary(BadRequest):
     """A text sent with boundary_check would change how the session's last tokens tokenize (e.g. "Par" held, "is"
-    sent: one token, "Paris"): nothing was appended. A new session given the whole text gets its exact tokens."""
+    sent: one token, "Paris"), or chat turns follow an answer the model's template renders otherwise once they follow
+    it (Qwen3 drops its reasoning): nothing was appended. A new session given the whole text, or conversation, gets
+    its exact tokens."""
 
     code = "prompt_boundary"
 

@@ -147,7 +147,8 @@ class ErrorCode(str, Enum):
     SESSION_EXPIRED = "session_expired"
     VERSION_MISMATCH = "version_mismatch"
     OVERLOADED = "overloaded"  # a worker's queue is full: retry later
-    PROMPT_BOUNDARY = "prompt_boundary"  # a text sent with boundary_check would re-tokenize the session's last tokens
+    PROMPT_BOUNDARY = "prompt_boundary"  # a text sent with boundary_check would re-tokenize the session's last tokens,
+    # or chat turns follow an answer the model's template would render otherwise: the whole prompt, in a new session
     INTERNAL = "internal"
 
 

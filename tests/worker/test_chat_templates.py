@@ -169,3 +169,91 @@ def test_a_folder_transformers_saved_gives_its_chat_template_jinja(tmp_path: Pat
     assert ours.chat_template == template
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert_renders_as_transformers(ours, loaded, CONVERSATIONS["multi-turn"])
+
+
+# -- a resumed session: the turns after its last answer -----------------------------------------------------------------
+#
+# A session holds its first turns rendered with the assistant prompt, then the answer the model generated and its stop
+# token; a resumed turn appends only what `Tokenizer.chat_continuation` renders. The client then holds the answer's text
+# as an assistant message, and the session's tokens must be those of the whole conversation rendered at once. They are
+# not where the template renders an earlier answer otherwise than the session holds it: Llama 3 trims answers; Qwen3
+# drops the reasoning of answers before the last user turn; Qwen3 Thinking-2507 and Qwen3.5 open <think> in the
+# assistant prompt, which no earlier answer shows (and Qwen3.5 trims). There chat_continuation gives None and the engine
+# refuses the turn (PromptBoundary): the gateway starts it over in a new session given the whole conversation.
+
+ANSWERS = {  # what the model generates after the assistant prompt (less a <think> the prompt opened)
+    "plain": "Paris.",
+    "spaces": " Paris.\n",
+    "reasoning": "<think>\nThe capital.\n</think>\n\nParis.",
+}
+REWRITTEN = {  # the answers each template renders otherwise once a user turn follows them
+    "llama-3.1-instruct": {"spaces"},
+    "llama-3.2-instruct": {"spaces"},
+    "qwen2.5-instruct": set(),
+    "qwen3": {"reasoning"},
+    "qwen3-thinking-2507": {"plain", "spaces", "reasoning"},
+    "qwen3.5": {"plain", "spaces", "reasoning"},
+}
+FIRST = [system("Be brief."), user("Capital of France?")]
+NEXT = [user("And of Spain?")]
+
+
+def session_tokens(tok: Tokenizer, answer: str, stop: int | None) -> list[int]:
+    """A session's tokens after its first turn: the prompt, the answer, its stop token (None: cut short)."""
+    prompt = rendered(tok, FIRST, True)
+    generated = answer.removeprefix("<think>\n") if prompt.endswith("<think>\n") else answer
+    return tok.encode(prompt, add_bos=False) + tok.encode(generated, add_bos=False) + ([] if stop is None else [stop])
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("answer", sorted(ANSWERS))
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_resumed_turn_gives_the_whole_conversations_text_or_none(model: str, answer: str, closed: bool) -> None:
+    tok, _ = pair((TEMPLATES / f"{model}.jinja").read_text(encoding="utf-8"), *MODELS[model])
+    tokens = session_tokens(tok, ANSWERS[answer], tok.eos_id if closed else None)
+    content = tok.decode(tokens[len(tok.encode(rendered(tok, FIRST, True), add_bos=False)):][:-1 if closed else None])
+    whole = rendered(tok, [*FIRST, assistant(content), *NEXT], True)
+    held = tok.decode(tokens) + ("" if closed else str(tok.token(tok.eos_id)))
+    text = tok.chat_continuation(tokens, NEXT)
+    if answer in REWRITTEN[model]:
+        assert text is None and not whole.startswith(held)  # the session's text is not the conversation's start
+    else:
+        assert text is not None and tok.decode(tokens) + text == whole
+        whole_ids = tok.encode(whole, add_bos=False)
+        assert whole_ids[:len(tokens)] == tokens and whole_ids[len(tokens):] == tok.encode(text, add_bos=False)
+
+
+def test_qwen3_gives_the_answer_after_the_last_question_an_empty_think_when_no_question_follows() -> None:
+    """With no new turn (the client sends the conversation as it ended), Qwen3 renders the last answer with an empty
+    <think></think> ahead of it, which the session does not hold: a plain answer is rewritten too."""
+    tok, _ = pair((TEMPLATES / "qwen3.jinja").read_text(encoding="utf-8"), *QWEN)
+    tokens = session_tokens(tok, ANSWERS["plain"], tok.eos_id)
+    assert tok.chat_continuation(tokens, NEXT) == "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.chat_continuation(tokens, []) is None
+    assert "<think>\n\n</think>\n\nParis.<|im_end|>" in rendered(tok, [*FIRST, assistant("Paris.")], True)
+
+
+def test_an_answer_ended_by_another_stop_token_than_the_eos_is_not_closed_twice() -> None:
+    """A Llama 3 whose EOS is <|end_of_text|> (some GGUF files) ends its answers with <|eot_id|>, one of its stop ids:
+    the turn after it starts after that <|eot_id|>, not with a second one."""
+    raw = Tokenizer.bytes_only()._tok
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")])
+    eot = raw.token_to_id("<|eot_id|>")
+    eos = raw.token_to_id("<|end_of_text|>")
+    assert eot is not None and eos is not None
+    tok = Tokenizer(raw, bos_id=raw.token_to_id("<|begin_of_text|>"), eos_id=eos, extra_stop_ids=[eot],
+                    chat_template=(TEMPLATES / "llama-3.1-instruct.jinja").read_text(encoding="utf-8"))
+    tokens = session_tokens(tok, "Paris.", eot)
+    text = tok.chat_continuation(tokens, NEXT)
+    assert text is not None and text.startswith("<|start_header_id|>user")
+    assert tok.decode(tokens) + text == rendered(tok, [*FIRST, assistant("Paris."), *NEXT], True)
+
+
+def test_turns_after_a_text_appended_by_hand_go_on_as_after_a_plain_answer() -> None:
+    """A session that holds no assistant prompt (its text appended by hand, not a chat turn) has no answer of the
+    template's to check: its turns follow as they follow a plain answer, after the EOS where the text has none."""
+    tok, _ = pair((TEMPLATES / "qwen2.5-instruct.jinja").read_text(encoding="utf-8"), *QWEN)
+    after = "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.chat_continuation(tok.encode("Some text.<|im_end|>", add_bos=False), NEXT) == after
+    assert tok.chat_continuation(tok.encode("Some text.", add_bos=False), NEXT) == "<|im_end|>" + after

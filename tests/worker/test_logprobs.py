@@ -1,17 +1,21 @@
-"""Log-probabilities, prefill-only generations and multi-turn chat rendering, on the real SmolLM2 (CPU)."""
+"""Log-probabilities, prefill-only generations and multi-turn chat rendering, on the real SmolLM2 (CPU); and a turn after
+an answer Qwen3's template rewrites, with its template on the engine."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from worker.engine import Engine
 from worker.engine.sampling import MAX_LOGPROBS, SamplingParams, step_logprobs
-from worker.errors import BadRequest
+from worker.errors import BadRequest, PromptBoundary
+from worker.model.tokenizer import Tokenizer
 
 QUESTION = "What is the capital of France?"
+TEMPLATES = Path(__file__).parent / "templates"
 
 
 def test_step_logprobs_are_the_rows_log_softmax_with_the_top_k_in_order() -> None:
@@ -133,3 +137,31 @@ def test_chat_ids_render_one_turn_as_chat_and_several_as_the_template(engine: En
         engine.chat_ids(engine.create_session(), [])
     with pytest.raises(BadRequest, match="role and content"):
         engine.chat_ids(a, [{"role": "user"}])
+
+
+def test_a_turn_after_an_answer_the_template_rewrites_is_refused_for_a_start_over(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's template (tests/worker/templates/qwen3.jinja) drops the reasoning of answers before the last user turn.
+    After a plain answer the next turn is appended as the template continues it; after one with reasoning the
+    session's tokens are not the whole conversation's: PromptBoundary, nothing appended (the gateway starts the turn
+    over in a new session given the whole conversation). Before, every resumed turn on Qwen3 was a BadRequest."""
+    raw = Tokenizer.bytes_only()._tok
+    qwen3 = Tokenizer(raw, bos_id=None, eos_id=258, chat_template=(TEMPLATES / "qwen3.jinja").read_text(encoding="utf-8"))
+    monkeypatch.setattr(engine, "tokenizer", qwen3)  # ids under 259: within SmolLM2's vocabulary; nothing is generated
+    follow = [{"role": "user", "content": "And Spain?"}]
+    for answer, resumes in (("Paris.", True), ("<think>\nThe capital.\n</think>\n\nParis.", False)):
+        sid = engine.create_session()
+        engine.append(sid, token_ids=engine.chat_ids(sid, [{"role": "user", "content": QUESTION}]))
+        engine.append(sid, token_ids=[*qwen3.encode(answer, add_bos=False), qwen3.eos_id])  # as if generated
+        whole = qwen3.apply_chat_template([{"role": "user", "content": QUESTION},
+                                           {"role": "assistant", "content": answer}, *follow], tokenize=True)
+        length = engine.session_length(sid)
+        if resumes:
+            assert [*engine.session_tokens(sid), *engine.chat_ids(sid, follow)] == whole
+        else:
+            with pytest.raises(PromptBoundary, match="renders the session's last answer otherwise"):
+                engine.chat_ids(sid, follow)
+            with pytest.raises(PromptBoundary):
+                engine.chat(sid, "And Spain?")
+            assert engine.session_length(sid) == length and engine.session_tokens(sid) != whole[:length]
+        engine.close(sid)

@@ -403,41 +403,28 @@ class Engine:
         holds a conversation, only what the template puts after the last assistant answer is rendered: the EOS the
         model ended with is already in the history (one is added when the answer was cut short), so the session's
         tokens stay exactly those of its turns, one after the other. No turns on such a session: just the assistant
-        prompt."""
+        prompt. Where the template renders that answer otherwise once more turns follow it (Qwen3 drops its reasoning,
+        Llama 3 trims its spaces: `Tokenizer.chat_continuation`), the session's tokens are not those of the whole
+        conversation: PromptBoundary, and a new session given the whole conversation gets them."""
         session = self._session(session_id)
         if isinstance(messages, (str, bytes)) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
             raise BadRequest("chat messages must be maps with string role and content")
         turns = [{"role": m["role"], "content": m["content"]} for m in messages]
-        if not session.tokens:
-            if not turns:
-                raise BadRequest(f"session {session_id} is empty: its first chat turn needs a message")
-            try:
-                first: str = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
-            except ValueError as e:
-                raise BadRequest(str(e)) from e
-            return first
-        text = self._chat_continuation(turns)
-        if session.tokens[-1] not in self.tokenizer.stop_ids:
-            text = (self.tokenizer.token(self.tokenizer.eos_id) or "") + text
-        return text
-
-    def _chat_continuation(self, turns: list[dict[str, str]]) -> str:
-        """Template text between an assistant answer's EOS and the next assistant prompt, these turns between."""
-        tpl = self.tokenizer.apply_chat_template
-        history = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00"}]
+        if not session.tokens and not turns:
+            raise BadRequest(f"session {session_id} is empty: its first chat turn needs a message")
         try:
-            before = tpl(history, add_generation_prompt=False)
-            full = tpl([*history, *turns], add_generation_prompt=True)
+            if not session.tokens:
+                first: str = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+                return first
+            text = self.tokenizer.chat_continuation(session.tokens, turns)
         except ValueError as e:
             raise BadRequest(str(e)) from e
-        eos = self.tokenizer.token(self.tokenizer.eos_id) or ""
-        answer_end = before.index("\x00") + 1
-        if before[answer_end:].startswith(eos):
-            answer_end += len(eos)
-        if not full.startswith(before[:answer_end]):
-            raise BadRequest("this model's chat template cannot be continued turn by turn")
-        return full[answer_end:]
+        if text is None:
+            raise PromptBoundary(f"session {session_id}: the model's chat template renders the session's last answer "
+                                 "otherwise once more turns follow it; only the whole conversation, rendered in a new "
+                                 "session, gives its tokens")
+        return text
 
     # -- generation: the step-driven core ---------------------------------------------------------
 

@@ -311,6 +311,30 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {e}") from e
         return self.encode(text, add_bos=False) if tokenize else text
 
+    def chat_continuation(self, tokens: Sequence[int], turns: Sequence[dict[str, str]]) -> str | None:
+        """The text that these turns and the next assistant prompt add to a conversation whose tokens are `tokens`,
+        which end with an answer generated after the template's assistant prompt (and its stop token, or none where it
+        was cut short: then the EOS goes first). So that the tokens stay those of the whole conversation, the template
+        must render that answer as the tokens hold it, right after its assistant prompt and before the same stop
+        token, once these turns follow it. None where it does not: it rewrites earlier answers (Llama 3 trims their
+        spaces; Qwen3 drops the reasoning of those before the last user turn; Qwen3.5's assistant prompt opens a
+        <think> that no earlier answer shows), and only rendering the whole conversation gives its text. Turns before
+        the answer are stood for by one user turn; tokens holding no assistant prompt (a text appended by hand) go on
+        as after a plain answer."""
+        asked = [{"role": "user", "content": "u"}]
+        prompt = self.apply_chat_template(asked, add_generation_prompt=True)
+        before = self.apply_chat_template(asked, add_generation_prompt=False)
+        header = self.encode(prompt[len(before):], add_bos=False) if prompt.startswith(before) else []
+        start = _last_index(tokens, header)
+        closed = bool(tokens) and tokens[-1] in self.stop_ids
+        stop = self.decode([tokens[-1] if closed else self.eos_id])
+        answer = "." if start is None else self.decode(tokens[start + len(header):len(tokens) - closed])
+        held = prompt + answer + stop
+        whole = self.apply_chat_template([*asked, {"role": "assistant", "content": answer}, *turns])
+        if not whole.startswith(held):
+            return None
+        return ("" if closed else stop) + whole[len(held):]
+
 
 def _post_processor_bos(tok: HFTokenizer, bos: int | None, folder: Path) -> tuple[int | None, bool]:
     """(the BOS id, whether a text prompt starts with it) as tokenizer.json's post-processor says: it is what
@@ -334,6 +358,15 @@ def _post_processor_bos(tok: HFTokenizer, bos: int | None, folder: Path) -> tupl
 
 def _raise_template_error(message: str) -> None:
     raise ChatTemplateError(message)
+
+
+def _last_index(tokens: Sequence[int], part: Sequence[int]) -> int | None:
+    """Where the last occurrence of `part` (not empty) starts in `tokens`, or None."""
+    n = len(part)
+    for i in range(len(tokens) - n, -1, -1) if n else ():
+        if tokens[i] == part[0] and list(tokens[i:i + n]) == list(part):
+            return i
+    return None
 
 
 def _strftime_now(fmt: str) -> str:
