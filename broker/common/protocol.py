@@ -442,7 +442,10 @@ class Generate(Message):
     # A prompt appended first, as by APPEND, in the same request (one round trip for a turn): both or neither.
     prompt_ids: Annotated[tuple[int, ...] | None, int_list(MAX_TOKENS, optional=True)] = None
     prompt: Annotated[str | None, text(MAX_TEXT_CHARS, optional=True)] = None
-    boundary_check: Annotated[bool, boolean] = False  # for `prompt`, as APPEND's
+    # For `prompt`, as APPEND's. For `messages` on a session that holds an answer: refused with prompt_boundary where the
+    # model's template renders that answer otherwise once turns follow it (Qwen3 drops its reasoning), instead of the
+    # turns appended after the answer as the session holds it (worker.engine.Engine.chat_text).
+    boundary_check: Annotated[bool, boolean] = False
     # Or chat turns, appended as CHAT appends one (the model's template, then the assistant prompt), in the same
     # request: a turn is done whole or refused whole. On a session that holds a conversation, an empty list appends
     # the assistant prompt alone.

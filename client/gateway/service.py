@@ -387,7 +387,11 @@ class Service:
         held = entry.history if resumed else _empty(ask.kind)
         if ask.kind == "chat":
             assert isinstance(ask.history, tuple)
-            return ("messages", [{"role": r, "content": c} for r, c in ask.history[len(held):]])  # type: ignore[misc]
+            # A resumed session's turns are checked against its last answer: where the model's template renders it
+            # otherwise once turns follow (Qwen3 drops its reasoning), the worker refuses them (PromptBoundary) and
+            # the turn starts over in a new session given the whole conversation.
+            return ("messages", [{"role": r, "content": c} for r, c in ask.history[len(held):]],  # type: ignore[misc]
+                    resumed)
         if ask.kind == "text":
             assert isinstance(ask.history, str)
             # A resumed session's new text is checked against the tokens the session ends with: where the tokenizer
@@ -504,7 +508,7 @@ class Service:
             await asyncio.wait(list(self._closing), timeout=timeout)
 
 
-# ("messages" | "prompt_ids", value), ("prompt", text, with boundary_check), or None (nothing to append)
+# ("prompt_ids", ids), ("prompt" | "messages", value, with boundary_check), or None (nothing to append)
 NewPart = tuple[str, Any] | tuple[str, Any, bool] | None
 
 

@@ -90,10 +90,10 @@ class FakeEngine:
     def chat(self, session_id: str, content: str, role: str = "user") -> int:
         raise NotImplementedError
 
-    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]:
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> list[int]:
         raise NotImplementedError
 
-    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]]) -> str:
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> str:
         return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
 
     def check_text_fits(self, session_id: str, text: str) -> None:

@@ -257,3 +257,27 @@ def test_turns_after_a_text_appended_by_hand_go_on_as_after_a_plain_answer() -> 
     after = "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n"
     assert tok.chat_continuation(tok.encode("Some text.<|im_end|>", add_bos=False), NEXT) == after
     assert tok.chat_continuation(tok.encode("Some text.", add_bos=False), NEXT) == "<|im_end|>" + after
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("answer", sorted(ANSWERS))
+@pytest.mark.parametrize("closed", [True, False])
+def test_without_the_check_a_turn_follows_the_answer_as_the_session_holds_it(model: str, answer: str, closed: bool) -> None:
+    """A session's own chat (the native API's default): the turn the template renders after any answer, after the
+    answer's stop token (first, where the answer was cut short); the exact continuation wherever there is one."""
+    tok, _ = pair((TEMPLATES / f"{model}.jinja").read_text(encoding="utf-8"), *MODELS[model])
+    tokens = session_tokens(tok, ANSWERS[answer], tok.eos_id if closed else None)
+    kept = tok.chat_after_answer(tokens, NEXT)
+    exact = tok.chat_continuation(tokens, NEXT)
+    if exact is not None:
+        assert kept == exact
+    eos = str(tok.token(tok.eos_id))
+    turn = {"llama-3.1-instruct": "<|start_header_id|>user<|end_header_id|>\n\nAnd of Spain?<|eot_id|>"
+                                  "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            "llama-3.2-instruct": "<|start_header_id|>user<|end_header_id|>\n\nAnd of Spain?<|eot_id|>"
+                                  "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            "qwen2.5-instruct": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n",
+            "qwen3": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n",
+            "qwen3-thinking-2507": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+            "qwen3.5": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n<think>\n"}[model]
+    assert kept == ("" if closed else eos) + turn

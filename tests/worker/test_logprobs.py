@@ -139,29 +139,31 @@ def test_chat_ids_render_one_turn_as_chat_and_several_as_the_template(engine: En
         engine.chat_ids(a, [{"role": "user"}])
 
 
-def test_a_turn_after_an_answer_the_template_rewrites_is_refused_for_a_start_over(
+def test_a_turn_after_an_answer_the_template_rewrites_follows_it_or_with_the_check_is_refused(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen3's template (tests/worker/templates/qwen3.jinja) drops the reasoning of answers before the last user turn.
-    After a plain answer the next turn is appended as the template continues it; after one with reasoning the
-    session's tokens are not the whole conversation's: PromptBoundary, nothing appended (the gateway starts the turn
-    over in a new session given the whole conversation). Before, every resumed turn on Qwen3 was a BadRequest."""
+    After a plain answer the next turn is appended as the template continues it. After one with reasoning the
+    session's tokens cannot be the whole conversation's: the turn follows the answer as the session holds it, or, with
+    boundary_check (the gateway's), PromptBoundary, nothing appended (the gateway starts the turn over in a new session
+    given the whole conversation). Before, every resumed turn on Qwen3 was a BadRequest."""
     raw = Tokenizer.bytes_only()._tok
     qwen3 = Tokenizer(raw, bos_id=None, eos_id=258, chat_template=(TEMPLATES / "qwen3.jinja").read_text(encoding="utf-8"))
     monkeypatch.setattr(engine, "tokenizer", qwen3)  # ids under 259: within SmolLM2's vocabulary; nothing is generated
     follow = [{"role": "user", "content": "And Spain?"}]
+    turn = "\n<|im_start|>user\nAnd Spain?<|im_end|>\n<|im_start|>assistant\n"  # after the answer's <|im_end|>
     for answer, resumes in (("Paris.", True), ("<think>\nThe capital.\n</think>\n\nParis.", False)):
         sid = engine.create_session()
         engine.append(sid, token_ids=engine.chat_ids(sid, [{"role": "user", "content": QUESTION}]))
         engine.append(sid, token_ids=[*qwen3.encode(answer, add_bos=False), qwen3.eos_id])  # as if generated
         whole = qwen3.apply_chat_template([{"role": "user", "content": QUESTION},
                                            {"role": "assistant", "content": answer}, *follow], tokenize=True)
-        length = engine.session_length(sid)
+        held = engine.session_tokens(sid)
         if resumes:
-            assert [*engine.session_tokens(sid), *engine.chat_ids(sid, follow)] == whole
+            assert [*held, *engine.chat_ids(sid, follow, boundary_check=True)] == whole
         else:
             with pytest.raises(PromptBoundary, match="renders the session's last answer otherwise"):
-                engine.chat_ids(sid, follow)
-            with pytest.raises(PromptBoundary):
-                engine.chat(sid, "And Spain?")
-            assert engine.session_length(sid) == length and engine.session_tokens(sid) != whole[:length]
+                engine.chat_ids(sid, follow, boundary_check=True)
+            assert engine.session_tokens(sid) == held and held != whole[:len(held)]
+        engine.chat(sid, "And Spain?")
+        assert engine.session_tokens(sid) == held + qwen3.encode(turn, add_bos=False)
         engine.close(sid)

@@ -390,11 +390,11 @@ class Engine:
         self._check_text_fits(self._session(session_id), text)
         return self.append(session_id, token_ids=self.tokenize(text, add_bos=False))
 
-    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]]) -> list[int]:
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> list[int]:
         """The token ids that appending these chat turns adds to the session (see chat_text; nothing is changed)."""
-        return self.tokenize(self.chat_text(session_id, messages), add_bos=False)
+        return self.tokenize(self.chat_text(session_id, messages, boundary_check), add_bos=False)
 
-    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]]) -> str:
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> str:
         """The text that appending these chat turns, rendered with the model's template, plus the assistant prompt,
         adds to the session (tokenized without a BOS; nothing is changed). Cheap next to tokenizing it: the worker
         renders on its compute loop and tokenizes a long text on another thread.
@@ -404,8 +404,10 @@ class Engine:
         model ended with is already in the history (one is added when the answer was cut short), so the session's
         tokens stay exactly those of its turns, one after the other. No turns on such a session: just the assistant
         prompt. Where the template renders that answer otherwise once more turns follow it (Qwen3 drops its reasoning,
-        Llama 3 trims its spaces: `Tokenizer.chat_continuation`), the session's tokens are not those of the whole
-        conversation: PromptBoundary, and a new session given the whole conversation gets them."""
+        Llama 3 trims its spaces: `Tokenizer.chat_continuation`), the session keeps the answer as the model gave it and
+        the turns follow it (`Tokenizer.chat_after_answer`): its tokens are then not those of the whole conversation
+        rendered at once. With `boundary_check` that is refused instead: PromptBoundary, nothing appended, and a new
+        session given the whole conversation gets its tokens (the gateway's way)."""
         session = self._session(session_id)
         if isinstance(messages, (str, bytes)) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
@@ -417,6 +419,9 @@ class Engine:
             if not session.tokens:
                 first: str = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
                 return first
+            if not boundary_check:
+                kept: str = self.tokenizer.chat_after_answer(session.tokens, turns)
+                return kept
             text = self.tokenizer.chat_continuation(session.tokens, turns)
         except ValueError as e:
             raise BadRequest(str(e)) from e

@@ -335,6 +335,29 @@ class Tokenizer:
             return None
         return ("" if closed else stop) + whole[len(held):]
 
+    def chat_after_answer(self, tokens: Sequence[int], turns: Sequence[dict[str, str]]) -> str:
+        """The text that these turns and the next assistant prompt add after a conversation's last answer, the answer
+        kept as the tokens hold it: `chat_continuation` where the template keeps it so, else what the template puts
+        after an answer's stop token (the stop first where the answer was cut short). Where the template renders earlier
+        answers otherwise (Qwen3's reasoning), the session then holds other tokens than the whole conversation: its
+        answers as the model gave them."""
+        exact = self.chat_continuation(tokens, turns)
+        if exact is not None:
+            return exact
+        asked = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00"}]
+        whole = self.apply_chat_template([*asked, *turns])
+        if whole.count("\x00") != 1:
+            raise ChatTemplateError("the model's chat template does not render an earlier answer as it is: turns "
+                                    "cannot follow a session's answer")
+        after = whole[whole.index("\x00") + 1:].lstrip(" \t\r\n")  # (the spaces a trimming template kept)
+        closed = bool(tokens) and tokens[-1] in self.stop_ids
+        ends = sorted((text for i in self.stop_ids if (text := self.token(i))), key=len, reverse=True)
+        end = next((text for text in ends if after.startswith(text)), None)
+        if end is None:
+            raise ChatTemplateError("the model's chat template does not end an answer with a stop token: turns cannot "
+                                    "follow a session's answer")
+        return after[len(end):] if closed else after
+
 
 def _post_processor_bos(tok: HFTokenizer, bos: int | None, folder: Path) -> tuple[int | None, bool]:
     """(the BOS id, whether a text prompt starts with it) as tokenizer.json's post-processor says: it is what
