@@ -314,23 +314,24 @@ class AsyncSession:
                    top_p: float = ..., top_k: int = ..., seed: int | None = ...,
                    stop: str | Sequence[str] | None = ..., stop_token_ids: Sequence[int] = ...,
                    ignore_eos: bool = ..., stream: Literal[False] = ...,
-                   timeout: float | None = ...) -> Generation: ...
+                   chat_template_kwargs: Mapping[str, Any] | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     async def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
                    top_p: float = ..., top_k: int = ..., seed: int | None = ...,
                    stop: str | Sequence[str] | None = ..., stop_token_ids: Sequence[int] = ...,
                    ignore_eos: bool = ..., stream: Literal[True],
-                   timeout: float | None = ...) -> AsyncStream: ...
+                   chat_template_kwargs: Mapping[str, Any] | None = ..., timeout: float | None = ...) -> AsyncStream: ...
 
     async def chat(
         self, content: str, *, role: str = "user", max_tokens: int = 256, temperature: float = 0.0,
         top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, stream: bool = False,
-        timeout: float | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None, timeout: float | None = None,
     ) -> Generation | AsyncStream:
         """One chat turn and the assistant's answer in one request: if any part is refused, nothing changes."""
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        request = calls.generate_request(self.id, params, stream, messages=[{"role": role, "content": content}])
+        request = calls.generate_request(self.id, params, stream, messages=[{"role": role, "content": content}],
+                                         chat_template_kwargs=chat_template_kwargs)
         return await self._send_generate(request, timeout)
 
     @overload
@@ -339,6 +340,7 @@ class AsyncSession:
                        stream: Literal[False] = ..., *, stop_token_ids: Sequence[int] = ...,
                        ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ...,
                        prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                       chat_template_kwargs: Mapping[str, Any] | None = ...,
                        logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
@@ -346,6 +348,7 @@ class AsyncSession:
                        stream: Literal[True], stop_token_ids: Sequence[int] = ...,
                        ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ...,
                        prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                       chat_template_kwargs: Mapping[str, Any] | None = ...,
                        logprobs: int | None = ..., timeout: float | None = ...) -> AsyncStream: ...
 
     async def generate(
@@ -354,10 +357,12 @@ class AsyncSession:
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
         boundary_check: bool = False,
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
-        logprobs: int | None = None, timeout: float | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
+        timeout: float | None = None,
     ) -> Generation | AsyncStream:
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
-        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check)
+        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
+                                         chat_template_kwargs)
         return await self._send_generate(request, timeout)
 
     async def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | AsyncStream:

@@ -61,13 +61,16 @@ def items(name: str, value: Any) -> tuple[Any, ...]:
 def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: str | None = None,
                      prompt_ids: Sequence[int] | None = None,
                      messages: Sequence[Mapping[str, str]] | None = None,
-                     boundary_check: bool = False) -> p.Generate:
+                     boundary_check: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None) -> p.Generate:
     """The whole GENERATE, checked before anything is sent: a turn (prompt, prompt ids or chat messages) and its
     generation are one request, which the worker takes whole or refuses whole."""
     turns = None if messages is None else tuple(chat_message(m) for m in items("messages", messages))
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise BadRequest(f"chat_template_kwargs must be a map, got {type(chat_template_kwargs).__name__}")
+    args = tuple(build(p.TemplateArg, name=k, value=v) for k, v in (chat_template_kwargs or {}).items())
     return build(p.Generate, request_id=new_request_id(), session_id=session_id, params=params, stream=stream,
                  prompt=prompt, prompt_ids=None if prompt_ids is None else items("prompt_ids", prompt_ids),
-                 messages=turns, boundary_check=boundary_check)
+                 messages=turns, boundary_check=boundary_check, template_args=args)
 
 
 def chat_message(message: Mapping[str, str]) -> p.ChatMessage:

@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 from broker.common import protocol as p
 from broker.common.keys import CurveClient
@@ -131,23 +131,24 @@ class Session:
     def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
              top_p: float = ..., top_k: int = ..., seed: int | None = ..., stop: str | Sequence[str] | None = ...,
              stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., stream: Literal[False] = ...,
-             timeout: float | None = ...) -> Generation: ...
+             chat_template_kwargs: Mapping[str, Any] | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     def chat(self, content: str, *, role: str = ..., max_tokens: int = ..., temperature: float = ...,
              top_p: float = ..., top_k: int = ..., seed: int | None = ..., stop: str | Sequence[str] | None = ...,
              stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., stream: Literal[True],
-             timeout: float | None = ...) -> Stream: ...
+             chat_template_kwargs: Mapping[str, Any] | None = ..., timeout: float | None = ...) -> Stream: ...
 
     def chat(
         self, content: str, *, role: str = "user", max_tokens: int = 256, temperature: float = 0.0,
         top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, stream: bool = False,
-        timeout: float | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None, timeout: float | None = None,
     ) -> Generation | Stream:
         """One chat turn: the message rendered with the model's chat template, then the assistant's answer
         (generated, or streamed), in one request: if any part is refused, the session is left as it was."""
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos)
-        request = calls.generate_request(self.id, params, stream, messages=[{"role": role, "content": content}])
+        request = calls.generate_request(self.id, params, stream, messages=[{"role": role, "content": content}],
+                                         chat_template_kwargs=chat_template_kwargs)
         return self._send_generate(request, timeout)
 
     @overload
@@ -156,6 +157,7 @@ class Session:
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
                  boundary_check: bool = ...,
                  prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                 chat_template_kwargs: Mapping[str, Any] | None = ...,
                  logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
     @overload
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
@@ -163,6 +165,7 @@ class Session:
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
                  boundary_check: bool = ...,
                  prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                 chat_template_kwargs: Mapping[str, Any] | None = ...,
                  logprobs: int | None = ..., timeout: float | None = ...) -> Stream: ...
 
     def generate(
@@ -171,7 +174,8 @@ class Session:
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
         boundary_check: bool = False,
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
-        logprobs: int | None = None, timeout: float | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
+        timeout: float | None = None,
     ) -> Generation | Stream:
         """Continue the session. The generated tokens become part of it, so the next turn follows on.
 
@@ -184,7 +188,8 @@ class Session:
         `logprobs`. max_tokens 0 only computes the prompt (then fork it: each child computes one token).
         """
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
-        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check)
+        request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
+                                         chat_template_kwargs)
         return self._send_generate(request, timeout)
 
     def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | Stream:

@@ -76,6 +76,26 @@ def number(lo: float, hi: float) -> Check:
     return check
 
 
+def scalar(max_chars: int) -> Check:
+    """None, a boolean, a finite number or a string of at most `max_chars` characters."""
+    def check(name: str, value: Any) -> Any:
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise FieldError(f"{name} must be finite, got {value}")
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                raise FieldError(f"{name} is out of range")
+            return value
+        if isinstance(value, str):
+            if len(value) > max_chars:
+                raise FieldError(f"{name} is longer than {max_chars} characters")
+            return value
+        raise FieldError(f"{name} must be null, a boolean, a number or a string, got {type(value).__name__}")
+
+    return check
+
+
 def boolean(name: str, value: Any) -> Any:
     if not isinstance(value, bool):
         raise FieldError(f"{name} must be a boolean, got {type(value).__name__}")

@@ -72,6 +72,7 @@ from broker.common.fields import (
     one_of,
     payload,
     plain,
+    scalar,
     str_list,
     text,
     validate,
@@ -94,6 +95,8 @@ MAX_LOGPROBS: Final = 20  # top log-probabilities per token (Sampling.logprobs)
 _MAX_TOKEN_ID: Final = 2**31 - 1
 MAX_TOKEN_BYTES: Final = 256  # bytes of one token in a log-probability entry
 MAX_MESSAGES: Final = 1 << 16  # chat turns in one GENERATE
+MAX_TEMPLATE_ARGS: Final = 16  # variables a GENERATE gives the chat template (e.g. Qwen3's enable_thinking)
+MAX_TEMPLATE_ARG_CHARS: Final = 4096
 
 
 class Command(Enum):
@@ -374,6 +377,18 @@ class ChatMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class TemplateArg:
+    """A variable a GENERATE's `messages` give the model's chat template, beside the messages (transformers'
+    apply_chat_template keyword arguments, vLLM's chat_template_kwargs: Qwen3's enable_thinking)."""
+
+    name: Annotated[str, text(64, r"[A-Za-z_][A-Za-z0-9_]{0,63}")]
+    value: Annotated[bool | int | float | str | None, scalar(MAX_TEMPLATE_ARG_CHARS)]
+
+    def __post_init__(self) -> None:
+        _checked(self)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     name: Name
     model: Name
@@ -450,6 +465,8 @@ class Generate(Message):
     # request: a turn is done whole or refused whole. On a session that holds a conversation, an empty list appends
     # the assistant prompt alone.
     messages: Annotated[tuple[ChatMessage, ...] | None, nested_list(ChatMessage, MAX_MESSAGES, optional=True)] = None
+    # Variables for the chat template, beside `messages` (and for the turns' rendering on a session that holds some).
+    template_args: Annotated[tuple[TemplateArg, ...], nested_list(TemplateArg, MAX_TEMPLATE_ARGS)] = ()
     # Only on a resend of a streamed GENERATE whose chunks the client has seen: the offset of the first token it
     # lacks. The worker sends what it made from there in one CHUNKS, and never runs an id it no longer knows again.
     resume: Annotated[int | None, integer(0, MAX_TOKENS, optional=True)] = None
@@ -458,6 +475,11 @@ class Generate(Message):
     def _check(self) -> None:
         if sum(x is not None for x in (self.prompt_ids, self.prompt, self.messages)) > 1:
             raise _bad("generate takes at most one of prompt_ids, prompt or messages")
+        if self.template_args and self.messages is None:
+            raise _bad("template_args go with messages")
+        names = [a.name for a in self.template_args]
+        if len(set(names)) != len(names):
+            raise _bad("template_args names a variable twice")
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ Extensions (the openai package sends them with `extra_body`, or as a header):
     session_id        (or the X-Session-ID header) binds the conversation to one live session
     return_token_ids  each choice carries its `token_ids`
     top_k, ignore_eos, stop_token_ids  as vLLM takes them
+    chat_template_kwargs  (chat) variables for the model's chat template, as vLLM takes them: Qwen3's enable_thinking
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from broker.common import protocol as p
 from client.gateway.errors import ApiError, bad_request
 
 MAX_N = 16  # choices per request: each is a session (a fork of the prompt's)
+TemplateValue = bool | int | float | str | None  # a chat_template_kwargs value (the wire's TemplateArg checks it)
 MAX_STOP = p.MAX_STOP_STRINGS
 SESSION_ID_PATTERN = r"[A-Za-z0-9._:-]{1,128}"
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
@@ -174,8 +176,14 @@ class ChatRequest(_Common):
     store: bool | None = None
     metadata: Any = None
     service_tier: str | None = None
+    chat_template_kwargs: dict[str, TemplateValue] | None = Field(default=None, max_length=p.MAX_TEMPLATE_ARGS)
 
     def model_post_init(self, context: Any) -> None:
+        for key, value in (self.chat_template_kwargs or {}).items():
+            try:
+                p.TemplateArg(key, value)
+            except p.ProtocolError as e:
+                raise ValueError(f"chat_template_kwargs: {e.message}") from e
         if self.tools:
             raise ValueError("tools are not supported by this server")
         _unused("tool_choice", self.tool_choice, ("none",))

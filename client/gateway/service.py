@@ -17,7 +17,7 @@ import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -35,7 +35,7 @@ from client.gateway import schema
 from client.gateway.errors import from_client_error, session_busy
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models
-from client.gateway.sessions import EMPTY, Entry, Kind, SessionStore, Turn, chain
+from client.gateway.sessions import EMPTY, Entry, Kind, SessionStore, Turn, chain, template_start
 from client.results import Chunk, Generation
 
 log = structlog.get_logger()
@@ -59,7 +59,8 @@ class Ask:
     n: int = 1
     name: str | None = None  # session_id
     stream: bool = False
-    digests: tuple[bytes, ...] = ()  # chat: chain(history)
+    digests: tuple[bytes, ...] = ()  # chat: chain(history, template_start(template_args))
+    template_args: tuple[tuple[str, Any], ...] = ()  # chat: chat_template_kwargs, in the order given
 
 
 @dataclass
@@ -97,7 +98,7 @@ class Live:
     """A turn in progress: its sessions, what they held before, and (streamed) the choices' streams."""
 
     def __init__(self, service: Service, ask: Ask, entries: list[Entry], before: int, resumed: bool,
-                 appended: int | None, started: float, pending: NewPart = None) -> None:
+                 appended: int | None, started: float, pending: NewPart | None = None) -> None:
         self.service = service
         self.pending = pending  # what choice 0's GENERATE appends first (n == 1; n > 1: the prefill did)
         self.ask = ask
@@ -366,7 +367,7 @@ class Service:
             stream=True, **_call_args(params, new_part))
 
     async def _generate_on(self, session: AsyncSession, sampling: schema.Sampling, max_context: int, index: int,
-                           new_part: NewPart, max_tokens: int | None = None) -> Generation:
+                           new_part: NewPart | None, max_tokens: int | None = None) -> Generation:
         params = sampling.params(max_context, index)
         if max_tokens is not None:
             params = _with_max_tokens(params, max_tokens)
@@ -390,16 +391,16 @@ class Service:
             # A resumed session's turns are checked against its last answer: where the model's template renders it
             # otherwise once turns follow (Qwen3 drops its reasoning), the worker refuses them (PromptBoundary) and
             # the turn starts over in a new session given the whole conversation.
-            return ("messages", [{"role": r, "content": c} for r, c in ask.history[len(held):]],  # type: ignore[misc]
-                    resumed)
+            return NewPart("messages", [{"role": r, "content": c} for r, c in ask.history[len(held):]],  # type: ignore[misc]
+                           resumed, dict(ask.template_args))
         if ask.kind == "text":
             assert isinstance(ask.history, str)
             # A resumed session's new text is checked against the tokens the session ends with: where the tokenizer
             # would merge across the boundary the worker refuses it (PromptBoundary) and the turn starts over in a
             # new session given the whole prompt, so that the session's tokens are the whole prompt's.
-            return ("prompt", ask.history[len(held):], resumed)
+            return NewPart("prompt", ask.history[len(held):], resumed)
         assert isinstance(ask.history, tuple)
-        return ("prompt_ids", list(ask.history[len(held):]))
+        return NewPart("prompt_ids", list(ask.history[len(held):]))
 
     # -- sessions ------------------------------------------------------------------------------------------
 
@@ -508,26 +509,33 @@ class Service:
             await asyncio.wait(list(self._closing), timeout=timeout)
 
 
-# ("prompt_ids", ids), ("prompt" | "messages", value, with boundary_check), or None (nothing to append)
-NewPart = tuple[str, Any] | tuple[str, Any, bool] | None
+@dataclass(frozen=True)
+class NewPart:
+    """What a turn's GENERATE appends first: its generate() keyword and value, and how."""
+
+    key: Literal["messages", "prompt", "prompt_ids"]
+    value: Any
+    boundary_check: bool = False  # a resumed session's: PromptBoundary where it would not give the whole's tokens
+    template_args: dict[str, Any] | None = None  # messages: chat_template_kwargs
 
 
 def _empty(kind: Kind) -> tuple[Turn, ...] | str | tuple[int, ...]:
     return "" if kind == "text" else ()
 
 
-def _call_args(params: Any, new_part: NewPart) -> dict[str, Any]:
+def _call_args(params: Any, new_part: NewPart | None) -> dict[str, Any]:
     args: dict[str, Any] = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
                             "top_k": params.top_k, "seed": params.seed, "stop": list(params.stop),
                             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
                             "logprobs": params.logprobs}
     if new_part is not None:
-        key, value = new_part[:2]
-        if key != "messages" and not value:
+        if new_part.key != "messages" and not new_part.value:
             return args
-        args[key] = value
-        if len(new_part) == 3 and new_part[2]:
+        args[new_part.key] = new_part.value
+        if new_part.boundary_check:
             args["boundary_check"] = True
+        if new_part.template_args:
+            args["chat_template_kwargs"] = new_part.template_args
     return args
 
 
@@ -555,8 +563,9 @@ def _finish(reason: str) -> str:
 
 def chat_ask(request: schema.ChatRequest, owner: str, name: str | None) -> Ask:
     turns = request.turns()
+    args = tuple((request.chat_template_kwargs or {}).items())
     return Ask(owner, request.model, "chat", turns, schema.sampling(request), request.n, name, request.stream,
-               tuple(chain(turns)))
+               tuple(chain(turns, template_start(args))), args)
 
 
 def completion_ask(request: schema.CompletionRequest, owner: str, name: str | None) -> Ask:

@@ -20,6 +20,7 @@ tokens are a prefix of the request's, and only the rest is sent and computed.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,14 @@ from client.aio import AsyncSession
 Turn = tuple[str, str]  # (role, content)
 Kind = Literal["chat", "text", "ids"]
 EMPTY = b""
+
+
+def template_start(args: Sequence[tuple[str, object]]) -> bytes:
+    """Where a chat's digest chain starts: its chat_template_kwargs change how every turn renders, so a conversation
+    with other ones (or none) is another conversation. EMPTY for none."""
+    if not args:
+        return EMPTY
+    return hashlib.blake2b(json.dumps(sorted(args), separators=(",", ":")).encode(), digest_size=16).digest()
 
 
 def chain(turns: Sequence[Turn], start: bytes = EMPTY) -> list[bytes]:

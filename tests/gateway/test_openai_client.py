@@ -244,6 +244,30 @@ def _closed(url: str, why: str) -> float:
     return 0.0
 
 
+def test_chat_template_kwargs_go_to_the_template_and_part_conversations(gateway: str) -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking) are the template's variables: SmolLM2's template uses
+    none of them, so the answer is the same; a conversation with other ones is another conversation (not resumed);
+    the server's own variables and values that are not scalars are 400s."""
+    c = sync_client(gateway)
+    messages: list[Any] = [{"role": "user", "content": QUESTION}]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    first = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8, extra_body=off)
+    plain = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+    assert first.choices[0].message.content == plain.choices[0].message.content
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+    same = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=2, extra_body=off)
+    other = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=2,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert same.usage is not None and same.usage.prompt_tokens_details is not None
+    assert other.usage is not None and other.usage.prompt_tokens_details is not None
+    assert (same.usage.prompt_tokens_details.cached_tokens or 0) > 0  # resumed: the same variables
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # not the session of another conversation
+    for bad, needle in (({"messages": 1}, "messages: set by the server"), ({"x": {"a": 1}}, "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError, match=needle):
+            c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                      extra_body={"chat_template_kwargs": bad})
+
+
 def test_async_client_runs_conversations_concurrently(gateway: str) -> None:
     async def main() -> tuple[str, str, str]:
         async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0, timeout=120) as c:

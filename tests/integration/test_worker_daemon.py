@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -90,10 +90,12 @@ class FakeEngine:
     def chat(self, session_id: str, content: str, role: str = "user") -> int:
         raise NotImplementedError
 
-    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> list[int]:
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
+                 template_args: Mapping[str, Any] | None = None) -> list[int]:
         raise NotImplementedError
 
-    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> str:
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
+                  template_args: Mapping[str, Any] | None = None) -> str:
         return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
 
     def check_text_fits(self, session_id: str, text: str) -> None:

@@ -281,3 +281,19 @@ def test_without_the_check_a_turn_follows_the_answer_as_the_session_holds_it(mod
             "qwen3-thinking-2507": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n<think>\n",
             "qwen3.5": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n<think>\n"}[model]
     assert kept == ("" if closed else eos) + turn
+
+
+def test_template_arguments_render_as_transformers_keyword_arguments() -> None:
+    """Qwen3's enable_thinking=False (vLLM's chat_template_kwargs) closes an empty <think> in the assistant prompt;
+    the first turn and the turns after an answer render with it, and the variables the server sets are refused."""
+    ours, theirs = pair((TEMPLATES / "qwen3.jinja").read_text(encoding="utf-8"), *QWEN)
+    off = {"enable_thinking": False}
+    expected = theirs.apply_chat_template(FIRST, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert ours.apply_chat_template(FIRST, variables=off) == expected
+    assert expected.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert ours.apply_chat_template(FIRST, variables={"enable_thinking": True}) == rendered(ours, FIRST, True)
+    tokens = ours.encode(expected + "Paris.<|im_end|>", add_bos=False)
+    assert ours.chat_after_answer(tokens, NEXT, off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for name in ("messages", "add_generation_prompt", "bos_token"):
+        with pytest.raises(ChatTemplateError, match=f"{name}: set by the server"):
+            ours.apply_chat_template(FIRST, variables={name: 1})

@@ -29,9 +29,9 @@ import heapq
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -390,11 +390,13 @@ class Engine:
         self._check_text_fits(self._session(session_id), text)
         return self.append(session_id, token_ids=self.tokenize(text, add_bos=False))
 
-    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> list[int]:
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
+                 template_args: Mapping[str, Any] | None = None) -> list[int]:
         """The token ids that appending these chat turns adds to the session (see chat_text; nothing is changed)."""
-        return self.tokenize(self.chat_text(session_id, messages, boundary_check), add_bos=False)
+        return self.tokenize(self.chat_text(session_id, messages, boundary_check, template_args), add_bos=False)
 
-    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> str:
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
+                  template_args: Mapping[str, Any] | None = None) -> str:
         """The text that appending these chat turns, rendered with the model's template, plus the assistant prompt,
         adds to the session (tokenized without a BOS; nothing is changed). Cheap next to tokenizing it: the worker
         renders on its compute loop and tokenizes a long text on another thread.
@@ -407,7 +409,8 @@ class Engine:
         Llama 3 trims its spaces: `Tokenizer.chat_continuation`), the session keeps the answer as the model gave it and
         the turns follow it (`Tokenizer.chat_after_answer`): its tokens are then not those of the whole conversation
         rendered at once. With `boundary_check` that is refused instead: PromptBoundary, nothing appended, and a new
-        session given the whole conversation gets its tokens (the gateway's way)."""
+        session given the whole conversation gets its tokens (the gateway's way). `template_args`: more variables for
+        the template (Qwen3's enable_thinking), for the turns' rendering on a session that holds some too."""
         session = self._session(session_id)
         if isinstance(messages, (str, bytes)) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
@@ -417,12 +420,13 @@ class Engine:
             raise BadRequest(f"session {session_id} is empty: its first chat turn needs a message")
         try:
             if not session.tokens:
-                first: str = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+                first: str = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True,
+                                                                variables=template_args)
                 return first
             if not boundary_check:
-                kept: str = self.tokenizer.chat_after_answer(session.tokens, turns)
+                kept: str = self.tokenizer.chat_after_answer(session.tokens, turns, template_args)
                 return kept
-            text = self.tokenizer.chat_continuation(session.tokens, turns)
+            text = self.tokenizer.chat_continuation(session.tokens, turns, template_args)
         except ValueError as e:
             raise BadRequest(str(e)) from e
         if text is None:

@@ -10,7 +10,7 @@ the variables it passes (messages, tools and documents None, add_generation_prom
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,10 @@ LLAMA3_PATTERN = (
 # A text longer than this is encoded with the tokenizers library's batch call, which releases the GIL while it works
 # (its single-text call holds it: 4.2M characters held it for ~6 s, and no other thread of the process ran).
 RELEASE_GIL_CHARS = 4096
+
+# The chat template's variables the server sets (transformers' own): a request's template arguments cannot name them.
+TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token",
+                          "raise_exception", "strftime_now"})
 
 # The window `Tokenizer.boundary_tail` takes: more bytes than any word, number or run of punctuation a tokenizer's
 # pre-tokenizer keeps in one piece in ordinary text.
@@ -296,8 +300,14 @@ class Tokenizer:
         messages: Sequence[dict[str, str]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        variables: Mapping[str, Any] | None = None,
     ) -> Any:
-        """Render the model's chat template; with tokenize=True return the token ids instead."""
+        """Render the model's chat template; with tokenize=True return the token ids instead. `variables`: more for
+        the template (as transformers' apply_chat_template keyword arguments: Qwen3's enable_thinking), never one of
+        those it sets itself (TEMPLATE_OWN)."""
+        taken = sorted(TEMPLATE_OWN.intersection(variables or ()))
+        if taken:
+            raise ChatTemplateError(f"{', '.join(taken)}: set by the server, not a template argument")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ChatTemplateError("each message must be a dict with string 'role' and 'content'")
@@ -305,13 +315,14 @@ class Tokenizer:
         specials = {name: token for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))
                     if i is not None and (token := self.token(i)) is not None}
         try:
-            text = self._template.render(messages=list(messages), tools=None, documents=None,
+            text = self._template.render(**(variables or {}), messages=list(messages), tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **specials)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
         return self.encode(text, add_bos=False) if tokenize else text
 
-    def chat_continuation(self, tokens: Sequence[int], turns: Sequence[dict[str, str]]) -> str | None:
+    def chat_continuation(self, tokens: Sequence[int], turns: Sequence[dict[str, str]],
+                          variables: Mapping[str, Any] | None = None) -> str | None:
         """The text that these turns and the next assistant prompt add to a conversation whose tokens are `tokens`,
         which end with an answer generated after the template's assistant prompt (and its stop token, or none where it
         was cut short: then the EOS goes first). So that the tokens stay those of the whole conversation, the template
@@ -322,30 +333,31 @@ class Tokenizer:
         the answer are stood for by one user turn; tokens holding no assistant prompt (a text appended by hand) go on
         as after a plain answer."""
         asked = [{"role": "user", "content": "u"}]
-        prompt = self.apply_chat_template(asked, add_generation_prompt=True)
-        before = self.apply_chat_template(asked, add_generation_prompt=False)
+        prompt = self.apply_chat_template(asked, add_generation_prompt=True, variables=variables)
+        before = self.apply_chat_template(asked, add_generation_prompt=False, variables=variables)
         header = self.encode(prompt[len(before):], add_bos=False) if prompt.startswith(before) else []
         start = _last_index(tokens, header)
         closed = bool(tokens) and tokens[-1] in self.stop_ids
         stop = self.decode([tokens[-1] if closed else self.eos_id])
         answer = "." if start is None else self.decode(tokens[start + len(header):len(tokens) - closed])
         held = prompt + answer + stop
-        whole = self.apply_chat_template([*asked, {"role": "assistant", "content": answer}, *turns])
+        whole = self.apply_chat_template([*asked, {"role": "assistant", "content": answer}, *turns], variables=variables)
         if not whole.startswith(held):
             return None
         return ("" if closed else stop) + whole[len(held):]
 
-    def chat_after_answer(self, tokens: Sequence[int], turns: Sequence[dict[str, str]]) -> str:
+    def chat_after_answer(self, tokens: Sequence[int], turns: Sequence[dict[str, str]],
+                          variables: Mapping[str, Any] | None = None) -> str:
         """The text that these turns and the next assistant prompt add after a conversation's last answer, the answer
         kept as the tokens hold it: `chat_continuation` where the template keeps it so, else what the template puts
         after an answer's stop token (the stop first where the answer was cut short). Where the template renders earlier
         answers otherwise (Qwen3's reasoning), the session then holds other tokens than the whole conversation: its
         answers as the model gave them."""
-        exact = self.chat_continuation(tokens, turns)
+        exact = self.chat_continuation(tokens, turns, variables)
         if exact is not None:
             return exact
         asked = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x00"}]
-        whole = self.apply_chat_template([*asked, *turns])
+        whole = self.apply_chat_template([*asked, *turns], variables=variables)
         if whole.count("\x00") != 1:
             raise ChatTemplateError("the model's chat template does not render an earlier answer as it is: turns "
                                     "cannot follow a session's answer")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -70,8 +70,10 @@ class EngineAPI(Protocol):
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None, *,
                boundary_check: bool = False) -> int: ...
     def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
-    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> list[int]: ...
-    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False) -> str: ...
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
+                 template_args: Mapping[str, Any] | None = None) -> list[int]: ...
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
+                  template_args: Mapping[str, Any] | None = None) -> str: ...
     def check_text_fits(self, session_id: str, text: str) -> None: ...
     def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]: ...
     def boundary_tail(self, session_id: str) -> list[int]: ...
@@ -346,7 +348,7 @@ class Dispatch:
             text = e.chat_text(sid, [{"role": request.role, "content": text}])
             add_bos: bool | None = False
         elif isinstance(request, p.Generate) and request.messages is not None:
-            text = e.chat_text(sid, _turns(request.messages), request.boundary_check)
+            text = e.chat_text(sid, _turns(request.messages), request.boundary_check, _args(request.template_args))
             add_bos = False
         else:  # (the session cannot change while its text is tokenized: its requests wait behind it)
             add_bos = None if e.session_length(sid) == 0 else False
@@ -441,7 +443,8 @@ class Dispatch:
             before = e.session_length(request.session_id)
             prompt_ids: Sequence[int] | None = request.prompt_ids if ids is None else ids
             if request.messages is not None and ids is None:
-                prompt_ids = e.chat_ids(request.session_id, _turns(request.messages), request.boundary_check)
+                prompt_ids = e.chat_ids(request.session_id, _turns(request.messages), request.boundary_check,
+                                        _args(request.template_args))
             engine_id = e.start_generate(request.session_id, self._sampling(request.params),
                                          prompt_ids=prompt_ids, prompt=None if ids is not None else request.prompt,
                                          boundary_check=request.boundary_check and ids is None)
@@ -636,6 +639,10 @@ def _long_text(request: p.Message) -> str | None:
     elif isinstance(request, p.Generate):
         text = request.prompt if request.messages is None else "".join(m.content for m in request.messages)
     return text if text is not None and len(text) > OFFLOAD_CHARS else None
+
+
+def _args(args: Sequence[p.TemplateArg]) -> dict[str, Any]:
+    return {a.name: a.value for a in args}
 
 
 def _turns(messages: Sequence[p.ChatMessage]) -> list[dict[str, str]]:
