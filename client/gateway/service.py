@@ -208,34 +208,38 @@ class Service:
         live.finish()
         return live
 
-    async def stream(self, ask: Ask, replay: bool = True) -> tuple[Live, AsyncGenerator[Delta, None]]:
+    async def stream(self, ask: Ask) -> tuple[Live, AsyncGenerator[Delta, None]]:
         """The turn streamed: every choice's first chunk is awaited here (so that errors come before the answer's
-        status is sent), then the iterator yields each choice's chunks as they come. A resumed session found gone
-        (expired, its worker lost) is replaced once, as for a turn not streamed."""
+        status is sent), then the iterator yields each choice's chunks as they come. A resumed session that cannot
+        take the turn (gone, or refusing it: prompt_boundary) is replaced once, as for a turn not streamed."""
         live = await self._start(ask)
-        streams: list[AsyncStream] = []
-        try:
-            for i in range(len(live.entries)):
-                streams.append(await self._open_stream(live, i))
-            firsts = [await s.__anext__() for s in streams]
-        except START_OVER as e:
-            for s in streams:
-                s.close()
-            live.fail()
-            if replay and live.resumed:
-                log.info("session_replayed", code=e.code)
-                return await self.stream(ask, replay=False)
-            raise from_client_error(e) from e
-        except ClientError as e:
-            for s in streams:
-                s.close()
-            live.fail()
-            raise from_client_error(e) from e
-        except BaseException:
-            for s in streams:
-                s.close()
-            live.fail()
-            raise
+        while True:
+            streams: list[AsyncStream] = []
+            try:
+                for i in range(len(live.entries)):
+                    streams.append(await self._open_stream(live, i))
+                firsts = [await s.__anext__() for s in streams]
+                break
+            except START_OVER as e:
+                for s in streams:
+                    s.close()
+                if not live.resumed:
+                    live.fail()
+                    raise from_client_error(e) from e
+                live.settled = True  # its sessions go here: the first to the turn's start over, the forks closed
+                for child in live.entries[1:]:
+                    self.discard(child, "ended")
+                live = await self._start_over(ask, live.entries[0], e, live.started)
+            except ClientError as e:
+                for s in streams:
+                    s.close()
+                live.fail()
+                raise from_client_error(e) from e
+            except BaseException:
+                for s in streams:
+                    s.close()
+                live.fail()
+                raise
         live.first_token()
         return live, self._deltas(live, streams, firsts)
 
@@ -309,23 +313,40 @@ class Service:
         try:
             return await self._begin(ask, entry, resumed, started)
         except START_OVER as e:
-            why = "replaced" if isinstance(e, PromptBoundary) else "gone"
             if not resumed:
-                self.discard(entry, why)
+                self.discard(entry, "replaced" if isinstance(e, PromptBoundary) else "gone")
                 raise from_client_error(e) from e
-            log.info("session_replayed", session=entry.session.id, code=e.code)
-            self.discard(entry, why)
-            fresh = await self._new_entry(ask)
-            try:
-                return await self._begin(ask, fresh, False, started)
-            except ClientError as e2:
-                self.discard(fresh, "ended")
-                raise from_client_error(e2) from e2
+            return await self._start_over(ask, entry, e, started)
         except ClientError as e:
             self.discard(entry, "ended")
             raise from_client_error(e) from e
         except BaseException:
             self.discard(entry, "ended")
+            raise
+
+    async def _start_over(self, ask: Ask, entry: Entry, e: ClientError, started: float) -> Live:
+        """The turn again in a new session given the whole conversation: its resumed `entry` could not take it (gone,
+        or refusing its new part: prompt_boundary), and is closed. A named one's name is held meanwhile (a request
+        naming it is refused as busy, as while a first turn opens its session), unless it was deleted during the
+        turn: then the new session has no name, and is closed when the turn ends."""
+        log.info("session_replayed", session=entry.session.id, code=e.code)
+        key = None if entry.deleted or ask.name is None else (ask.owner, ask.name)
+        if key is not None:
+            self.store.opening.add(key)  # before the close frees the name
+        self.discard(entry, "replaced" if isinstance(e, PromptBoundary) else "gone")
+        try:
+            fresh = await self._new_entry(ask if key is not None else dataclasses.replace(ask, name=None))
+        finally:
+            if key is not None:
+                self.store.opening.discard(key)
+        fresh.deleted = entry.deleted  # (closed at the turn's end, as the session it replaces would have been)
+        try:
+            return await self._begin(ask, fresh, False, started)
+        except ClientError as e2:
+            self.discard(fresh, "ended")
+            raise from_client_error(e2) from e2
+        except BaseException:
+            self.discard(fresh, "ended")
             raise
 
     async def _begin(self, ask: Ask, entry: Entry, resumed: bool, started: float) -> Live:

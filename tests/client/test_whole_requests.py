@@ -79,7 +79,7 @@ def test_a_text_sent_with_boundary_check_that_would_retokenize_the_session_is_re
 
 def test_chat_template_kwargs_reach_the_template_and_a_bad_one_is_refused_whole(smol_stack: LocalStack) -> None:
     with Client(smol_stack.clients, timeout=120) as c, c.session() as s:
-        with pytest.raises(BadRequest, match="messages: set by the server"):
+        with pytest.raises(BadRequest, match="messages: the template.s own"):
             s.chat("What is the capital of France?", max_tokens=4, chat_template_kwargs={"messages": 1})
         with pytest.raises(BadRequest, match="must be null, a boolean, a number or a string"):
             s.chat("What is the capital of France?", chat_template_kwargs={"x": [1]})  # refused by the client

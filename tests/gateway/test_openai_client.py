@@ -262,7 +262,7 @@ def test_chat_template_kwargs_go_to_the_template_and_part_conversations(gateway:
     assert other.usage is not None and other.usage.prompt_tokens_details is not None
     assert (same.usage.prompt_tokens_details.cached_tokens or 0) > 0  # resumed: the same variables
     assert other.usage.prompt_tokens_details.cached_tokens == 0  # not the session of another conversation
-    for bad, needle in (({"messages": 1}, "messages: set by the server"), ({"x": {"a": 1}}, "chat_template_kwargs")):
+    for bad, needle in (({"messages": 1}, "messages: the template.s own"), ({"x": {"a": 1}}, "chat_template_kwargs")):
         with pytest.raises(openai.BadRequestError, match=needle):
             c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
                                       extra_body={"chat_template_kwargs": bad})

@@ -34,6 +34,7 @@ MODELS: dict[str, tuple[str | None, str]] = {  # template file -> (bos_token, eo
     "qwen3": QWEN,
     "qwen3-thinking-2507": QWEN,
     "qwen3.5": QWEN,
+    "mistral-nemo-instruct-2407": ("<s>", "</s>"),
 }
 NOW = datetime(2025, 3, 9, 23, 59, 30)
 
@@ -193,6 +194,7 @@ REWRITTEN = {  # the answers each template renders otherwise once a user turn fo
     "qwen3": {"reasoning"},
     "qwen3-thinking-2507": {"plain", "spaces", "reasoning"},
     "qwen3.5": {"plain", "spaces", "reasoning"},
+    "mistral-nemo-instruct-2407": {"plain", "spaces", "reasoning"},  # its system message moves to the last user turn
 }
 FIRST = [system("Be brief."), user("Capital of France?")]
 NEXT = [user("And of Spain?")]
@@ -279,7 +281,8 @@ def test_without_the_check_a_turn_follows_the_answer_as_the_session_holds_it(mod
             "qwen2.5-instruct": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n",
             "qwen3": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n",
             "qwen3-thinking-2507": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n<think>\n",
-            "qwen3.5": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n<think>\n"}[model]
+            "qwen3.5": "\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+            "mistral-nemo-instruct-2407": "[INST]And of Spain?[/INST]"}[model]
     assert kept == ("" if closed else eos) + turn
 
 
@@ -294,6 +297,13 @@ def test_template_arguments_render_as_transformers_keyword_arguments() -> None:
     assert ours.apply_chat_template(FIRST, variables={"enable_thinking": True}) == rendered(ours, FIRST, True)
     tokens = ours.encode(expected + "Paris.<|im_end|>", add_bos=False)
     assert ours.chat_after_answer(tokens, NEXT, off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    for name in ("messages", "add_generation_prompt", "bos_token"):
-        with pytest.raises(ChatTemplateError, match=f"{name}: set by the server"):
+    for name in ("messages", "add_generation_prompt", "bos_token", "namespace", "range"):  # namespace: a TypeError
+        with pytest.raises(ChatTemplateError, match=f"{name}: the template.s own"):
             ours.apply_chat_template(FIRST, variables={name: 1})
+
+
+def test_a_template_that_fails_on_its_inputs_is_a_template_error() -> None:
+    """Not an internal error: a template calling what a variable made a string raises TypeError inside jinja."""
+    ours, _ = pair("{{ messages[0].content | int + none }}", None, "<|im_end|>")
+    with pytest.raises(ChatTemplateError, match="chat template failed: TypeError"):
+        ours.apply_chat_template([user("x")])

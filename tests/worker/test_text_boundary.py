@@ -123,6 +123,12 @@ def test_a_text_gets_the_bos_only_at_the_start_of_a_session(engine: Engine, monk
     prefill(engine, sid, "Hello")
     assert engine.session_tokens(sid) == tok.encode("Hello")
     engine.close(sid)
+    for first in (lambda s: engine.append(s, text="Hello", boundary_check=True),  # a first text: no tail to check
+                  lambda s: prefill(engine, s, "Hello", boundary_check=True)):
+        sid = engine.create_session()
+        first(sid)
+        assert engine.session_tokens(sid) == tok.encode("Hello") == [1, *tok.encode("Hello", add_bos=False)]
+        engine.close(sid)
 
 
 def test_the_worker_checks_a_long_text_off_its_loop_as_the_engine_does(engine: Engine,
@@ -134,8 +140,6 @@ def test_the_worker_checks_a_long_text_off_its_loop_as_the_engine_does(engine: E
     sid = "a" * 32
     [created] = d.handle(p.CreateSession(request_id="c", session_id=sid, route=b"c"))
     assert isinstance(created, p.Created)
-    d.handle(p.Append(request_id="a1", session_id=sid, text="The capital of France is Par", route=b"c"))
-    held = engine.session_tokens(sid)
     merging = "is. " + "The capital of Japan is Tokyo. " * 3
     going_on = " Paris. " + "The capital of Japan is Tokyo. " * 3
 
@@ -150,6 +154,16 @@ def test_the_worker_checks_a_long_text_off_its_loop_as_the_engine_does(engine: E
             assert time.monotonic() < deadline
             time.sleep(0.01)
 
+    first = "The capital of France is Par" + " " * 64  # long: tokenized off the loop, a first text (its BOS, no tail)
+    assert isinstance(answer(p.Append(request_id="a1", session_id=sid, text=first, boundary_check=True, route=b"c")),
+                      p.Appended)
+    assert engine.session_tokens(sid) == tok.encode(first)
+    [closed] = d.handle(p.Close(request_id="x", session_id=sid, route=b"c"))
+    assert isinstance(closed, p.Closed)
+    sid = "b" * 32
+    d.handle(p.CreateSession(request_id="c2", session_id=sid, route=b"c"))
+    d.handle(p.Append(request_id="a1b", session_id=sid, text="The capital of France is Par", route=b"c"))
+    held = engine.session_tokens(sid)
     refused = answer(p.Append(request_id="a2", session_id=sid, text=merging, boundary_check=True, route=b"c"))
     assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.PROMPT_BOUNDARY
     params = p.Sampling(max_tokens=0)

@@ -324,7 +324,7 @@ class Engine:
                 raise BadRequest("text must be a string")
             self._check_text_fits(session, text)
             ids = self.tokenize(text, None if not session.tokens else False,
-                                self.tokenizer.boundary_tail(session.tokens) if boundary_check else None)
+                                self.tokenizer.boundary_tail(session.tokens) if boundary_check and session.tokens else None)
         else:
             if token_ids is not None and not isinstance(token_ids, (str, bytes)):
                 self._check_fits(session, len(token_ids))  # before the per-id checks of a long list

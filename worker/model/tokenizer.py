@@ -126,6 +126,9 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson
+        # Names a request's template arguments cannot take: the variables the server sets, and jinja's globals
+        # (range, dict, namespace, ...), which a template calls.
+        self._own_names = TEMPLATE_OWN | frozenset(env.globals)
         try:
             self._template = env.from_string(self.chat_template)
         except jinja2.TemplateError as e:
@@ -304,10 +307,11 @@ class Tokenizer:
     ) -> Any:
         """Render the model's chat template; with tokenize=True return the token ids instead. `variables`: more for
         the template (as transformers' apply_chat_template keyword arguments: Qwen3's enable_thinking), never one of
-        those it sets itself (TEMPLATE_OWN)."""
-        taken = sorted(TEMPLATE_OWN.intersection(variables or ()))
+        those it sets itself (TEMPLATE_OWN) nor jinja's globals."""
+        taken = sorted(self._own_names.intersection(variables or ()))
         if taken:
-            raise ChatTemplateError(f"{', '.join(taken)}: set by the server, not a template argument")
+            raise ChatTemplateError(f"{', '.join(taken)}: the template's own (set by the server or jinja), not a template "
+                                    "argument")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ChatTemplateError("each message must be a dict with string 'role' and 'content'")
@@ -317,8 +321,10 @@ class Tokenizer:
         try:
             text = self._template.render(**(variables or {}), messages=list(messages), tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **specials)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template failed: {e}") from e
+        except ChatTemplateError:
+            raise  # the template's raise_exception
+        except Exception as e:  # any other failure of the template on these inputs (a TypeError, ...): the request's
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
         return self.encode(text, add_bos=False) if tokenize else text
 
     def chat_continuation(self, tokens: Sequence[int], turns: Sequence[dict[str, str]],
@@ -330,9 +336,26 @@ class Tokenizer:
         token, once these turns follow it. None where it does not: it rewrites earlier answers (Llama 3 trims their
         spaces; Qwen3 drops the reasoning of those before the last user turn; Qwen3.5's assistant prompt opens a
         <think> that no earlier answer shows), and only rendering the whole conversation gives its text. Turns before
-        the answer are stood for by one user turn; tokens holding no assistant prompt (a text appended by hand) go on
-        as after a plain answer."""
-        asked = [{"role": "user", "content": "u"}]
+        the answer are stood for by one user turn, with and without a system message before it (Mistral's template
+        moves the system message to the last user turn: the continuation must not depend on them); tokens holding no
+        assistant prompt (a text appended by hand) go on as after a plain answer."""
+        found: set[str] = set()
+        for asked in ([{"role": "user", "content": "u"}],
+                      [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]):
+            try:
+                text = self._continuation_after(asked, tokens, turns, variables)
+            except ChatTemplateError:
+                if asked[0]["role"] == "system":  # a template without system messages
+                    continue
+                raise
+            if text is None:
+                return None
+            found.add(text)
+        return found.pop() if len(found) == 1 else None
+
+    def _continuation_after(self, asked: list[dict[str, str]], tokens: Sequence[int], turns: Sequence[dict[str, str]],
+                            variables: Mapping[str, Any] | None) -> str | None:
+        """chat_continuation with the turns before the answer stood for by `asked`."""
         prompt = self.apply_chat_template(asked, add_generation_prompt=True, variables=variables)
         before = self.apply_chat_template(asked, add_generation_prompt=False, variables=variables)
         header = self.encode(prompt[len(before):], add_bos=False) if prompt.startswith(before) else []

@@ -352,7 +352,7 @@ class Dispatch:
             add_bos = False
         else:  # (the session cannot change while its text is tokenized: its requests wait behind it)
             add_bos = None if e.session_length(sid) == 0 else False
-            if getattr(request, "boundary_check", False):
+            if getattr(request, "boundary_check", False) and add_bos is False:  # (on an empty session: a first text)
                 after = e.boundary_tail(sid)
         e.check_text_fits(sid, text)
         if self._tokenizer is None:

@@ -1,0 +1,166 @@
+"""A turn whose resumed session cannot take it (the worker answers prompt_boundary, as with Qwen3's or Llama 3's
+templates) starts over in a new session, streamed or not, named or not: on the gateway's Service in process, against
+fake sessions that refuse every turn sent with boundary_check."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from client.errors import PromptBoundary
+from client.gateway import schema
+from client.gateway.errors import ApiError
+from client.gateway.metrics import GatewayMetrics
+from client.gateway.service import Ask, Live, Service, chat_ask
+from client.gateway.sessions import SessionStore
+from client.results import Chunk, Generation
+
+FIRST = [{"role": "user", "content": "Capital of France?"}]
+NEXT = [*FIRST, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "And Spain?"}]
+
+
+class FakeStream:
+    def __init__(self, result: Generation) -> None:
+        self._result, self.ready = result, False
+        self.result: Generation | None = None
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self.result is not None:
+            raise StopAsyncIteration
+        self.result = self._result
+        return Chunk(self._result.token_ids, self._result.text, self._result.finish_reason)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeSession:
+    """Answers "Hi" after 10 prompt tokens; refuses a turn sent with boundary_check (a resumed one)."""
+
+    def __init__(self, log: list[str], ids: itertools.count[int]) -> None:
+        self.id, self.log, self.ids = f"s{next(ids)}", log, ids
+        self.max_context, self.length, self.gate = 1024, 0, asyncio.Event()
+        self.gate.set()
+
+    async def generate(self, stream: bool = False, **kw: Any) -> Generation | FakeStream:
+        self.log.append(f"{self.id} generate{' checked' if kw.get('boundary_check') else ''}")
+        await self.gate.wait()
+        if kw.get("boundary_check"):
+            raise PromptBoundary("the model's chat template renders the session's last answer otherwise")
+        result = Generation([7, 8], "Hi", "stop", self.length + 13, 10)
+        self.length = result.session_length
+        return FakeStream(result) if stream else result
+
+    async def fork(self) -> FakeSession:
+        child = FakeSession(self.log, self.ids)
+        child.length = self.length
+        return child
+
+    def close_soon(self) -> asyncio.Task[None]:
+        self.log.append(f"{self.id} closed")
+
+        async def closed() -> None:
+            pass
+
+        return asyncio.get_running_loop().create_task(closed())
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self._transport = SimpleNamespace(closed=False)
+        self.log: list[str] = []
+        self.ids = itertools.count()
+        self.opening = asyncio.Event()
+        self.opening.set()
+
+    async def session(self, model: str) -> FakeSession:
+        await self.opening.wait()
+        return FakeSession(self.log, self.ids)
+
+
+class FakeModels:
+    async def check(self, model: str) -> None:
+        pass
+
+
+def service() -> tuple[Service, FakeClient]:
+    client = FakeClient()
+    return Service(client, SessionStore(), FakeModels(), GatewayMetrics()), client  # type: ignore[arg-type]
+
+
+def ask(messages: list[dict[str, str]], name: str | None = None, stream: bool = False, n: int = 1) -> Ask:
+    request = schema.ChatRequest(model="m", messages=messages, n=n, temperature=0, max_tokens=2,  # type: ignore[arg-type]
+                                 stream=stream)
+    return chat_ask(request, "alice", name)
+
+
+async def turn(svc: Service, a: Ask) -> Live:
+    if not a.stream:
+        return await svc.complete(a)
+    live, deltas = await svc.stream(a)
+    async for _ in deltas:
+        pass
+    return live
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_starts_over_in_a_new_session_not_in_another_idle_one(stream: bool) -> None:
+    """Two idle sessions hold the same conversation (n = 2 at temperature 0): the one resumed refuses the turn, and
+    the turn goes to a new session, not to the other (which would refuse it too: a 400, streamed, before)."""
+    async def main() -> tuple[list[str], Live, int]:
+        svc, client = service()
+        await svc.complete(ask(FIRST, n=2))
+        client.log.clear()
+        live = await turn(svc, ask(NEXT, stream=stream))
+        return client.log, live, svc.store.idle
+
+    log, live, idle = asyncio.run(main())
+    assert log == ["s0 generate checked", "s0 closed", "s2 generate"]
+    assert live.usage().prompt_tokens == 10 and live.usage().cached_tokens == 0 and idle == 2  # s1 and s2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_name_deleted_during_a_turn_that_starts_over_stays_deleted(stream: bool) -> None:
+    async def main() -> tuple[list[str], int, bool]:
+        svc, client = service()
+        await svc.complete(ask(FIRST, name="conv"))
+        held = svc.store.named("alice", "conv")
+        assert held is not None
+        client.log.clear()
+        gate = held.session.gate  # type: ignore[attr-defined]
+        gate.clear()  # the resumed turn waits on the worker
+        task = asyncio.create_task(turn(svc, ask(NEXT, name="conv", stream=stream)))
+        await asyncio.sleep(0.01)
+        assert await svc.close_named("alice", "conv")
+        gate.set()  # the worker refuses the turn: it starts over
+        await task
+        return client.log, svc.store.idle, svc.store.named("alice", "conv") is None
+
+    log, idle, gone = asyncio.run(main())
+    assert log == ["s0 generate checked", "s0 closed", "s1 generate", "s1 closed"] and (idle, gone) == (0, True)
+
+
+def test_a_name_is_busy_while_its_turn_starts_over() -> None:
+    async def main() -> tuple[int, str, str]:
+        svc, client = service()
+        await svc.complete(ask(FIRST, name="conv"))
+        client.opening.clear()  # the new session's open takes a while
+        first = asyncio.create_task(svc.complete(ask(NEXT, name="conv")))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError) as busy:
+            await svc.complete(ask(NEXT, name="conv"))
+        client.opening.set()
+        live = await first
+        named = svc.store.named("alice", "conv")
+        assert named is not None
+        return busy.value.status, live.entries[0].session.id, named.session.id
+
+    assert asyncio.run(main()) == (409, "s1", "s1")
