@@ -598,6 +598,54 @@ def test_requests_past_the_inbox_s_byte_bound_are_not_queued_and_reach_the_compu
         broker.context.term()
 
 
+def test_a_sessions_requests_after_one_not_queued_follow_it_so_they_never_run_out_of_order() -> None:
+    """An APPEND past the bound is not queued: a GENERATE (or CHAT, FORK, APPEND) of its session read after it is not
+    queued either, or it would run without the tokens refused before it; INFO and another session's requests go on.
+    Once the compute loop has taken the refused ones, the session's requests are queued again."""
+    from worker.serve import link as link_module
+
+    header = msgpack.unpackb(p.encode(p.Append(request_id="a00", session_id=SID, route=b"c",
+                                               token_ids=tuple(range(70_000, 71_000)) * 600))[2])
+    fits = link_module.MAX_INBOX_BYTES // sum(map(len, p.encode(p.Append(**{**header, "request_id": "a00"}))))
+    other = "b" * 32
+    broker = Broker()
+    link = bare_link(broker, heartbeat_ms=50)
+    link.start()
+    try:
+        assert isinstance(broker.recv(), p.Ready)
+        broker.send(p.Welcome(broker_id="b1", heartbeat_ms=50, liveness=100))
+        for i in range(fits + 1):  # the last one is not queued
+            header["request_id"] = f"a{i:02d}"
+            broker.sock.send_multipart([broker.worker, p.VERSION, b"APPEND", msgpack.packb(header, use_bin_type=True)])
+        after = [p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"),
+                 p.Info(request_id="i1", session_id=SID, route=b"c"),
+                 p.Append(request_id="o1", session_id=other, token_ids=(1, 2), route=b"c"),
+                 p.Fork(request_id="f1", session_id=SID, child_id="d" * 32, route=b"c")]
+        for message in after:
+            broker.send(message)
+        got: list[Received] = []
+        deadline = time.monotonic() + 20
+        while len(got) < fits + 1 + len(after):
+            assert time.monotonic() < deadline, [type(m).__name__ for m in got]
+            got += link.receive(0.05)
+        assert [(type(m).__name__, m.request_id) for m in got[fits:]] == [  # type: ignore[union-attr]
+            ("Unqueued", f"a{fits:02d}"), ("Unqueued", "g1"), ("Info", "i1"), ("Append", "o1"), ("Unqueued", "f1")]
+        follower = got[fits + 1]
+        assert isinstance(follower, Unqueued) and follower.message == (
+            f"worker fw is overloaded: it did not keep an earlier request of session {SID}, so this one is not run "
+            "after it either: retry later")
+        broker.send(p.Generate(request_id="g2", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"))
+        later: list[Received] = []
+        while not later:
+            assert time.monotonic() < deadline
+            later = link.receive(0.05)
+        assert [(type(m).__name__, m.request_id) for m in later] == [("Generate", "g2")]  # type: ignore[union-attr]
+    finally:
+        link.stop()
+        broker.sock.close()
+        broker.context.term()
+
+
 def unqueue(link: Link, item: Unqueued) -> None:
     """Put a request's Unqueued in the link's inbox, as the link does with one past MAX_INBOX_BYTES."""
     with link._lock:

@@ -68,6 +68,10 @@ OVERLOAD_LOG_S = 10.0  # requests not queued for MAX_INBOX_BYTES are logged (wit
 HANDSHAKE_LOG_S = 10.0  # a refused handshake is logged at most this often (ZeroMQ retries every reconnect)
 REQUEST_COMMANDS = frozenset(t.COMMAND.value for t in p.REQUEST_TYPES)
 UNANSWERED_COMMANDS = frozenset({p.Command.CANCEL.value})  # requests nothing answers: never refused for MAX_INBOX_BYTES
+# Requests whose effect depends on the ones before them on their session: while a request of a session waits in the
+# inbox as an Unqueued, the session's later ones of these follow it (not queued either), so that a GENERATE never runs
+# without the APPEND refused before it. (INFO and CLOSE go on; a CANCEL is never held back.)
+ORDERED_COMMANDS = frozenset(t.COMMAND.value for t in (p.Append, p.Chat, p.Generate, p.Fork))
 # Passed to the compute loop undecoded: requests, DROP, and the moves of sessions (worker.serve.moves).
 LOOP_COMMANDS = REQUEST_COMMANDS | {p.Command.DROP.value} | {t.COMMAND.value for t in p.MOVE_TYPES}
 LINK_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -119,6 +123,7 @@ class Link:
         self._inbox_in = self._inbox_out = 0
         self._unqueued_in = self._unqueued_out = 0
         self._overloaded = 0  # requests not queued for MAX_INBOX_BYTES
+        self._held: dict[str, int] = {}  # session id -> its Unqueued in the inbox (under the lock; ORDERED_COMMANDS)
         self._overload_logged_at = -OVERLOAD_LOG_S
         wake = f"inproc://wake-{secrets.token_hex(8)}"
         self._wake_rx: zmq.Socket[bytes] = self._context.socket(zmq.PAIR)
@@ -221,6 +226,13 @@ class Link:
         for item in batch:
             if isinstance(item, Unqueued):
                 unqueued += 1
+                if item.command in ORDERED_COMMANDS and item.session_id:
+                    with self._lock:  # its session's later requests are queued again from here
+                        left = self._held.get(item.session_id, 0) - 1
+                        if left > 0:
+                            self._held[item.session_id] = left
+                        else:
+                            self._held.pop(item.session_id, None)
                 requests.append(item)
                 continue
             if not item:  # WAKE
@@ -398,6 +410,9 @@ class Link:
                 if queued + size > MAX_INBOX_BYTES and frames[1] not in UNANSWERED_COMMANDS:
                     self._not_queued(dealer, frames, queued)
                     return
+                if self._held and frames[1] in ORDERED_COMMANDS and p.peek_address(frames[2]).session_id in self._held:
+                    self._not_queued(dealer, frames, queued, after_refused=True)
+                    return
                 self._inbox_in += size
             self._inbox.put(frames)  # decoded (and checked) by the compute loop
             return
@@ -421,9 +436,10 @@ class Link:
         else:
             log.warning("broker_message_unexpected", command=message.COMMAND.name)
 
-    def _not_queued(self, dealer: zmq.Socket[bytes], frames: Frames, queued: int) -> None:
-        """A request that would take the inbox past MAX_INBOX_BYTES (under the lock): its Unqueued goes in its place,
-        or, past MAX_UNQUEUED of them, its overloaded answer goes at once."""
+    def _not_queued(self, dealer: zmq.Socket[bytes], frames: Frames, queued: int, after_refused: bool = False) -> None:
+        """A request that would take the inbox past MAX_INBOX_BYTES, or (`after_refused`) that follows one of its
+        session's that did (under the lock): its Unqueued goes in its place, or, past MAX_UNQUEUED of them, its
+        overloaded answer goes at once."""
         self._overloaded += 1
         now = time.monotonic()
         if now - self._overload_logged_at >= OVERLOAD_LOG_S:
@@ -437,8 +453,13 @@ class Link:
             return
         message = (f"worker {self.config.name} is overloaded: {queued >> 20} MiB of requests were waiting for it "
                    f"(at most {MAX_INBOX_BYTES >> 20} MiB): retry later")
+        if after_refused:
+            message = (f"worker {self.config.name} is overloaded: it did not keep an earlier request of session "
+                       f"{session_id}, so this one is not run after it either: retry later")
         if self.unqueued < MAX_UNQUEUED:
             self._unqueued_in += 1
+            if session_id and command in ORDERED_COMMANDS:
+                self._held[session_id] = self._held.get(session_id, 0) + 1
             self._inbox.put(Unqueued(command, request_id, session_id, route, message))
         else:
             self._send(dealer, p.Error(request_id=request_id, code=p.ErrorCode.OVERLOADED, message=message, route=route))
