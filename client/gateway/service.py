@@ -330,16 +330,15 @@ class Service:
         naming it is refused as busy, as while a first turn opens its session), unless it was deleted during the
         turn: then the new session has no name, and is closed when the turn ends."""
         log.info("session_replayed", session=entry.session.id, code=e.code)
-        key = None if entry.deleted or ask.name is None else (ask.owner, ask.name)
-        if key is not None:
-            self.store.opening.add(key)  # before the close frees the name
+        name = None if entry.deleted else ask.name
+        if name is not None:
+            self.store.opening.add((ask.owner, name))  # before the close frees the name
         self.discard(entry, "replaced" if isinstance(e, PromptBoundary) else "gone")
-        try:
-            fresh = await self._new_entry(ask if key is not None else dataclasses.replace(ask, name=None))
-        finally:
-            if key is not None:
-                self.store.opening.discard(key)
-        fresh.deleted = entry.deleted  # (closed at the turn's end, as the session it replaces would have been)
+        if name is not None:
+            fresh = await self._open_named(ask)
+        else:
+            fresh = await self._new_entry(dataclasses.replace(ask, name=None))
+            fresh.deleted = entry.deleted  # (closed at the turn's end, as the session it replaces would have been)
         try:
             return await self._begin(ask, fresh, False, started)
         except ClientError as e2:
@@ -442,10 +441,7 @@ class Service:
                 store.forget_named(ask.owner, ask.name)
                 self._close(entry, "replaced")
             store.opening.add((ask.owner, ask.name))  # until its new session is taken under the name
-            try:
-                return await self._new_entry(ask), False
-            finally:
-                store.opening.discard((ask.owner, ask.name))
+            return await self._open_named(ask), False
         else:
             found = (store.find_chat(ask.owner, ask.model, ask.history, ask.digests)  # type: ignore[arg-type]
                      if ask.kind == "chat" else store.find_completion(ask.owner, ask.model, ask.history))  # type: ignore[arg-type]
@@ -454,6 +450,22 @@ class Service:
                 self.metrics.opened.labels("prefix").inc()
                 return found, True
         return await self._new_entry(ask), False
+
+    async def _open_named(self, ask: Ask) -> Entry:
+        """A new session under the request's name, which the caller put in store.opening (a request naming it
+        meanwhile is refused as busy). A DELETE of the name meanwhile is kept (store.deleting) and done here: the
+        session serves the turn without the name and is closed when the turn ends."""
+        key = (ask.owner, ask.name or "")
+        try:
+            entry = await self._new_entry(ask)
+        finally:
+            self.store.opening.discard(key)
+            deleted = key in self.store.deleting
+            self.store.deleting.discard(key)
+        if deleted:
+            self.store.forget_named(*key)
+            entry.deleted = True
+        return entry
 
     async def _new_entry(self, ask: Ask) -> Entry:
         session = await self._open(ask.model)
@@ -514,6 +526,9 @@ class Service:
     async def close_named(self, owner: str, name: str) -> bool:
         entry = self.store.named(owner, name)
         if entry is None:
+            if (owner, name) in self.store.opening:  # its session is being opened: deleted once it is (_open_named)
+                self.store.deleting.add((owner, name))
+                return True
             return False
         self.store.forget_named(owner, name)  # the name is free now: a request naming it gets a new session
         if entry.busy:

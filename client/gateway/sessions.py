@@ -91,6 +91,7 @@ class SessionStore:
         self._idle: OrderedDict[Entry, None] = OrderedDict()
         self.busy = 0
         self.opening: set[tuple[str, str]] = set()  # (owner, name) of named sessions being opened for their first turn
+        self.deleting: set[tuple[str, str]] = set()  # of those, the ones a DELETE named meanwhile
 
     def __len__(self) -> int:
         return len(self._idle) + self.busy

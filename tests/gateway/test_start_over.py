@@ -164,3 +164,26 @@ def test_a_name_is_busy_while_its_turn_starts_over() -> None:
         return busy.value.status, live.entries[0].session.id, named.session.id
 
     assert asyncio.run(main()) == (409, "s1", "s1")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("first_turn", [False, True])
+def test_a_delete_while_a_named_session_opens_is_done_once_it_is_open(stream: bool, first_turn: bool) -> None:
+    """While a named turn's session opens (its first turn, or a start over), the name is in no live session: a DELETE
+    then is kept and done when the session is open (it was a 404, and the session kept the name)."""
+    async def main() -> tuple[bool, list[str], bool]:
+        svc, client = service()
+        if not first_turn:
+            await svc.complete(ask(FIRST, name="conv"))
+        client.log.clear()
+        client.opening.clear()  # the session's open takes a while
+        task = asyncio.create_task(turn(svc, ask(FIRST if first_turn else NEXT, name="conv", stream=stream)))
+        await asyncio.sleep(0.01)
+        deleted = await svc.close_named("alice", "conv")
+        client.opening.set()
+        await task
+        return deleted, client.log, svc.store.named("alice", "conv") is None and not svc.store.deleting
+
+    deleted, log, gone = asyncio.run(main())
+    opened = "s0" if first_turn else "s1"
+    assert deleted and gone and log[-2:] == [f"{opened} generate", f"{opened} closed"]

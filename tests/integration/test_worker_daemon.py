@@ -646,6 +646,49 @@ def test_a_sessions_requests_after_one_not_queued_follow_it_so_they_never_run_ou
         broker.context.term()
 
 
+def test_past_max_unqueued_a_refused_request_still_holds_its_sessions_later_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_UNQUEUED waiting, a request is answered at once: its session's later ordered requests are answered
+    so too until the compute loop has taken every Unqueued that was waiting, and queued again after."""
+    from worker.serve import link as link_module
+
+    monkeypatch.setattr(link_module, "MAX_UNQUEUED", 1)
+    header = msgpack.unpackb(p.encode(p.Append(request_id="a00", session_id="b" * 32, route=b"c",
+                                               token_ids=tuple(range(70_000, 71_000)) * 600))[2])
+    fits = link_module.MAX_INBOX_BYTES // sum(map(len, p.encode(p.Append(**{**header, "request_id": "a00"}))))
+    broker = Broker()
+    link = bare_link(broker, heartbeat_ms=50)
+    link.start()
+    try:
+        assert isinstance(broker.recv(), p.Ready)
+        broker.send(p.Welcome(broker_id="b1", heartbeat_ms=50, liveness=100))
+        for i in range(fits + 1):  # the last one waits as an Unqueued: MAX_UNQUEUED reached
+            header["request_id"] = f"a{i:02d}"
+            broker.sock.send_multipart([broker.worker, p.VERSION, b"APPEND", msgpack.packb(header, use_bin_type=True)])
+        header.update(request_id="s1", session_id=SID)  # answered at once
+        broker.sock.send_multipart([broker.worker, p.VERSION, b"APPEND", msgpack.packb(header, use_bin_type=True)])
+        broker.send(p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"))
+        broker.send(p.Info(request_id="i1", session_id=SID, route=b"c"))
+        refused = [cast(p.Error, broker.recv_until(p.Error)) for _ in range(2)]
+        assert [(e.request_id, e.code) for e in refused] == [("s1", p.ErrorCode.OVERLOADED), ("g1", p.ErrorCode.OVERLOADED)]
+        got: list[Received] = []
+        deadline = time.monotonic() + 20
+        while len(got) < fits + 2:
+            assert time.monotonic() < deadline, [type(m).__name__ for m in got]
+            got += link.receive(0.05)
+        assert [(type(m).__name__, m.request_id) for m in got[fits:]] == [  # type: ignore[union-attr]
+            ("Unqueued", f"a{fits:02d}"), ("Info", "i1")]
+        broker.send(p.Generate(request_id="g2", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"))
+        later: list[Received] = []
+        while not later:
+            assert time.monotonic() < deadline
+            later = link.receive(0.05)
+        assert [(type(m).__name__, m.request_id) for m in later] == [("Generate", "g2")]  # type: ignore[union-attr]
+    finally:
+        link.stop()
+        broker.sock.close()
+        broker.context.term()
+
+
 def unqueue(link: Link, item: Unqueued) -> None:
     """Put a request's Unqueued in the link's inbox, as the link does with one past MAX_INBOX_BYTES."""
     with link._lock:

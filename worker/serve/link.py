@@ -124,6 +124,9 @@ class Link:
         self._unqueued_in = self._unqueued_out = 0
         self._overloaded = 0  # requests not queued for MAX_INBOX_BYTES
         self._held: dict[str, int] = {}  # session id -> its Unqueued in the inbox (under the lock; ORDERED_COMMANDS)
+        # Sessions with an ordered request answered at once (past MAX_UNQUEUED), held until every Unqueued then in the
+        # inbox is taken: the compute loop is then past where that request would have run.
+        self._held_drain: set[str] = set()
         self._overload_logged_at = -OVERLOAD_LOG_S
         wake = f"inproc://wake-{secrets.token_hex(8)}"
         self._wake_rx: zmq.Socket[bytes] = self._context.socket(zmq.PAIR)
@@ -245,6 +248,10 @@ class Link:
                 errors += _refusal(e)
         self._inbox_out += taken
         self._unqueued_out += unqueued
+        if self._held_drain and self.unqueued == 0:
+            with self._lock:
+                if self.unqueued == 0:
+                    self._held_drain.clear()
         self.send(errors)
         return requests
 
@@ -410,9 +417,11 @@ class Link:
                 if queued + size > MAX_INBOX_BYTES and frames[1] not in UNANSWERED_COMMANDS:
                     self._not_queued(dealer, frames, queued)
                     return
-                if self._held and frames[1] in ORDERED_COMMANDS and p.peek_address(frames[2]).session_id in self._held:
-                    self._not_queued(dealer, frames, queued, after_refused=True)
-                    return
+                if (self._held or self._held_drain) and frames[1] in ORDERED_COMMANDS:
+                    sid = p.peek_address(frames[2]).session_id
+                    if sid in self._held or sid in self._held_drain:
+                        self._not_queued(dealer, frames, queued, after_refused=True)
+                        return
                 self._inbox_in += size
             self._inbox.put(frames)  # decoded (and checked) by the compute loop
             return
@@ -462,6 +471,8 @@ class Link:
                 self._held[session_id] = self._held.get(session_id, 0) + 1
             self._inbox.put(Unqueued(command, request_id, session_id, route, message))
         else:
+            if session_id and command in ORDERED_COMMANDS:
+                self._held_drain.add(session_id)
             self._send(dealer, p.Error(request_id=request_id, code=p.ErrorCode.OVERLOADED, message=message, route=route))
 
     def _welcomed(self, welcome: p.Welcome) -> None:
