@@ -176,9 +176,12 @@ class BrokerServer:
         for monitor, _ in self._monitors:
             poller.register(monitor, zmq.POLLIN)
         stall_s = self.config.heartbeat_ms * self.config.liveness / 2000  # half a heartbeat window
+        turned = time.monotonic()  # when the last turn ended: every moment of the loop is measured, between turns too
         while not should_stop():
             self.pulse.beat()
             now = time.monotonic()
+            if now - turned > stall_s:  # stopped between two turns (a SIGSTOP there went unnoticed)
+                self.router.stalled(now, now - turned)
             timeout_s = min(max(self.router.next_tick() - now, 0.0), MAX_POLL_S)
             ready = dict(poller.poll(round(timeout_s * 1000)))
             woke = time.monotonic()
@@ -194,7 +197,7 @@ class BrokerServer:
                     self._drain(self.clients, self.router.client_message, "client")
             if self._monitors:
                 self._handshake_failures(ready)
-            now = time.monotonic()
+            now = turned = time.monotonic()
             if now - woke > stall_s:  # the turn took long: the process was not running, or was starved
                 self.router.stalled(now, now - woke)
             if now >= self.router.next_tick():

@@ -4,6 +4,7 @@ and counted, and the loop goes on serving; liveness bookkeeping without sockets.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -131,3 +132,36 @@ def test_a_relayed_move_chunk_reaches_the_target_byte_for_byte(loop: BrokerServe
         for sock in (w1, w2, admin):
             sock.close(linger=0)
         context.term()
+
+
+def test_a_stop_between_two_turns_of_the_loop_is_noticed_as_a_stall() -> None:
+    """The loop measured its polls and its turns, not the moment between two turns: a SIGSTOP landing there (the
+    loop's pulse, its stop check) went unnoticed, and a broker stopped past the heartbeat window could lose workers
+    whose connections libzmq closed meanwhile (a failure of the broker-stop test on a loaded machine)."""
+    config = BrokerConfig(clients=f"tcp://127.0.0.1:{free_port()}", workers=f"tcp://127.0.0.1:{free_port()}",
+                          heartbeat_ms=100, recovery_ms=100)
+    server = BrokerServer(config)
+    beats = 0
+    real = server.pulse.beat
+
+    def beat() -> None:  # the process not running for 0.5 s at the top of its 5th turn
+        nonlocal beats
+        beats += 1
+        if beats == 5:
+            time.sleep(0.5)
+        real()
+
+    server.pulse.beat = beat  # type: ignore[method-assign]
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop.is_set,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while server.router.counters.stalls == 0:
+            assert time.monotonic() < deadline, "the stall went unnoticed"
+            time.sleep(0.01)
+        assert server.router.counters.stalls == 1
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
