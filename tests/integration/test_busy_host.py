@@ -23,11 +23,9 @@ import pytest
 
 from broker.common import protocol as p
 from client import BadRequest, Client, ClientError
-from worker.serve.config import WorkerConfig
-from worker.serve.loop import Serve
 
 from .cluster import Cluster, Measure
-from .test_worker_daemon import TOKENIZER, FakeChunk, FakeEngine
+from .test_worker_daemon import TOKENIZER, FakeChunk, FakeEngine, serving
 
 pytestmark = pytest.mark.slow  # ~15 s
 
@@ -177,10 +175,7 @@ def test_a_worker_whose_compute_thread_holds_the_gil_for_seconds_is_not_declared
         return step(wait)
 
     engine.step = hogging_step  # type: ignore[method-assign]
-    serve = Serve(engine, WorkerConfig(broker=cluster.workers_address, name="fw", heartbeat_ms=100), lambda s: s)
-    thread = threading.Thread(target=serve.run, daemon=True)
-    thread.start()
-    try:
+    with serving(cluster.workers_address, engine):
         cluster.wait_for_workers({"fw"})
         with Watch(cluster, "fw") as watch, cluster.client(timeout=30) as c, c.session() as s:
             s.append(token_ids=[1, 2, 3])
@@ -194,10 +189,6 @@ def test_a_worker_whose_compute_thread_holds_the_gil_for_seconds_is_not_declared
         # Three heartbeat windows at least: the link thread (which needs the GIL) could send nothing all that while.
         # (The watch shares this process's GIL: it saw nothing either, but neither did it ever miss the worker.)
         assert held > 3 * 0.3 and watch.missing == 0
-    finally:
-        serve.drain()
-        serve.drain()
-        thread.join(timeout=10)
 
 
 def test_a_4_million_character_append_is_refused_at_once_and_starves_nothing(cluster: Cluster, measure: Measure) -> None:

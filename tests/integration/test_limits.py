@@ -17,10 +17,10 @@ from broker.common import protocol as p
 from client import AsyncClient, BadRequest, Overloaded, SessionExpired, Timeout
 from worker.errors import ContextOverflow
 from worker.serve.link import MAX_INBOX_BYTES
-from worker.serve.loop import Serve, WorkerConfig
+from worker.serve.loop import Serve
 
 from .cluster import Cluster
-from .test_worker_daemon import FakeEngine
+from .test_worker_daemon import FakeEngine, serving
 
 PROMPT = [7, 8, 9, 10]
 
@@ -108,17 +108,9 @@ def hung(cluster: Cluster) -> Iterator[tuple[Cluster, FakeEngine, threading.Even
 
     engine.step = stuck_step  # type: ignore[method-assign]
     engine.hang = hang  # type: ignore[attr-defined]
-    serve = Serve(engine, WorkerConfig(broker=cluster.workers_address, name="fw", heartbeat_ms=100), lambda s: s)
-    thread = threading.Thread(target=serve.run, daemon=True)
-    thread.start()
-    try:
+    with serving(cluster.workers_address, engine, release):
         cluster.wait_for_workers({"fw"})
         yield cluster, engine, release
-    finally:
-        release.set()
-        serve.drain()
-        serve.drain()
-        thread.join(timeout=10)
 
 
 def test_a_request_on_a_hung_compute_loop_times_out_and_the_worker_s_sessions_survive(
@@ -165,17 +157,9 @@ def stuck(cluster: Cluster) -> Iterator[tuple[Cluster, Serve, threading.Event]]:
 
     engine.step = stuck_step  # type: ignore[method-assign]
     engine.check_text_fits = check_text_fits  # type: ignore[method-assign]
-    serve = Serve(engine, WorkerConfig(broker=cluster.workers_address, name="fw", heartbeat_ms=100), lambda s: s)
-    thread = threading.Thread(target=serve.run, daemon=True)
-    thread.start()
-    try:
+    with serving(cluster.workers_address, engine, release) as serve:
         cluster.wait_for_workers({"fw"})
         yield cluster, serve, release
-    finally:
-        release.set()
-        serve.drain()
-        serve.drain()
-        thread.join(timeout=10)
 
 
 def test_big_requests_past_a_stuck_worker_s_inbox_bound_are_answered_overloaded_and_resends_get_their_answers(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -470,6 +471,23 @@ def bare_link(broker: Broker, heartbeat_ms: int) -> Link:
                 state=lambda: WorkerState(1, ()))
 
 
+@contextmanager
+def serving(workers_address: str, engine: FakeEngine, release: threading.Event | None = None) -> Iterator[Serve]:
+    """`engine` served in process as worker "fw" (100 ms heartbeats) on the broker at `workers_address`, its loop on a
+    thread, until the block ends: then `release` is set (a step waiting on it goes on), and the worker drains."""
+    serve = Serve(engine, WorkerConfig(broker=workers_address, name="fw", heartbeat_ms=100), lambda s: s)
+    thread = threading.Thread(target=serve.run, daemon=True)
+    thread.start()
+    try:
+        yield serve
+    finally:
+        if release is not None:
+            release.set()
+        serve.drain()
+        serve.drain()
+        thread.join(timeout=10)
+
+
 def test_the_compute_thread_sends_on_the_socket_itself_and_reads_requests_between_steps() -> None:
     """Link.send writes the caller's encoded frames to the DEALER in order (no queue, no other thread in between);
     Link.receive(0) takes a request straight from the socket, and the link thread keeps registering meanwhile."""
@@ -598,36 +616,58 @@ def test_requests_past_the_inbox_s_byte_bound_are_not_queued_and_reach_the_compu
         broker.context.term()
 
 
-def test_a_sessions_requests_after_one_not_queued_follow_it_so_they_never_run_out_of_order() -> None:
-    """An APPEND past the bound is not queued: a GENERATE (or CHAT, FORK, APPEND) of its session read after it is not
-    queued either, or it would run without the tokens refused before it; INFO and another session's requests go on.
-    Once the compute loop has taken the refused ones, the session's requests are queued again."""
-    from worker.serve import link as link_module
-
-    header = msgpack.unpackb(p.encode(p.Append(request_id="a00", session_id=SID, route=b"c",
-                                               token_ids=tuple(range(70_000, 71_000)) * 600))[2])
-    fits = link_module.MAX_INBOX_BYTES // sum(map(len, p.encode(p.Append(**{**header, "request_id": "a00"}))))
-    other = "b" * 32
+@contextmanager
+def welcomed_link() -> Iterator[tuple[Broker, Link]]:
+    """A started bare Link, registered with a broker that sends no heartbeats; stopped and closed after."""
     broker = Broker()
     link = bare_link(broker, heartbeat_ms=50)
     link.start()
     try:
         assert isinstance(broker.recv(), p.Ready)
         broker.send(p.Welcome(broker_id="b1", heartbeat_ms=50, liveness=100))
-        for i in range(fits + 1):  # the last one is not queued
-            header["request_id"] = f"a{i:02d}"
-            broker.sock.send_multipart([broker.worker, p.VERSION, b"APPEND", msgpack.packb(header, use_bin_type=True)])
+        yield broker, link
+    finally:
+        link.stop()
+        broker.sock.close()
+        broker.context.term()
+
+
+def flood_past_the_bound(broker: Broker, session_id: str) -> int:
+    """3 MB APPENDs of `session_id` up to MAX_INBOX_BYTES and one more (not queued): how many fit."""
+    from worker.serve import link as link_module
+
+    header = msgpack.unpackb(p.encode(p.Append(request_id="a00", session_id=session_id, route=b"c",
+                                               token_ids=tuple(range(70_000, 71_000)) * 600))[2])
+    fits = link_module.MAX_INBOX_BYTES // sum(map(len, p.encode(p.Append(**header))))
+    for i in range(fits + 1):
+        header["request_id"] = f"a{i:02d}"
+        broker.sock.send_multipart([broker.worker, p.VERSION, b"APPEND", msgpack.packb(header, use_bin_type=True)])
+    return fits
+
+
+def received(link: Link, count: int, deadline: float) -> list[Received]:
+    """What the compute loop takes from the link, until `count` requests (at least one)."""
+    got: list[Received] = []
+    while len(got) < max(count, 1):
+        assert time.monotonic() < deadline, [type(m).__name__ for m in got]
+        got += link.receive(0.05)
+    return got
+
+
+def test_a_sessions_requests_after_one_not_queued_follow_it_so_they_never_run_out_of_order() -> None:
+    """An APPEND past the bound is not queued: a GENERATE (or CHAT, FORK, APPEND) of its session read after it is not
+    queued either, or it would run without the tokens refused before it; INFO and another session's requests go on.
+    Once the compute loop has taken the refused ones, the session's requests are queued again."""
+    with welcomed_link() as (broker, link):
+        fits = flood_past_the_bound(broker, SID)  # the last one is not queued
         after = [p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"),
                  p.Info(request_id="i1", session_id=SID, route=b"c"),
-                 p.Append(request_id="o1", session_id=other, token_ids=(1, 2), route=b"c"),
+                 p.Append(request_id="o1", session_id="b" * 32, token_ids=(1, 2), route=b"c"),
                  p.Fork(request_id="f1", session_id=SID, child_id="d" * 32, route=b"c")]
         for message in after:
             broker.send(message)
-        got: list[Received] = []
         deadline = time.monotonic() + 20
-        while len(got) < fits + 1 + len(after):
-            assert time.monotonic() < deadline, [type(m).__name__ for m in got]
-            got += link.receive(0.05)
+        got = received(link, fits + 1 + len(after), deadline)
         assert [(type(m).__name__, m.request_id) for m in got[fits:]] == [  # type: ignore[union-attr]
             ("Unqueued", f"a{fits:02d}"), ("Unqueued", "g1"), ("Info", "i1"), ("Append", "o1"), ("Unqueued", "f1")]
         follower = got[fits + 1]
@@ -635,15 +675,8 @@ def test_a_sessions_requests_after_one_not_queued_follow_it_so_they_never_run_ou
             f"worker fw is overloaded: it did not keep an earlier request of session {SID}, so this one is not run "
             "after it either: retry later")
         broker.send(p.Generate(request_id="g2", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"))
-        later: list[Received] = []
-        while not later:
-            assert time.monotonic() < deadline
-            later = link.receive(0.05)
+        later = received(link, 1, deadline)
         assert [(type(m).__name__, m.request_id) for m in later] == [("Generate", "g2")]  # type: ignore[union-attr]
-    finally:
-        link.stop()
-        broker.sock.close()
-        broker.context.term()
 
 
 def test_past_max_unqueued_a_refused_request_still_holds_its_sessions_later_ones(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -652,41 +685,20 @@ def test_past_max_unqueued_a_refused_request_still_holds_its_sessions_later_ones
     from worker.serve import link as link_module
 
     monkeypatch.setattr(link_module, "MAX_UNQUEUED", 1)
-    header = msgpack.unpackb(p.encode(p.Append(request_id="a00", session_id="b" * 32, route=b"c",
-                                               token_ids=tuple(range(70_000, 71_000)) * 600))[2])
-    fits = link_module.MAX_INBOX_BYTES // sum(map(len, p.encode(p.Append(**{**header, "request_id": "a00"}))))
-    broker = Broker()
-    link = bare_link(broker, heartbeat_ms=50)
-    link.start()
-    try:
-        assert isinstance(broker.recv(), p.Ready)
-        broker.send(p.Welcome(broker_id="b1", heartbeat_ms=50, liveness=100))
-        for i in range(fits + 1):  # the last one waits as an Unqueued: MAX_UNQUEUED reached
-            header["request_id"] = f"a{i:02d}"
-            broker.sock.send_multipart([broker.worker, p.VERSION, b"APPEND", msgpack.packb(header, use_bin_type=True)])
-        header.update(request_id="s1", session_id=SID)  # answered at once
-        broker.sock.send_multipart([broker.worker, p.VERSION, b"APPEND", msgpack.packb(header, use_bin_type=True)])
+    with welcomed_link() as (broker, link):
+        fits = flood_past_the_bound(broker, "b" * 32)  # the last one waits as an Unqueued: MAX_UNQUEUED reached
+        broker.send(p.Append(request_id="s1", session_id=SID, token_ids=(70_000,) * 600_000, route=b"c"))  # at once
         broker.send(p.Generate(request_id="g1", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"))
         broker.send(p.Info(request_id="i1", session_id=SID, route=b"c"))
         refused = [cast(p.Error, broker.recv_until(p.Error)) for _ in range(2)]
         assert [(e.request_id, e.code) for e in refused] == [("s1", p.ErrorCode.OVERLOADED), ("g1", p.ErrorCode.OVERLOADED)]
-        got: list[Received] = []
         deadline = time.monotonic() + 20
-        while len(got) < fits + 2:
-            assert time.monotonic() < deadline, [type(m).__name__ for m in got]
-            got += link.receive(0.05)
+        got = received(link, fits + 2, deadline)
         assert [(type(m).__name__, m.request_id) for m in got[fits:]] == [  # type: ignore[union-attr]
             ("Unqueued", f"a{fits:02d}"), ("Info", "i1")]
         broker.send(p.Generate(request_id="g2", session_id=SID, params=p.Sampling(max_tokens=2), route=b"c"))
-        later: list[Received] = []
-        while not later:
-            assert time.monotonic() < deadline
-            later = link.receive(0.05)
+        later = received(link, 1, deadline)
         assert [(type(m).__name__, m.request_id) for m in later] == [("Generate", "g2")]  # type: ignore[union-attr]
-    finally:
-        link.stop()
-        broker.sock.close()
-        broker.context.term()
 
 
 def unqueue(link: Link, item: Unqueued) -> None:
