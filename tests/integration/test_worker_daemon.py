@@ -106,8 +106,8 @@ class FakeEngine:
         """A byte tokenizer, as the random models' (the real tokenizers library: it releases the GIL)."""
         return TOKENIZER.encode(text, add_bos)
 
-    def boundary_tail(self, session_id: str) -> list[int]:
-        return []
+    def text_context(self, session_id: str, boundary_check: bool = False) -> tuple[bool | None, list[int] | None]:
+        return (None, None) if not self.lengths[self._known(session_id)] else (False, [] if boundary_check else None)
 
     def sessions(self) -> list[str]:
         return list(self.lengths)

@@ -247,9 +247,16 @@ class Engine:
     def session_tokens(self, session_id: str) -> list[int]:
         return list(self._session(session_id).tokens)
 
-    def boundary_tail(self, session_id: str) -> list[int]:
-        """The session's last tokens that a text appended with boundary_check is tokenized with (Tokenizer.boundary_tail)."""
-        return self.tokenizer.boundary_tail(self._session(session_id).tokens)
+    def text_context(self, session_id: str, boundary_check: bool = False) -> tuple[bool | None, list[int] | None]:
+        """How a text appended to the session is tokenized: `tokenize`'s add_bos (the tokenizer's own choice for a
+        session's first text, no BOS after) and `after` (with boundary_check on a session that holds tokens, its last
+        ones: Tokenizer.boundary_tail; a first text has none to check)."""
+        return self._text_context(self._session(session_id), boundary_check)
+
+    def _text_context(self, session: Session, boundary_check: bool) -> tuple[bool | None, list[int] | None]:
+        if not session.tokens:
+            return None, None
+        return False, self.tokenizer.boundary_tail(session.tokens) if boundary_check else None
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -323,8 +330,7 @@ class Engine:
             if not isinstance(text, str):
                 raise BadRequest("text must be a string")
             self._check_text_fits(session, text)
-            ids = self.tokenize(text, None if not session.tokens else False,
-                                self.tokenizer.boundary_tail(session.tokens) if boundary_check and session.tokens else None)
+            ids = self.tokenize(text, *self._text_context(session, boundary_check))
         else:
             if token_ids is not None and not isinstance(token_ids, (str, bytes)):
                 self._check_fits(session, len(token_ids))  # before the per-id checks of a long list
@@ -340,7 +346,7 @@ class Engine:
 
     def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]:
         """The ids of `text` as an append of it makes them; `after`: the last tokens of the session it continues
-        (`boundary_tail`), for an append with boundary_check (PromptBoundary where the text re-tokenizes them). Reads
+        (`text_context`), for an append with boundary_check (PromptBoundary where the text re-tokenizes them). Reads
         only the tokenizer: safe on another thread than the engine's (the worker tokenizes long texts off its compute
         loop), and releases the GIL for long texts."""
         try:

@@ -41,9 +41,9 @@ LLAMA3_PATTERN = (
 # (its single-text call holds it: 4.2M characters held it for ~6 s, and no other thread of the process ran).
 RELEASE_GIL_CHARS = 4096
 
-# The chat template's variables the server sets (transformers' own): a request's template arguments cannot name them.
-TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token",
-                          "raise_exception", "strftime_now"})
+# The chat template's variables the server sets (transformers' own): a request's template arguments cannot name them,
+# nor the environment's globals (Tokenizer._own_names).
+TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"})
 
 # The window `Tokenizer.boundary_tail` takes: more bytes than any word, number or run of punctuation a tokenizer's
 # pre-tokenizer keeps in one piece in ordinary text.

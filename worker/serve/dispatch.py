@@ -76,7 +76,7 @@ class EngineAPI(Protocol):
                   template_args: Mapping[str, Any] | None = None) -> str: ...
     def check_text_fits(self, session_id: str, text: str) -> None: ...
     def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]: ...
-    def boundary_tail(self, session_id: str) -> list[int]: ...
+    def text_context(self, session_id: str, boundary_check: bool = False) -> tuple[bool | None, list[int] | None]: ...
     def sessions(self) -> list[str]: ...
     def session_length(self, session_id: str) -> int: ...
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
@@ -343,7 +343,7 @@ class Dispatch:
             # room checked, against the session before its generation's tokens
             raise SessionBusy(f"session {sid} already has a generation in flight" if isinstance(request, p.Generate)
                               else f"session {sid} is generating: append after the generation ends")
-        after: list[int] | None = None  # the session's last tokens, for a text sent with boundary_check
+        after: list[int] | None = None
         if isinstance(request, p.Chat):
             text = e.chat_text(sid, [{"role": request.role, "content": text}])
             add_bos: bool | None = False
@@ -351,9 +351,7 @@ class Dispatch:
             text = e.chat_text(sid, _turns(request.messages), request.boundary_check, _args(request.template_args))
             add_bos = False
         else:  # (the session cannot change while its text is tokenized: its requests wait behind it)
-            add_bos = None if e.session_length(sid) == 0 else False
-            if getattr(request, "boundary_check", False) and add_bos is False:  # (on an empty session: a first text)
-                after = e.boundary_tail(sid)
+            add_bos, after = e.text_context(sid, getattr(request, "boundary_check", False))
         e.check_text_fits(sid, text)
         if self._tokenizer is None:
             self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="worker-tokenize")
