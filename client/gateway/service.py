@@ -314,7 +314,7 @@ class Service:
             return await self._begin(ask, entry, resumed, started)
         except START_OVER as e:
             if not resumed:
-                self.discard(entry, "replaced" if isinstance(e, PromptBoundary) else "gone")
+                self.discard(entry, _closed_why(e))
                 raise from_client_error(e) from e
             return await self._start_over(ask, entry, e, started)
         except ClientError as e:
@@ -333,7 +333,7 @@ class Service:
         name = None if entry.deleted else ask.name
         if name is not None:
             self.store.opening.add((ask.owner, name))  # before the close frees the name
-        self.discard(entry, "replaced" if isinstance(e, PromptBoundary) else "gone")
+        self.discard(entry, _closed_why(e))
         if name is not None:
             fresh = await self._open_named(ask)
         else:
@@ -591,6 +591,11 @@ def _text_is_tokens(kind: Kind, sampling: schema.Sampling, result: Generation, s
     if "\ufffd" in result.text:
         return False
     return kind != "chat" or not (sampling.ignore_eos or (stop_token and sampling.stop_token_ids))
+
+
+def _closed_why(e: ClientError) -> str:
+    """sessions_closed_total's `why` for a session closed because it could not take a turn (START_OVER)."""
+    return "replaced" if isinstance(e, PromptBoundary) else "gone"
 
 
 def _finish(reason: str) -> str:
