@@ -338,7 +338,7 @@ class AsyncSession:
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ...,
                        stream: Literal[False] = ..., *, stop_token_ids: Sequence[int] = ...,
-                       ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ...,
+                       ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ..., from_start: bool = ...,
                        prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                        chat_template_kwargs: Mapping[str, Any] | None = ...,
                        logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
@@ -346,7 +346,7 @@ class AsyncSession:
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ..., *,
                        stream: Literal[True], stop_token_ids: Sequence[int] = ...,
-                       ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ...,
+                       ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ..., from_start: bool = ...,
                        prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                        chat_template_kwargs: Mapping[str, Any] | None = ...,
                        logprobs: int | None = ..., timeout: float | None = ...) -> AsyncStream: ...
@@ -355,18 +355,18 @@ class AsyncSession:
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
-        boundary_check: bool = False,
+        boundary_check: bool = False, from_start: bool = False,
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
         timeout: float | None = None,
     ) -> Generation | AsyncStream:
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
         request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
-                                         chat_template_kwargs)
+                                         chat_template_kwargs, from_start)
         return await self._send_generate(request, timeout)
 
     async def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | AsyncStream:
-        chat = bool(request.messages)
+        chat = bool(request.messages) and not request.from_start  # (which may append nothing)
         if not request.stream:
             return calls.generation(await self.client._call(request, p.Generated, timeout), chat)
         transport = self.client._transport

@@ -61,7 +61,8 @@ def items(name: str, value: Any) -> tuple[Any, ...]:
 def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: str | None = None,
                      prompt_ids: Sequence[int] | None = None,
                      messages: Sequence[Mapping[str, str]] | None = None,
-                     boundary_check: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None) -> p.Generate:
+                     boundary_check: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
+                     from_start: bool = False) -> p.Generate:
     """The whole GENERATE, checked before anything is sent: a turn (prompt, prompt ids or chat messages) and its
     generation are one request, which the worker takes whole or refuses whole."""
     turns = None if messages is None else tuple(chat_message(m) for m in items("messages", messages))
@@ -70,7 +71,7 @@ def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: 
     args = tuple(build(p.TemplateArg, name=k, value=v) for k, v in (chat_template_kwargs or {}).items())
     return build(p.Generate, request_id=new_request_id(), session_id=session_id, params=params, stream=stream,
                  prompt=prompt, prompt_ids=None if prompt_ids is None else items("prompt_ids", prompt_ids),
-                 messages=turns, boundary_check=boundary_check, template_args=args)
+                 messages=turns, boundary_check=boundary_check, template_args=args, from_start=from_start)
 
 
 def chat_message(message: Mapping[str, str]) -> p.ChatMessage:
@@ -222,7 +223,7 @@ def generation(g: p.Generated, chat: bool = False) -> Generation:
     if chat and g.appended == 0:
         raise InternalError("the worker generated without appending the chat turn: it is older than this client "
                             "(upgrade the worker)", request_id=g.request_id)
-    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended, list(g.logprobs))
+    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended, list(g.logprobs), g.rewound)
 
 
 def session_info(i: p.SessionInfo) -> SessionInfo:

@@ -111,8 +111,8 @@ class Overloaded(ClientError):
 class PromptBoundary(BadRequest):
     """A text sent with boundary_check would change how the session's last tokens tokenize (e.g. "Par" held, "is"
     sent: one token, "Paris"), or chat turns follow an answer the model's template renders otherwise once they follow
-    it (Qwen3 drops its reasoning): nothing was appended. A new session given the whole text, or conversation, gets
-    its exact tokens."""
+    it (Qwen3 drops its reasoning): nothing was appended. The whole text, or conversation, sent with
+    `generate(..., from_start=True)` gets its exact tokens (the session keeps what it holds of them)."""
 
     code = "prompt_boundary"
 

@@ -16,6 +16,7 @@ class Generation:
     appended: int = 0  # prompt tokens the call appended before generating (generate(prompt=...))
     # generate(logprobs=k): one per token id, (logprob, token bytes, the top k as (id, logprob, bytes))
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    rewound: int = 0  # generate(from_start=True): the session's tokens it dropped (held, and not in the new prompt)
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ class Session:
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., stream: Literal[False] = ..., *,
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
-                 boundary_check: bool = ...,
+                 boundary_check: bool = ..., from_start: bool = ...,
                  prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                  chat_template_kwargs: Mapping[str, Any] | None = ...,
                  logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
@@ -163,7 +163,7 @@ class Session:
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., *, stream: Literal[True],
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
-                 boundary_check: bool = ...,
+                 boundary_check: bool = ..., from_start: bool = ...,
                  prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                  chat_template_kwargs: Mapping[str, Any] | None = ...,
                  logprobs: int | None = ..., timeout: float | None = ...) -> Stream: ...
@@ -172,7 +172,7 @@ class Session:
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
-        boundary_check: bool = False,
+        boundary_check: bool = False, from_start: bool = False,
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
         timeout: float | None = None,
@@ -186,14 +186,20 @@ class Session:
         prompt (on a session holding a conversation: what the template puts after its last answer).
         `logprobs=k`: each token's log-probability and the k most likely (0 <= k <= 20) in the result's
         `logprobs`. max_tokens 0 only computes the prompt (then fork it: each child computes one token).
+        `from_start=True`: the prompt (or messages) is the session's whole context from its start, not a continuation:
+        the session keeps what it holds that the prompt starts with, not computed again, and drops the rest, so that
+        it holds exactly what a new session given that prompt would (edit a conversation, generate an answer again).
+        The result's `rewound` counts the tokens dropped and `appended` those added after what was kept. A model with
+        a recurrent state (Qwen3.5) can only keep everything its state has taken in: otherwise the session is
+        computed again from its start.
         """
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
         request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
-                                         chat_template_kwargs)
+                                         chat_template_kwargs, from_start)
         return self._send_generate(request, timeout)
 
     def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | Stream:
-        chat = bool(request.messages)
+        chat = bool(request.messages) and not request.from_start  # (which may append nothing)
         if not request.stream:
             return calls.generation(self.client._call(request, p.Generated, timeout), chat)
         transport = self.client._transport

@@ -467,6 +467,11 @@ class Generate(Message):
     messages: Annotated[tuple[ChatMessage, ...] | None, nested_list(ChatMessage, MAX_MESSAGES, optional=True)] = None
     # Variables for the chat template, beside `messages` (and for the turns' rendering on a session that holds some).
     template_args: Annotated[tuple[TemplateArg, ...], nested_list(TemplateArg, MAX_TEMPLATE_ARGS)] = ()
+    # The prompt (prompt_ids, prompt or messages) is the session's whole context from its start, not a continuation:
+    # the session keeps what it held that the prompt starts with and drops the rest (worker.engine.Engine.kept), so
+    # that it holds exactly what a new session given that prompt would (an edited conversation, an answer generated
+    # again, a template that renders earlier turns otherwise once more follow).
+    from_start: Annotated[bool, boolean] = False
     # Only on a resend of a streamed GENERATE whose chunks the client has seen: the offset of the first token it
     # lacks. The worker sends what it made from there in one CHUNKS, and never runs an id it no longer knows again.
     resume: Annotated[int | None, integer(0, MAX_TOKENS, optional=True)] = None
@@ -477,6 +482,9 @@ class Generate(Message):
             raise _bad("generate takes at most one of prompt_ids, prompt or messages")
         if self.template_args and self.messages is None:
             raise _bad("template_args go with messages")
+        if self.from_start and (self.boundary_check or (self.prompt_ids, self.prompt, self.messages) == (None,) * 3):
+            raise _bad("from_start takes the session's whole context (prompt_ids, prompt or messages), "
+                       "without boundary_check")
         names = [a.name for a in self.template_args]
         if len(set(names)) != len(names):
             raise _bad("template_args names a variable twice")
@@ -586,6 +594,7 @@ class Generated(Message):
     finish_reason: Annotated[str, one_of(FINISH_REASONS)]
     length: Count
     appended: Count = 0  # prompt tokens the GENERATE appended before generating
+    rewound: Count = 0  # from_start: the session's tokens it dropped before appending (held and not kept)
     route: Route = b""
     logprobs: Annotated[tuple[TokenLogprob, ...], token_logprobs] = ()  # one per token id, when Sampling asked
 

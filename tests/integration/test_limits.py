@@ -151,7 +151,7 @@ def stuck(cluster: Cluster) -> Iterator[tuple[Cluster, Serve, threading.Event]]:
             release.wait(60)
         return step(wait)
 
-    def check_text_fits(session_id: str, text: str) -> None:
+    def check_text_fits(session_id: str, text: str, from_start: bool = False) -> None:
         if len(text) > engine.max_context * 4:
             raise ContextOverflow(f"a text of {len(text)} characters cannot fit the session")
 

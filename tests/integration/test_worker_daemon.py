@@ -91,22 +91,26 @@ class FakeEngine:
     def chat(self, session_id: str, content: str, role: str = "user") -> int:
         raise NotImplementedError
 
+    def kept(self, session_id: str, ids: Sequence[int]) -> int:
+        raise NotImplementedError
+
     def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                 template_args: Mapping[str, Any] | None = None) -> list[int]:
+                 template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> list[int]:
         raise NotImplementedError
 
     def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                  template_args: Mapping[str, Any] | None = None) -> str:
+                  template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> str:
         return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
 
-    def check_text_fits(self, session_id: str, text: str) -> None:
+    def check_text_fits(self, session_id: str, text: str, from_start: bool = False) -> None:
         self._known(session_id)
 
     def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]:
         """A byte tokenizer, as the random models' (the real tokenizers library: it releases the GIL)."""
         return TOKENIZER.encode(text, add_bos)
 
-    def text_context(self, session_id: str, boundary_check: bool = False) -> tuple[bool | None, list[int] | None]:
+    def text_context(self, session_id: str, boundary_check: bool = False,
+                     from_start: bool = False) -> tuple[bool | None, list[int] | None]:
         return (None, None) if not self.lengths[self._known(session_id)] else (False, [] if boundary_check else None)
 
     def sessions(self) -> list[str]:
@@ -120,7 +124,7 @@ class FakeEngine:
 
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
                        prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
-                       boundary_check: bool = False) -> str:
+                       boundary_check: bool = False, from_start: bool = False) -> str:
         self._known(session_id)
         if any(s == session_id for s, _ in self.active.values()):
             raise SessionBusy("busy")

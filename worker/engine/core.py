@@ -46,7 +46,7 @@ from worker.engine.hibernation import Hibernation, SessionLost, Stored
 from worker.engine.options import EngineOptions
 from worker.engine.sampling import RowRandom, SamplingParams, sample_ids, step_logprobs
 from worker.engine.scheduler import StepPlan, schedule
-from worker.engine.session import NO_SLOT, Chunk, Generation, Launched, Request, Session, TokenLogprob
+from worker.engine.session import NO_SLOT, Chunk, Generation, Launched, Request, Session, TokenLogprob, common_prefix
 from worker.errors import (
     BadRequest,
     ContextOverflow,
@@ -247,14 +247,17 @@ class Engine:
     def session_tokens(self, session_id: str) -> list[int]:
         return list(self._session(session_id).tokens)
 
-    def text_context(self, session_id: str, boundary_check: bool = False) -> tuple[bool | None, list[int] | None]:
+    def text_context(self, session_id: str, boundary_check: bool = False,
+                     from_start: bool = False) -> tuple[bool | None, list[int] | None]:
         """How a text appended to the session is tokenized: `tokenize`'s add_bos (the tokenizer's own choice for a
         session's first text, no BOS after) and `after` (with boundary_check on a session that holds tokens, its last
-        ones: Tokenizer.boundary_tail; a first text has none to check)."""
-        return self._text_context(self._session(session_id), boundary_check)
+        ones: Tokenizer.boundary_tail; a first text has none to check). `from_start`: the text is the session's whole
+        context (start_generate's from_start), tokenized as a first text."""
+        return self._text_context(self._session(session_id), boundary_check, from_start)
 
-    def _text_context(self, session: Session, boundary_check: bool) -> tuple[bool | None, list[int] | None]:
-        if not session.tokens:
+    def _text_context(self, session: Session, boundary_check: bool,
+                      from_start: bool = False) -> tuple[bool | None, list[int] | None]:
+        if not session.tokens or from_start:
             return None, None
         return False, self.tokenizer.boundary_tail(session.tokens) if boundary_check else None
 
@@ -322,26 +325,23 @@ class Engine:
         return len(session.tokens)
 
     def _prompt(self, session: Session, token_ids: Sequence[int] | None, text: str | None,
-                boundary_check: bool = False) -> list[int]:
-        """The ids that appending `token_ids` or `text` would add, checked (nothing is changed)."""
+                boundary_check: bool = False, from_start: bool = False) -> list[int]:
+        """The ids that appending `token_ids` or `text` would add (`from_start`: that would be the session's whole
+        context, the text tokenized as a first text), checked (nothing is changed)."""
         if (token_ids is None) == (text is None):
             raise BadRequest("append takes exactly one of token_ids or text")
         if text is not None:
             if not isinstance(text, str):
                 raise BadRequest("text must be a string")
-            self._check_text_fits(session, text)
-            ids = self.tokenize(text, *self._text_context(session, boundary_check))
+            self._check_text_fits(session, text, from_start)
+            ids = self.tokenize(text, *self._text_context(session, boundary_check, from_start))
         else:
             if token_ids is not None and not isinstance(token_ids, (str, bytes)):
-                self._check_fits(session, len(token_ids))  # before the per-id checks of a long list
+                self._check_fits(session, len(token_ids), from_start)  # before the per-id checks of a long list
             ids = self._check_ids(token_ids)
         if not ids:
             raise BadRequest("append needs at least one token (empty text or token_ids)")
-        if len(session.tokens) + len(ids) > self.max_context:
-            raise ContextOverflow(
-                f"session {session.id} holds {len(session.tokens)} tokens; {len(ids)} more exceed "
-                f"max_context {self.max_context}"
-            )
+        self._check_fits(session, len(ids), from_start)
         return ids
 
     def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]:
@@ -366,23 +366,28 @@ class Engine:
             raise BadRequest(f"the text encodes to token id {max(ids)}, past the model's vocabulary of {vocab}")
         return ids
 
-    def check_text_fits(self, session_id: str, text: str) -> None:
+    def check_text_fits(self, session_id: str, text: str, from_start: bool = False) -> None:
         """ContextOverflow at once when `text` cannot fit the session whatever its tokenization (a lower bound on its
         tokens, known without tokenizing it: `Tokenizer.min_tokens`), so that a huge text is refused without the
-        seconds and memory its tokenization would take. SessionNotFound for an unknown session."""
-        self._check_text_fits(self._session(session_id), text)
+        seconds and memory its tokenization would take (`from_start`: as the session's whole context). SessionNotFound
+        for an unknown session."""
+        self._check_text_fits(self._session(session_id), text, from_start)
 
-    def _check_text_fits(self, session: Session, text: str) -> None:
+    def _check_text_fits(self, session: Session, text: str, from_start: bool = False) -> None:
         least = self.tokenizer.min_tokens(text)
-        if len(session.tokens) + least > self.max_context:
+        held = 0 if from_start else len(session.tokens)
+        if held + least > self.max_context:
             raise ContextOverflow(
-                f"session {session.id} holds {len(session.tokens)} tokens; a text of {len(text)} characters is at "
+                f"session {session.id} holds {held} tokens; a text of {len(text)} characters is at "
                 f"least {least} tokens (a token holds at most {self.tokenizer.max_token_bytes} bytes), which exceed "
                 f"max_context {self.max_context}"
             )
 
-    def _check_fits(self, session: Session, tokens: int) -> None:
-        if len(session.tokens) + tokens > self.max_context:
+    def _check_fits(self, session: Session, tokens: int, from_start: bool = False) -> None:
+        if from_start:
+            if tokens > self.max_context:
+                raise ContextOverflow(f"a context of {tokens} tokens exceeds max_context {self.max_context}")
+        elif len(session.tokens) + tokens > self.max_context:
             raise ContextOverflow(
                 f"session {session.id} holds {len(session.tokens)} tokens; {tokens} more exceed "
                 f"max_context {self.max_context}"
@@ -397,12 +402,13 @@ class Engine:
         return self.append(session_id, token_ids=self.tokenize(text, add_bos=False))
 
     def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                 template_args: Mapping[str, Any] | None = None) -> list[int]:
+                 template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> list[int]:
         """The token ids that appending these chat turns adds to the session (see chat_text; nothing is changed)."""
-        return self.tokenize(self.chat_text(session_id, messages, boundary_check, template_args), add_bos=False)
+        return self.tokenize(self.chat_text(session_id, messages, boundary_check, template_args, from_start),
+                             add_bos=False)
 
     def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                  template_args: Mapping[str, Any] | None = None) -> str:
+                  template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> str:
         """The text that appending these chat turns, rendered with the model's template, plus the assistant prompt,
         adds to the session (tokenized without a BOS; nothing is changed). Cheap next to tokenizing it: the worker
         renders on its compute loop and tokenizes a long text on another thread.
@@ -416,16 +422,19 @@ class Engine:
         the turns follow it (`Tokenizer.chat_after_answer`): its tokens are then not those of the whole conversation
         rendered at once. With `boundary_check` that is refused instead: PromptBoundary, nothing appended, and a new
         session given the whole conversation gets its tokens (the gateway's way). `template_args`: more variables for
-        the template (Qwen3's enable_thinking), for the turns' rendering on a session that holds some too."""
+        the template (Qwen3's enable_thinking), for the turns' rendering on a session that holds some too.
+        `from_start`: the turns are the whole conversation (start_generate's from_start), rendered as on an empty
+        session."""
         session = self._session(session_id)
         if isinstance(messages, (str, bytes)) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
             raise BadRequest("chat messages must be maps with string role and content")
         turns = [{"role": m["role"], "content": m["content"]} for m in messages]
-        if not session.tokens and not turns:
-            raise BadRequest(f"session {session_id} is empty: its first chat turn needs a message")
+        if (not session.tokens or from_start) and not turns:
+            raise BadRequest(f"session {session_id} is empty: its first chat turn needs a message" if not from_start
+                             else "from_start needs the whole conversation: at least one message")
         try:
-            if not session.tokens:
+            if not session.tokens or from_start:
                 first: str = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True,
                                                                 variables=template_args)
                 return first
@@ -445,13 +454,18 @@ class Engine:
 
     def start_generate(self, session_id: str, params: SamplingParams, request_id: str | None = None, *,
                        prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
-                       boundary_check: bool = False) -> str:
+                       boundary_check: bool = False, from_start: bool = False) -> str:
         """Queue a generation; it runs in the following steps. Validates everything now.
 
         With `prompt_ids` or `prompt` (text), that prompt is appended first, as by `append` (`boundary_check` too): one call for a
         turn. Either both happen or, when anything is refused, neither. max_tokens 0 only prefills: the prompt is
         computed but for its last token, which stays pending as after a generation (so forks of the session then
         each compute one token, not the prompt), and the request ends "length" with no tokens.
+
+        `from_start`: the prompt is the session's whole context from its start, not a continuation (a text is
+        tokenized as a first text): the session then holds exactly its tokens, as a new session given it would. What
+        it held that the prompt starts with is kept, not computed again (`kept`); the rest of what it held is dropped
+        (an edited or cut conversation, an answer generated again, a template that renders earlier turns otherwise).
         """
         session = self._session(session_id)
         params.validate(self.model.config.vocab_size)
@@ -460,8 +474,11 @@ class Engine:
                              "(worker --max-context)")
         if session.request is not None:
             raise SessionBusy(f"session {session_id} already has a generation in flight")
-        ids = [] if prompt_ids is None and prompt is None else self._prompt(session, prompt_ids, prompt, boundary_check)
-        length = len(session.tokens) + len(ids)
+        if from_start and (boundary_check or (prompt_ids is None and prompt is None)):
+            raise BadRequest("from_start takes the session's whole context as the prompt, without boundary_check")
+        ids = [] if prompt_ids is None and prompt is None else self._prompt(session, prompt_ids, prompt, boundary_check,
+                                                                          from_start)
+        length = (0 if from_start else len(session.tokens)) + len(ids)
         if not length:
             raise BadRequest(f"session {session_id} is empty: append a prompt before generating")
         if length >= self.max_context:
@@ -473,7 +490,11 @@ class Engine:
         request = Request(rid, session, params, RowRandom.for_params(params), Detokenizer(self.tokenizer, params.stop), stop_ids)
         self._resident(session)  # a hibernated session is restored first: refused whole if it cannot be
         session.used_at = time.monotonic()
-        session.tokens.extend(ids)
+        if from_start:
+            session.computed = min(session.computed, self._kept(session, ids))
+            session.tokens[:] = ids
+        else:
+            session.tokens.extend(ids)
         if session.computed >= len(session.tokens):
             # The state holds every token (a step run ahead fed the last sample of the generation before): the first
             # sample needs a token run again. A state a rerun rewrites runs the last one again; a recurrent one, which
@@ -485,6 +506,17 @@ class Engine:
         session.request = request
         self._active[rid] = request
         return rid
+
+    def kept(self, session_id: str, ids: Sequence[int]) -> int:
+        """How many of the session's tokens a from_start prompt of `ids` keeps (their state is not computed again):
+        those `ids` starts with, where the state can be cut there. A state laid out by position can be cut anywhere;
+        a recurrent one, which cannot take tokens back, only after the tokens it has taken in: where `ids` leaves one
+        of those out, it keeps none, and the session is computed again from its start."""
+        return self._kept(self._session(session_id), ids)
+
+    def _kept(self, session: Session, ids: Sequence[int]) -> int:
+        same = common_prefix(session.tokens, ids)
+        return same if same >= session.computed or self._rewritable else 0
 
     def cancel(self, request_id: str) -> None:
         """End a generation early; its final chunk (finish_reason "cancelled") comes from the next step."""

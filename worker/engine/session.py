@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +83,22 @@ class Session:
     @property
     def pending(self) -> int:
         return len(self.tokens) - self.computed
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` start with alike."""
+    a, b = (x if isinstance(x, list) else list(x) for x in (a, b))  # (a list never equals a tuple)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a conversation that goes on), at list-compare speed
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass

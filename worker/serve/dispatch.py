@@ -70,18 +70,20 @@ class EngineAPI(Protocol):
     def append(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None, *,
                boundary_check: bool = False) -> int: ...
     def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
+    def kept(self, session_id: str, ids: Sequence[int]) -> int: ...
     def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                 template_args: Mapping[str, Any] | None = None) -> list[int]: ...
+                 template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> list[int]: ...
     def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                  template_args: Mapping[str, Any] | None = None) -> str: ...
-    def check_text_fits(self, session_id: str, text: str) -> None: ...
+                  template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> str: ...
+    def check_text_fits(self, session_id: str, text: str, from_start: bool = False) -> None: ...
     def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]: ...
-    def text_context(self, session_id: str, boundary_check: bool = False) -> tuple[bool | None, list[int] | None]: ...
+    def text_context(self, session_id: str, boundary_check: bool = False,
+                     from_start: bool = False) -> tuple[bool | None, list[int] | None]: ...
     def sessions(self) -> list[str]: ...
     def session_length(self, session_id: str) -> int: ...
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
                        prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
-                       boundary_check: bool = False) -> str: ...
+                       boundary_check: bool = False, from_start: bool = False) -> str: ...
     def cancel(self, request_id: str) -> None: ...
     def release_idle_slots(self, older_than_s: float) -> int: ...
     def has_work(self) -> bool: ...
@@ -132,6 +134,7 @@ class Active:
     route: bytes
     stream: bool
     appended: int = 0  # prompt tokens the request appended first
+    rewound: int = 0  # from_start: the session's tokens it dropped first
     token_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # per token, the text let out with it ("" while held back)
     held: str = ""  # text let out by a step that made no token: it goes with the next token (no engine does that now)
@@ -344,15 +347,17 @@ class Dispatch:
             raise SessionBusy(f"session {sid} already has a generation in flight" if isinstance(request, p.Generate)
                               else f"session {sid} is generating: append after the generation ends")
         after: list[int] | None = None
+        from_start = isinstance(request, p.Generate) and request.from_start
         if isinstance(request, p.Chat):
             text = e.chat_text(sid, [{"role": request.role, "content": text}])
             add_bos: bool | None = False
         elif isinstance(request, p.Generate) and request.messages is not None:
-            text = e.chat_text(sid, _turns(request.messages), request.boundary_check, _args(request.template_args))
+            text = e.chat_text(sid, _turns(request.messages), request.boundary_check, _args(request.template_args),
+                               from_start)
             add_bos = False
         else:  # (the session cannot change while its text is tokenized: its requests wait behind it)
-            add_bos, after = e.text_context(sid, getattr(request, "boundary_check", False))
-        e.check_text_fits(sid, text)
+            add_bos, after = e.text_context(sid, getattr(request, "boundary_check", False), from_start)
+        e.check_text_fits(sid, text, from_start)
         if self._tokenizer is None:
             self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="worker-tokenize")
         future = self._tokenizer.submit(e.tokenize, text, add_bos, after)
@@ -438,17 +443,26 @@ class Dispatch:
                 raise GenerationForgotten(f"generation {request.request_id} ended and its answer is no longer kept "
                                           f"(this worker keeps the last {self.config.request_cache}): not run again")
             self._refuse_if_draining("new generations")
-            before = e.session_length(request.session_id)
+            sid = request.session_id
+            before = e.session_length(sid)
             prompt_ids: Sequence[int] | None = request.prompt_ids if ids is None else ids
+            prompt = None if ids is not None else request.prompt
             if request.messages is not None and ids is None:
-                prompt_ids = e.chat_ids(request.session_id, _turns(request.messages), request.boundary_check,
-                                        _args(request.template_args))
-            engine_id = e.start_generate(request.session_id, self._sampling(request.params),
-                                         prompt_ids=prompt_ids, prompt=None if ids is not None else request.prompt,
-                                         boundary_check=request.boundary_check and ids is None)
-            appended = e.session_length(request.session_id) - before
-            self.active[engine_id] = Active(request.request_id, request.session_id, request.route, request.stream,
-                                            appended, logprobs=None if request.params.logprobs is None else [])
+                prompt_ids = e.chat_ids(sid, _turns(request.messages), request.boundary_check,
+                                        _args(request.template_args), request.from_start)
+            kept = before
+            if request.from_start:
+                if prompt is not None:  # tokenized here, to count what the session keeps of its tokens
+                    e.check_text_fits(sid, prompt, from_start=True)
+                    prompt_ids, prompt = e.tokenize(prompt, *e.text_context(sid, from_start=True)), None
+                assert prompt_ids is not None  # (the message's check: from_start comes with a prompt)
+                kept = e.kept(sid, prompt_ids)
+            engine_id = e.start_generate(sid, self._sampling(request.params), prompt_ids=prompt_ids, prompt=prompt,
+                                         boundary_check=request.boundary_check and ids is None,
+                                         from_start=request.from_start)
+            self.active[engine_id] = Active(request.request_id, sid, request.route, request.stream,
+                                            e.session_length(sid) - kept, before - kept,
+                                            logprobs=None if request.params.logprobs is None else [])
             self._by_session[request.session_id] = engine_id
             self.metrics.generation_started(engine_id, time.perf_counter())
             return None  # answered when the generation finishes
@@ -545,7 +559,7 @@ class Dispatch:
         answer = p.Generated.unchecked(request_id=active.request_id, session_id=active.session_id,
                                        token_ids=tuple(active.token_ids), text="".join(active.texts) + active.held,
                                        finish_reason=finish_reason, length=length, appended=active.appended,
-                                       route=active.route, logprobs=tuple(active.logprobs or ()))
+                                       rewound=active.rewound, route=active.route, logprobs=tuple(active.logprobs or ()))
         self._remember((active.session_id, active.request_id), answer)
         return answer
 

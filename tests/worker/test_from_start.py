@@ -1,0 +1,272 @@
+"""A GENERATE whose prompt is the session's whole context (from_start): the session keeps what it holds that the
+prompt starts with and drops the rest, and then generates exactly what transformers generates from that context.
+
+On folders transformers wrote (a dense Qwen3, whose K/V can be cut at any position, and the hybrid Qwen3.5, whose
+recurrent state cannot take tokens back, so that a cut session is computed again from its start): an edited
+conversation, an answer generated again, a context that only extends the session's, each beside another session
+generating in the same steps, and a fork after it; the refusals; and on the worker's request handling, the prompt as
+ids, as text (tokenized as a first text, off the loop too) and as chat messages (rendered as on a new session), with
+the reply's counts of what was dropped and appended."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import worker.serve.dispatch as dispatch_module
+from broker.common import protocol as p
+from tests.worker import test_families, test_qwen3_5
+from worker.engine import Engine, SamplingParams
+from worker.errors import BadRequest, ContextOverflow, SessionBusy
+from worker.serve.config import WorkerConfig
+from worker.serve.dispatch import Dispatch
+from worker.serve.metrics import NoMetrics
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = test_families.VOCAB
+
+
+class Model:
+    def __init__(self, path: Path, prompts: list[list[int]], recurrent: bool) -> None:
+        self.path, self.prompts, self.recurrent = path, prompts, recurrent
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.hf.generation_config.eos_token_id = None
+        self.hf.generation_config.pad_token_id = 0
+
+    def greedy(self, context: list[int], n: int) -> list[int]:
+        """transformers' greedy continuation of `context`, from nothing cached."""
+        with torch.no_grad():
+            out = self.hf.generate(torch.tensor([context]), max_new_tokens=n, do_sample=False,
+                                   attention_mask=torch.ones(1, len(context), dtype=torch.long))
+        tokens: list[int] = out[0, len(context):].tolist()
+        return tokens
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
+    tmp = tmp_path_factory.mktemp("from_start")
+    if request.param == "qwen3":
+        dense = test_families.write_folder(tmp, "qwen3")
+        return Model(dense.path, dense.prompts, recurrent=False)
+    hybrid = test_qwen3_5.write_folder(tmp)
+    return Model(hybrid.path, hybrid.prompts, recurrent=True)
+
+
+@pytest.fixture(scope="module")
+def engine(model: Model) -> Iterator[Engine]:
+    torch.set_num_threads(1)  # (see tests/worker/test_qwen3_5.py's one_thread)
+    eng = Engine.load(str(model.path), device="cpu", max_sessions=4, max_context=512, step_tokens=64)
+    yield eng
+    eng.unload()
+
+
+def run(engine: Engine, starts: list[tuple[str, int, dict[str, Any]]]) -> list[list[int]]:
+    """Start every (session, max_tokens, prompt arguments) generation, then step until all end: their tokens."""
+    rids = [engine.start_generate(sid, SamplingParams(max_tokens=n, ignore_eos=True), **kw) for sid, n, kw in starts]
+    out: dict[str, list[int]] = {rid: [] for rid in rids}
+    open_ = set(rids)
+    for chunk in engine._finished:  # (a prefill-only request with nothing to compute ends at once)
+        open_.discard(chunk.request_id)
+    while open_:
+        for chunk in engine.step():
+            if chunk.request_id in out:
+                out[chunk.request_id] += chunk.token_ids
+                if chunk.finish_reason is not None:
+                    open_.discard(chunk.request_id)
+    while engine.has_work():
+        engine.step()
+    return [out[rid] for rid in rids]
+
+
+def session(engine: Engine, prompt: list[int], n: int) -> tuple[str, list[int]]:
+    sid = engine.create_session()
+    [answer] = run(engine, [(sid, n, {"prompt_ids": prompt})])
+    return sid, answer
+
+
+def test_an_edited_conversation_continues_as_transformers_continues_it(engine: Engine, model: Model) -> None:
+    """The session held a prompt and a 10-token answer; the new context keeps the prompt and 4 of those tokens and
+    goes on otherwise. Beside it, another session generates in the same steps."""
+    prompt, other = model.prompts[1], model.prompts[0]
+    sid, answer = session(engine, prompt, 10)
+    rng = random.Random(7)
+    context = prompt + answer[:4] + [rng.randrange(VOCAB) for _ in range(9)]
+    assert engine.kept(sid, context) == (0 if model.recurrent else len(prompt) + 4)
+    beside = engine.create_session()
+    beside_got, got = run(engine, [(beside, 12, {"prompt_ids": other}), (sid, 12, {"prompt_ids": context,
+                                                                                   "from_start": True})])
+    assert got == model.greedy(context, 12)
+    assert beside_got == model.greedy(other, 12)
+    assert engine.session_tokens(sid) == context + got
+    engine.close(sid)
+    engine.close(beside)
+
+
+def test_an_answer_generated_again_is_the_first_answer(engine: Engine, model: Model) -> None:
+    prompt = model.prompts[1]
+    sid, answer = session(engine, prompt, 10)
+    assert answer == model.greedy(prompt, 10)
+    assert engine.kept(sid, prompt) == (0 if model.recurrent else len(prompt))
+    [again] = run(engine, [(sid, 10, {"prompt_ids": prompt, "from_start": True})])
+    assert again == answer
+    assert engine.session_length(sid) == len(prompt) + 10
+    engine.close(sid)
+
+
+def test_a_context_that_extends_the_session_keeps_all_of_it(engine: Engine, model: Model) -> None:
+    """Even a recurrent state keeps everything when the context only adds to it; then a fork of the session goes on
+    exactly as the session does."""
+    prompt = model.prompts[1]
+    sid, answer = session(engine, prompt, 10)
+    held = engine.session_tokens(sid)
+    context = held + model.prompts[0]
+    assert engine.kept(sid, context) == len(held)
+    [got] = run(engine, [(sid, 6, {"prompt_ids": context, "from_start": True})])
+    assert got == model.greedy(context, 6)
+    child = engine.fork(sid)
+    tails = run(engine, [(child, 6, {}), (sid, 6, {})])
+    assert tails[0] == tails[1] == model.greedy(context, 12)[6:]
+    engine.close(sid)
+    engine.close(child)
+
+
+def test_running_ahead_a_context_cut_right_after_an_answer_or_a_cancel(engine: Engine, model: Model) -> None:
+    """With the engine running a step ahead (as on the GPU), steps launched before a request ended still hold rows
+    of its session when the next request cuts its tokens back: the state they leave is not kept where it is not the
+    new context's."""
+    prompt, other = model.prompts[1], model.prompts[0]
+    new = [random.Random(5).randrange(VOCAB) for _ in range(6)]
+    engine.overlap = True
+    try:
+        for cancel in (False, True):
+            sid, beside = engine.create_session(), engine.create_session()
+            rid = engine.start_generate(sid, SamplingParams(max_tokens=8, ignore_eos=True), prompt_ids=prompt)
+            engine.start_generate(beside, SamplingParams(max_tokens=40, ignore_eos=True), prompt_ids=other)
+            answer: list[int] = []
+            ended = False
+            while not ended:
+                for chunk in engine.step():
+                    if chunk.request_id == rid:
+                        answer += chunk.token_ids
+                        ended = chunk.finish_reason is not None
+                if cancel and len(answer) >= 3 and not ended:
+                    engine.cancel(rid)
+            context = prompt + answer[:2] + new
+            again = engine.start_generate(sid, SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=context,
+                                          from_start=True)
+            got: list[int] = []
+            while engine.has_work():
+                for chunk in engine.step():
+                    if chunk.request_id == again:
+                        got += chunk.token_ids
+            assert got == model.greedy(context, 6), cancel
+            engine.close(sid)
+            engine.close(beside)
+    finally:
+        engine.overlap = False
+
+
+def test_a_cut_to_nothing_new_and_the_refusals(engine: Engine, model: Model) -> None:
+    prompt = model.prompts[1]
+    sid, _ = session(engine, prompt, 4)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with pytest.raises(BadRequest, match="whole context"):
+        engine.start_generate(sid, params, from_start=True)
+    with pytest.raises(BadRequest, match="whole context"):
+        engine.start_generate(sid, params, prompt_ids=prompt, from_start=True, boundary_check=True)
+    with pytest.raises(ContextOverflow):
+        engine.start_generate(sid, params, prompt_ids=[1] * 600, from_start=True)
+    # A context within max_context although the session's tokens and it together are not: the session is replaced.
+    long = [random.Random(3).randrange(VOCAB) for _ in range(500)]
+    [got] = run(engine, [(sid, 4, {"prompt_ids": long[:300], "from_start": True})])
+    assert got == model.greedy(long[:300], 4)
+    [got] = run(engine, [(sid, 4, {"prompt_ids": long, "from_start": True})])
+    assert got == model.greedy(long, 4)
+    assert engine.session_length(sid) == 504
+    # Cut back to a prefix of what it held, computing nothing: prefilled only.
+    [none] = run(engine, [(sid, 0, {"prompt_ids": long[:100], "from_start": True})])
+    assert none == [] and engine.session_tokens(sid) == long[:100]
+    engine.start_generate(sid, params)
+    with pytest.raises(SessionBusy):
+        engine.start_generate(sid, params, prompt_ids=prompt, from_start=True)
+    while engine.has_work():
+        engine.step()
+    engine.close(sid)
+
+
+# -- the worker's request handling ----------------------------------------------------------------------------------
+
+SID = "f" * 32
+
+
+def sampling(s: p.Sampling) -> SamplingParams:
+    return SamplingParams(max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
+
+
+def generate(d: Dispatch, engine: Engine, rid: str, **kw: Any) -> p.Generated:
+    answers = d.handle(p.Generate(request_id=rid, session_id=SID, params=p.Sampling(max_tokens=3, ignore_eos=True),
+                                  **kw))
+    deadline = time.monotonic() + 30
+    while not answers:
+        assert time.monotonic() < deadline
+        answers += d.completed()  # (a long text is tokenized off the loop first)
+        while engine.has_work():
+            answers += d.step_answers(engine.step(wait=True), time.perf_counter())[0]
+    [reply] = answers
+    assert isinstance(reply, p.Generated), reply
+    return reply
+
+
+@pytest.mark.parametrize("off_loop", [False, True])
+def test_the_worker_takes_the_whole_context_as_ids_text_or_messages(smol_engine: Engine, off_loop: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each from_start request leaves the session holding exactly what a new session given the same prompt holds
+    (the text with the tokenizer's BOS, the messages rendered from the template's start), and the reply counts the
+    tokens it dropped and those it appended after what it kept."""
+    engine = smol_engine
+    if off_loop:
+        monkeypatch.setattr(dispatch_module, "OFFLOAD_CHARS", 8)
+    d = Dispatch(engine, WorkerConfig(), sampling, NoMetrics())
+    d.handle(p.CreateSession(request_id="c", session_id=SID, route=b"c"))
+    try:
+        first = generate(d, engine, "g1", prompt="The capital of France is")
+        held = engine.session_tokens(SID)
+        assert (first.appended, first.rewound) == (len(held) - 3, 0)
+        text = "The capital of Spain is"
+        new = engine.create_session()
+        engine.append(new, text=text)
+        fresh = engine.session_tokens(new)  # what a new session given the text holds
+        engine.close(new)
+        reply = generate(d, engine, "g2", prompt=text, from_start=True)
+        same = next(i for i, (a, b) in enumerate(zip(held, fresh, strict=False)) if a != b)
+        assert engine.session_tokens(SID)[:len(fresh)] == fresh
+        assert (reply.rewound, reply.appended, reply.length) == (len(held) - same, len(fresh) - same, len(fresh) + 3)
+        turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+                 {"role": "user", "content": "And another?"}]
+        rendered = engine.tokenize(engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True),
+                                   add_bos=False)
+        before = engine.session_length(SID)
+        reply = generate(d, engine, "g3", messages=tuple(p.ChatMessage(**t) for t in turns), from_start=True)
+        assert engine.session_tokens(SID)[:len(rendered)] == rendered
+        assert reply.length == len(rendered) + 3 and before - reply.rewound + reply.appended == len(rendered)
+        assert reply.rewound > 0 and reply.appended > 0
+        ids = rendered[:10]
+        reply = generate(d, engine, "g4", prompt_ids=tuple(ids), from_start=True)
+        assert (reply.rewound, reply.appended) == (len(rendered) + 3 - 10, 0)
+        assert engine.session_tokens(SID)[:10] == ids and reply.length == 13
+    finally:
+        d.handle(p.Close(request_id="x", session_id=SID, route=b"c"))
+
+
+def test_the_message_checks_from_start() -> None:
+    with pytest.raises(p.ProtocolError, match="whole context"):
+        p.Generate(request_id="r", session_id=SID, from_start=True)
+    with pytest.raises(p.ProtocolError, match="whole context"):
+        p.Generate(request_id="r", session_id=SID, prompt="x", from_start=True, boundary_check=True)
