@@ -9,6 +9,8 @@
     sessions{state}                            live sessions the gateway holds: idle (kept for the next turn), busy
     sessions_opened_total{how}                 sessions a request used: new, resumed by session_id, resumed by prefix
     sessions_closed_total{why}                 evicted (for a free slot or the idle cap), replaced, ended, gone
+    turns_from_start_total                     turns a resumed session took whole from its start (its worker refused
+                                               the new part alone: prompt_boundary)
 
 With `gateway start --processes N` the processes' numbers are summed (prometheus_client's multiprocess mode).
 """
@@ -46,6 +48,8 @@ class GatewayMetrics:
         self.sessions = Gauge(PREFIX + "sessions", "Live sessions held.", ["state"], registry=r, **mode)  # type: ignore[arg-type]
         self.opened = Counter(PREFIX + "sessions_opened", "Sessions a request used.", ["how"], registry=r)
         self.closed = Counter(PREFIX + "sessions_closed", "Sessions the gateway closed.", ["why"], registry=r)
+        self.rewritten = Counter(PREFIX + "turns_from_start", "Turns a resumed session took whole from its start.",
+                                 registry=r)
         self._sessions = sessions
 
     def sync_sessions(self) -> None:

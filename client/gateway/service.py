@@ -5,9 +5,17 @@ new part of the conversation (chat messages rendered by the worker, text or toke
 not. n > 1 choices are forks of the prompt's session: a prefill-only GENERATE (max_tokens 0) computes the prompt
 once, then n - 1 forks and the session itself each generate one choice, each computing one token of the prompt.
 
-Token accounting (usage): a session's tokens after a turn are the prompt's (`session_length` before + `appended`),
-the generated ones, and the stop token when one ended it. The last token of a generation stays uncomputed until
-the next turn (worker.engine), so a resumed session had `length - 1` tokens computed: `cached_tokens`.
+A resumed session whose worker refuses the new part (prompt_boundary: the model's template renders the last answer
+otherwise once turns follow it, as Qwen3 drops its reasoning, or the text's tokens would merge across the boundary) is
+sent the whole conversation instead, from its start (GENERATE's from_start): the worker keeps the tokens the session
+holds that the whole conversation's start with and computes the rest (a model with a recurrent state computes it all
+again, unless it kept everything). A session that is gone (lost, expired) is replaced by a new one given the whole
+conversation.
+
+Token accounting (usage): a session's tokens after a turn are the prompt's (`session_length` before, less the
+`rewound` tokens a from_start turn dropped, plus `appended`), the generated ones, and the stop token when one ended
+it. The last token of a generation stays uncomputed until the next turn (worker.engine), so a resumed session had
+`length - 1` tokens computed: `cached_tokens` (a from_start turn's: those of them it kept).
 """
 
 from __future__ import annotations
@@ -42,8 +50,8 @@ log = structlog.get_logger()
 
 MAX_EVICTIONS = 8  # idle sessions closed to make room for one new session before answering 429
 GONE = (SessionLost, SessionNotFound, SessionExpired)
-# A resumed session cannot take the turn (gone, or its new text would re-tokenize its last tokens): the request holds
-# the whole conversation, so the turn starts over in a new session.
+# A resumed session cannot take the turn (gone, or its new part would not give the whole conversation's tokens): the
+# request holds the whole conversation, which the session (or, gone, a new one) is given from its start.
 START_OVER = (*GONE, PromptBoundary)
 
 
@@ -106,6 +114,7 @@ class Live:
         self.before = before  # the session's tokens before the turn
         self.resumed = resumed
         self.appended = appended  # the prompt tokens appended (known once a generation or the prefill answered)
+        self.rewound = 0  # a from_start turn's: the session's tokens it dropped first
         self.started = started
         self.results: list[Generation | None] = [None] * len(entries)
         self.first_token_at: float | None = None
@@ -113,12 +122,24 @@ class Live:
         self.settled = False
 
     @property
+    def from_start(self) -> bool:
+        """Whether the turn sends the whole conversation to a resumed session (its new part was refused)."""
+        return self.pending is not None and self.pending.from_start
+
+    @property
     def cached(self) -> int:
-        return max(0, self.before - 1) if self.resumed else 0
+        # Of the tokens kept, all but the last generated one (pending) were computed; a turn that dropped tokens
+        # dropped that one too.
+        return max(0, self.before - max(self.rewound, 1)) if self.resumed else 0
+
+    def took(self, result: Generation | None) -> None:
+        """What choice 0's GENERATE (or the prefill) appended and dropped, from its answer."""
+        if self.appended is None and result is not None:
+            self.appended, self.rewound = result.appended, result.rewound
 
     def usage(self) -> Usage:
         completion = sum(len(r.token_ids) for r in self.results if r is not None)
-        return Usage(self.before + (self.appended or 0), completion, self.cached)
+        return Usage(self.before - self.rewound + (self.appended or 0), completion, self.cached)
 
     def answers(self) -> list[Answer]:
         return [Answer(i, list(r.token_ids), r.text, _finish(r.finish_reason), list(r.logprobs))
@@ -211,7 +232,8 @@ class Service:
     async def stream(self, ask: Ask) -> tuple[Live, AsyncGenerator[Delta, None]]:
         """The turn streamed: every choice's first chunk is awaited here (so that errors come before the answer's
         status is sent), then the iterator yields each choice's chunks as they come. A resumed session that cannot
-        take the turn (gone, or refusing it: prompt_boundary) is replaced once, as for a turn not streamed."""
+        take the turn is given the whole conversation from its start (refusing its new part: prompt_boundary) or
+        replaced (gone) once, as for a turn not streamed."""
         live = await self._start(ask)
         while True:
             streams: list[AsyncStream] = []
@@ -226,10 +248,10 @@ class Service:
                 if not live.resumed:
                     live.fail()
                     raise from_client_error(e) from e
-                live.settled = True  # its sessions go here: the first to the turn's start over, the forks closed
+                live.settled = True  # its sessions go here: the first to the turn again, the forks closed
                 for child in live.entries[1:]:
                     self.discard(child, "ended")
-                live = await self._start_over(ask, live.entries[0], e, live.started)
+                live = await self._again(ask, live.entries[0], e, live.started, live.from_start)
             except ClientError as e:
                 for s in streams:
                     s.close()
@@ -271,8 +293,7 @@ class Service:
             yield Delta(index, chunk)
             if chunk.finish_reason is not None:
                 live.results[index] = stream.result
-                if live.appended is None and stream.result is not None:
-                    live.appended = stream.result.appended
+                live.took(stream.result)
                 return
             chunk = await stream.__anext__()
 
@@ -316,10 +337,28 @@ class Service:
             if not resumed:
                 self.discard(entry, _closed_why(e))
                 raise from_client_error(e) from e
-            return await self._start_over(ask, entry, e, started)
+            return await self._again(ask, entry, e, started, False)
         except ClientError as e:
             self.discard(entry, "ended")
             raise from_client_error(e) from e
+        except BaseException:
+            self.discard(entry, "ended")
+            raise
+
+    async def _again(self, ask: Ask, entry: Entry, e: ClientError, started: float, from_start: bool) -> Live:
+        """The turn again after its resumed `entry` could not take it: given the whole conversation from its start
+        where it refused the new part (prompt_boundary), else (gone, or refusing even that) in a new session."""
+        if not isinstance(e, PromptBoundary) or from_start:
+            return await self._start_over(ask, entry, e, started)
+        log.debug("session_rewritten", session=entry.session.id)
+        self.metrics.rewritten.inc()
+        try:
+            return await self._begin(ask, entry, True, started, from_start=True)
+        except GONE as e2:
+            return await self._start_over(ask, entry, e2, started)
+        except ClientError as e2:
+            self.discard(entry, "ended")
+            raise from_client_error(e2) from e2
         except BaseException:
             self.discard(entry, "ended")
             raise
@@ -348,9 +387,9 @@ class Service:
             self.discard(fresh, "ended")
             raise
 
-    async def _begin(self, ask: Ask, entry: Entry, resumed: bool, started: float) -> Live:
+    async def _begin(self, ask: Ask, entry: Entry, resumed: bool, started: float, from_start: bool = False) -> Live:
         before = entry.length if resumed else 0
-        new_part = self._new_part(ask, entry, resumed)
+        new_part = self._new_part(ask, entry, resumed, from_start)
         if ask.n == 1:
             live = Live(self, ask, [entry], before, resumed, None, started, new_part)
             if not ask.stream:
@@ -369,14 +408,16 @@ class Service:
             raise
         for c in children:
             self.store.take(c)
-        return Live(self, ask, [entry, *children], before, resumed, prefill.appended, started)
+        live = Live(self, ask, [entry, *children], before, resumed, None, started)
+        live.took(prefill)
+        return live
 
     async def _generate(self, live: Live, index: int) -> Generation:
         entry = live.entries[index]
         new_part = live.pending if index == 0 else None
         result = await self._generate_on(entry.session, live.ask.sampling, entry.max_context, index, new_part)
-        if index == 0 and live.appended is None:
-            live.appended = result.appended
+        if index == 0:
+            live.took(result)
         return result
 
     async def _open_stream(self, live: Live, index: int) -> AsyncStream:
@@ -404,23 +445,24 @@ class Service:
         assert stream.result is not None
         return stream.result
 
-    def _new_part(self, ask: Ask, entry: Entry, resumed: bool) -> NewPart:
-        held = entry.history if resumed else _empty(ask.kind)
+    def _new_part(self, ask: Ask, entry: Entry, resumed: bool, from_start: bool = False) -> NewPart:
+        held = entry.history if resumed and not from_start else _empty(ask.kind)
+        checked = resumed and not from_start
         if ask.kind == "chat":
             assert isinstance(ask.history, tuple)
             # A resumed session's turns are checked against its last answer: where the model's template renders it
             # otherwise once turns follow (Qwen3 drops its reasoning), the worker refuses them (PromptBoundary) and
-            # the turn starts over in a new session given the whole conversation.
+            # the session is given the whole conversation from its start.
             return NewPart("messages", [{"role": r, "content": c} for r, c in ask.history[len(held):]],  # type: ignore[misc]
-                           resumed, dict(ask.template_args))
+                           checked, dict(ask.template_args), from_start)
         if ask.kind == "text":
             assert isinstance(ask.history, str)
             # A resumed session's new text is checked against the tokens the session ends with: where the tokenizer
-            # would merge across the boundary the worker refuses it (PromptBoundary) and the turn starts over in a
-            # new session given the whole prompt, so that the session's tokens are the whole prompt's.
-            return NewPart("prompt", ask.history[len(held):], resumed)
+            # would merge across the boundary the worker refuses it (PromptBoundary) and the session is given the
+            # whole prompt from its start, so that its tokens are the whole prompt's.
+            return NewPart("prompt", ask.history[len(held):], checked, from_start=from_start)
         assert isinstance(ask.history, tuple)
-        return NewPart("prompt_ids", list(ask.history[len(held):]))
+        return NewPart("prompt_ids", list(ask.history[len(held):]), from_start=from_start)
 
     # -- sessions ------------------------------------------------------------------------------------------
 
@@ -553,6 +595,7 @@ class NewPart:
     value: Any
     boundary_check: bool = False  # a resumed session's: PromptBoundary where it would not give the whole's tokens
     template_args: dict[str, Any] | None = None  # messages: chat_template_kwargs
+    from_start: bool = False  # the value is the whole conversation, for a resumed session that refused its new part
 
 
 def _empty(kind: Kind) -> tuple[Turn, ...] | str | tuple[int, ...]:
@@ -570,6 +613,8 @@ def _call_args(params: Any, new_part: NewPart | None) -> dict[str, Any]:
         args[new_part.key] = new_part.value
         if new_part.boundary_check:
             args["boundary_check"] = True
+        if new_part.from_start:
+            args["from_start"] = True
         if new_part.template_args:
             args["chat_template_kwargs"] = new_part.template_args
     return args

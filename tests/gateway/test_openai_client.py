@@ -208,8 +208,9 @@ def test_a_resumed_text_prompt_that_merges_across_the_boundary_gets_the_whole_pr
         gateway: str, gateways: Gateways) -> None:
     """The answer ends in "\n" and the next prompt goes on with "\n\n": SmolLM2 tokenizes ".\n\n\nThe" as ".", "\n\n",
     "\n", "The", so the new part tokenized on its own would leave the session with 15 tokens where the whole prompt
-    has 14. The worker refuses it (prompt_boundary) and the turn starts over in a new session: the answer, token for
-    token, of a request that no session held. A continuation that does not merge resumes the session."""
+    has 14. The worker refuses it (prompt_boundary) and the session is given the whole prompt from its start: it keeps
+    the 7 tokens the whole prompt starts with and computes the other 7, and the answer is, token for token, that of
+    a request that no session held. A continuation that does not merge resumes the session."""
     c = sync_client(gateway)
     prompt = "The capital of France is"
     first = c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=3)
@@ -220,8 +221,8 @@ def test_a_resumed_text_prompt_that_merges_across_the_boundary_gets_the_whole_pr
     second = c.completions.create(model=MODEL, prompt=whole, temperature=0, max_tokens=4,
                                   extra_body={"return_token_ids": True})
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
-    assert second.usage.prompt_tokens_details.cached_tokens == 0 and _closed(gateway, "replaced") == replaced + 1
-    assert gateways.prefilled() - before == second.usage.prompt_tokens  # the whole prompt, computed again
+    assert second.usage.prompt_tokens_details.cached_tokens == 7 and _closed(gateway, "replaced") == replaced
+    assert gateways.prefilled() - before == second.usage.prompt_tokens - 7
     alone = c.completions.create(model=MODEL, prompt=whole, temperature=0, max_tokens=4,
                                  extra_body={"return_token_ids": True, "session_id": "no-session-held-it"})
     assert alone.usage is not None and second.usage.prompt_tokens == alone.usage.prompt_tokens == 14

@@ -1,6 +1,7 @@
-"""A turn whose resumed session cannot take it (the worker answers prompt_boundary, as with Qwen3's or Llama 3's
-templates) starts over in a new session, streamed or not, named or not: on the gateway's Service in process, against
-fake sessions that refuse every turn sent with boundary_check."""
+"""A turn whose resumed session cannot take it, streamed or not, named or not: on the gateway's Service in process,
+against fake sessions. Where the worker refuses the new part alone (prompt_boundary, as with Qwen3's or Llama 3's
+templates), the same session is given the whole conversation from its start (from_start); where the session is gone,
+the turn starts over in a new session."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from client.errors import PromptBoundary
+from client.errors import PromptBoundary, SessionLost
 from client.gateway import schema
 from client.gateway.errors import ApiError
 from client.gateway.metrics import GatewayMetrics
@@ -43,24 +44,30 @@ class FakeStream:
 
 
 class FakeSession:
-    """Answers "Hi" after 10 prompt tokens; refuses a turn sent with boundary_check (a resumed one)."""
+    """Answers "Hi" after 10 prompt tokens; refuses a turn sent with boundary_check (a resumed one). Sent the whole
+    conversation from its start, it keeps all but one of its tokens and appends 10. `gone`: a resumed turn finds it
+    lost."""
 
-    def __init__(self, log: list[str], ids: itertools.count[int]) -> None:
-        self.id, self.log, self.ids = f"s{next(ids)}", log, ids
+    def __init__(self, log: list[str], ids: itertools.count[int], gone: bool = False) -> None:
+        self.id, self.log, self.ids, self.gone = f"s{next(ids)}", log, ids, gone
         self.max_context, self.length, self.gate = 1024, 0, asyncio.Event()
         self.gate.set()
 
     async def generate(self, stream: bool = False, **kw: Any) -> Generation | FakeStream:
-        self.log.append(f"{self.id} generate{' checked' if kw.get('boundary_check') else ''}")
+        how = " checked" if kw.get("boundary_check") else " from_start" if kw.get("from_start") else ""
+        self.log.append(f"{self.id} generate{how}")
         await self.gate.wait()
+        if self.gone and (kw.get("boundary_check") or kw.get("from_start")):  # a resumed turn's
+            raise SessionLost(f"session {self.id}: its hibernated state was lost")
         if kw.get("boundary_check"):
             raise PromptBoundary("the model's chat template renders the session's last answer otherwise")
-        result = Generation([7, 8], "Hi", "stop", self.length + 13, 10)
+        rewound = 1 if kw.get("from_start") else 0
+        result = Generation([7, 8], "Hi", "stop", self.length - rewound + 13, 10, rewound=rewound)
         self.length = result.session_length
         return FakeStream(result) if stream else result
 
     async def fork(self) -> FakeSession:
-        child = FakeSession(self.log, self.ids)
+        child = FakeSession(self.log, self.ids, self.gone)
         child.length = self.length
         return child
 
@@ -74,7 +81,8 @@ class FakeSession:
 
 
 class FakeClient:
-    def __init__(self) -> None:
+    def __init__(self, gone: bool) -> None:
+        self.gone = gone
         self._transport = SimpleNamespace(closed=False)
         self.log: list[str] = []
         self.ids = itertools.count()
@@ -83,7 +91,7 @@ class FakeClient:
 
     async def session(self, model: str) -> FakeSession:
         await self.opening.wait()
-        return FakeSession(self.log, self.ids)
+        return FakeSession(self.log, self.ids, self.gone)
 
 
 class FakeModels:
@@ -91,8 +99,8 @@ class FakeModels:
         pass
 
 
-def service() -> tuple[Service, FakeClient]:
-    client = FakeClient()
+def service(gone: bool = True) -> tuple[Service, FakeClient]:
+    client = FakeClient(gone)
     return Service(client, SessionStore(), FakeModels(), GatewayMetrics()), client  # type: ignore[arg-type]
 
 
@@ -113,8 +121,8 @@ async def turn(svc: Service, a: Ask) -> Live:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_turn_starts_over_in_a_new_session_not_in_another_idle_one(stream: bool) -> None:
-    """Two idle sessions hold the same conversation (n = 2 at temperature 0): the one resumed refuses the turn, and
-    the turn goes to a new session, not to the other (which would refuse it too: a 400, streamed, before)."""
+    """Two idle sessions hold the same conversation (n = 2 at temperature 0): the one resumed is gone, and the turn
+    goes to a new session, not to the other (which could be gone too)."""
     async def main() -> tuple[list[str], Live, int]:
         svc, client = service()
         await svc.complete(ask(FIRST, n=2))
@@ -140,7 +148,7 @@ def test_a_name_deleted_during_a_turn_that_starts_over_stays_deleted(stream: boo
         task = asyncio.create_task(turn(svc, ask(NEXT, name="conv", stream=stream)))
         await asyncio.sleep(0.01)
         assert await svc.close_named("alice", "conv")
-        gate.set()  # the worker refuses the turn: it starts over
+        gate.set()  # the session is gone: the turn starts over
         await task
         return client.log, svc.store.idle, svc.store.named("alice", "conv") is None
 
@@ -187,3 +195,25 @@ def test_a_delete_while_a_named_session_opens_is_done_once_it_is_open(stream: bo
     deleted, log, gone = asyncio.run(main())
     opened = "s0" if first_turn else "s1"
     assert deleted and gone and log[-2:] == [f"{opened} generate", f"{opened} closed"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_refused_new_part_is_sent_whole_to_the_same_session(stream: bool, n: int) -> None:
+    """The worker refuses the new turns alone (prompt_boundary): the same session is sent the whole conversation from
+    its start, and keeps its name; no session is closed or opened. Usage counts the whole prompt (the 13 tokens held,
+    less the 1 dropped, plus the 10 appended) and as cached the 12 kept."""
+    async def main() -> tuple[list[str], Live, str | None]:
+        svc, client = service(gone=False)
+        await svc.complete(ask(FIRST, name="conv"))
+        client.log.clear()
+        live = await turn(svc, ask(NEXT, name="conv", stream=stream, n=n))
+        named = svc.store.named("alice", "conv")
+        return client.log, live, None if named is None else named.session.id
+
+    log, live, named = asyncio.run(main())
+    choices = ["s0 generate", "s1 generate"] if n == 2 else []  # n = 2: the prefill's session and its fork
+    assert log[:2] == ["s0 generate checked", "s0 generate from_start"] and sorted(log[2:]) == choices
+    assert named == "s0"  # (and no session closed)
+    usage = live.usage()
+    assert (usage.prompt_tokens, usage.cached_tokens) == (22, 12)

@@ -19,6 +19,7 @@ import pytest
 from tokenizers import AddedToken
 
 import worker.model.tokenizer as tokenizer_module
+from worker.engine.session import common_prefix
 from worker.model.tokenizer import ChatTemplateError, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -180,7 +181,8 @@ def test_a_folder_transformers_saved_gives_its_chat_template_jinja(tmp_path: Pat
 # not where the template renders an earlier answer otherwise than the session holds it: Llama 3 trims answers; Qwen3
 # drops the reasoning of answers before the last user turn; Qwen3 Thinking-2507 and Qwen3.5 open <think> in the
 # assistant prompt, which no earlier answer shows (and Qwen3.5 trims). There chat_continuation gives None and the engine
-# refuses the turn (PromptBoundary): the gateway starts it over in a new session given the whole conversation.
+# refuses the turn (PromptBoundary): the gateway sends the session the whole conversation from its start (from_start),
+# and the session keeps the tokens the whole conversation's start with.
 
 ANSWERS = {  # what the model generates after the assistant prompt (less a <think> the prompt opened)
     "plain": "Paris.",
@@ -223,6 +225,33 @@ def test_a_resumed_turn_gives_the_whole_conversations_text_or_none(model: str, a
         assert text is not None and tok.decode(tokens) + text == whole
         whole_ids = tok.encode(whole, add_bos=False)
         assert whole_ids[:len(tokens)] == tokens and whole_ids[len(tokens):] == tok.encode(text, add_bos=False)
+
+
+# Of a rewritten first turn (the prompt's tokens, then the answer's), what the whole conversation's tokens start with:
+# the session keeps that much when it is sent the conversation from its start (worker.engine.Engine.kept).
+KEPT = {
+    "llama-3.1-instruct": "prompt",
+    "llama-3.2-instruct": "prompt",
+    "qwen3": "prompt",
+    "qwen3-thinking-2507": "prompt less <think>",  # the assistant prompt opened it; the rendered answer does not
+    "qwen3.5": "prompt less <think>",
+    "mistral-nemo-instruct-2407": 7,  # the system message moves into the last user turn: only [INST]'s start stays
+}
+
+
+@pytest.mark.parametrize("model", sorted(KEPT))
+def test_a_rewritten_turn_keeps_the_first_prompt_sent_from_the_start(model: str) -> None:
+    tok, _ = pair((TEMPLATES / f"{model}.jinja").read_text(encoding="utf-8"), *MODELS[model])
+    prompt = tok.encode(rendered(tok, FIRST, True), add_bos=False)
+    think = tok.encode("<think>\n", add_bos=False)
+    expected = {"prompt": len(prompt), "prompt less <think>": len(prompt) - len(think)}.get(KEPT[model], KEPT[model])
+    for answer in REWRITTEN[model]:
+        tokens = session_tokens(tok, ANSWERS[answer], tok.eos_id)
+        content = tok.decode(tokens[len(prompt):-1])
+        whole = tok.encode(rendered(tok, [*FIRST, assistant(content), *NEXT], True), add_bos=False)
+        assert common_prefix(tokens, whole) == expected, answer
+        if KEPT[model] == "prompt less <think>":
+            assert prompt[expected:] == think
 
 
 def test_qwen3_gives_the_answer_after_the_last_question_an_empty_think_when_no_question_follows() -> None:
