@@ -235,3 +235,38 @@ def test_graph_replay_matches_eager(served: tuple[Folder, Engine, Engine]) -> No
     finally:
         executor.use_graphs = True  # type: ignore[attr-defined]
     assert outputs[True] == outputs[False]
+
+
+def test_a_context_given_from_its_start_continues_as_a_new_session_given_it(
+        served: tuple[Folder, Engine, Engine]) -> None:
+    """An edited conversation and an answer generated again (GENERATE's from_start), right after the answer while the
+    engine runs ahead: the hybrid's recurrent state cannot be cut, so the session computes the context again from its
+    start, and gives a new session's tokens bit for bit; beside it another session generates in the same steps."""
+    from worker.engine import SamplingParams
+
+    folder, _, gpu = served
+    prompt = folder.prompts[2]
+    sid = open_with(gpu, prompt)
+    answer = gpu.generate(sid, **greedy(10)).token_ids
+    context = prompt + answer[:4] + folder.prompts[0][:9]
+    assert gpu.kept(sid, context) == 0
+    beside = open_with(gpu, folder.prompts[1])
+    beside_rid = gpu.start_generate(beside, SamplingParams(max_tokens=30, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    for name, ids in (("edited", context), ("again", prompt)):
+        rid = gpu.start_generate(sid, SamplingParams(max_tokens=12, ignore_eos=True), prompt_ids=ids, from_start=True)
+        got[name] = []
+        done = False
+        while not done:
+            for chunk in gpu.step():
+                if chunk.request_id == rid:
+                    got[name] += chunk.token_ids
+                    done = chunk.finish_reason is not None
+    while gpu.has_work():
+        gpu.step()
+    fresh = open_with(gpu, context)
+    assert got["edited"] == gpu.generate(fresh, **greedy(12)).token_ids
+    assert got["again"][:10] == answer
+    for s in (sid, beside, fresh):
+        gpu.close(s)
+    assert beside_rid
