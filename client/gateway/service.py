@@ -146,7 +146,9 @@ class Live:
                 for i, r in enumerate(self.results) if r is not None]
 
     def finish(self) -> None:
-        """Every choice answered: keep the sessions whose tokens match their new history, close the others."""
+        """Every choice answered: keep the sessions with their new history, marked inexact where their tokens may not
+        be that history's (an answer cut at a stop string, past a stop token the text leaves out...): their next turn
+        is sent whole from its start, and keeps what matches."""
         if self.settled:
             return
         self.settled = True
@@ -162,9 +164,10 @@ class Live:
                 cut = True  # the text the client holds has no stop token: it no longer starts with the session's
             if ask.kind != "ids" and not _text_is_tokens(ask.kind, ask.sampling, result, stop_token):
                 cut = True
-            if cut or entry.deleted:
+            if entry.deleted:
                 service.discard(entry, "ended")
                 continue
+            entry.exact = not cut
             entry.length = result.session_length
             entry.model = ask.model
             if ask.kind == "chat":
@@ -332,7 +335,7 @@ class Service:
         started = time.perf_counter()
         entry, resumed = await self._session_for(ask)
         try:
-            return await self._begin(ask, entry, resumed, started)
+            return await self._begin(ask, entry, resumed, started, from_start=resumed and not entry.exact)
         except START_OVER as e:
             if not resumed:
                 self.discard(entry, _closed_why(e))
@@ -350,8 +353,6 @@ class Service:
         where it refused the new part (prompt_boundary), else (gone, or refusing even that) in a new session."""
         if not isinstance(e, PromptBoundary) or from_start:
             return await self._start_over(ask, entry, e, started)
-        log.debug("session_rewritten", session=entry.session.id)
-        self.metrics.rewritten.inc()
         try:
             return await self._begin(ask, entry, True, started, from_start=True)
         except GONE as e2:
@@ -389,6 +390,9 @@ class Service:
 
     async def _begin(self, ask: Ask, entry: Entry, resumed: bool, started: float, from_start: bool = False) -> Live:
         before = entry.length if resumed else 0
+        if from_start:
+            log.debug("turn_from_start", session=entry.session.id)
+            self.metrics.rewritten.inc()
         new_part = self._new_part(ask, entry, resumed, from_start)
         if ask.n == 1:
             live = Live(self, ask, [entry], before, resumed, None, started, new_part)
@@ -628,14 +632,14 @@ def _text_is_tokens(kind: Kind, sampling: schema.Sampling, result: Generation, s
     """Whether the answer's text, resent by the client, stands for exactly the tokens the session holds.
 
     Not when the text replaced an unfinished UTF-8 character (an answer cut by max_tokens mid-character) with U+FFFD:
-    the session holds the character's first bytes. Not (chat) with `ignore_eos`: the model may have generated its stop
-    tokens (<|im_end|>, then <|im_start|> for a turn of its own), which the text leaves out (text completions with
-    ignore_eos are kept: the load test resumes them; an EOS inside one has the same flaw). Not (chat) when the answer
-    ended on a token of `stop_token_ids`: the session holds that token, the text does not, and the next turn would
-    follow it (the model's own EOS is part of the template, but the gateway cannot tell one from the other)."""
-    if "\ufffd" in result.text:
+    the session holds the character's first bytes. Not with `ignore_eos`: the model may have generated its stop
+    tokens (<|im_end|>, then <|im_start|> for a turn of its own, or an EOS inside a text completion), which the text
+    leaves out. Not (chat) when the answer ended on a token of `stop_token_ids`: the session holds that token, the text
+    does not, and the next turn would follow it (the model's own EOS is part of the template, but the gateway cannot
+    tell one from the other)."""
+    if "\ufffd" in result.text or sampling.ignore_eos:
         return False
-    return kind != "chat" or not (sampling.ignore_eos or (stop_token and sampling.stop_token_ids))
+    return kind != "chat" or not (stop_token and sampling.stop_token_ids)
 
 
 def _closed_why(e: ClientError) -> str:

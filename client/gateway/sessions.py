@@ -11,8 +11,9 @@ tokens are a prefix of the request's, and only the rest is sent and computed.
   prefix of the request that ends with an assistant message and belongs to an idle session of the same key and
   model), completions by comparing the prompt's start with each idle session's text or ids.
 - A session serves one request at a time: it is taken out of the indexes while it works, and put back with its
-  new history (or closed, when the answer ended in a way its tokens no longer match: cut at a stop string, or
-  cancelled).
+  new history. Where the answer ended in a way its tokens may not be that history's (cut at a stop string, past a
+  stop token or an EOS the text leaves out, inside a UTF-8 character, cancelled), it is marked inexact: its next turn
+  sends the whole conversation from its start (GENERATE's from_start), and the worker keeps what matches.
 - Idle sessions are kept in least-recently-used order: when a new session finds no free slot, the least recently
   used idle session of the same model is closed and the create tried again; `max_idle` caps them too.
 """
@@ -71,6 +72,7 @@ class Entry:
     name: str | None = None
     busy: bool = False
     deleted: bool = False  # its name was deleted while it was busy: closed when its turn ends
+    exact: bool = True  # its tokens are its history's (else its next turn is sent whole, from its start)
     last_used: float = field(default_factory=time.monotonic)
 
     def extended_by(self, history: tuple[Turn, ...] | str | tuple[int, ...], digests: Sequence[bytes] = ()) -> bool:
