@@ -229,7 +229,7 @@ def test_a_resumed_turn_gives_the_whole_conversations_text_or_none(model: str, a
 
 # Of a rewritten first turn (the prompt's tokens, then the answer's), what the whole conversation's tokens start with:
 # the session keeps that much when it is sent the conversation from its start (worker.engine.Engine.kept).
-KEPT = {
+KEPT: dict[str, str | int] = {
     "llama-3.1-instruct": "prompt",
     "llama-3.2-instruct": "prompt",
     "qwen3": "prompt",
@@ -244,13 +244,14 @@ def test_a_rewritten_turn_keeps_the_first_prompt_sent_from_the_start(model: str)
     tok, _ = pair((TEMPLATES / f"{model}.jinja").read_text(encoding="utf-8"), *MODELS[model])
     prompt = tok.encode(rendered(tok, FIRST, True), add_bos=False)
     think = tok.encode("<think>\n", add_bos=False)
-    expected = {"prompt": len(prompt), "prompt less <think>": len(prompt) - len(think)}.get(KEPT[model], KEPT[model])
+    how = KEPT[model]
+    expected = how if isinstance(how, int) else len(prompt) - (len(think) if how == "prompt less <think>" else 0)
     for answer in REWRITTEN[model]:
         tokens = session_tokens(tok, ANSWERS[answer], tok.eos_id)
         content = tok.decode(tokens[len(prompt):-1])
         whole = tok.encode(rendered(tok, [*FIRST, assistant(content), *NEXT], True), add_bos=False)
         assert common_prefix(tokens, whole) == expected, answer
-        if KEPT[model] == "prompt less <think>":
+        if how == "prompt less <think>":
             assert prompt[expected:] == think
 
 
