@@ -368,9 +368,10 @@ class AsyncSession:
     async def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | AsyncStream:
         chat = bool(request.messages) and not request.from_start  # (which may append nothing)
         if not request.stream:
-            return calls.generation(await self.client._call(request, p.Generated, timeout), chat)
+            return calls.generation(await self.client._call(request, p.Generated, timeout), chat, request.from_start)
         transport = self.client._transport
-        return AsyncStream(transport, transport.start(request), self.id, self.client._timeout(timeout), chat)
+        return AsyncStream(transport, transport.start(request), self.id, self.client._timeout(timeout), chat,
+                     request.from_start)
 
     async def fork(self, *, timeout: float | None = None) -> AsyncSession:
         request = build(p.Fork, request_id=new_request_id(), session_id=self.id)
@@ -454,12 +455,12 @@ class AsyncStream:
     stream; one kept in a variable generates on until close(), or use `async with`."""
 
     def __init__(self, transport: AsyncTransport, call: Call, session_id: str, timeout_s: float,
-                 chat: bool = False) -> None:
+                 chat: bool = False, from_start: bool = False) -> None:
         self._transport = transport
         self._call = call
         self._session_id = session_id
         self._timeout_s = timeout_s
-        self._state = calls.StreamState(call, chat)
+        self._state = calls.StreamState(call, chat, from_start)
         self._open = True
 
     def __aiter__(self) -> AsyncStream:

@@ -217,13 +217,18 @@ def expect(message: Answer, kind: type[M]) -> M:
     raise InternalError(f"expected a {kind.__name__} answer, got {type(message).__name__}")
 
 
-def generation(g: p.Generated, chat: bool = False) -> Generation:
-    """The result of a GENERATE; for one that carried chat turns, checked to have appended them (a worker older
-    than this client ignores the turns: say so rather than hand back a continuation of the wrong history)."""
+def generation(g: p.Generated, chat: bool = False, from_start: bool = False) -> Generation:
+    """The result of a GENERATE; for one that carried chat turns, checked to have appended them, and for one sent
+    from_start, checked to come from a worker that knows it (an older worker ignores what it does not know: say so
+    rather than hand back a continuation of the wrong history)."""
     if chat and g.appended == 0:
         raise InternalError("the worker generated without appending the chat turn: it is older than this client "
                             "(upgrade the worker)", request_id=g.request_id)
-    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended, list(g.logprobs), g.rewound)
+    if from_start and g.cached is None:
+        raise InternalError("the worker does not know from_start (it appended the whole context after the session's "
+                            "tokens): it is older than this client (upgrade the worker)", request_id=g.request_id)
+    return Generation(list(g.token_ids), g.text, g.finish_reason, g.length, g.appended, list(g.logprobs), g.rewound,
+                      g.cached)
 
 
 def session_info(i: p.SessionInfo) -> SessionInfo:
@@ -242,7 +247,7 @@ class StreamState:
     """Applies a stream's chunks at their offsets, then the final REPLY: each token is yielded once and in order, and
     the texts yielded make the final answer's text exactly (the last chunk carries whatever the others lacked)."""
 
-    def __init__(self, call: Call | None = None, chat: bool = False) -> None:
+    def __init__(self, call: Call | None = None, chat: bool = False, from_start: bool = False) -> None:
         self.tokens = 0  # tokens applied: the offset the next chunk must have
         self._text: list[str] = []
         self._text_len = 0
@@ -250,7 +255,7 @@ class StreamState:
         self.missing = False  # a chunk came from beyond `tokens`: the ones between are to be asked for
         self._cut_why: str | None = None  # closed because a read timed out or was cancelled: how
         self._call = call
-        self._chat = chat
+        self._chat, self._from_start = chat, from_start  # what generation() checks the answer for
         self._asked_for = -1
         self._asked_at = 0.0
 
@@ -278,7 +283,7 @@ class StreamState:
                 self.missing = True  # a gap (or a chunk that overlaps the end of what we have)
             return None
         final = expect(message, p.Generated)
-        self.result = generation(final, self._chat)
+        self.result = generation(final, self._chat, self._from_start)
         if final.text[: self._text_len] != self.text or len(final.token_ids) < self.tokens:
             raise InternalError("the final answer does not continue the streamed chunks", request_id=final.request_id)
         tail = Chunk(list(final.token_ids[self.tokens :]), final.text[self._text_len :], final.finish_reason,

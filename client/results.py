@@ -17,6 +17,7 @@ class Generation:
     # generate(logprobs=k): one per token id, (logprob, token bytes, the top k as (id, logprob, bytes))
     logprobs: list[TokenLogprob] = field(default_factory=list)
     rewound: int = 0  # generate(from_start=True): the session's tokens it dropped (held, and not in the new prompt)
+    cached: int | None = None  # the prompt tokens whose state the session already held (None: an older worker)
 
 
 @dataclass(frozen=True)

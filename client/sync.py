@@ -189,9 +189,9 @@ class Session:
         `from_start=True`: the prompt (or messages) is the session's whole context from its start, not a continuation:
         the session keeps what it holds that the prompt starts with, not computed again, and drops the rest, so that
         it holds exactly what a new session given that prompt would (edit a conversation, generate an answer again).
-        The result's `rewound` counts the tokens dropped and `appended` those added after what was kept. A model with
-        a recurrent state (Qwen3.5) can only keep everything its state has taken in: otherwise the session is
-        computed again from its start.
+        The result's `rewound` counts the tokens dropped, `appended` those added after what was kept, and `cached` the
+        prompt tokens whose state was kept. A model with a recurrent state (Qwen3.5) can only keep everything its
+        state has taken in, with the context going on past it: otherwise the session is computed again from its start.
         """
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
         request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
@@ -201,9 +201,10 @@ class Session:
     def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | Stream:
         chat = bool(request.messages) and not request.from_start  # (which may append nothing)
         if not request.stream:
-            return calls.generation(self.client._call(request, p.Generated, timeout), chat)
+            return calls.generation(self.client._call(request, p.Generated, timeout), chat, request.from_start)
         transport = self.client._transport
-        return Stream(transport, transport.start(request), self.id, self.client._timeout(timeout), chat)
+        return Stream(transport, transport.start(request), self.id, self.client._timeout(timeout), chat,
+                     request.from_start)
 
     def fork(self, *, timeout: float | None = None) -> Session:
         """A new session on the same worker that continues exactly as this one would."""
@@ -291,12 +292,12 @@ class Stream:
     """
 
     def __init__(self, transport: Transport, call: calls.Call, session_id: str, timeout_s: float,
-                 chat: bool = False) -> None:
+                 chat: bool = False, from_start: bool = False) -> None:
         self._transport = transport
         self._call = call
         self._session_id = session_id
         self._timeout_s = timeout_s
-        self._state = calls.StreamState(call, chat)
+        self._state = calls.StreamState(call, chat, from_start)
         self._open = True
 
     def __iter__(self) -> Stream:

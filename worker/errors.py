@@ -31,7 +31,7 @@ class PromptBoundary(BadRequest):
     """A text appended with boundary_check would change how the session's last tokens tokenize (the tokenizer merges
     across the boundary): appended on its own it would give other tokens than the whole text. Or chat turns follow an
     answer that the model's template renders otherwise once they follow it (Qwen3 drops its reasoning). Nothing was
-    appended; the whole text, or conversation, in a new session is exact."""
+    appended; the whole text, or conversation, sent from its start (GENERATE's from_start) is exact."""
 
     code = "prompt_boundary"
 

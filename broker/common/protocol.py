@@ -595,6 +595,9 @@ class Generated(Message):
     length: Count
     appended: Count = 0  # prompt tokens the GENERATE appended before generating
     rewound: Count = 0  # from_start: the session's tokens it dropped before appending (held and not kept)
+    # The prompt tokens whose state the session already held, not computed again (None: a worker older than from_start,
+    # which does not know it; a client that sent from_start to such a worker must not trust the session).
+    cached: Annotated[int | None, integer(0, MAX_COUNT, optional=True)] = None
     route: Route = b""
     logprobs: Annotated[tuple[TokenLogprob, ...], token_logprobs] = ()  # one per token id, when Sampling asked
 

@@ -14,8 +14,9 @@ conversation.
 
 Token accounting (usage): a session's tokens after a turn are the prompt's (`session_length` before, less the
 `rewound` tokens a from_start turn dropped, plus `appended`), the generated ones, and the stop token when one ended
-it. The last token of a generation stays uncomputed until the next turn (worker.engine), so a resumed session had
-`length - 1` tokens computed: `cached_tokens` (a from_start turn's: those of them it kept).
+it. `cached_tokens`: the prompt tokens whose state the session already held, as the worker answers (`cached`); a
+resumed session usually had `length - 1` (the last token of a generation stays uncomputed until the next turn,
+worker.engine), fewer after a cancelled prefill or where a recurrent state could not be cut.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class Live:
         self.resumed = resumed
         self.appended = appended  # the prompt tokens appended (known once a generation or the prefill answered)
         self.rewound = 0  # a from_start turn's: the session's tokens it dropped first
+        self.reported_cached: int | None = None  # the prompt tokens whose state the session held, as its worker says
         self.started = started
         self.results: list[Generation | None] = [None] * len(entries)
         self.first_token_at: float | None = None
@@ -128,14 +130,17 @@ class Live:
 
     @property
     def cached(self) -> int:
-        # Of the tokens kept, all but the last generated one (pending) were computed; a turn that dropped tokens
-        # dropped that one too.
-        return max(0, self.before - max(self.rewound, 1)) if self.resumed else 0
+        if not self.resumed:
+            return 0
+        if self.reported_cached is not None:
+            return self.reported_cached
+        # (A worker that does not say:) of the tokens kept, all but the last generated one (pending) were computed.
+        return max(0, self.before - max(self.rewound, 1))
 
     def took(self, result: Generation | None) -> None:
-        """What choice 0's GENERATE (or the prefill) appended and dropped, from its answer."""
+        """What choice 0's GENERATE (or the prefill) appended, dropped and found computed, from its answer."""
         if self.appended is None and result is not None:
-            self.appended, self.rewound = result.appended, result.rewound
+            self.appended, self.rewound, self.reported_cached = result.appended, result.rewound, result.cached
 
     def usage(self) -> Usage:
         completion = sum(len(r.token_ids) for r in self.results if r is not None)

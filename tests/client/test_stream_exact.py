@@ -37,9 +37,9 @@ def piece(offset: int, ids: tuple[int, ...], text: str, rid: str = "g") -> p.Str
     return p.StreamChunk(rid, ids, text, offset)
 
 
-def final(ids: tuple[int, ...], text: str, rid: str = "g", appended: int = 0) -> p.Generated:
+def final(ids: tuple[int, ...], text: str, rid: str = "g", appended: int = 0, cached: int | None = None) -> p.Generated:
     return p.Generated(request_id=rid, session_id=SID, token_ids=ids, text=text, finish_reason="length",
-                       length=10 + len(ids), appended=appended)
+                       length=10 + len(ids), appended=appended, cached=cached)
 
 
 # -- the client's StreamState -------------------------------------------------------------------------------
@@ -99,6 +99,16 @@ def test_a_chat_turn_the_worker_did_not_append_is_an_error() -> None:
     with pytest.raises(InternalError, match="older than this client"):
         StreamState(chat=True).take(final((1,), "a", appended=0))
     assert StreamState(chat=True).take(final((1,), "a", appended=7)) == Chunk([1], "a", "length")
+
+
+def test_a_from_start_answer_of_a_worker_that_does_not_know_it_is_an_error() -> None:
+    """A worker older than from_start drops the field it does not know and appends the whole context after the
+    session's tokens: its answer says no `cached`, and the client refuses it (the gateway then closes the session)."""
+    with pytest.raises(InternalError, match="does not know from_start"):
+        StreamState(from_start=True).take(final((1,), "a", appended=7))
+    state = StreamState(from_start=True)
+    assert state.take(final((1,), "a", appended=0, cached=9)) == Chunk([1], "a", "length")
+    assert state.result is not None and state.result.cached == 9
 
 
 def test_a_chunk_of_an_older_worker_without_offset_is_refused_naming_the_field() -> None:

@@ -94,6 +94,9 @@ class FakeEngine:
     def kept(self, session_id: str, ids: Sequence[int]) -> int:
         raise NotImplementedError
 
+    def session_computed(self, session_id: str) -> int:
+        return max(0, self.lengths[self._known(session_id)] - 1)
+
     def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
                  template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> list[int]:
         raise NotImplementedError

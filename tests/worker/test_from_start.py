@@ -98,7 +98,7 @@ def test_an_edited_conversation_continues_as_transformers_continues_it(engine: E
     sid, answer = session(engine, prompt, 10)
     rng = random.Random(7)
     context = prompt + answer[:4] + [rng.randrange(VOCAB) for _ in range(9)]
-    assert engine.kept(sid, context) == (0 if model.recurrent else len(prompt) + 4)
+    assert engine.kept(sid, context) == len(prompt) + 4
     beside = engine.create_session()
     beside_got, got = run(engine, [(beside, 12, {"prompt_ids": other}), (sid, 12, {"prompt_ids": context,
                                                                                    "from_start": True})])
@@ -113,7 +113,7 @@ def test_an_answer_generated_again_is_the_first_answer(engine: Engine, model: Mo
     prompt = model.prompts[1]
     sid, answer = session(engine, prompt, 10)
     assert answer == model.greedy(prompt, 10)
-    assert engine.kept(sid, prompt) == (0 if model.recurrent else len(prompt))
+    assert engine.kept(sid, prompt) == len(prompt)
     [again] = run(engine, [(sid, 10, {"prompt_ids": prompt, "from_start": True})])
     assert again == answer
     assert engine.session_length(sid) == len(prompt) + 10
@@ -171,6 +171,29 @@ def test_running_ahead_a_context_cut_right_after_an_answer_or_a_cancel(engine: E
             engine.close(beside)
     finally:
         engine.overlap = False
+
+
+def test_what_a_from_start_keeps_computed(engine: Engine, model: Model) -> None:
+    """kept() counts the tokens kept; session_computed() after start_generate, their state kept. A recurrent state
+    keeps none where the context leaves out a token it took in, nor where the context ends inside what it took in
+    (the context's last token must run again to sample from: a rerun a recurrent state cannot take)."""
+    prompt = model.prompts[1]
+    n = len(prompt)
+    for case in ("cut inside", "cut with a new token", "extension"):
+        sid, answer = session(engine, prompt, 6)
+        held = prompt + answer
+        assert engine.session_computed(sid) == n + 5  # the last sample pending
+        context, kept, state = {
+            "cut inside": (prompt + answer[:3], n + 3, n + 2),  # all kept; its last token runs again
+            "cut with a new token": (prompt + answer[:3] + [answer[3] ^ 1], n + 3, n + 3),
+            "extension": (held + [1, 2], n + 6, n + 5),
+        }[case]
+        assert engine.kept(sid, context) == kept, case
+        engine.start_generate(sid, SamplingParams(max_tokens=1, ignore_eos=True), prompt_ids=context, from_start=True)
+        assert engine.session_computed(sid) == (0 if model.recurrent and case != "extension" else state), case
+        while engine.has_work():
+            engine.step()
+        engine.close(sid)
 
 
 def test_a_cut_to_nothing_new_and_the_refusals(engine: Engine, model: Model) -> None:
@@ -238,7 +261,7 @@ def test_the_worker_takes_the_whole_context_as_ids_text_or_messages(smol_engine:
     try:
         first = generate(d, engine, "g1", prompt="The capital of France is")
         held = engine.session_tokens(SID)
-        assert (first.appended, first.rewound) == (len(held) - 3, 0)
+        assert (first.appended, first.rewound, first.cached) == (len(held) - 3, 0, 0)
         text = "The capital of Spain is"
         new = engine.create_session()
         engine.append(new, text=text)
@@ -248,6 +271,7 @@ def test_the_worker_takes_the_whole_context_as_ids_text_or_messages(smol_engine:
         same = next(i for i, (a, b) in enumerate(zip(held, fresh, strict=False)) if a != b)
         assert engine.session_tokens(SID)[:len(fresh)] == fresh
         assert (reply.rewound, reply.appended, reply.length) == (len(held) - same, len(fresh) - same, len(fresh) + 3)
+        assert reply.cached == same  # (the session had computed all it held but its last token)
         turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
                  {"role": "user", "content": "And another?"}]
         rendered = engine.tokenize(engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True),
@@ -256,10 +280,11 @@ def test_the_worker_takes_the_whole_context_as_ids_text_or_messages(smol_engine:
         reply = generate(d, engine, "g3", messages=tuple(p.ChatMessage(**t) for t in turns), from_start=True)
         assert engine.session_tokens(SID)[:len(rendered)] == rendered
         assert reply.length == len(rendered) + 3 and before - reply.rewound + reply.appended == len(rendered)
-        assert reply.rewound > 0 and reply.appended > 0
+        assert reply.rewound > 0 and reply.appended > 0 and reply.cached == before - reply.rewound
         ids = rendered[:10]
         reply = generate(d, engine, "g4", prompt_ids=tuple(ids), from_start=True)
         assert (reply.rewound, reply.appended) == (len(rendered) + 3 - 10, 0)
+        assert reply.cached == 9  # all 10 kept, the last computed again to sample from
         assert engine.session_tokens(SID)[:10] == ids and reply.length == 13
     finally:
         d.handle(p.Close(request_id="x", session_id=SID, route=b"c"))

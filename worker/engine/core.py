@@ -420,8 +420,8 @@ class Engine:
         prompt. Where the template renders that answer otherwise once more turns follow it (Qwen3 drops its reasoning,
         Llama 3 trims its spaces: `Tokenizer.chat_continuation`), the session keeps the answer as the model gave it and
         the turns follow it (`Tokenizer.chat_after_answer`): its tokens are then not those of the whole conversation
-        rendered at once. With `boundary_check` that is refused instead: PromptBoundary, nothing appended, and a new
-        session given the whole conversation gets its tokens (the gateway's way). `template_args`: more variables for
+        rendered at once. With `boundary_check` that is refused instead: PromptBoundary, nothing appended, and the
+        whole conversation sent from its start (`from_start`) gets its tokens (the gateway's way). `template_args`: more variables for
         the template (Qwen3's enable_thinking), for the turns' rendering on a session that holds some too.
         `from_start`: the turns are the whole conversation (start_generate's from_start), rendered as on an empty
         session."""
@@ -446,8 +446,8 @@ class Engine:
             raise BadRequest(str(e)) from e
         if text is None:
             raise PromptBoundary(f"session {session_id}: the model's chat template renders the session's last answer "
-                                 "otherwise once more turns follow it; only the whole conversation, rendered in a new "
-                                 "session, gives its tokens")
+                                 "otherwise once more turns follow it; only the whole conversation, sent from its "
+                                 "start (from_start), gives its tokens")
         return text
 
     # -- generation: the step-driven core ---------------------------------------------------------
@@ -491,7 +491,9 @@ class Engine:
         self._resident(session)  # a hibernated session is restored first: refused whole if it cannot be
         session.used_at = time.monotonic()
         if from_start:
-            session.computed = min(session.computed, self._kept(session, ids))
+            same = common_prefix(session.tokens, ids)
+            if same < session.computed:
+                session.computed = same if self._rewritable else 0
             session.tokens[:] = ids
         else:
             session.tokens.extend(ids)
@@ -508,15 +510,15 @@ class Engine:
         return rid
 
     def kept(self, session_id: str, ids: Sequence[int]) -> int:
-        """How many of the session's tokens a from_start prompt of `ids` keeps (their state is not computed again):
-        those `ids` starts with, where the state can be cut there. A state laid out by position can be cut anywhere;
-        a recurrent one, which cannot take tokens back, only after the tokens it has taken in: where `ids` leaves one
-        of those out, it keeps none, and the session is computed again from its start."""
-        return self._kept(self._session(session_id), ids)
+        """How many of the session's tokens a from_start prompt of `ids` keeps: those `ids` starts with. Their state is
+        kept as far as it can be (`session_computed` after start_generate): a state laid out by position is cut
+        there; a recurrent one, which cannot take tokens back, keeps all it has taken in or, where `ids` leaves one of
+        those out, none (the session is computed again from its start)."""
+        return common_prefix(self._session(session_id).tokens, ids)
 
-    def _kept(self, session: Session, ids: Sequence[int]) -> int:
-        same = common_prefix(session.tokens, ids)
-        return same if same >= session.computed or self._rewritable else 0
+    def session_computed(self, session_id: str) -> int:
+        """The session's tokens whose state it holds (the rest are computed by its next generation)."""
+        return self._session(session_id).computed
 
     def cancel(self, request_id: str) -> None:
         """End a generation early; its final chunk (finish_reason "cancelled") comes from the next step."""

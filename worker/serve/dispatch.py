@@ -71,6 +71,7 @@ class EngineAPI(Protocol):
                boundary_check: bool = False) -> int: ...
     def chat(self, session_id: str, content: str, role: str = "user") -> int: ...
     def kept(self, session_id: str, ids: Sequence[int]) -> int: ...
+    def session_computed(self, session_id: str) -> int: ...
     def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
                  template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> list[int]: ...
     def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
@@ -135,6 +136,7 @@ class Active:
     stream: bool
     appended: int = 0  # prompt tokens the request appended first
     rewound: int = 0  # from_start: the session's tokens it dropped first
+    cached: int = 0  # the prompt tokens whose state the session held already
     token_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # per token, the text let out with it ("" while held back)
     held: str = ""  # text let out by a step that made no token: it goes with the next token (no engine does that now)
@@ -461,7 +463,7 @@ class Dispatch:
                                          boundary_check=request.boundary_check and ids is None,
                                          from_start=request.from_start)
             self.active[engine_id] = Active(request.request_id, sid, request.route, request.stream,
-                                            e.session_length(sid) - kept, before - kept,
+                                            e.session_length(sid) - kept, before - kept, e.session_computed(sid),
                                             logprobs=None if request.params.logprobs is None else [])
             self._by_session[request.session_id] = engine_id
             self.metrics.generation_started(engine_id, time.perf_counter())
@@ -559,7 +561,8 @@ class Dispatch:
         answer = p.Generated.unchecked(request_id=active.request_id, session_id=active.session_id,
                                        token_ids=tuple(active.token_ids), text="".join(active.texts) + active.held,
                                        finish_reason=finish_reason, length=length, appended=active.appended,
-                                       rewound=active.rewound, route=active.route, logprobs=tuple(active.logprobs or ()))
+                                       rewound=active.rewound, cached=active.cached, route=active.route,
+                                       logprobs=tuple(active.logprobs or ()))
         self._remember((active.session_id, active.request_id), answer)
         return answer
 
