@@ -7,7 +7,8 @@
     prompt_tokens_total, cached_tokens_total   prompt tokens of the answers, and those not computed again
     generation_tokens_total                    tokens generated (a stream cut short: those it sent)
     sessions{state}                            live sessions the gateway holds: idle (kept for the next turn), busy
-    sessions_opened_total{how}                 sessions a request used: new, resumed by session_id, resumed by prefix
+    sessions_opened_total{how}                 sessions a request used: new, resumed by session_id, resumed by prefix,
+                                               asked_again (a request for its last answer again)
     sessions_closed_total{why}                 evicted (for a free slot or the idle cap), replaced, ended, gone
     turns_from_start_total                     turns a resumed session took whole from its start (its worker refused
                                                the new part alone: prompt_boundary)

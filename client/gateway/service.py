@@ -179,6 +179,7 @@ class Live:
                 assert isinstance(ask.history, tuple)
                 turn = ("assistant", result.text)
                 entry.history = (*ask.history, turn)
+                entry.asked = ask.digests[-1] if ask.digests else None
                 entry.digest = chain([turn], ask.digests[-1] if ask.digests else EMPTY)[-1]
             elif ask.kind == "text":
                 assert isinstance(ask.history, str)
@@ -485,9 +486,11 @@ class Service:
             if entry is not None:
                 if entry.busy:
                     raise session_busy(ask.name)
-                if entry.model == ask.model and entry.kind == ask.kind and entry.extended_by(ask.history, ask.digests):
+                if entry.model == ask.model and entry.kind == ask.kind:
                     store.take(entry)
                     self.metrics.opened.labels("session_id").inc()
+                    if not entry.extended_by(ask.history, ask.digests):
+                        entry.exact = False  # edited, cut or asked again: sent whole, it keeps what they share
                     return entry, True
                 store.forget_named(ask.owner, ask.name)
                 self._close(entry, "replaced")
@@ -500,6 +503,12 @@ class Service:
                 store.take(found)
                 self.metrics.opened.labels("prefix").inc()
                 return found, True
+            again = store.find_asked(ask.owner, ask.model, ask.digests[-1]) if ask.kind == "chat" and ask.digests else None
+            if again is not None:  # an answer asked again: the session less that answer is the whole request
+                store.take(again)
+                self.metrics.opened.labels("asked_again").inc()
+                again.exact = False
+                return again, True
         return await self._new_entry(ask), False
 
     async def _open_named(self, ask: Ask) -> Entry:

@@ -6,10 +6,13 @@ or as token ids. A request resumes a session when its own history starts with th
 tokens are a prefix of the request's, and only the rest is sent and computed.
 
 - Named sessions (`session_id`, per API key) are found by name. A request whose history does not continue the
-  named session's (the client edited or cut the conversation) gets a new session under that name.
+  named session's (the client edited or cut the conversation, or asks for an answer again) is sent to it whole, from
+  its start: the session keeps what the two share.
 - Other sessions are found by prefix: chat histories by a chain of digests over their messages (the longest
   prefix of the request that ends with an assistant message and belongs to an idle session of the same key and
-  model), completions by comparing the prompt's start with each idle session's text or ids.
+  model), completions by comparing the prompt's start with each idle session's text or ids. A chat request that
+  asks again what a session's last answer answered (its history less that answer: "regenerate") takes that
+  session, which is then sent the conversation from its start and keeps all of it but the answer.
 - A session serves one request at a time: it is taken out of the indexes while it works, and put back with its
   new history. Where the answer ended in a way its tokens may not be that history's (cut at a stop string, past a
   stop token or an EOS the text leaves out, inside a UTF-8 character, cancelled), it is marked inexact: its next turn
@@ -73,6 +76,7 @@ class Entry:
     busy: bool = False
     deleted: bool = False  # its name was deleted while it was busy: closed when its turn ends
     exact: bool = True  # its tokens are its history's (else its next turn is sent whole, from its start)
+    asked: bytes | None = None  # chat: the digest of its history less its last answer (None: it ends otherwise)
     last_used: float = field(default_factory=time.monotonic)
 
     def extended_by(self, history: tuple[Turn, ...] | str | tuple[int, ...], digests: Sequence[bytes] = ()) -> bool:
@@ -89,6 +93,7 @@ class SessionStore:
         self.max_idle = max_idle  # 0: no cap but the slots
         self._named: dict[tuple[str, str], Entry] = {}
         self._chat: dict[tuple[str, str, bytes], list[Entry]] = {}
+        self._asked: dict[tuple[str, str, bytes], list[Entry]] = {}  # anonymous chat sessions by Entry.asked
         self._text: dict[tuple[str, str], list[Entry]] = {}
         self._idle: OrderedDict[Entry, None] = OrderedDict()
         self.busy = 0
@@ -113,6 +118,14 @@ class SessionStore:
             for entry in self._chat.get((owner, model, digests[i - 1]), ()):
                 if not entry.busy:
                     return entry
+        return None
+
+    def find_asked(self, owner: str, model: str, digest: bytes) -> Entry | None:
+        """The idle anonymous session whose history less its last answer has this digest (a request asking that
+        answer again)."""
+        for entry in self._asked.get((owner, model, digest), ()):
+            if not entry.busy:
+                return entry
         return None
 
     def find_completion(self, owner: str, model: str, prompt: str | tuple[int, ...]) -> Entry | None:
@@ -149,6 +162,8 @@ class SessionStore:
             self._named[(entry.owner, entry.name)] = entry
         elif entry.kind == "chat":
             self._chat.setdefault((entry.owner, entry.model, entry.digest), []).append(entry)
+            if entry.asked is not None:
+                self._asked.setdefault((entry.owner, entry.model, entry.asked), []).append(entry)
         else:
             self._text.setdefault((entry.owner, entry.model), []).append(entry)
         self._idle[entry] = None
@@ -201,3 +216,10 @@ class SessionStore:
                     del self._chat[(entry.owner, entry.model, entry.digest)]
                 else:
                     del self._text[(entry.owner, entry.model)]
+        if entry.asked is not None:
+            key = (entry.owner, entry.model, entry.asked)
+            asked = self._asked.get(key)
+            if asked and entry in asked:
+                asked.remove(entry)
+                if not asked:
+                    del self._asked[key]

@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 
-from .conftest import MODEL
+from .conftest import MODEL, Gateways
 from .test_openai_client import sync_client
 
 QUESTION = "What is the capital of France?"
@@ -74,3 +74,41 @@ def test_a_plain_answer_is_still_resumed_and_matches_a_fresh_session(gateway: st
                {"role": "user", "content": "And of Spain?"}]
     resumed, fresh = same_as_fresh(client, history)
     assert resumed.usage.prompt_tokens_details.cached_tokens > 0 and fresh.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_an_answer_asked_again_computes_one_token_and_matches_a_fresh_session(gateway: str, gateways: Gateways) -> None:
+    """A "regenerate": the conversation less its last answer, sent again without a name, takes the session that gave
+    that answer; it keeps everything but the answer (the last prompt token runs again to sample from) and gives the
+    same answer as a new session."""
+    client = sync_client(gateway)
+    history = [{"role": "user", "content": "Name a colour of the rainbow."}]
+    first = ask(client, history, max_tokens=10)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And a fruit?"}]
+    second = ask(client, history, max_tokens=10)
+    before = gateways.prefilled()
+    again, fresh = same_as_fresh(client, history)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    # The fresh session's prompt; the token run again goes in a decode row, which the worker does not count as prompt.
+    assert gateways.prefilled() - before == fresh.usage.prompt_tokens
+    assert again.choices[0].message.content == second.choices[0].message.content[:len(again.choices[0].message.content)]
+
+
+def test_an_edited_named_conversation_keeps_what_it_shares(gateway: str, gateways: Gateways) -> None:
+    """The client edits the second question of a named conversation: the session keeps the first turn (its prompt and
+    answer) and computes the rest; the answer is a new session's."""
+    client = sync_client(gateway)
+    name = {"session_id": "edited-conversation"}
+    history = [{"role": "user", "content": QUESTION}]
+    first = ask(client, history, max_tokens=8, extra_body=name)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And of Spain?"}]
+    ask(client, history, max_tokens=8, extra_body=name)
+    history[-1] = {"role": "user", "content": "And of Italy?"}
+    before = gateways.prefilled()
+    edited = ask(client, history, max_tokens=12, extra_body=name)
+    fresh = ask(client, history, fresh=True, max_tokens=12)
+    assert edited.choices[0].message.content == fresh.choices[0].message.content
+    cached = edited.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens + first.usage.completion_tokens <= cached < edited.usage.prompt_tokens
+    assert gateways.prefilled() - before == edited.usage.prompt_tokens - cached + fresh.usage.prompt_tokens

@@ -217,3 +217,37 @@ def test_a_refused_new_part_is_sent_whole_to_the_same_session(stream: bool, n: i
     assert named == "s0"  # (and no session closed)
     usage = live.usage()
     assert (usage.prompt_tokens, usage.cached_tokens) == (22, 12)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_edited_conversation_goes_whole_to_its_named_session(stream: bool) -> None:
+    """A named session whose conversation the request does not continue (the first message edited) is not replaced:
+    it is sent the whole conversation from its start, once, and keeps its name."""
+    async def main() -> tuple[list[str], str | None]:
+        svc, client = service(gone=False)
+        await svc.complete(ask(FIRST, name="conv"))
+        client.log.clear()
+        edited = [{"role": "user", "content": "Capital of Italy?"}, *NEXT[1:]]
+        await turn(svc, ask(edited, name="conv", stream=stream))
+        named = svc.store.named("alice", "conv")
+        return client.log, None if named is None else named.session.id
+
+    assert asyncio.run(main()) == (["s0 generate from_start"], "s0")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_asked_again_takes_the_session_that_gave_it(stream: bool) -> None:
+    """Without a name: a request that is a session's history less its last answer ("regenerate") takes that session,
+    sent from its start; a request that continues it takes it as a continuation; another conversation opens a new
+    session."""
+    async def main() -> list[str]:
+        svc, client = service(gone=False)
+        await svc.complete(ask(FIRST))  # s0: FIRST + "Hi"
+        await svc.complete(ask(FIRST))  # again: s0, from its start
+        await svc.complete(ask([*FIRST, {"role": "assistant", "content": "Hi"}, NEXT[-1]]))  # s0 goes on
+        await svc.complete(ask([{"role": "user", "content": "Other?"}]))  # s1
+        return client.log
+
+    assert asyncio.run(main()) == ["s0 generate", "s0 generate from_start",
+                                   "s0 generate checked", "s0 generate from_start",  # (the fake refuses checked turns)
+                                   "s1 generate"]

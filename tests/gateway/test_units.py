@@ -99,6 +99,21 @@ def test_a_named_session_stays_under_its_name_while_busy_and_a_new_one_replaces_
     assert store.find_chat("", "m", turns, chain(turns)) is None  # named: not in the prefix index
 
 
+def test_a_session_is_found_by_its_history_less_its_last_answer_while_idle_only() -> None:
+    turns = (("user", "q"), ("assistant", "a"))
+    entry = chat_entry(turns)
+    entry.asked = chain(turns)[0]
+    store = SessionStore()
+    store.put(entry)
+    assert store.find_asked("", "m", chain(turns[:1])[-1]) is entry
+    assert store.find_asked("bob", "m", entry.asked) is None and store.find_asked("", "m2", entry.asked) is None
+    store.take(entry)
+    assert store.find_asked("", "m", entry.asked) is None  # busy
+    store.put(entry)
+    store.release(entry)
+    assert store.find_asked("", "m", entry.asked) is None and not store._asked
+
+
 def test_entry_extended_by() -> None:
     e = chat_entry((("user", "q"), ("assistant", "a")))
     longer = (("user", "q"), ("assistant", "a"), ("user", "q2"))
