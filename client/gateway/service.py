@@ -169,7 +169,7 @@ class Live:
                 cut = True  # the text the client holds has no stop token: it no longer starts with the session's
             if ask.kind != "ids" and not _text_is_tokens(ask.kind, ask.sampling, result, stop_token):
                 cut = True
-            if entry.deleted:
+            if entry.deleted or result.session_length == 0:  # (0: its session was closed while it generated)
                 service.discard(entry, "ended")
                 continue
             entry.exact = not cut
@@ -346,7 +346,7 @@ class Service:
             if not resumed:
                 self.discard(entry, _closed_why(e))
                 raise from_client_error(e) from e
-            return await self._again(ask, entry, e, started, False)
+            return await self._again(ask, entry, e, started, resumed and not entry.exact)
         except ClientError as e:
             self.discard(entry, "ended")
             raise from_client_error(e) from e
@@ -503,13 +503,35 @@ class Service:
                 store.take(found)
                 self.metrics.opened.labels("prefix").inc()
                 return found, True
-            again = store.find_asked(ask.owner, ask.model, ask.digests[-1]) if ask.kind == "chat" and ask.digests else None
-            if again is not None:  # an answer asked again: the session less that answer is the whole request
-                store.take(again)
-                self.metrics.opened.labels("asked_again").inc()
-                again.exact = False
-                return again, True
+            asked = store.find_asked(ask.owner, ask.model, ask.digests[-1]) if ask.kind == "chat" and ask.digests else None
+            if asked is not None:
+                again = await self._asked_again(ask, asked)
+                if again is not None:
+                    return again, True
         return await self._new_entry(ask), False
+
+    async def _asked_again(self, ask: Ask, parent: Entry) -> Entry | None:
+        """A request that asks `parent`'s last answer again (its history less that answer): a fork of it, sent the
+        request whole from its start, keeps all but the answer; `parent` goes on serving its own branch of the
+        conversation (another user may have opened with the same messages). None when the fork cannot be made."""
+        self.store.take(parent)  # (not evicted for the fork's room, nor taken meanwhile)
+        try:
+            child = await self._fork(parent)
+        except GONE:
+            self.discard(parent, "gone")
+            return None
+        except ClientError:
+            self.keep(parent)
+            return None
+        except BaseException:
+            self.keep(parent)
+            raise
+        self.keep(parent)
+        entry = Entry(child, ask.owner, ask.model, ask.kind, parent.max_context, parent.history, parent.digest,
+                      parent.length, exact=False)
+        self.store.take(entry)
+        self.metrics.opened.labels("asked_again").inc()
+        return entry
 
     async def _open_named(self, ask: Ask) -> Entry:
         """A new session under the request's name, which the caller put in store.opening (a request naming it

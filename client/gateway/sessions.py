@@ -11,8 +11,9 @@ tokens are a prefix of the request's, and only the rest is sent and computed.
 - Other sessions are found by prefix: chat histories by a chain of digests over their messages (the longest
   prefix of the request that ends with an assistant message and belongs to an idle session of the same key and
   model), completions by comparing the prompt's start with each idle session's text or ids. A chat request that
-  asks again what a session's last answer answered (its history less that answer: "regenerate") takes that
-  session, which is then sent the conversation from its start and keeps all of it but the answer.
+  asks again what a session's last answer answered (its history less that answer: "regenerate") goes to a fork of
+  that session, sent the conversation from its start: it keeps all of it but the answer (where the model's state
+  can be cut there), and the session itself stays for its own branch.
 - A session serves one request at a time: it is taken out of the indexes while it works, and put back with its
   new history. Where the answer ended in a way its tokens may not be that history's (cut at a stop string, past a
   stop token or an EOS the text leaves out, inside a UTF-8 character, cancelled), it is marked inexact: its next turn

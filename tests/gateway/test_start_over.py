@@ -236,18 +236,21 @@ def test_an_edited_conversation_goes_whole_to_its_named_session(stream: bool) ->
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_answer_asked_again_takes_the_session_that_gave_it(stream: bool) -> None:
-    """Without a name: a request that is a session's history less its last answer ("regenerate") takes that session,
-    sent from its start; a request that continues it takes it as a continuation; another conversation opens a new
+def test_an_answer_asked_again_goes_to_a_fork_of_the_session_that_gave_it(stream: bool) -> None:
+    """Without a name: a request that is a session's history less its last answer ("regenerate") goes to a fork of
+    that session, sent from its start; the session itself stays idle for its own branch (another user may have
+    opened with the same messages), and a request that continues it takes it; another conversation opens a new
     session."""
-    async def main() -> list[str]:
+    async def main() -> tuple[list[str], int]:
         svc, client = service(gone=False)
         await svc.complete(ask(FIRST))  # s0: FIRST + "Hi"
-        await svc.complete(ask(FIRST))  # again: s0, from its start
+        await turn(svc, ask(FIRST, stream=stream))  # again: s1, a fork of s0, from its start
         await svc.complete(ask([*FIRST, {"role": "assistant", "content": "Hi"}, NEXT[-1]]))  # s0 goes on
-        await svc.complete(ask([{"role": "user", "content": "Other?"}]))  # s1
-        return client.log
+        await svc.complete(ask([{"role": "user", "content": "Other?"}]))  # s2
+        return client.log, svc.store.idle
 
-    assert asyncio.run(main()) == ["s0 generate", "s0 generate from_start",
-                                   "s0 generate checked", "s0 generate from_start",  # (the fake refuses checked turns)
-                                   "s1 generate"]
+    log, idle = asyncio.run(main())
+    assert log == ["s0 generate", "s1 generate from_start",
+                   "s0 generate checked", "s0 generate from_start",  # (the fake refuses checked turns)
+                   "s2 generate"]
+    assert idle == 3
