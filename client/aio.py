@@ -246,7 +246,7 @@ class AsyncClient:
         request = build(p.CreateSession, request_id=new_request_id(), model=model)
         created = await self._call(request, p.Created, timeout)
         return AsyncSession(self, created.session_id, model=created.model, worker=created.worker,
-                            max_context=created.max_context)
+                            max_context=created.max_context, takes_from_start=created.from_start)
 
     def attach(self, session_id: str) -> AsyncSession:
         if not p.is_session_id(session_id):
@@ -285,13 +285,15 @@ class AsyncClient:
 
 class AsyncSession:
     def __init__(
-        self, client: AsyncClient, session_id: str, *, model: str = "", worker: str = "", max_context: int = 0
+        self, client: AsyncClient, session_id: str, *, model: str = "", worker: str = "", max_context: int = 0,
+        takes_from_start: bool | None = None,
     ) -> None:
         self.client = client
         self.id = session_id
         self.model = model
         self.worker = worker
         self.max_context = max_context
+        self.takes_from_start = takes_from_start  # its worker takes generate(from_start=True) (None: not known)
 
     def __repr__(self) -> str:
         return f"AsyncSession({self.id!r}, worker={self.worker!r})"
@@ -377,7 +379,7 @@ class AsyncSession:
         request = build(p.Fork, request_id=new_request_id(), session_id=self.id)
         forked = await self.client._call(request, p.Forked, timeout)
         return AsyncSession(self.client, forked.child_id, model=self.model, worker=forked.worker,
-                            max_context=self.max_context)
+                            max_context=self.max_context, takes_from_start=forked.from_start)
 
     async def info(self, *, timeout: float | None = None) -> SessionInfo:
         request = build(p.Info, request_id=new_request_id(), session_id=self.id)

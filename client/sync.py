@@ -56,7 +56,7 @@ class Client:
         request = build(p.CreateSession, request_id=new_request_id(), model=model)
         created = self._call(request, p.Created, timeout)
         return Session(self, created.session_id, model=created.model, worker=created.worker,
-                       max_context=created.max_context)
+                       max_context=created.max_context, takes_from_start=created.from_start)
 
     def attach(self, session_id: str) -> Session:
         """A handle on an existing session by id (no round trip; the next call finds out if it exists)."""
@@ -97,12 +97,14 @@ class Client:
 
 
 class Session:
-    def __init__(self, client: Client, session_id: str, *, model: str = "", worker: str = "", max_context: int = 0):
+    def __init__(self, client: Client, session_id: str, *, model: str = "", worker: str = "", max_context: int = 0,
+                 takes_from_start: bool | None = None):
         self.client = client
         self.id = session_id
         self.model = model
         self.worker = worker  # the worker's name as the create answered it ("" for attach())
         self.max_context = max_context
+        self.takes_from_start = takes_from_start  # its worker takes generate(from_start=True) (None: not known)
 
     def __repr__(self) -> str:
         return f"Session({self.id!r}, worker={self.worker!r})"
@@ -210,7 +212,7 @@ class Session:
         """A new session on the same worker that continues exactly as this one would."""
         forked = self.client._call(build(p.Fork, request_id=new_request_id(), session_id=self.id), p.Forked, timeout)
         return Session(self.client, forked.child_id, model=self.model, worker=forked.worker,
-                       max_context=self.max_context)
+                       max_context=self.max_context, takes_from_start=forked.from_start)
 
     def info(self, *, timeout: float | None = None) -> SessionInfo:
         info = self.client._call(build(p.Info, request_id=new_request_id(), session_id=self.id), p.SessionInfo, timeout)

@@ -569,6 +569,7 @@ class Created(Message):
     worker: Name
     max_context: Count
     route: Route = b""
+    from_start: Annotated[bool, boolean] = False  # the worker takes GENERATE's from_start (False: an older worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -616,6 +617,7 @@ class Forked(Message):
     length: Count
     worker: Name
     route: Route = b""
+    from_start: Annotated[bool, boolean] = False  # as Created's
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,8 +169,8 @@ class Live:
                 cut = True  # the text the client holds has no stop token: it no longer starts with the session's
             if ask.kind != "ids" and not _text_is_tokens(ask.kind, ask.sampling, result, stop_token):
                 cut = True
-            if entry.deleted or result.session_length == 0:  # (0: its session was closed while it generated)
-                service.discard(entry, "ended")
+            if entry.deleted or result.session_length == 0 or (cut and not _takes_from_start(entry)):
+                service.discard(entry, "ended")  # (0: its session was closed while it generated)
                 continue
             entry.exact = not cut
             entry.length = result.session_length
@@ -357,7 +357,7 @@ class Service:
     async def _again(self, ask: Ask, entry: Entry, e: ClientError, started: float, from_start: bool) -> Live:
         """The turn again after its resumed `entry` could not take it: given the whole conversation from its start
         where it refused the new part (prompt_boundary), else (gone, or refusing even that) in a new session."""
-        if not isinstance(e, PromptBoundary) or from_start:
+        if not isinstance(e, PromptBoundary) or from_start or not _takes_from_start(entry):
             return await self._start_over(ask, entry, e, started)
         try:
             return await self._begin(ask, entry, True, started, from_start=True)
@@ -486,10 +486,11 @@ class Service:
             if entry is not None:
                 if entry.busy:
                     raise session_busy(ask.name)
-                if entry.model == ask.model and entry.kind == ask.kind:
+                extended = entry.extended_by(ask.history, ask.digests)
+                if entry.model == ask.model and entry.kind == ask.kind and (extended or _takes_from_start(entry)):
                     store.take(entry)
                     self.metrics.opened.labels("session_id").inc()
-                    if not entry.extended_by(ask.history, ask.digests):
+                    if not extended:
                         entry.exact = False  # edited, cut or asked again: sent whole, it keeps what they share
                     return entry, True
                 store.forget_named(ask.owner, ask.name)
@@ -499,12 +500,12 @@ class Service:
         else:
             found = (store.find_chat(ask.owner, ask.model, ask.history, ask.digests)  # type: ignore[arg-type]
                      if ask.kind == "chat" else store.find_completion(ask.owner, ask.model, ask.history))  # type: ignore[arg-type]
-            if found is not None:
+            if found is not None and (found.exact or _takes_from_start(found)):
                 store.take(found)
                 self.metrics.opened.labels("prefix").inc()
                 return found, True
             asked = store.find_asked(ask.owner, ask.model, ask.digests[-1]) if ask.kind == "chat" and ask.digests else None
-            if asked is not None:
+            if asked is not None and _takes_from_start(asked):
                 again = await self._asked_again(ask, asked)
                 if again is not None:
                     return again, True
@@ -636,6 +637,12 @@ class NewPart:
     boundary_check: bool = False  # a resumed session's: PromptBoundary where it would not give the whole's tokens
     template_args: dict[str, Any] | None = None  # messages: chat_template_kwargs
     from_start: bool = False  # the value is the whole conversation, for a resumed session that refused its new part
+
+
+def _takes_from_start(entry: Entry) -> bool:
+    """Whether the session's worker takes GENERATE's from_start (one older than it ignores the field and appends the
+    whole conversation after the session's tokens: such a session is replaced by a new one instead)."""
+    return getattr(entry.session, "takes_from_start", None) is not False
 
 
 def _empty(kind: Kind) -> tuple[Turn, ...] | str | tuple[int, ...]:

@@ -254,3 +254,26 @@ def test_an_answer_asked_again_goes_to_a_fork_of_the_session_that_gave_it(stream
                    "s0 generate checked", "s0 generate from_start",  # (the fake refuses checked turns)
                    "s2 generate"]
     assert idle == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_session_on_a_worker_older_than_from_start_is_replaced_not_sent_it(stream: bool) -> None:
+    """Its worker would ignore from_start and append the whole conversation after the session's tokens: a refused new
+    part starts over in a new session, an edited named conversation gets a new session, and no generate goes out with
+    from_start."""
+    async def main() -> list[str]:
+        svc, client = service(gone=False)
+        await svc.complete(ask(FIRST, name="conv"))
+        held = svc.store.named("alice", "conv")
+        assert held is not None
+        held.session.takes_from_start = False
+        await turn(svc, ask(NEXT, name="conv", stream=stream))  # refused (checked): a new session
+        fresh = svc.store.named("alice", "conv")
+        assert fresh is not None
+        fresh.session.takes_from_start = False
+        await turn(svc, ask([{"role": "user", "content": "Capital of Italy?"}], name="conv", stream=stream))  # edited
+        return client.log
+
+    log = asyncio.run(main())
+    assert not [line for line in log if "from_start" in line]
+    assert log == ["s0 generate", "s0 generate checked", "s0 closed", "s1 generate", "s1 closed", "s2 generate"]

@@ -425,7 +425,7 @@ class Dispatch:
             # of creates and closes spends while the GPU waits (the metrics count sessions; --log-level debug shows them).
             log.debug("session_created", session=sid, request=request.request_id)
             return p.Created(request_id=request.request_id, session_id=sid, model=e.model_name, worker=name,
-                             max_context=e.max_context)
+                             max_context=e.max_context, from_start=True)
         if isinstance(request, p.Append):
             if ids is not None:
                 length = e.append(request.session_id, token_ids=ids)
@@ -482,7 +482,7 @@ class Dispatch:
             self.sessions_changed = True
             log.debug("session_forked", session=child, parent=request.session_id, request=request.request_id)
             return p.Forked(request_id=request.request_id, session_id=request.session_id, child_id=child,
-                            length=e.session_length(child), worker=name)
+                            length=e.session_length(child), worker=name, from_start=True)
         if isinstance(request, p.Close):
             e.close(request.session_id)  # a generation on it ends "cancelled" in the next step
             self.owners.pop(request.session_id, None)
