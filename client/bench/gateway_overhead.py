@@ -122,6 +122,16 @@ def gateway_model(url: str, gateway: Daemon, timeout_s: float = 60.0) -> str:
             time.sleep(0.1)
 
 
+def start_gateway(stack: LocalStack) -> tuple[Daemon, str, str]:
+    """A gateway on a free loopback port for the stack's broker, once it lists a model: (its daemon, its URL, the
+    model)."""
+    port = free_port()
+    gateway = Daemon("client.gateway.cli", ["--broker", stack.clients, "--port", str(port), "--log-level", "warning"],
+                     stack.log_dir / "gateway.log", env=stack.env)
+    url = f"http://127.0.0.1:{port}"
+    return gateway, url, gateway_model(url, gateway)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:tiny")
@@ -135,11 +145,7 @@ def main() -> None:
         stack.start_worker("w1", model=args.model, device=args.device, max_sessions=max(8, args.sessions + 2),
                            max_context=4096)
         stack.wait_for_workers({"w1"}, timeout=300)
-        port = free_port()
-        gw = Daemon("client.gateway.cli", ["--broker", stack.clients, "--port", str(port), "--log-level", "warning"],
-                    stack.log_dir / "gateway.log", env=stack.env)
-        url = f"http://127.0.0.1:{port}"
-        model = gateway_model(url, gw)
+        gw, url, model = start_gateway(stack)
         direct, through = asyncio.run(interleaved(stack.clients, url, model, args.turns))
         user0, sys0 = cpu_seconds(gw.pid)
         n = max(1, min(args.turns // 4, 3000 // (args.tokens + 1)))  # within one session's 4096 tokens

@@ -27,8 +27,8 @@ import time
 import urllib.request
 from typing import Any
 
-from client.bench.gateway_overhead import gateway_model
-from client.stack import Daemon, LocalStack, free_port
+from client.bench.gateway_overhead import start_gateway
+from client.stack import LocalStack
 
 WORDS = ("river", "stone", "garden", "window", "letter", "music", "silver", "market", "winter", "island", "candle",
          "forest", "bridge", "harbor", "lantern", "meadow", "journey", "thunder", "velvet", "orchard")
@@ -75,11 +75,7 @@ def main() -> None:
         stack.start_broker()
         stack.start_worker("w1", model=args.model, device=args.device, max_sessions=16, max_context=8192)
         stack.wait_for_workers({"w1"}, timeout=300)
-        port = free_port()
-        gw = Daemon("client.gateway.cli", ["--broker", stack.clients, "--port", str(port), "--log-level", "warning"],
-                    stack.log_dir / "gateway.log", env=stack.env)
-        url = f"http://127.0.0.1:{port}"
-        model = gateway_model(url, gw)
+        gw, url, model = start_gateway(stack)
         anonymous = conversation(url, model, args.turns, args.words, rng)
         named = next(names)
         edited = conversation(url, model, args.turns, args.words, random.Random(0), named)
