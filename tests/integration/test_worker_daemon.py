@@ -94,6 +94,10 @@ class FakeEngine:
     def kept(self, session_id: str, ids: Sequence[int]) -> int:
         raise NotImplementedError
 
+    def prompt_ids(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None, *,
+                   boundary_check: bool = False, from_start: bool = False) -> list[int]:
+        raise NotImplementedError
+
     def session_computed(self, session_id: str) -> int:
         return max(0, self.lengths[self._known(session_id)] - 1)
 

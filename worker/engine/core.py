@@ -324,6 +324,12 @@ class Engine:
         session.used_at = time.monotonic()
         return len(session.tokens)
 
+    def prompt_ids(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None, *,
+                   boundary_check: bool = False, from_start: bool = False) -> list[int]:
+        """The ids that appending `token_ids` or `text` to the session would add, or (`from_start`) that would be its
+        whole context, checked as append and start_generate check them (nothing is changed)."""
+        return self._prompt(self._session(session_id), token_ids, text, boundary_check, from_start)
+
     def _prompt(self, session: Session, token_ids: Sequence[int] | None, text: str | None,
                 boundary_check: bool = False, from_start: bool = False) -> list[int]:
         """The ids that appending `token_ids` or `text` would add (`from_start`: that would be the session's whole
