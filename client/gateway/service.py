@@ -134,8 +134,8 @@ class Live:
             return 0
         if self.reported_cached is not None:
             return self.reported_cached
-        # (A worker that does not say:) of the tokens kept, all but the last generated one (pending) were computed.
-        return max(0, self.before - max(self.rewound, 1))
+        # (A worker that does not say, older than from_start:) all but the last generated one, which is pending.
+        return max(0, self.before - 1)
 
     def took(self, result: Generation | None) -> None:
         """What choice 0's GENERATE (or the prefill) appended, dropped and found computed, from its answer."""
@@ -340,13 +340,14 @@ class Service:
         await self.models.check(ask.model)
         started = time.perf_counter()
         entry, resumed = await self._session_for(ask)
+        from_start = resumed and not entry.exact
         try:
-            return await self._begin(ask, entry, resumed, started, from_start=resumed and not entry.exact)
+            return await self._begin(ask, entry, resumed, started, from_start)
         except START_OVER as e:
             if not resumed:
                 self.discard(entry, _closed_why(e))
                 raise from_client_error(e) from e
-            return await self._again(ask, entry, e, started, resumed and not entry.exact)
+            return await self._again(ask, entry, e, started, from_start)
         except ClientError as e:
             self.discard(entry, "ended")
             raise from_client_error(e) from e

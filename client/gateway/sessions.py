@@ -30,11 +30,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from client.aio import AsyncSession
 
 Turn = tuple[str, str]  # (role, content)
+_K = TypeVar("_K", tuple[str, str], tuple[str, str, bytes])
 Kind = Literal["chat", "text", "ids"]
 EMPTY = b""
 
@@ -208,19 +209,18 @@ class SessionStore:
             if not keep_name and self._named.get((entry.owner, entry.name)) is entry:
                 del self._named[(entry.owner, entry.name)]
             return
-        key_entries = (self._chat.get((entry.owner, entry.model, entry.digest)) if entry.kind == "chat"
-                       else self._text.get((entry.owner, entry.model)))
-        if key_entries and entry in key_entries:
-            key_entries.remove(entry)
-            if not key_entries:
-                if entry.kind == "chat":
-                    del self._chat[(entry.owner, entry.model, entry.digest)]
-                else:
-                    del self._text[(entry.owner, entry.model)]
+        if entry.kind == "chat":
+            _remove(self._chat, (entry.owner, entry.model, entry.digest), entry)
+        else:
+            _remove(self._text, (entry.owner, entry.model), entry)
         if entry.asked is not None:
-            key = (entry.owner, entry.model, entry.asked)
-            asked = self._asked.get(key)
-            if asked and entry in asked:
-                asked.remove(entry)
-                if not asked:
-                    del self._asked[key]
+            _remove(self._asked, (entry.owner, entry.model, entry.asked), entry)
+
+
+def _remove(index: dict[_K, list[Entry]], key: _K, entry: Entry) -> None:
+    """`entry` out of `index[key]`, and the key gone with its last entry."""
+    entries = index.get(key)
+    if entries and entry in entries:
+        entries.remove(entry)
+        if not entries:
+            del index[key]
