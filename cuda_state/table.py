@@ -166,6 +166,14 @@ class SessionTable:
             raise
         return slot
 
+    def copy_fixed(self, dst: int, src: int) -> None:
+        """Copy the fixed-size state (a recurrent and a convolution state) of live slot `src` into live slot `dst`,
+        after the work queued on the current stream: a recurrent state's checkpoint taken, or put back."""
+        self._check_live(src)
+        self._check_live(dst)
+        self.backend.copy_prefix(dst, src, self.spec.token_offset)
+        self.backend.mark_used([dst, src])
+
     def prefix(self, slot: int, tokens: int) -> torch.Tensor:
         """The slot's state for its first `tokens` positions as one uint8 tensor over the slab (zero copy): what a
         hibernation copies out and a restore copies in. The slot's session uses `tokens` positions from here on."""

@@ -175,25 +175,68 @@ def test_running_ahead_a_context_cut_right_after_an_answer_or_a_cancel(engine: E
 
 def test_what_a_from_start_keeps_computed(engine: Engine, model: Model) -> None:
     """kept() counts the tokens kept; session_computed() after start_generate, their state kept. A recurrent state
-    keeps none where the context leaves out a token it took in, nor where the context ends inside what it took in
-    (the context's last token must run again to sample from: a rerun a recurrent state cannot take)."""
+    cannot be cut: where the context leaves out a token it took in, or ends inside what it took in (the context's
+    last token must run again to sample from), it starts again from its checkpoint (the prompt but its last token)
+    when the context keeps the prompt, else from nothing."""
     prompt = model.prompts[1]
     n = len(prompt)
-    for case in ("cut inside", "cut with a new token", "extension"):
+    for case in ("cut inside", "cut with a new token", "extension", "cut inside the prompt"):
         sid, answer = session(engine, prompt, 6)
         held = prompt + answer
         assert engine.session_computed(sid) == n + 5  # the last sample pending
-        context, kept, state = {
-            "cut inside": (prompt + answer[:3], n + 3, n + 2),  # all kept; its last token runs again
-            "cut with a new token": (prompt + answer[:3] + [answer[3] ^ 1], n + 3, n + 3),
-            "extension": (held + [1, 2], n + 6, n + 5),
+        context, kept, state, recurrent = {
+            "cut inside": (prompt + answer[:3], n + 3, n + 2, n - 1),  # all kept; its last token runs again
+            "cut with a new token": (prompt + answer[:3] + [answer[3] ^ 1], n + 3, n + 3, n - 1),
+            "extension": (held + [1, 2], n + 6, n + 5, n + 5),
+            "cut inside the prompt": (prompt[:9] + [prompt[9] ^ 1], 9, 9, 0),
         }[case]
         assert engine.kept(sid, context) == kept, case
-        engine.start_generate(sid, SamplingParams(max_tokens=1, ignore_eos=True), prompt_ids=context, from_start=True)
-        assert engine.session_computed(sid) == (0 if model.recurrent and case != "extension" else state), case
+        rid = engine.start_generate(sid, SamplingParams(max_tokens=1, ignore_eos=True), prompt_ids=context,
+                                    from_start=True)
+        assert engine.session_computed(sid) == (recurrent if model.recurrent else state), case
+        got: list[int] = []
         while engine.has_work():
-            engine.step()
+            got += [t for c in engine.step() if c.request_id == rid for t in c.token_ids]
+        assert got == model.greedy(context, 1), case
         engine.close(sid)
+
+
+def test_a_recurrent_checkpoint_takes_only_free_room(engine: Engine, model: Model) -> None:
+    """A checkpoint takes a slot no session needs: a session has none where the table has no slot free, and a
+    create that finds none drops the least recently used checkpoint rather than fail; a fork copies its parent's, so
+    that the parent's answer asked again in the fork computes one token."""
+    if not model.recurrent:
+        assert engine.checkpoints is None
+        return
+    cps = engine.checkpoints
+    assert cps is not None and len(cps) == 0 and engine.capacity == 4
+    prompt = model.prompts[1]
+    n = len(prompt)
+    a, answer = session(engine, prompt, 6)
+    assert len(cps) == 1 and engine.free_slots == 3  # the checkpoint's slot counts free: it goes first
+    child = engine.fork(a)
+    assert len(cps) == 2
+    rid = engine.start_generate(child, SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=prompt,
+                                from_start=True)
+    assert engine.session_computed(child) == n - 1  # its prompt's last token runs again, nothing before it
+    again: list[int] = []
+    while engine.has_work():
+        again += [t for c in engine.step() if c.request_id == rid for t in c.token_ids]
+    assert again == answer == model.greedy(prompt, 6)
+    engine.close(child)
+    b, c = engine.create_session(), engine.create_session()  # 3 sessions and a's checkpoint fill the table
+    assert len(cps) == 1 and engine.free_slots == 1
+    [got] = run(engine, [(b, 4, {"prompt_ids": model.prompts[0]})])  # no slot free: no checkpoint
+    assert got == model.greedy(model.prompts[0], 4) and len(cps) == 1
+    d = engine.create_session()  # takes a's checkpoint's slot
+    assert len(cps) == 0 and engine.free_slots == 0
+    engine.start_generate(a, SamplingParams(max_tokens=1, ignore_eos=True), prompt_ids=prompt, from_start=True)
+    assert engine.session_computed(a) == 0  # computed again from its start
+    while engine.has_work():
+        engine.step()
+    for sid in (a, b, c, d):
+        engine.close(sid)
+    assert len(cps) == 0
 
 
 def test_a_cut_to_nothing_new_and_the_refusals(engine: Engine, model: Model) -> None:

@@ -40,6 +40,7 @@ from cuda_state import CapacityExhausted, SessionTable
 from worker.engine import migration
 from worker.engine.budget import PREFILL_CHUNK
 from worker.engine.build import build_parts
+from worker.engine.checkpoints import Checkpoints
 from worker.engine.detokenizer import Detokenizer
 from worker.engine.executor import Executor
 from worker.engine.hibernation import Hibernation, SessionLost, Stored
@@ -110,6 +111,8 @@ class Engine:
         # rewrites them. A state that is not laid out by position (a recurrent state, seq_axis None) is advanced by
         # every token run into it, so `computed` must always say what the launched steps leave there (see _retire).
         self._rewritable = table.spec.positional
+        # A recurrent state's checkpoints at each generation's last prompt token (worker.engine.checkpoints).
+        self.checkpoints = None if self._rewritable else Checkpoints(table)
         self._starved: list[Request] = []  # requests whose session could not get its next pages: they end "capacity"
         self.hibernation: Hibernation | None = None  # set by enable_hibernation
         self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose stored state was lost
@@ -182,6 +185,8 @@ class Engine:
             torch.cuda.synchronize(self.model.device)
         self._sessions.clear()
         self._mailboxes.clear()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         self.executor = _Closed()
         self.table.close()
         del self.model
@@ -203,7 +208,7 @@ class Engine:
         """Sessions a create can admit now: free slots as far as free pages go, and, with hibernation on, every idle
         session in a slot (the least recently used one hibernates for a create that finds no page). What the broker
         places sessions by."""
-        free = self.table.free_slots
+        free = self.table.free_slots + (len(self.checkpoints) if self.checkpoints is not None else 0)  # dropped first
         h = self.hibernation
         if h is None or not h.enabled:
             return free
@@ -289,6 +294,8 @@ class Engine:
         parent.used_at = time.monotonic()
         self._lost.pop(sid, None)
         self._sessions[sid] = Session(sid, slot, list(parent.tokens), parent.computed, owner=parent.owner)
+        if self.checkpoints is not None:
+            self.checkpoints.fork(session_id, sid)
         log.debug("session_forked", session=sid, parent=session_id, slot=slot, copied=parent.computed)
         return sid
 
@@ -301,6 +308,8 @@ class Engine:
         if session.request is not None:
             self._cancel(session.request)
         del self._sessions[session_id]
+        if self.checkpoints is not None:
+            self.checkpoints.drop(session_id)
         if session.resident:
             self.table.free(session.slot)  # waits for device work that used the slot
         elif self.hibernation is not None:
@@ -500,14 +509,20 @@ class Engine:
             same = common_prefix(session.tokens, ids)
             if same < session.computed:
                 session.computed = same if self._rewritable else 0
+            if self.checkpoints is not None:
+                self.checkpoints.keep_within(session.id, same)
             session.tokens[:] = ids
         else:
             session.tokens.extend(ids)
         if session.computed >= len(session.tokens):
             # The state holds every token (a step run ahead fed the last sample of the generation before): the first
             # sample needs a token run again. A state a rerun rewrites runs the last one again; a recurrent one, which
-            # cannot take a token back, is computed again from the session's history.
+            # cannot take a token back, is computed again from the session's history (or its checkpoint, below).
             session.computed = len(session.tokens) - 1 if self._rewritable else 0
+        if self.checkpoints is not None:
+            self._from_checkpoint(session)
+            if session.computed < len(session.tokens) - 1:  # a prompt to compute: its state before the last token kept
+                request.checkpoint = self.checkpoints.reserve(session.id)
         if params.max_tokens == 0 and session.computed >= len(session.tokens) - 1:
             self._finished.append(Chunk(rid, session.id, [], "", "length"))  # nothing to prefill
             return rid
@@ -519,8 +534,18 @@ class Engine:
         """How many of the session's tokens a from_start prompt of `ids` keeps: those `ids` starts with. Their state is
         kept as far as it can be (`session_computed` after start_generate): a state laid out by position is cut
         there; a recurrent one, which cannot take tokens back, keeps all it has taken in or, where `ids` leaves one of
-        those out, none (the session is computed again from its start)."""
+        those out, its checkpoint's tokens when `ids` keeps them (worker.engine.checkpoints), else none (the session
+        is computed again from its start)."""
         return common_prefix(self._session(session_id).tokens, ids)
+
+    def _from_checkpoint(self, session: Session) -> None:
+        """A recurrent session whose state holds fewer of its tokens than its checkpoint starts from the checkpoint
+        (queued on the stream, after the steps that still hold rows of it), when a token is left after it to sample
+        from."""
+        assert self.checkpoints is not None
+        cp = self.checkpoints.get(session.id)
+        if cp is not None and session.computed < cp.at < len(session.tokens):
+            session.computed = self.checkpoints.put_back(session.id, session.slot)
 
     def session_computed(self, session_id: str) -> int:
         """The session's tokens whose state it holds (the rest are computed by its next generation)."""
@@ -582,7 +607,8 @@ class Engine:
         step that reads them). A request whose session cannot get its pages, even after idle sessions hibernate, is
         starved: the step is planned again without it, and it ends "capacity" once no launched step holds it."""
         while True:
-            plan = schedule(self._active.values(), last, self.step_tokens, self.prefill_chunk, self.max_context)
+            plan = schedule(self._active.values(), last, self.step_tokens, self.prefill_chunk, self.max_context,
+                            last_alone=not self._rewritable)
             starved = self._back(plan)
             if not starved:
                 return plan
@@ -644,6 +670,11 @@ class Engine:
         if not self.last_rows:
             return None
         logits = self.executor.execute(plan.rows(), copy_logits=False)
+        if self.checkpoints is not None:
+            for request, start, n in plan.partial:  # the state holds a generation's prompt but its last token
+                cp = request.checkpoint
+                if cp is not None and start + n == len(request.session.tokens) - 1:
+                    self.checkpoints.take(cp, request.session.slot, start + n)
         sampled, positions = plan.sampled()
         params = [r.params for r in sampled]
         ids = sample_ids(logits, params, [r.random for r in sampled])
@@ -830,12 +861,13 @@ class Engine:
     def _rows_of(launched: Launched | None) -> list[Request]:
         return [] if launched is None else [r for r, _, _ in launched.partial] + launched.sampled
 
-    @staticmethod
-    def _forget_state(requests: Sequence[Request]) -> None:
+    def _forget_state(self, requests: Sequence[Request]) -> None:
         """Their sessions' state is in doubt: each is computed again from its history (a run from position 0 starts
-        from zero state whatever its slot holds)."""
+        from zero state whatever its slot holds), and its checkpoint, which a failed step may have left, dropped."""
         for request in requests:
             request.session.computed = 0
+            if self.checkpoints is not None:
+                self.checkpoints.drop(request.session.id)
 
     def _pump(self) -> None:
         if not self.has_work():
@@ -917,6 +949,8 @@ class Engine:
         except (OSError, SessionLost) as e:
             log.warning("hibernation_failed", session=session.id, error=str(e))
             return False
+        if self.checkpoints is not None:
+            self.checkpoints.drop(session.id)
         self.table.free(session.slot)
         session.slot = NO_SLOT
         self.hibernated += 1
@@ -976,12 +1010,15 @@ class Engine:
             self._lost.popitem(last=False)
 
     def _with_room(self, make: Callable[[], _T], keep: Session | None = None) -> _T:
-        """make(), hibernating the least recently used idle session while it finds no slot or page."""
+        """make(), dropping the least recently used checkpoint, then hibernating the least recently used idle
+        session, while it finds no slot or page."""
         in_flight: set[int] | None = None
         while True:
             try:
                 return make()
             except CapacityExhausted:
+                if self.checkpoints is not None and self.checkpoints.drop_oldest():
+                    continue
                 if in_flight is None:
                     in_flight = self._in_flight()
                 if not self._evict_one(keep, in_flight):

@@ -1,7 +1,8 @@
 """The scheduler: which rows the next step runs.
 
 A step holds a decode row for every generating session, then whole prompt chunks in arrival order while
-they fit the step's token budget (worker.engine.budget). A prefill-only request (max_tokens 0) takes chunks of
+they fit the step's token budget (worker.engine.budget); a recurrent model's last prompt token runs alone, as a decode
+row in the next step. A prefill-only request (max_tokens 0) takes chunks of
 its prompt up to, not including, its last token, and samples nothing. When the step before has been launched but not
 read (the GPU runs one step ahead), its generating sessions decode the ids it samples, read on the device,
 and its prompt chunks count as computed.
@@ -109,11 +110,16 @@ class StepPlan:
 
 
 def schedule(active: Iterable[Request], last: Launched | None, budget: int, prefill_chunk: int,
-             max_context: int) -> StepPlan:
+             max_context: int, last_alone: bool = False) -> StepPlan:
     """The next step: a decode row for every generating session, then whole prompt chunks of at most `prefill_chunk`
     tokens in arrival order while they fit `budget` tokens. With `last` (launched, not read yet), its generating
     sessions decode the ids it samples, read on the device, unless it ends them by length; its prompt chunks count
-    as computed. A request whose session could not get the pages for its next rows (`starved`) gets no more rows."""
+    as computed. A request whose session could not get the pages for its next rows (`starved`) gets no more rows.
+
+    `last_alone` (a recurrent state): a prompt's last token is never in a chunk with the tokens before it; it runs
+    as a decode row in the step after them, so that the state between the two steps holds the prompt but its last
+    token (what worker.engine.checkpoints keeps). Always, whether a checkpoint is taken or not: a session's bits do
+    not depend on whether other sessions left a slot free."""
     sampled = {} if last is None else {id(r): i for i, r in enumerate(last.sampled)}
     computed = {} if last is None else {id(r): p + n for r, p, n in last.partial}
     plan = StepPlan(None if last is None else last.ids)
@@ -142,7 +148,7 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
         if pending == 1:
             plan.add(request, start, 1)
         elif budget > 0:
-            n = min(pending, prefill_chunk)
+            n = min(pending - 1 if last_alone else pending, prefill_chunk)
             if n > budget:
                 budget = 0  # the step is full (the first chunk always fits): this one goes first next step
                 continue

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker.engine.checkpoints import Checkpoint
 from worker.engine.detokenizer import Detokenizer
 from worker.engine.sampling import RowRandom, SamplingParams, StepLogprobs
 
@@ -54,6 +55,7 @@ class Request:
     finish_reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
     starved: bool = False  # its session could not get the pages for its next rows: it ends "capacity"
+    checkpoint: Checkpoint | None = None  # where its session's state before the prompt's last token is kept
 
 
 NO_SLOT = -1  # a hibernated session's slot

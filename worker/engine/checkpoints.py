@@ -1,0 +1,129 @@
+"""Checkpoints of a recurrent state: where a session's next turn can start again without computing it all.
+
+A state laid out by position (K/V) can be cut back to any of its tokens; a recurrent state (Qwen3.5's DeltaNet and
+convolution states) has taken every token in and cannot give one back. So a session whose context is taken back
+inside what it computed (a from_start GENERATE: an edited conversation, an answer generated again, a template that
+renders an earlier answer otherwise, as Qwen3.5's drops its reasoning) would be computed again from its start.
+
+A checkpoint is a copy of a session's fixed-size state taken when it held exactly the first `at` tokens: the
+generation's prompt but its last token (the engine computes a recurrent model's last prompt token alone, in the step
+after the rest, so that state exists between two steps; see worker.engine.scheduler). Put back, with the session's
+K/V for those positions still in its slot, the session holds `at` tokens again, and its last prompt token runs once
+more to sample from: a regenerate computes one token, a next turn what follows the last prompt.
+
+Each checkpoint takes a slot of the session table holding only the fixed-size state (its pages, nothing per token),
+and only room no session needs: it is taken where a slot is free without hibernating anyone, and dropped, the oldest
+first, before a session is hibernated or refused for want of a slot or a page. A session holds one at most (its latest
+turn's); its copy is queued on the stream after the step that leaves the state there, and put back in stream order
+too, so no step ever waits for either. A checkpoint holds for as long as the session's first `at` tokens stay as they
+were: a context cut inside them drops it, as do the session's close and hibernation; a fork copies it when there is
+room.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import structlog
+
+from cuda_state import CapacityExhausted, SessionTable
+
+log = structlog.get_logger(__name__)
+
+NOT_TAKEN = 0  # a checkpoint's `at` before its copy is queued (no session holds 0 tokens worth keeping)
+
+
+@dataclass
+class Checkpoint:
+    """One session's checkpoint: its slot, and the tokens whose state the slot holds (NOT_TAKEN: none yet)."""
+
+    slot: int
+    at: int = NOT_TAKEN
+    dropped: bool = False  # its slot went back to the table: a copy planned into it must not run
+
+
+class Checkpoints:
+    """The checkpoints of one engine's sessions, by session id, the least recently used first."""
+
+    def __init__(self, table: SessionTable) -> None:
+        self.table = table
+        self._held: OrderedDict[str, Checkpoint] = OrderedDict()
+        self.taken = self.used = 0  # copies queued and put back, for the metrics
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def get(self, session_id: str) -> Checkpoint | None:
+        """The session's checkpoint, once its copy is queued."""
+        cp = self._held.get(session_id)
+        return cp if cp is not None and cp.at != NOT_TAKEN else None
+
+    def reserve(self, session_id: str) -> Checkpoint | None:
+        """The slot the session's next checkpoint goes into: the one it has, or a free one (None when the table has
+        no slot or page free: nothing is hibernated or dropped for a checkpoint)."""
+        cp = self._held.get(session_id)
+        if cp is None:
+            try:
+                cp = Checkpoint(self.table.create(0))
+            except CapacityExhausted:
+                return None
+            self._held[session_id] = cp
+        self._held.move_to_end(session_id)
+        return cp
+
+    def take(self, cp: Checkpoint, session_slot: int, at: int) -> None:
+        """Copy the session's fixed-size state, which holds its first `at` tokens once the work queued so far is done,
+        into its checkpoint (unless the checkpoint was dropped since it was reserved)."""
+        if cp.dropped:
+            return
+        self.table.copy_fixed(cp.slot, session_slot)
+        cp.at = at
+        self.taken += 1
+
+    def put_back(self, session_id: str, session_slot: int) -> int:
+        """Copy the session's checkpoint into its slot; the tokens the slot then holds."""
+        cp = self._held[session_id]
+        self.table.copy_fixed(session_slot, cp.slot)
+        self._held.move_to_end(session_id)
+        self.used += 1
+        return cp.at
+
+    def keep_within(self, session_id: str, tokens: int) -> None:
+        """The session's first `tokens` tokens stay, those after are replaced: a checkpoint past them no longer holds
+        the session's tokens (its slot is kept for the next one)."""
+        cp = self._held.get(session_id)
+        if cp is not None and cp.at > tokens:
+            cp.at = NOT_TAKEN
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child's copy of the parent's checkpoint, when a slot is free (else the child has none)."""
+        cp = self.get(parent_id)
+        if cp is None:
+            return
+        try:
+            slot = self.table.clone(cp.slot, 0)
+        except CapacityExhausted:
+            return
+        self._held[child_id] = Checkpoint(slot, cp.at)
+
+    def drop(self, session_id: str) -> None:
+        cp = self._held.pop(session_id, None)
+        if cp is not None:
+            cp.dropped = True
+            self.table.free(cp.slot)  # after the queued work that copies into or out of it
+
+    def drop_oldest(self) -> bool:
+        """Give the least recently used checkpoint's slot and pages back; False when there is none."""
+        if not self._held:
+            return False
+        session_id = next(iter(self._held))
+        self.drop(session_id)
+        log.debug("checkpoint_dropped", session=session_id, reason="room")
+        return True
+
+    def clear(self) -> None:
+        """Forget every checkpoint (the table is being closed: it releases their slots itself)."""
+        for cp in self._held.values():
+            cp.dropped = True
+        self._held.clear()
