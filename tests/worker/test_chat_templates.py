@@ -337,3 +337,22 @@ def test_a_template_that_fails_on_its_inputs_is_a_template_error() -> None:
     ours, _ = pair("{{ messages[0].content | int + none }}", None, "<|im_end|>")
     with pytest.raises(ChatTemplateError, match="chat template failed: TypeError"):
         ours.apply_chat_template([user("x")])
+
+
+@pytest.mark.parametrize("model", sorted(KEPT))
+def test_the_assistant_prompt_tail_a_later_turn_renders_otherwise(model: str) -> None:
+    """What a recurrent state's checkpoint leaves out of a chat prompt (Engine.turn_tail): the end of the assistant
+    prompt that the template does not render before an earlier answer. The checkpoint then falls within what the next
+    turn keeps of the prompt (the table above), whatever the answer was."""
+    tok, _ = pair((TEMPLATES / f"{model}.jinja").read_text(encoding="utf-8"), *MODELS[model])
+    prompt = tok.encode(rendered(tok, FIRST, True), add_bos=False)
+    tail = tok.answer_prompt_tail()
+    assert tail == {"qwen3-thinking-2507": "<think>\n", "qwen3.5": "<think>\n"}.get(model, tail)
+    ids = tok.encode(tail, add_bos=False) if tail else []
+    assert prompt[len(prompt) - len(ids):] == ids
+    how = KEPT[model]
+    if isinstance(how, int):  # Mistral moves the system message: no tail stands for that (nor is the model recurrent)
+        assert tail == ""
+        return
+    # The checkpoint's tokens, len(prompt) - len(ids), are those the table says the next turn keeps.
+    assert len(ids) == (len(tok.encode("<think>\n", add_bos=False)) if how == "prompt less <think>" else 0)

@@ -11,6 +11,7 @@ the reply's counts of what was dropped and appended."""
 from __future__ import annotations
 
 import random
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import worker.serve.dispatch as dispatch_module
 from broker.common import protocol as p
 from tests.worker import test_families, test_qwen3_5
 from worker.engine import Engine, SamplingParams
+from worker.engine.session import common_prefix
 from worker.errors import BadRequest, ContextOverflow, SessionBusy
 from worker.serve.config import WorkerConfig
 from worker.serve.dispatch import Dispatch
@@ -31,6 +33,7 @@ from worker.serve.metrics import NoMetrics
 transformers = pytest.importorskip("transformers")
 
 VOCAB = test_families.VOCAB
+TEMPLATES = Path(__file__).parent / "templates"
 
 
 class Model:
@@ -331,6 +334,37 @@ def test_the_worker_takes_the_whole_context_as_ids_text_or_messages(smol_engine:
         assert engine.session_tokens(SID)[:10] == ids and reply.length == 13
     finally:
         d.handle(p.Close(request_id="x", session_id=SID, route=b"c"))
+
+
+def test_a_chat_turn_resumes_from_the_checkpoint_before_the_reasoning_prompt(model: Model, tmp_path: Path) -> None:
+    """Qwen3.5's template opens a <think> in the assistant prompt that no earlier answer shows, so a turn sent whole
+    from its start (the gateway's way) keeps the session's tokens up to the prompt less that "<think>\n". The hybrid's
+    recurrent state then starts from the checkpoint taken there (the prompt's turn_tail), as the dense model's K/V are
+    cut there: both compute only what follows, and generate transformers' tokens for the rendered conversation."""
+    folder = tmp_path / "chat"
+    shutil.copytree(model.path, folder)
+    (folder / "chat_template.jinja").write_text(TEMPLATES.joinpath("qwen3.5.jinja").read_text(encoding="utf-8"),
+                                                 encoding="utf-8")
+    engine = Engine.load(str(folder), device="cpu", max_sessions=4, max_context=512, step_tokens=64)
+    d = Dispatch(engine, WorkerConfig(), sampling, NoMetrics())
+    d.handle(p.CreateSession(request_id="c", session_id=SID, route=b"c"))
+    try:
+        first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+        asked = engine.tokenize(engine.tokenizer.apply_chat_template(first, add_generation_prompt=True), add_bos=False)
+        think = engine.tokenize("<think>\n", add_bos=False)
+        assert asked[-len(think):] == think and engine.turn_tail(asked) == (len(think) if model.recurrent else 0)
+        generate(d, engine, "g1", messages=tuple(p.ChatMessage(**t) for t in first))
+        answer = engine.tokenizer.decode(engine.session_tokens(SID)[len(asked):])
+        turns = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And of Spain?"}]
+        context = engine.tokenize(engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True),
+                                  add_bos=False)
+        assert common_prefix(context, asked) == len(asked) - len(think)
+        reply = generate(d, engine, "g2", messages=tuple(p.ChatMessage(**t) for t in turns), from_start=True)
+        assert reply.cached == len(asked) - len(think)
+        assert engine.session_tokens(SID)[len(context):] == model.greedy(context, 3)
+    finally:
+        d.handle(p.Close(request_id="x", session_id=SID, route=b"c"))
+        engine.unload()
 
 
 def test_the_message_checks_from_start() -> None:

@@ -58,7 +58,7 @@ from worker.errors import (
     SessionNotFound,
 )
 from worker.model.llama import Llama
-from worker.model.tokenizer import Tokenizer
+from worker.model.tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = ["Chunk", "Engine", "Generation", "Launched", "SamplingParams"]
 
@@ -469,7 +469,7 @@ class Engine:
 
     def start_generate(self, session_id: str, params: SamplingParams, request_id: str | None = None, *,
                        prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
-                       boundary_check: bool = False, from_start: bool = False) -> str:
+                       boundary_check: bool = False, from_start: bool = False, turn_tail: int = 0) -> str:
         """Queue a generation; it runs in the following steps. Validates everything now.
 
         With `prompt_ids` or `prompt` (text), that prompt is appended first, as by `append` (`boundary_check` too): one call for a
@@ -481,6 +481,9 @@ class Engine:
         tokenized as a first text): the session then holds exactly its tokens, as a new session given it would. What
         it held that the prompt starts with is kept, not computed again (`kept`); the rest of what it held is dropped
         (an edited or cut conversation, an answer generated again, a template that renders earlier turns otherwise).
+
+        `turn_tail` (`turn_tail()` of a chat prompt): the prompt's last tokens that a later turn renders otherwise; a
+        recurrent state's checkpoint holds the session's tokens before them (else before the prompt's last token).
         """
         session = self._session(session_id)
         params.validate(self.model.config.vocab_size)
@@ -521,8 +524,9 @@ class Engine:
             session.computed = len(session.tokens) - 1 if self._rewritable else 0
         if self.checkpoints is not None:
             self._from_checkpoint(session)
-            if session.computed < len(session.tokens) - 1:  # a prompt to compute: its state before the last token kept
-                request.checkpoint = self.checkpoints.reserve(session.id)
+            at = len(session.tokens) - max(1, turn_tail)
+            if session.computed < at:  # a prompt to compute: the state before its last token (or its tail) is kept
+                request.checkpoint_at, request.checkpoint = at, self.checkpoints.reserve(session.id)
         if params.max_tokens == 0 and session.computed >= len(session.tokens) - 1:
             self._finished.append(Chunk(rid, session.id, [], "", "length"))  # nothing to prefill
             return rid
@@ -537,6 +541,21 @@ class Engine:
         those out, its checkpoint's tokens when `ids` keeps them (worker.engine.checkpoints), else none (the session
         is computed again from its start)."""
         return common_prefix(self._session(session_id).tokens, ids)
+
+    def turn_tail(self, prompt_ids: Sequence[int], template_args: Mapping[str, Any] | None = None) -> int:
+        """How many of a chat prompt's last tokens (`prompt_ids`, ending with the template's assistant prompt) the
+        template renders otherwise once the answer is an earlier turn (Qwen3.5's "<think>\n"): start_generate's
+        `turn_tail`, so that the next turn, sent whole from its start, finds a recurrent state's checkpoint within
+        what it keeps. 0 for a model without a recurrent state, and where the prompt does not end with that text's
+        tokens."""
+        if self.checkpoints is None:
+            return 0
+        try:
+            tail = self.tokenizer.answer_prompt_tail(template_args)
+        except ChatTemplateError:
+            return 0
+        ids = self.tokenize(tail, add_bos=False) if tail else []
+        return len(ids) if ids and list(prompt_ids[-len(ids):]) == ids else 0
 
     def _from_checkpoint(self, session: Session) -> None:
         """A recurrent session whose state holds fewer of its tokens than its checkpoint starts from the checkpoint
@@ -673,7 +692,7 @@ class Engine:
         if self.checkpoints is not None:
             for request, start, n in plan.partial:  # the state holds a generation's prompt but its last token
                 cp = request.checkpoint
-                if cp is not None and start + n == len(request.session.tokens) - 1:
+                if cp is not None and start + n == request.checkpoint_at:
                     self.checkpoints.take(cp, request.session.slot, start + n)
         sampled, positions = plan.sampled()
         params = [r.params for r in sampled]

@@ -117,9 +117,9 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
     as computed. A request whose session could not get the pages for its next rows (`starved`) gets no more rows.
 
     `last_alone` (a recurrent state): a prompt's last token is never in a chunk with the tokens before it; it runs
-    as a decode row in the step after them, so that the state between the two steps holds the prompt but its last
-    token (what worker.engine.checkpoints keeps). Always, whether a checkpoint is taken or not: a session's bits do
-    not depend on whether other sessions left a slot free."""
+    as a decode row in the step after them. Nor does a chunk run past a request's `checkpoint_at`: the state between
+    two steps then holds the tokens before it (what worker.engine.checkpoints keeps). Always, whether a checkpoint is
+    taken or not: a session's bits do not depend on whether other sessions left a slot free."""
     sampled = {} if last is None else {id(r): i for i, r in enumerate(last.sampled)}
     computed = {} if last is None else {id(r): p + n for r, p, n in last.partial}
     plan = StepPlan(None if last is None else last.ids)
@@ -137,7 +137,7 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
         start = computed.get(id(request), request.session.computed)
         pending = len(request.session.tokens) - start
         if request.params.max_tokens == 0:  # prefill only: every prompt token but the last, never sampling
-            n = min(pending - 1, prefill_chunk)
+            n = min(_chunk_end(request, start, True) - start, prefill_chunk)
             if n > 0 and budget > 0:
                 if n > budget:
                     budget = 0
@@ -148,10 +148,18 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
         if pending == 1:
             plan.add(request, start, 1)
         elif budget > 0:
-            n = min(pending - 1 if last_alone else pending, prefill_chunk)
+            n = min(_chunk_end(request, start, last_alone) - start, prefill_chunk)
             if n > budget:
                 budget = 0  # the step is full (the first chunk always fits): this one goes first next step
                 continue
             plan.add(request, start, n)
             budget -= n
     return plan
+
+
+def _chunk_end(request: Request, start: int, last_alone: bool) -> int:
+    """Where a prompt chunk from `start` may end: the prompt's end, its last token with `last_alone`, and never past
+    the request's checkpoint."""
+    end = len(request.session.tokens) - last_alone
+    at = request.checkpoint_at
+    return at if at is not None and start < at < end else end

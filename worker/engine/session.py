@@ -55,7 +55,10 @@ class Request:
     finish_reason: str | None = None
     started: float = field(default_factory=time.perf_counter)
     starved: bool = False  # its session could not get the pages for its next rows: it ends "capacity"
-    checkpoint: Checkpoint | None = None  # where its session's state before the prompt's last token is kept
+    # A recurrent state's checkpoint (worker.engine.checkpoints): the position its prompt's chunks stop at (a step
+    # boundary whether a checkpoint is taken or not), and the slot the state there is copied into (None: no room).
+    checkpoint_at: int | None = None
+    checkpoint: Checkpoint | None = None
 
 
 NO_SLOT = -1  # a hibernated session's slot

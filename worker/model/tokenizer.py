@@ -369,6 +369,21 @@ class Tokenizer:
             return None
         return ("" if closed else stop) + whole[len(held):]
 
+    def answer_prompt_tail(self, variables: Mapping[str, Any] | None = None) -> str:
+        """The end of the assistant prompt that the template leaves out where it renders that turn's answer as an
+        earlier one (Qwen3.5's and Qwen3-Thinking's "<think>\n", which no earlier answer shows); "" where an earlier
+        answer follows the assistant prompt as the prompt ends."""
+        asked = [{"role": "user", "content": "u"}]
+        prompt = self.apply_chat_template(asked, add_generation_prompt=True, variables=variables)
+        later = self.apply_chat_template([*asked, {"role": "assistant", "content": "\x00"},
+                                          {"role": "user", "content": "v"}], variables=variables)
+        same = 0
+        for a, b in zip(prompt, later, strict=False):
+            if a != b:
+                break
+            same += 1
+        return prompt[same:]
+
     def chat_after_answer(self, tokens: Sequence[int], turns: Sequence[dict[str, str]],
                           variables: Mapping[str, Any] | None = None) -> str:
         """The text that these turns and the next assistant prompt add after a conversation's last answer, the answer

@@ -86,7 +86,8 @@ class EngineAPI(Protocol):
     def session_length(self, session_id: str) -> int: ...
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
                        prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
-                       boundary_check: bool = False, from_start: bool = False) -> str: ...
+                       boundary_check: bool = False, from_start: bool = False, turn_tail: int = 0) -> str: ...
+    def turn_tail(self, prompt_ids: Sequence[int], template_args: Mapping[str, Any] | None = None) -> int: ...
     def cancel(self, request_id: str) -> None: ...
     def release_idle_slots(self, older_than_s: float) -> int: ...
     def has_work(self) -> bool: ...
@@ -460,9 +461,12 @@ class Dispatch:
                     prompt_ids, prompt = e.prompt_ids(sid, text=prompt, from_start=True), None
                 assert prompt_ids is not None  # (the message's check: from_start comes with a prompt)
                 kept = e.kept(sid, prompt_ids)
+            # A chat prompt's end that the next turn renders otherwise: a recurrent state's checkpoint goes before it.
+            tail = 0 if request.messages is None or prompt_ids is None else e.turn_tail(prompt_ids,
+                                                                                        _args(request.template_args))
             engine_id = e.start_generate(sid, self._sampling(request.params), prompt_ids=prompt_ids, prompt=prompt,
                                          boundary_check=request.boundary_check and ids is None,
-                                         from_start=request.from_start)
+                                         from_start=request.from_start, turn_tail=tail)
             self.active[engine_id] = Active(request.request_id, sid, request.route, request.stream,
                                             e.session_length(sid) - kept, before - kept, e.session_computed(sid),
                                             logprobs=None if request.params.logprobs is None else [])

@@ -240,8 +240,11 @@ def test_graph_replay_matches_eager(served: tuple[Folder, Engine, Engine]) -> No
 def test_a_context_given_from_its_start_continues_as_a_new_session_given_it(
         served: tuple[Folder, Engine, Engine]) -> None:
     """An edited conversation and an answer generated again (GENERATE's from_start), right after the answer while the
-    engine runs ahead: the hybrid's recurrent state cannot be cut, so the session computes the context again from its
-    start, and gives a new session's tokens bit for bit; beside it another session generates in the same steps."""
+    engine runs ahead: the hybrid's recurrent state cannot be cut, so the session starts again from its checkpoint
+    (the prompt but its last token, copied on the stream) where the context keeps the prompt, else from nothing, and
+    gives bit for bit the tokens of a new session whose prompt is cut at the same step boundaries; beside it another
+    session generates in the same steps. A fork takes the checkpoint with it: the answer asked again there computes
+    the prompt's last token only."""
     from worker.engine import SamplingParams
 
     folder, _, gpu = served
@@ -253,9 +256,10 @@ def test_a_context_given_from_its_start_continues_as_a_new_session_given_it(
     beside = open_with(gpu, folder.prompts[1])
     beside_rid = gpu.start_generate(beside, SamplingParams(max_tokens=30, ignore_eos=True))
     got: dict[str, list[int]] = {}
-    for name, ids in (("edited", context), ("again", prompt)):
+    # "edited" starts from the checkpoint; "again" from nothing: the edited context's checkpoint is past the prompt.
+    for name, ids, computed in (("edited", context, len(prompt) - 1), ("again", prompt, 0)):
         rid = gpu.start_generate(sid, SamplingParams(max_tokens=12, ignore_eos=True), prompt_ids=ids, from_start=True)
-        assert gpu.session_computed(sid) == 0  # (a recurrent state cut inside what it took in)
+        assert gpu.session_computed(sid) == computed, name
         got[name] = []
         done = False
         while not done:
@@ -263,11 +267,21 @@ def test_a_context_given_from_its_start_continues_as_a_new_session_given_it(
                 if chunk.request_id == rid:
                     got[name] += chunk.token_ids
                     done = chunk.finish_reason is not None
+    fresh = open_with(gpu, context[: len(prompt)])
+    gpu.start_generate(fresh, SamplingParams(max_tokens=0))  # the prompt but its last token, as the checkpoint held
     while gpu.has_work():
         gpu.step()
-    fresh = open_with(gpu, context)
+    assert gpu.session_computed(fresh) == len(prompt) - 1
+    gpu.append(fresh, token_ids=context[len(prompt):])
     assert got["edited"] == gpu.generate(fresh, **greedy(12)).token_ids
     assert got["again"][:10] == answer
-    for s in (sid, beside, fresh):
+    child = gpu.fork(sid)
+    rid = gpu.start_generate(child, SamplingParams(max_tokens=12, ignore_eos=True), prompt_ids=prompt, from_start=True)
+    assert gpu.session_computed(child) == len(prompt) - 1
+    again: list[int] = []
+    while gpu.has_work():
+        again += [t for c in gpu.step() if c.request_id == rid for t in c.token_ids]
+    assert again == got["again"]
+    for s in (sid, beside, fresh, child):
         gpu.close(s)
     assert beside_rid
