@@ -111,7 +111,9 @@ class Serve:
                               draining=state.draining, mapped_bytes=table.backend.mapped_bytes(),
                               resident=resident, in_host=in_host, on_disk=on_disk, pages=table.backend.mapped_pages,
                               page_budget=table.page_budget, hibernated=getattr(self.engine, "hibernated", 0),
-                              moves=self.moves.counts.as_dict() if self.moves.supported else None)
+                              moves=self.moves.counts.as_dict() if self.moves.supported else None,
+                              checkpoints=None if (cps := getattr(self.engine, "checkpoints", None)) is None
+                              else (len(cps), cps.taken, cps.used))
 
     def ready_message(self) -> p.Ready:
         """On the link thread: the state the loop replaced last, and each session's latest client (single dict reads)."""
