@@ -112,8 +112,8 @@ def test_n_choices_come_from_one_prefill(gateway: str, gateways: Gateways) -> No
         temperature=1.0, seed=5, max_tokens=6, extra_body={"return_token_ids": True})
     assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.content for c in r.choices)
     assert r.usage is not None
-    # One prefill of the prompt but its last token; each of the three forks computed that one token as a decode row.
-    assert gateways.prefilled() - before == r.usage.prompt_tokens - 1
+    # One prefill of the prompt but its last token; each of the three forks computes that one token (a decode row).
+    assert gateways.prefilled() - before == r.usage.prompt_tokens - 1 + 3
     token_ids: list[list[int]] = [c.model_extra["token_ids"] for c in r.choices]  # type: ignore[index]
     assert r.usage.completion_tokens == sum(len(ids) for ids in token_ids)
 

@@ -51,7 +51,7 @@ class FakeEngine:
     prefill_running = False  # no step here computes prompt tokens on a device
 
     def __init__(self) -> None:
-        self.last_rows = self.last_prefill_tokens = 0
+        self.last_rows = self.last_prefill_tokens = self.last_prompt_tokens = 0
         self.last_read = False
         self.lengths: dict[str, int] = {}
         self.active: dict[str, tuple[str, int]] = {}  # engine id -> (session, tokens left)
@@ -129,9 +129,12 @@ class FakeEngine:
     def session_length(self, session_id: str) -> int:
         return self.lengths[self._known(session_id)]
 
+    def turn_tail(self, prompt_ids: Sequence[int], template_args: Mapping[str, Any] | None = None) -> int:
+        return 0  # no recurrent state
+
     def start_generate(self, session_id: str, params: Any, request_id: str | None = None, *,
                        prompt_ids: Sequence[int] | None = None, prompt: str | None = None,
-                       boundary_check: bool = False, from_start: bool = False) -> str:
+                       boundary_check: bool = False, from_start: bool = False, turn_tail: int = 0) -> str:
         self._known(session_id)
         if any(s == session_id for s, _ in self.active.values()):
             raise SessionBusy("busy")

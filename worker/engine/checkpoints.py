@@ -16,8 +16,8 @@ and only room no session needs: it is taken where a slot is free without hiberna
 first, before a session is hibernated or refused for want of a slot or a page. A session holds one at most (its latest
 turn's); its copy is queued on the stream after the step that leaves the state there, and put back in stream order
 too, so no step ever waits for either. A checkpoint holds for as long as the session's first `at` tokens stay as they
-were: a context cut inside them drops it, as do the session's close and hibernation; a fork copies it when there is
-room.
+were: a context cut inside them drops it, as do the session's close and hibernation; a fork copies it (into another
+session's checkpoint's slot, the least recently used, where no slot is free).
 """
 
 from __future__ import annotations
@@ -97,14 +97,20 @@ class Checkpoints:
             cp.at = NOT_TAKEN
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """The child's copy of the parent's checkpoint, when a slot is free (else the child has none)."""
+        """The child's copy of the parent's checkpoint, in a free slot or in the least recently used other
+        checkpoint's (a fork is most often made to be used at once: an answer asked again); else the child has none."""
         cp = self.get(parent_id)
         if cp is None:
             return
-        try:
-            slot = self.table.clone(cp.slot, 0)
-        except CapacityExhausted:
-            return
+        while True:
+            try:
+                slot = self.table.clone(cp.slot, 0)
+                break
+            except CapacityExhausted:
+                other = next((sid for sid in self._held if sid != parent_id), None)
+                if other is None:
+                    return
+                self.drop(other)
         self._held[child_id] = Checkpoint(slot, cp.at)
 
     def drop(self, session_id: str) -> None:

@@ -100,7 +100,8 @@ class Engine:
         self._mailboxes: dict[str, deque[Chunk]] = {}  # for the sync helpers
         self.steps = 0
         self.last_rows = 0  # requests in the step the last call launched (0: it launched none)
-        self.last_prefill_tokens = 0  # prompt tokens that step computes
+        self.last_prefill_tokens = 0  # prompt tokens that step computes in prefill chunks
+        self.last_prompt_tokens = 0  # prompt tokens it computes, those in decode rows too (a prompt's lone last token)
         self.last_read = False  # whether the last call read a step's tokens
         # Launch the next decode step before reading the last (executors that take ids from the device).
         self.overlap = executor.overlaps if overlap is None else overlap
@@ -596,7 +597,7 @@ class Engine:
         returns. Decode steps (about a millisecond) are always waited for."""
         outside, self._finished = self._finished, []  # final chunks made between steps (cancels, closes)
         chunks = list(outside)
-        self.last_rows = self.last_prefill_tokens = 0  # what this call launches (a call may only read)
+        self.last_rows = self.last_prefill_tokens = self.last_prompt_tokens = 0  # what this call launches (or none)
         self.last_read = False
         try:
             if self._unread is None:
@@ -686,6 +687,7 @@ class Engine:
         """Execute one planned step and queue its sampling and the copy of its ids to the host."""
         self.last_rows = len(plan)
         self.last_prefill_tokens = plan.prefill_tokens
+        self.last_prompt_tokens = plan.prefill_tokens + plan.decode_prompt_tokens
         if not self.last_rows:
             return None
         logits = self.executor.execute(plan.rows(), copy_logits=False)

@@ -43,7 +43,8 @@ class StepPlan:
         self._sampled: list[Request] = []
         self._sampled_positions: list[int] = []
         self.partial: list[tuple[Request, int, int]] = []  # prompt chunks that sample nothing
-        self.prefill_tokens = 0
+        self.prefill_tokens = 0  # prompt tokens in the chunks
+        self.decode_prompt_tokens = 0  # prompt tokens in decode rows (a lone pending token: a hybrid's last, always)
         self.reach: list[tuple[Request, int]] = []  # per request: the positions its slot must back (one past its last)
 
     def __len__(self) -> int:
@@ -72,6 +73,7 @@ class StepPlan:
             self._decode_positions.append(start)
             self._decode_slots.append(s.slot)
             self._decode_tokens.append(s.tokens[start])
+            self.decode_prompt_tokens += not request.generated  # (after the first sample, the last sample's row)
             return
         self._tokens += s.tokens[start : start + n]
         self._positions += range(start, start + n)

@@ -50,7 +50,8 @@ class EngineAPI(Protocol):
     model_name: str
     max_context: int
     last_rows: int  # requests in the step the last step() launched
-    last_prefill_tokens: int  # prompt tokens that step computes
+    last_prefill_tokens: int  # prompt tokens that step computes in prefill chunks
+    last_prompt_tokens: int  # prompt tokens it computes, those in decode rows too
     last_read: bool  # whether the last step() read a step's tokens
 
     @property

@@ -285,7 +285,7 @@ class Serve:
         t1 = time.perf_counter()
         messages, new_tokens = self.dispatch.step_answers(chunks, t1)
         self.link.send(messages)
-        self.metrics.step(t1, t1 - t0, e.last_rows, e.last_prefill_tokens, new_tokens)
+        self.metrics.step(t1, t1 - t0, e.last_rows, e.last_prompt_tokens, new_tokens)
         return True
 
     # -- timers and state --

@@ -37,7 +37,7 @@ count; the sum may be one step ahead. Names follow vLLM's (`vllm:time_to_first_t
                                                                             imported (in), failed (here)
     sessionserve:gpu_memory_allocated_bytes, ..._reserved_bytes    gauges   torch's CUDA allocator (CUDA only)
     sessionserve:engine_steps_total                                counter  engine steps that ran a batch
-    sessionserve:prompt_tokens_total, generation_tokens_total      counters tokens prefilled / delivered
+    sessionserve:prompt_tokens_total, generation_tokens_total      counters prompt tokens computed / delivered
     sessionserve:requests_total{command}                           counter  requests from the broker
     sessionserve:request_errors_total{code}                        counter  requests answered with an error
     sessionserve:request_success_total{finished_reason}            counter  generations ended: stop, length, cancelled, capacity
