@@ -270,6 +270,40 @@ def test_a_cut_to_nothing_new_and_the_refusals(engine: Engine, model: Model) -> 
     engine.close(sid)
 
 
+def test_a_fork_takes_no_checkpoint_past_the_state_it_copies(engine: Engine, model: Model) -> None:
+    """A context that is the prompt less its last token, cancelled before any step: the session's state goes back to
+    nothing, its checkpoint (the prompt but its last token) stays and its own K/V under it too. A fork copies the
+    state the session computed, none of those K/V: it takes no checkpoint, and computes its context from the start;
+    the session itself starts from its checkpoint. Both give transformers' tokens."""
+    if not model.recurrent:
+        return
+    prompt = model.prompts[1]
+    n = len(prompt)
+    sid, _ = session(engine, prompt, 5)
+    cps = engine.checkpoints
+    assert cps is not None and (cp := cps.get(sid)) is not None and cp.at == n - 1
+    rid = engine.start_generate(sid, SamplingParams(max_tokens=3, ignore_eos=True), prompt_ids=prompt[:-1],
+                                from_start=True)
+    engine.cancel(rid)
+    while engine.has_work():
+        engine.step()
+    assert engine.session_computed(sid) == 0 and cps.get(sid) is cp
+    child = engine.fork(sid)
+    assert cps.get(child) is None
+    extra = [11, 12, 13]
+    context = prompt[:-1] + extra
+    [got] = run(engine, [(child, 6, {"prompt_ids": extra})])
+    assert got == model.greedy(context, 6)
+    rid = engine.start_generate(sid, SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=extra)
+    assert engine.session_computed(sid) == n - 1
+    again: list[int] = []
+    while engine.has_work():
+        again += [t for c in engine.step() if c.request_id == rid for t in c.token_ids]
+    assert again == got
+    engine.close(sid)
+    engine.close(child)
+
+
 # -- the worker's request handling ----------------------------------------------------------------------------------
 
 SID = "f" * 32

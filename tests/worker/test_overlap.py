@@ -279,7 +279,7 @@ def test_a_step_plan_puts_the_rows_read_on_the_device_first() -> None:
     from worker.engine.scheduler import StepPlan
 
     def request(slot: int, tokens: list[int]) -> SimpleNamespace:
-        return SimpleNamespace(session=SimpleNamespace(slot=slot, tokens=tokens))
+        return SimpleNamespace(session=SimpleNamespace(slot=slot, tokens=tokens), generated=0)
 
     host_decode = request(3, [5, 6, 7])  # its last prompt token is pending: position 2
     ahead = request(1, [8, 9])  # the last step samples its next token (position 2 once read)
@@ -298,5 +298,6 @@ def test_a_step_plan_puts_the_rows_read_on_the_device_first() -> None:
     assert logits_at == [0, 1, 5]
     assert source is not None and source[0] is samples and source[1] == [2]
     assert plan.sampled() == ([ahead, host_decode, chunk_end], [2, 2, 4])
+    assert (plan.prefill_tokens, plan.decode_prompt_tokens) == (8, 1)  # host_decode's pending prompt token
     assert plan.partial == [(chunk_part, 0, 4)]
     assert (len(plan), plan.decode_rows, plan.prefill_tokens) == (4, 2, 8)

@@ -96,11 +96,13 @@ class Checkpoints:
         if cp is not None and cp.at > tokens:
             cp.at = NOT_TAKEN
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: str, child_id: str, copied: int) -> None:
         """The child's copy of the parent's checkpoint, in a free slot or in the least recently used other
-        checkpoint's (a fork is most often made to be used at once: an answer asked again); else the child has none."""
+        checkpoint's (a fork is most often made to be used at once: an answer asked again); else the child has none.
+        `copied`: the positions of the parent's K/V the child holds; a checkpoint past them (the parent's state was
+        reset below it: a cancel, a from_start cut) would start the child on positions it lacks, so it has none."""
         cp = self.get(parent_id)
-        if cp is None:
+        if cp is None or cp.at > copied:
             return
         while True:
             try:

@@ -296,7 +296,7 @@ class Engine:
         self._lost.pop(sid, None)
         self._sessions[sid] = Session(sid, slot, list(parent.tokens), parent.computed, owner=parent.owner)
         if self.checkpoints is not None:
-            self.checkpoints.fork(session_id, sid)
+            self.checkpoints.fork(session_id, sid, parent.computed)
         log.debug("session_forked", session=sid, parent=session_id, slot=slot, copied=parent.computed)
         return sid
 

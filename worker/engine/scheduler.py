@@ -121,7 +121,7 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
     `last_alone` (a recurrent state): a prompt's last token is never in a chunk with the tokens before it; it runs
     as a decode row in the step after them. Nor does a chunk run past a request's `checkpoint_at`: the state between
     two steps then holds the tokens before it (what worker.engine.checkpoints keeps). Always, whether a checkpoint is
-    taken or not: a session's bits do not depend on whether other sessions left a slot free."""
+    taken or not: a generation computes the same rows whether or not another session left a slot free."""
     sampled = {} if last is None else {id(r): i for i, r in enumerate(last.sampled)}
     computed = {} if last is None else {id(r): p + n for r, p, n in last.partial}
     plan = StepPlan(None if last is None else last.ids)
