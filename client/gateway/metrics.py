@@ -8,7 +8,8 @@
     generation_tokens_total                    tokens generated (a stream cut short: those it sent)
     sessions{state}                            live sessions the gateway holds: idle (kept for the next turn), busy
     sessions_opened_total{how}                 sessions a request used: new, resumed by session_id, resumed by prefix,
-                                               asked_again (a fork of the session whose last answer it asks again)
+                                               asked_again (a fork of the session whose last answer it asks again),
+                                               branch (a fork of the session it shares earlier turns with)
     sessions_closed_total{why}                 evicted (for a free slot or the idle cap), replaced, ended, gone
     turns_from_start_total                     turns sent to a resumed session whole, from its start (its worker
                                                refused the new part alone; its last answer's text may not stand for

@@ -180,6 +180,8 @@ class Live:
                 turn = ("assistant", result.text)
                 entry.history = (*ask.history, turn)
                 entry.asked = ask.digests[-1] if ask.digests else None
+                turns: tuple[Turn, ...] = ask.history  # type: ignore[assignment]  # (chat: turns, checked above)
+                entry.branches = tuple(d for (role, _), d in zip(turns, ask.digests, strict=True) if role == "assistant")
                 entry.digest = chain([turn], ask.digests[-1] if ask.digests else EMPTY)[-1]
             elif ask.kind == "text":
                 assert isinstance(ask.history, str)
@@ -505,17 +507,22 @@ class Service:
                 store.take(found)
                 self.metrics.opened.labels("prefix").inc()
                 return found, True
-            asked = store.find_asked(ask.owner, ask.model, ask.digests[-1]) if ask.kind == "chat" and ask.digests else None
-            if asked is not None and _takes_from_start(asked):
-                again = await self._asked_again(ask, asked)
-                if again is not None:
-                    return again, True
+            if ask.kind == "chat" and ask.digests:
+                # A regenerate (the history less a session's last answer), else a branch from an earlier answer.
+                for how, parent in (("asked_again", store.find_asked(ask.owner, ask.model, ask.digests[-1])),
+                                    ("branch", store.find_branch(ask.owner, ask.model, ask.history,  # type: ignore[arg-type]
+                                                                 ask.digests))):
+                    if parent is not None and _takes_from_start(parent):
+                        again = await self._fork_for(ask, parent, how)
+                        if again is not None:
+                            return again, True
         return await self._new_entry(ask), False
 
-    async def _asked_again(self, ask: Ask, parent: Entry) -> Entry | None:
-        """A request that asks `parent`'s last answer again (its history less that answer): a fork of it, sent the
-        request whole from its start, keeps all but the answer; `parent` goes on serving its own branch of the
-        conversation (another user may have opened with the same messages). None when the fork cannot be made."""
+    async def _fork_for(self, ask: Ask, parent: Entry, how: str) -> Entry | None:
+        """A request that shares a part of `parent`'s conversation and goes on otherwise (asks its last answer again:
+        its history less that answer; or an earlier message edited): a fork of it, sent the request whole from its
+        start, keeps what the two share; `parent` goes on serving its own branch of the conversation (another user may
+        have opened with the same messages). None when the fork cannot be made."""
         self.store.take(parent)  # (not evicted for the fork's room, nor taken meanwhile)
         try:
             child = await self._fork(parent)
@@ -532,7 +539,7 @@ class Service:
         entry = Entry(child, ask.owner, ask.model, ask.kind, parent.max_context, parent.history, parent.digest,
                       parent.length, exact=False)
         self.store.take(entry)
-        self.metrics.opened.labels("asked_again").inc()
+        self.metrics.opened.labels(how).inc()
         return entry
 
     async def _open_named(self, ask: Ask) -> Entry:

@@ -79,6 +79,7 @@ class Entry:
     deleted: bool = False  # its name was deleted while it was busy: closed when its turn ends
     exact: bool = True  # its tokens are its history's (else its next turn is sent whole, from its start)
     asked: bytes | None = None  # chat: the digest of its history less its last answer (None: it ends otherwise)
+    branches: tuple[bytes, ...] = ()  # chat: the digests of its history's earlier prefixes that end with an answer
     last_used: float = field(default_factory=time.monotonic)
 
     def extended_by(self, history: tuple[Turn, ...] | str | tuple[int, ...], digests: Sequence[bytes] = ()) -> bool:
@@ -96,6 +97,7 @@ class SessionStore:
         self._named: dict[tuple[str, str], Entry] = {}
         self._chat: dict[tuple[str, str, bytes], list[Entry]] = {}
         self._asked: dict[tuple[str, str, bytes], list[Entry]] = {}  # anonymous chat sessions by Entry.asked
+        self._branches: dict[tuple[str, str, bytes], list[Entry]] = {}  # and by each of Entry.branches
         self._text: dict[tuple[str, str], list[Entry]] = {}
         self._idle: OrderedDict[Entry, None] = OrderedDict()
         self.busy = 0
@@ -128,6 +130,17 @@ class SessionStore:
         for entry in self._asked.get((owner, model, digest), ()):
             if not entry.busy:
                 return entry
+        return None
+
+    def find_branch(self, owner: str, model: str, turns: Sequence[Turn], digests: Sequence[bytes]) -> Entry | None:
+        """The idle anonymous session whose conversation went on from the longest prefix of `turns` that ends with an
+        answer, otherwise than `turns` do (an earlier message edited, an earlier answer asked again)."""
+        for i in range(len(turns), 0, -1):
+            if turns[i - 1][0] != "assistant":
+                continue
+            for entry in self._branches.get((owner, model, digests[i - 1]), ()):
+                if not entry.busy:
+                    return entry
         return None
 
     def find_completion(self, owner: str, model: str, prompt: str | tuple[int, ...]) -> Entry | None:
@@ -166,6 +179,8 @@ class SessionStore:
             self._chat.setdefault((entry.owner, entry.model, entry.digest), []).append(entry)
             if entry.asked is not None:
                 self._asked.setdefault((entry.owner, entry.model, entry.asked), []).append(entry)
+            for digest in entry.branches:
+                self._branches.setdefault((entry.owner, entry.model, digest), []).append(entry)
         else:
             self._text.setdefault((entry.owner, entry.model), []).append(entry)
         self._idle[entry] = None
@@ -211,6 +226,8 @@ class SessionStore:
             return
         if entry.kind == "chat":
             _remove(self._chat, (entry.owner, entry.model, entry.digest), entry)
+            for digest in entry.branches:
+                _remove(self._branches, (entry.owner, entry.model, digest), entry)
         else:
             _remove(self._text, (entry.owner, entry.model), entry)
         if entry.asked is not None:

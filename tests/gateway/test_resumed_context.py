@@ -94,6 +94,31 @@ def test_an_answer_asked_again_computes_one_token_and_matches_a_fresh_session(ga
     assert again.choices[0].message.content == second.choices[0].message.content[:len(again.choices[0].message.content)]
 
 
+def test_an_edited_earlier_message_without_a_name_keeps_the_turns_before_it(gateway: str, gateways: Gateways) -> None:
+    """A conversation of three turns without a name; then the second question edited (a chat UI's "edit"): a fork
+    of the session keeps the first turn, prompt and answer, computes the rest and answers as a new session; the
+    session itself still takes the conversation it holds going on."""
+    client = sync_client(gateway)
+    history = [{"role": "user", "content": "Name a planet."}]
+    first = ask(client, history, max_tokens=8)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Name a star."}]
+    second = ask(client, history, max_tokens=8)
+    history += [{"role": "assistant", "content": second.choices[0].message.content},
+                {"role": "user", "content": "Name a moon."}]
+    third = ask(client, history, max_tokens=8)
+    edited = [*history[:2], {"role": "user", "content": "Name a comet."}]
+    before = gateways.prefilled()
+    branch, fresh = same_as_fresh(client, edited)
+    cached = branch.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens + first.usage.completion_tokens <= cached < branch.usage.prompt_tokens
+    assert gateways.prefilled() - before == branch.usage.prompt_tokens - cached + fresh.usage.prompt_tokens
+    history += [{"role": "assistant", "content": third.choices[0].message.content},
+                {"role": "user", "content": "Name a river."}]
+    resumed = ask(client, history, max_tokens=8)
+    assert resumed.usage.prompt_tokens_details.cached_tokens >= third.usage.prompt_tokens
+
+
 def test_an_edited_named_conversation_keeps_what_it_shares(gateway: str, gateways: Gateways) -> None:
     """The client edits the second question of a named conversation: the session keeps the first turn (its prompt and
     answer) and computes the rest; the answer is a new session's."""

@@ -257,6 +257,26 @@ def test_an_answer_asked_again_goes_to_a_fork_of_the_session_that_gave_it(stream
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_an_edited_earlier_message_goes_to_a_fork_of_the_session_that_shares_the_turns_before_it(stream: bool) -> None:
+    """Without a name: a request that shares a session's conversation up to an answer and goes on otherwise (the
+    message after that answer edited) goes to a fork of that session, sent from its start, which keeps what the two
+    share; the session stays for its own branch."""
+    async def main() -> tuple[list[str], int, float]:
+        svc, client = service(gone=False)
+        await svc.complete(ask(FIRST))  # s0: FIRST + "Hi"
+        await svc.complete(ask(NEXT))  # s0: NEXT + "Hi" (resumed: refused checked, then from its start)
+        client.log.clear()
+        await turn(svc, ask([*NEXT[:2], {"role": "user", "content": "And Italy?"}], stream=stream))  # s1: a fork
+        await svc.complete(ask([*NEXT, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "More?"}]))
+        branches = svc.metrics.opened.labels("branch")._value.get()
+        return client.log, svc.store.idle, branches
+
+    log, idle, branches = asyncio.run(main())
+    assert log == ["s1 generate from_start", "s0 generate checked", "s0 generate from_start"]
+    assert (idle, branches) == (2, 1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_session_on_a_worker_older_than_from_start_is_replaced_not_sent_it(stream: bool) -> None:
     """Its worker would ignore from_start and append the whole conversation after the session's tokens: a refused new
     part starts over in a new session, an edited named conversation gets a new session, and no generate goes out with

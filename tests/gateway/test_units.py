@@ -99,6 +99,36 @@ def test_a_named_session_stays_under_its_name_while_busy_and_a_new_one_replaces_
     assert store.find_chat("", "m", turns, chain(turns)) is None  # named: not in the prefix index
 
 
+def test_a_session_is_found_by_an_earlier_answer_its_conversation_went_on_from() -> None:
+    """A request that shares a session's conversation up to an earlier answer and goes on otherwise (a message after
+    it edited) finds the session by that answer's digest: the longest such prefix first, the owner's and the model's
+    only, while idle; not by its whole history (that is find_chat's), and not once released."""
+    turns = (("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2"), ("user", "q3"),
+             ("assistant", "a3"))
+    digests = chain(turns)
+    short = chat_entry(turns[:4], i=1)
+    short.branches = (digests[1],)
+    long = chat_entry(turns, i=2)
+    long.branches = (digests[1], digests[3])
+    store = SessionStore()
+    store.put(short)
+    store.put(long)
+    edited = (*turns[:4], ("user", "q3 edited"))
+    assert store.find_branch("", "m", edited, chain(edited)) is long  # shares a2 with it, a1 only with short
+    assert store.find_chat("", "m", edited, chain(edited)) is short  # (which the request extends: resumed first)
+    other = (*turns[:2], ("user", "q2 edited"))
+    assert store.find_branch("", "m", other, chain(other)) in (short, long)
+    assert store.find_branch("bob", "m", edited, chain(edited)) is None
+    assert store.find_branch("", "m2", edited, chain(edited)) is None
+    assert store.find_branch("", "m", turns, digests) is long  # (an earlier answer of its own: a2)
+    store.take(long)
+    assert store.find_branch("", "m", edited, chain(edited)) is short  # long busy: the next longest, a1
+    store.put(long)
+    store.release(long)
+    store.release(short)
+    assert not store._branches
+
+
 def test_a_session_is_found_by_its_history_less_its_last_answer_while_idle_only() -> None:
     turns = (("user", "q"), ("assistant", "a"))
     entry = chat_entry(turns)
