@@ -11,6 +11,7 @@ token) for:
                  answer, sent the whole conversation from its start (it keeps all but the answer)
     edit         a named conversation whose last question the client replaced by another: the session is sent the
                  whole conversation from its start and keeps everything before that question
+    branch       the same without a name: a fork of the session that holds the conversation, sent it from its start
     new          the same request under a name never used: a new session computes the whole prompt
 
 Prints JSON: each case's p50 time and the prompt and cached tokens its answer reports.
@@ -69,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(0)
     names = (f"bench-{i}" for i in itertools.count())
-    times: dict[str, list[float]] = {"regenerate": [], "edit": [], "new": []}
+    times: dict[str, list[float]] = {"regenerate": [], "edit": [], "branch": [], "new": []}
     usage: dict[str, dict[str, int]] = {}
     with LocalStack(heartbeats=None) as stack:
         stack.start_broker()
@@ -80,14 +81,16 @@ def main() -> None:
         named = next(names)
         edited = conversation(url, model, args.turns, args.words, random.Random(0), named)
         for round_ in range(args.rounds):
-            cases = ["regenerate", "edit", "new"]
+            cases = ["regenerate", "edit", "branch", "new"]
             for case in cases if round_ % 2 == 0 else reversed(cases):
+                words = " ".join(rng.choice(WORDS) for _ in range(args.words))
+                question = {"role": "user", "content": f"{round_}: {words}?"}  # another question altogether
                 if case == "regenerate":
                     seconds, answer = chat(url, model, anonymous[:-1], 1)
                 elif case == "edit":
-                    words = " ".join(rng.choice(WORDS) for _ in range(args.words))
-                    question = {"role": "user", "content": f"{round_}: {words}?"}  # another question altogether
                     seconds, answer = chat(url, model, [*edited[:-2], question], 1, named)
+                elif case == "branch":
+                    seconds, answer = chat(url, model, [*anonymous[:-2], question], 1)
                 else:
                     seconds, answer = chat(url, model, anonymous[:-1], 1, next(names))
                 times[case].append(seconds)
