@@ -112,7 +112,7 @@ class Engine:
         # rewrites them. A state that is not laid out by position (a recurrent state, seq_axis None) is advanced by
         # every token run into it, so `computed` must always say what the launched steps leave there (see _retire).
         self._rewritable = table.spec.positional
-        # A recurrent state's checkpoints at each generation's last prompt token (worker.engine.checkpoints).
+        # A recurrent state's checkpoints before each generation's last prompt token (worker.engine.checkpoints).
         self.checkpoints = None if self._rewritable else Checkpoints(table)
         self._starved: list[Request] = []  # requests whose session could not get its next pages: they end "capacity"
         self.hibernation: Hibernation | None = None  # set by enable_hibernation
@@ -526,7 +526,7 @@ class Engine:
         if self.checkpoints is not None:
             self._from_checkpoint(session)
             at = len(session.tokens) - max(1, turn_tail)
-            if session.computed < at:  # a prompt to compute: the state before its last token (or its tail) is kept
+            if session.computed < at:  # a prompt to compute: its chunks stop there, and the state there is kept
                 request.checkpoint_at, request.checkpoint = at, self.checkpoints.reserve(session.id)
         if params.max_tokens == 0 and session.computed >= len(session.tokens) - 1:
             self._finished.append(Chunk(rid, session.id, [], "", "length"))  # nothing to prefill
@@ -627,8 +627,7 @@ class Engine:
         step that reads them). A request whose session cannot get its pages, even after idle sessions hibernate, is
         starved: the step is planned again without it, and it ends "capacity" once no launched step holds it."""
         while True:
-            plan = schedule(self._active.values(), last, self.step_tokens, self.prefill_chunk, self.max_context,
-                            last_alone=not self._rewritable)
+            plan = schedule(self._active.values(), last, self.step_tokens, self.prefill_chunk, self.max_context)
             starved = self._back(plan)
             if not starved:
                 return plan
@@ -692,7 +691,7 @@ class Engine:
             return None
         logits = self.executor.execute(plan.rows(), copy_logits=False)
         if self.checkpoints is not None:
-            for request, start, n in plan.partial:  # the state holds a generation's prompt but its last token
+            for request, start, n in plan.partial:  # the state holds a generation's prompt but its last token (or tail)
                 cp = request.checkpoint
                 if cp is not None and start + n == request.checkpoint_at:
                     self.checkpoints.take(cp, request.session.slot, start + n)

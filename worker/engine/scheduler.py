@@ -1,8 +1,8 @@
 """The scheduler: which rows the next step runs.
 
 A step holds a decode row for every generating session, then whole prompt chunks in arrival order while
-they fit the step's token budget (worker.engine.budget); a recurrent model's last prompt token runs alone, as a decode
-row in the next step. A prefill-only request (max_tokens 0) takes chunks of
+they fit the step's token budget (worker.engine.budget); a chunk never runs past a request's checkpoint position
+(a recurrent model's, worker.engine.checkpoints). A prefill-only request (max_tokens 0) takes chunks of
 its prompt up to, not including, its last token, and samples nothing. When the step before has been launched but not
 read (the GPU runs one step ahead), its generating sessions decode the ids it samples, read on the device,
 and its prompt chunks count as computed.
@@ -112,16 +112,16 @@ class StepPlan:
 
 
 def schedule(active: Iterable[Request], last: Launched | None, budget: int, prefill_chunk: int,
-             max_context: int, last_alone: bool = False) -> StepPlan:
+             max_context: int) -> StepPlan:
     """The next step: a decode row for every generating session, then whole prompt chunks of at most `prefill_chunk`
     tokens in arrival order while they fit `budget` tokens. With `last` (launched, not read yet), its generating
     sessions decode the ids it samples, read on the device, unless it ends them by length; its prompt chunks count
     as computed. A request whose session could not get the pages for its next rows (`starved`) gets no more rows.
 
-    `last_alone` (a recurrent state): a prompt's last token is never in a chunk with the tokens before it; it runs
-    as a decode row in the step after them. Nor does a chunk run past a request's `checkpoint_at`: the state between
-    two steps then holds the tokens before it (what worker.engine.checkpoints keeps). Always, whether a checkpoint is
-    taken or not: a generation computes the same rows whether or not another session left a slot free."""
+    No chunk runs past a request's `checkpoint_at` (a recurrent model's generations: their prompt but its last token,
+    or but its turn tail): the state between two steps then holds the tokens before it, what worker.engine.checkpoints
+    keeps (a prompt's last token then runs alone, as a decode row, in the next step). Whether a checkpoint is taken
+    or not: a generation computes the same rows whether or not another session left a slot free."""
     sampled = {} if last is None else {id(r): i for i, r in enumerate(last.sampled)}
     computed = {} if last is None else {id(r): p + n for r, p, n in last.partial}
     plan = StepPlan(None if last is None else last.ids)
@@ -139,7 +139,7 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
         start = computed.get(id(request), request.session.computed)
         pending = len(request.session.tokens) - start
         if request.params.max_tokens == 0:  # prefill only: every prompt token but the last, never sampling
-            n = min(_chunk_end(request, start, True) - start, prefill_chunk)
+            n = min(_chunk_end(request, start, len(request.session.tokens) - 1) - start, prefill_chunk)
             if n > 0 and budget > 0:
                 if n > budget:
                     budget = 0
@@ -150,7 +150,7 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
         if pending == 1:
             plan.add(request, start, 1)
         elif budget > 0:
-            n = min(_chunk_end(request, start, last_alone) - start, prefill_chunk)
+            n = min(_chunk_end(request, start, len(request.session.tokens)) - start, prefill_chunk)
             if n > budget:
                 budget = 0  # the step is full (the first chunk always fits): this one goes first next step
                 continue
@@ -159,9 +159,7 @@ def schedule(active: Iterable[Request], last: Launched | None, budget: int, pref
     return plan
 
 
-def _chunk_end(request: Request, start: int, last_alone: bool) -> int:
-    """Where a prompt chunk from `start` may end: the prompt's end, its last token with `last_alone`, and never past
-    the request's checkpoint."""
-    end = len(request.session.tokens) - last_alone
+def _chunk_end(request: Request, start: int, end: int) -> int:
+    """Where a prompt chunk from `start` may end: at `end`, or at the request's checkpoint position before it."""
     at = request.checkpoint_at
     return at if at is not None and start < at < end else end
