@@ -508,14 +508,18 @@ class Service:
                 self.metrics.opened.labels("prefix").inc()
                 return found, True
             if ask.kind == "chat" and ask.digests:
-                # A regenerate (the history less a session's last answer), else a branch from an earlier answer.
-                for how, parent in (("asked_again", store.find_asked(ask.owner, ask.model, ask.digests[-1])),
-                                    ("branch", store.find_branch(ask.owner, ask.model, ask.history,  # type: ignore[arg-type]
-                                                                 ask.digests))):
-                    if parent is not None and _takes_from_start(parent):
-                        again = await self._fork_for(ask, parent, how)
-                        if again is not None:
-                            return again, True
+                # A regenerate (the history less a session's last answer), else a branch from an earlier answer. Each
+                # looked up right before its fork (the store changes while a fork is awaited), a parent tried once.
+                asked = store.find_asked(ask.owner, ask.model, ask.digests[-1])
+                if asked is not None and _takes_from_start(asked):
+                    again = await self._fork_for(ask, asked, "asked_again")
+                    if again is not None:
+                        return again, True
+                branch = store.find_branch(ask.owner, ask.model, ask.history, ask.digests)  # type: ignore[arg-type]
+                if branch is not None and branch is not asked and _takes_from_start(branch):
+                    again = await self._fork_for(ask, branch, "branch")
+                    if again is not None:
+                        return again, True
         return await self._new_entry(ask), False
 
     async def _fork_for(self, ask: Ask, parent: Entry, how: str) -> Entry | None:

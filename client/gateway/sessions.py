@@ -97,7 +97,8 @@ class SessionStore:
         self._named: dict[tuple[str, str], Entry] = {}
         self._chat: dict[tuple[str, str, bytes], list[Entry]] = {}
         self._asked: dict[tuple[str, str, bytes], list[Entry]] = {}  # anonymous chat sessions by Entry.asked
-        self._branches: dict[tuple[str, str, bytes], list[Entry]] = {}  # and by each of Entry.branches
+        # and by each of Entry.branches (an ordered set: many sessions may share a long preamble's answers)
+        self._branches: dict[tuple[str, str, bytes], dict[Entry, None]] = {}
         self._text: dict[tuple[str, str], list[Entry]] = {}
         self._idle: OrderedDict[Entry, None] = OrderedDict()
         self.busy = 0
@@ -153,7 +154,8 @@ class SessionStore:
 
     def take(self, entry: Entry) -> None:
         """The entry serves a request now: out of the indexes until put back (a named one is under its name, busy, from
-        now on: a request for the name meanwhile is refused)."""
+        now on: a request for the name meanwhile is refused). Never a busy one: found idle, taken before any await."""
+        assert not entry.busy, "a session taken twice"
         self._unindex(entry, keep_name=True)
         if entry.name is not None:
             self._named[(entry.owner, entry.name)] = entry
@@ -180,7 +182,7 @@ class SessionStore:
             if entry.asked is not None:
                 self._asked.setdefault((entry.owner, entry.model, entry.asked), []).append(entry)
             for digest in entry.branches:
-                self._branches.setdefault((entry.owner, entry.model, digest), []).append(entry)
+                self._branches.setdefault((entry.owner, entry.model, digest), {})[entry] = None
         else:
             self._text.setdefault((entry.owner, entry.model), []).append(entry)
         self._idle[entry] = None
@@ -227,7 +229,12 @@ class SessionStore:
         if entry.kind == "chat":
             _remove(self._chat, (entry.owner, entry.model, entry.digest), entry)
             for digest in entry.branches:
-                _remove(self._branches, (entry.owner, entry.model, digest), entry)
+                key = (entry.owner, entry.model, digest)
+                sharing = self._branches.get(key)
+                if sharing is not None:
+                    sharing.pop(entry, None)
+                    if not sharing:
+                        del self._branches[key]
         else:
             _remove(self._text, (entry.owner, entry.model), entry)
         if entry.asked is not None:

@@ -51,6 +51,7 @@ class FakeSession:
     def __init__(self, log: list[str], ids: itertools.count[int], gone: bool = False) -> None:
         self.id, self.log, self.ids, self.gone = f"s{next(ids)}", log, ids, gone
         self.max_context, self.length, self.gate = 1024, 0, asyncio.Event()
+        self.fork_error: Exception | None = None
         self.gate.set()
 
     async def generate(self, stream: bool = False, **kw: Any) -> Generation | FakeStream:
@@ -67,6 +68,9 @@ class FakeSession:
         return FakeStream(result) if stream else result
 
     async def fork(self) -> FakeSession:
+        if self.fork_error is not None:
+            self.log.append(f"{self.id} fork refused")
+            raise self.fork_error
         child = FakeSession(self.log, self.ids, self.gone)
         child.length = self.length
         return child
@@ -274,6 +278,26 @@ def test_an_edited_earlier_message_goes_to_a_fork_of_the_session_that_shares_the
     log, idle, branches = asyncio.run(main())
     assert log == ["s1 generate from_start", "s0 generate checked", "s0 generate from_start"]
     assert (idle, branches) == (2, 1)
+
+
+def test_a_regenerate_whose_fork_fails_looks_for_a_branch_only_then() -> None:
+    """The regenerate's session is lost when it is forked: it is closed, and the branch lookup that follows (made
+    after that fork, not before it) does not find it again: the request opens a new session."""
+    async def main() -> tuple[list[str], float]:
+        svc, client = service(gone=False)
+        await svc.complete(ask(FIRST))  # s0
+        await svc.complete(ask(NEXT))  # s0 holds NEXT + "Hi"
+        await svc.complete(ask([*NEXT[:2], {"role": "user", "content": "And Italy?"}]))  # s1: a fork of s0
+        s0 = next(e for e in svc.store._idle if e.session.id == "s0")
+        s1 = next(e for e in svc.store._idle if e.session.id == "s1")
+        svc.discard(s0, "ended")  # only s1 left: its history less its answer, and its first answer, match
+        s1.session.fork_error = SessionLost("session s1: its hibernated state was lost")  # type: ignore[attr-defined]
+        client.log.clear()
+        await svc.complete(ask([*NEXT[:2], {"role": "user", "content": "And Italy?"}]))  # asks s1's answer again
+        return client.log, svc.metrics.closed.labels("gone")._value.get()
+
+    log, gone = asyncio.run(main())
+    assert log == ["s1 fork refused", "s1 closed", "s2 generate"] and gone == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
