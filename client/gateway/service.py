@@ -22,9 +22,10 @@ worker.engine), fewer after a cancelled prefill or where a recurrent state could
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -343,35 +344,27 @@ class Service:
         started = time.perf_counter()
         entry, resumed = await self._session_for(ask)
         from_start = resumed and not entry.exact
-        try:
-            return await self._begin(ask, entry, resumed, started, from_start)
-        except START_OVER as e:
-            if not resumed:
-                self.discard(entry, _closed_why(e))
-                raise from_client_error(e) from e
-            return await self._again(ask, entry, e, started, from_start)
-        except ClientError as e:
-            self.discard(entry, "ended")
-            raise from_client_error(e) from e
-        except BaseException:
-            self.discard(entry, "ended")
-            raise
+        with self._ended_on_failure(entry):
+            try:
+                return await self._begin(ask, entry, resumed, started, from_start)
+            except START_OVER as e:
+                refused = e
+        if not resumed:
+            self.discard(entry, _closed_why(refused))
+            raise from_client_error(refused) from refused
+        return await self._again(ask, entry, refused, started, from_start)
 
     async def _again(self, ask: Ask, entry: Entry, e: ClientError, started: float, from_start: bool) -> Live:
         """The turn again after its resumed `entry` could not take it: given the whole conversation from its start
         where it refused the new part (prompt_boundary), else (gone, or refusing even that) in a new session."""
         if not isinstance(e, PromptBoundary) or from_start or not _takes_from_start(entry):
             return await self._start_over(ask, entry, e, started)
-        try:
-            return await self._begin(ask, entry, True, started, from_start=True)
-        except GONE as e2:
-            return await self._start_over(ask, entry, e2, started)
-        except ClientError as e2:
-            self.discard(entry, "ended")
-            raise from_client_error(e2) from e2
-        except BaseException:
-            self.discard(entry, "ended")
-            raise
+        with self._ended_on_failure(entry):
+            try:
+                return await self._begin(ask, entry, True, started, from_start=True)
+            except GONE as e2:
+                gone = e2
+        return await self._start_over(ask, entry, gone, started)
 
     async def _start_over(self, ask: Ask, entry: Entry, e: ClientError, started: float) -> Live:
         """The turn again in a new session given the whole conversation: its resumed `entry` could not take it (gone,
@@ -388,13 +381,20 @@ class Service:
         else:
             fresh = await self._new_entry(dataclasses.replace(ask, name=None))
             fresh.deleted = entry.deleted  # (closed at the turn's end, as the session it replaces would have been)
-        try:
+        with self._ended_on_failure(fresh):
             return await self._begin(ask, fresh, False, started)
-        except ClientError as e2:
-            self.discard(fresh, "ended")
-            raise from_client_error(e2) from e2
+
+    @contextlib.contextmanager
+    def _ended_on_failure(self, entry: Entry) -> Iterator[None]:
+        """A turn's start on `entry`: any failure that leaves the block closes the session (the turn ended), a
+        worker's error raised as the API's. The caller catches inside the block what it answers otherwise."""
+        try:
+            yield
+        except ClientError as e:
+            self.discard(entry, "ended")
+            raise from_client_error(e) from e
         except BaseException:
-            self.discard(fresh, "ended")
+            self.discard(entry, "ended")
             raise
 
     async def _begin(self, ask: Ask, entry: Entry, resumed: bool, started: float, from_start: bool = False) -> Live:

@@ -28,7 +28,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -117,13 +117,7 @@ class SessionStore:
 
     def find_chat(self, owner: str, model: str, turns: Sequence[Turn], digests: Sequence[bytes]) -> Entry | None:
         """The idle anonymous session whose conversation is the longest prefix of `turns` ending with an answer."""
-        for i in range(len(turns), 0, -1):
-            if turns[i - 1][0] != "assistant":
-                continue
-            for entry in self._chat.get((owner, model, digests[i - 1]), ()):
-                if not entry.busy:
-                    return entry
-        return None
+        return _by_answers(self._chat, owner, model, turns, digests)
 
     def find_asked(self, owner: str, model: str, digest: bytes) -> Entry | None:
         """The idle anonymous session whose history less its last answer has this digest (a request asking that
@@ -136,13 +130,7 @@ class SessionStore:
     def find_branch(self, owner: str, model: str, turns: Sequence[Turn], digests: Sequence[bytes]) -> Entry | None:
         """The idle anonymous session whose conversation went on from the longest prefix of `turns` that ends with an
         answer, otherwise than `turns` do (an earlier message edited, an earlier answer asked again)."""
-        for i in range(len(turns), 0, -1):
-            if turns[i - 1][0] != "assistant":
-                continue
-            for entry in self._branches.get((owner, model, digests[i - 1]), ()):
-                if not entry.busy:
-                    return entry
-        return None
+        return _by_answers(self._branches, owner, model, turns, digests)
 
     def find_completion(self, owner: str, model: str, prompt: str | tuple[int, ...]) -> Entry | None:
         """The idle anonymous completion session whose text (or ids) the prompt extends the most."""
@@ -239,6 +227,18 @@ class SessionStore:
             _remove(self._text, (entry.owner, entry.model), entry)
         if entry.asked is not None:
             _remove(self._asked, (entry.owner, entry.model, entry.asked), entry)
+
+
+def _by_answers(index: Mapping[tuple[str, str, bytes], Iterable[Entry]], owner: str, model: str, turns: Sequence[Turn],
+                digests: Sequence[bytes]) -> Entry | None:
+    """The first idle entry `index` holds under the longest prefix of `turns` that ends with an answer."""
+    for i in range(len(turns), 0, -1):
+        if turns[i - 1][0] != "assistant":
+            continue
+        for entry in index.get((owner, model, digests[i - 1]), ()):
+            if not entry.busy:
+                return entry
+    return None
 
 
 def _remove(index: dict[_K, list[Entry]], key: _K, entry: Entry) -> None:
