@@ -25,6 +25,11 @@ def ask(client: openai.OpenAI, messages: list[dict[str, str]], fresh: bool = Fal
                                           extra_body=extra, **kw)
 
 
+def then(answer: Any, question: str) -> list[dict[str, str]]:
+    """The assistant turn an answer gives, and the user's next question."""
+    return [{"role": "assistant", "content": answer.choices[0].message.content}, {"role": "user", "content": question}]
+
+
 def same_as_fresh(client: openai.OpenAI, messages: list[dict[str, str]]) -> tuple[Any, Any]:
     resumed = ask(client, messages, max_tokens=12)
     fresh = ask(client, messages, fresh=True, max_tokens=12)
@@ -83,8 +88,7 @@ def test_an_answer_asked_again_computes_one_token_and_matches_a_fresh_session(ga
     client = sync_client(gateway)
     history = [{"role": "user", "content": "Name a colour of the rainbow."}]
     first = ask(client, history, max_tokens=10)
-    history += [{"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "And a fruit?"}]
+    history += then(first, "And a fruit?")
     second = ask(client, history, max_tokens=10)
     before = gateways.prefilled()
     again, fresh = same_as_fresh(client, history)
@@ -101,11 +105,9 @@ def test_an_edited_earlier_message_without_a_name_keeps_the_turns_before_it(gate
     client = sync_client(gateway)
     history = [{"role": "user", "content": "Name a planet."}]
     first = ask(client, history, max_tokens=8)
-    history += [{"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "Name a star."}]
+    history += then(first, "Name a star.")
     second = ask(client, history, max_tokens=8)
-    history += [{"role": "assistant", "content": second.choices[0].message.content},
-                {"role": "user", "content": "Name a moon."}]
+    history += then(second, "Name a moon.")
     third = ask(client, history, max_tokens=8)
     edited = [*history[:2], {"role": "user", "content": "Name a comet."}]
     before = gateways.prefilled()
@@ -113,8 +115,7 @@ def test_an_edited_earlier_message_without_a_name_keeps_the_turns_before_it(gate
     cached = branch.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens + first.usage.completion_tokens <= cached < branch.usage.prompt_tokens
     assert gateways.prefilled() - before == branch.usage.prompt_tokens - cached + fresh.usage.prompt_tokens
-    history += [{"role": "assistant", "content": third.choices[0].message.content},
-                {"role": "user", "content": "Name a river."}]
+    history += then(third, "Name a river.")
     resumed = ask(client, history, max_tokens=8)
     assert resumed.usage.prompt_tokens_details.cached_tokens >= third.usage.prompt_tokens
 
@@ -126,8 +127,7 @@ def test_an_edited_named_conversation_keeps_what_it_shares(gateway: str, gateway
     name = {"session_id": "edited-conversation"}
     history = [{"role": "user", "content": QUESTION}]
     first = ask(client, history, max_tokens=8, extra_body=name)
-    history += [{"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "And of Spain?"}]
+    history += then(first, "And of Spain?")
     ask(client, history, max_tokens=8, extra_body=name)
     history[-1] = {"role": "user", "content": "And of Italy?"}
     before = gateways.prefilled()

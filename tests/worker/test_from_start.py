@@ -88,6 +88,14 @@ def run(engine: Engine, starts: list[tuple[str, int, dict[str, Any]]]) -> list[l
     return [out[rid] for rid in rids]
 
 
+def finish(engine: Engine, rid: str) -> list[int]:
+    """Step until no work is left: the tokens generation `rid` gave."""
+    got: list[int] = []
+    while engine.has_work():
+        got += [t for c in engine.step() if c.request_id == rid for t in c.token_ids]
+    return got
+
+
 def session(engine: Engine, prompt: list[int], n: int) -> tuple[str, list[int]]:
     sid = engine.create_session()
     [answer] = run(engine, [(sid, n, {"prompt_ids": prompt})])
@@ -164,12 +172,7 @@ def test_running_ahead_a_context_cut_right_after_an_answer_or_a_cancel(engine: E
             context = prompt + answer[:2] + new
             again = engine.start_generate(sid, SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=context,
                                           from_start=True)
-            got: list[int] = []
-            while engine.has_work():
-                for chunk in engine.step():
-                    if chunk.request_id == again:
-                        got += chunk.token_ids
-            assert got == model.greedy(context, 6), cancel
+            assert finish(engine, again) == model.greedy(context, 6), cancel
             engine.close(sid)
             engine.close(beside)
     finally:
@@ -197,10 +200,7 @@ def test_what_a_from_start_keeps_computed(engine: Engine, model: Model) -> None:
         rid = engine.start_generate(sid, SamplingParams(max_tokens=1, ignore_eos=True), prompt_ids=context,
                                     from_start=True)
         assert engine.session_computed(sid) == (recurrent if model.recurrent else state), case
-        got: list[int] = []
-        while engine.has_work():
-            got += [t for c in engine.step() if c.request_id == rid for t in c.token_ids]
-        assert got == model.greedy(context, 1), case
+        assert finish(engine, rid) == model.greedy(context, 1), case
         engine.close(sid)
 
 
@@ -222,10 +222,7 @@ def test_a_recurrent_checkpoint_takes_only_free_room(engine: Engine, model: Mode
     rid = engine.start_generate(child, SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=prompt,
                                 from_start=True)
     assert engine.session_computed(child) == n - 1  # its prompt's last token runs again, nothing before it
-    again: list[int] = []
-    while engine.has_work():
-        again += [t for c in engine.step() if c.request_id == rid for t in c.token_ids]
-    assert again == answer == model.greedy(prompt, 6)
+    assert finish(engine, rid) == answer == model.greedy(prompt, 6)
     engine.close(child)
     b, c = engine.create_session(), engine.create_session()  # 3 sessions and a's checkpoint fill the table
     assert len(cps) == 1 and engine.free_slots == 1
@@ -296,9 +293,7 @@ def test_a_fork_takes_no_checkpoint_past_the_state_it_copies(engine: Engine, mod
     assert got == model.greedy(context, 6)
     rid = engine.start_generate(sid, SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=extra)
     assert engine.session_computed(sid) == n - 1
-    again: list[int] = []
-    while engine.has_work():
-        again += [t for c in engine.step() if c.request_id == rid for t in c.token_ids]
+    again = finish(engine, rid)
     assert again == got
     engine.close(sid)
     engine.close(child)
