@@ -2,17 +2,20 @@
 template: the template renders an earlier answer without the "<think>\n" its assistant prompt opened, so each turn is
 sent whole from its start (GENERATE's from_start), and the session starts from its checkpoint, its state before that
 "<think>\n", instead of computing the conversation again. A regenerate (the first request again) goes to a fork,
-which starts from its copy of the checkpoint and computes the "<think>\n" again. Every answer is the one a new session gives."""
+which starts from its copy of the checkpoint and computes the "<think>\n" again. The checkpoint goes with a session
+into hibernation and through a worker's restart on its session store. Every answer is the one a new session gives."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from client.stack import LocalStack, free_port
 
@@ -26,11 +29,16 @@ THINK = len(b"<think>\n")  # tokens of "<think>\n" for the bytes-only tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateways, str]]:
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.worker import test_qwen3_5
 
-    folder = test_qwen3_5.write_folder(tmp_path_factory.mktemp("hybrid")).path
-    shutil.copy(TEMPLATE, folder / "chat_template.jinja")
+    path = test_qwen3_5.write_folder(tmp_path_factory.mktemp("hybrid")).path
+    shutil.copy(TEMPLATE, path / "chat_template.jinja")
+    return path
+
+
+@pytest.fixture(scope="module")
+def hybrid(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateways, str]]:
     log_dir = tmp_path_factory.mktemp("hybrid-stack")
     stack = LocalStack(log_dir, heartbeats=None)
     try:
@@ -88,3 +96,61 @@ def test_a_regenerate_starts_from_the_forks_copy_of_the_checkpoint(hybrid: tuple
     # The checkpoint is before the assistant prompt's "<think>\n" (for the next turn): those tokens run again.
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - THINK
     assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    status, text = http_get(url)
+    assert status == 200
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def test_the_checkpoint_follows_the_session_into_hibernation_and_a_restart(folder: Path, tmp_path: Path) -> None:
+    """A worker that hibernates idle sessions (--hibernate-after) into its session store: the second turn restores the
+    session with its checkpoint and computes only what follows it; the worker is then stopped (its sessions written
+    to the store) and another started on the store, and the third turn starts from the checkpoint again."""
+    store = tmp_path / "store"
+    worker_args = ["--session-store", str(store), "--hibernate-after", "0.2"]
+    with LocalStack(tmp_path) as stack:
+        stack.start_broker()
+        ports = [free_port(), free_port()]
+        stack.start_worker("h1", model=str(folder), device="cpu", max_sessions=4, max_context=512,
+                           extra=[*worker_args, "--metrics-port", str(ports[0])])
+        stack.wait_for_workers({"h1"}, timeout=180)
+        gateways = Gateways(stack, f"http://127.0.0.1:{ports[0]}/metrics")
+        try:
+            url = gateways.start()
+            turns: list[dict[str, str]] = [{"role": "user", "content": "Capital of France?"}]
+            answers: list[Any] = []
+            for turn in range(3):
+                if turn == 2:  # a clean stop writes every session to the store; the next worker serves them
+                    assert stack.workers["h1"].terminate(timeout=60) == 0
+                    assert any(p.suffix == ".checkpoint" for p in store.iterdir())
+                    stack.start_worker("h2", model=str(folder), device="cpu", max_sessions=4, max_context=512,
+                                       extra=[*worker_args, "--metrics-port", str(ports[1])])
+                    stack.wait_for_workers({"h2"}, timeout=180)
+                    gateways.worker_metrics = f"http://127.0.0.1:{ports[1]}/metrics"
+                elif turn == 1:
+                    deadline = time.monotonic() + 30
+                    while metric(gateways.worker_metrics, "sessionserve:sessions_hibernated_total") < 1:
+                        assert time.monotonic() < deadline, "the session did not hibernate"
+                        time.sleep(0.05)
+                before = gateways.prefilled()
+                answer = ask(url, turns)
+                cached = answer.usage.prompt_tokens_details.cached_tokens
+                if answers:
+                    assert cached == answers[-1].usage.prompt_tokens - THINK, turn
+                    assert metric(gateways.worker_metrics, "sessionserve:state_checkpoints_total",
+                                  event="restored") == 1, turn
+                assert gateways.prefilled() - before == answer.usage.prompt_tokens - cached, turn
+                answers.append(answer)
+                turns += [{"role": "assistant", "content": answer.choices[0].message.content},
+                          {"role": "user", "content": f"And of country {turn}?"}]
+            for turn, answer in enumerate(answers):
+                fresh = ask(url, turns[: 2 * turn + 1], session_id=f"reference-{turn}")
+                assert fresh.choices[0].message.content == answer.choices[0].message.content, turn
+        finally:
+            gateways.close()

@@ -296,10 +296,11 @@ def test_a_worker_that_does_not_hibernate_has_no_residency_gauges() -> None:
 
 
 def test_checkpoints_are_counted_where_the_model_has_a_recurrent_state() -> None:
-    hybrid = WorkerSnapshot(sessions=2, capacity=8, free_slots=6, running=0, checkpoints=(2, 7, 3))
+    hybrid = WorkerSnapshot(sessions=2, capacity=8, free_slots=6, running=0, checkpoints=(2, 7, 3, 1))
     got = scrape(new_metrics(hybrid))
     assert got[("sessionserve:state_checkpoints_held", LABELS)] == 2
-    assert [got[("sessionserve:state_checkpoints_total", labels(event=e))] for e in ("taken", "used")] == [7, 3]
+    assert [got[("sessionserve:state_checkpoints_total", labels(event=e))]
+            for e in ("taken", "used", "restored")] == [7, 3, 1]
     assert not [k for k in scrape(new_metrics()) if k[0].startswith("sessionserve:state_checkpoints")]
 
 

@@ -16,8 +16,10 @@ and only room no session needs: it is taken where a slot is free without hiberna
 first, before a session is hibernated or refused for want of a slot or a page. A session holds one at most (its latest
 turn's); its copy is queued on the stream after the step that leaves the state there, and put back in stream order
 too, so no step ever waits for either. A checkpoint holds for as long as the session's first `at` tokens stay as they
-were: a context cut inside them drops it, as do the session's close and hibernation; a fork copies it (into another
-session's checkpoint's slot, the least recently used, where no slot is free).
+were: a context cut inside them drops it, and so does the session's close; a fork copies it (into another session's
+checkpoint's slot, the least recently used, where no slot is free); a hibernating session takes it along
+(worker.engine.hibernation: host memory, or a file beside the session's) and has it back, in a free slot, when it is
+restored. A moved session leaves it behind.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import structlog
+import torch
 
 from cuda_state import CapacityExhausted, SessionTable
 
@@ -49,7 +52,7 @@ class Checkpoints:
     def __init__(self, table: SessionTable) -> None:
         self.table = table
         self._held: OrderedDict[str, Checkpoint] = OrderedDict()
-        self.taken = self.used = 0  # copies queued and put back, for the metrics
+        self.taken = self.used = self.restored = 0  # copies queued, put back, and brought back from hibernation
 
     def __len__(self) -> int:
         return len(self._held)
@@ -58,6 +61,11 @@ class Checkpoints:
         """The session's checkpoint, once its copy is queued."""
         cp = self._held.get(session_id)
         return cp if cp is not None and cp.at != NOT_TAKEN else None
+
+    def within(self, session_id: str, computed: int) -> Checkpoint | None:
+        """The session's checkpoint if its state holds the `at` tokens the checkpoint needs (see fork)."""
+        cp = self.get(session_id)
+        return cp if cp is not None and cp.at <= computed else None
 
     def reserve(self, session_id: str) -> Checkpoint | None:
         """The slot the session's next checkpoint goes into: the one it has, or a free one (None when the table has
@@ -89,6 +97,22 @@ class Checkpoints:
         self.used += 1
         return cp.at
 
+    def save(self, cp: Checkpoint, out: torch.Tensor) -> None:
+        """Copy the checkpoint's bytes into `out` (host memory, `table.spec.bytes_for(0)` bytes), after the work queued
+        so far: a hibernating session takes its checkpoint with it."""
+        self.table.save_prefix(cp.slot, 0, out)
+
+    def load(self, session_id: str, at: int, state: torch.Tensor) -> bool:
+        """A restored session's checkpoint, `state` being what `save` took when it held `at` tokens, in a free slot
+        (False where none is: the session comes back without one)."""
+        cp = self.reserve(session_id)
+        if cp is None:
+            return False
+        self.table.load_prefix(cp.slot, 0, state)
+        cp.at = at
+        self.restored += 1
+        return True
+
     def keep_within(self, session_id: str, tokens: int) -> None:
         """The session's first `tokens` tokens stay, those after are replaced: a checkpoint past them no longer holds
         the session's tokens (its slot is kept for the next one)."""
@@ -101,8 +125,8 @@ class Checkpoints:
         checkpoint's (a fork is most often made to be used at once: an answer asked again); else the child has none.
         `copied`: the positions of the parent's K/V the child holds; a checkpoint past them (the parent's state was
         reset below it: a cancel, a from_start cut) would start the child on positions it lacks, so it has none."""
-        cp = self.get(parent_id)
-        if cp is None or cp.at > copied:
+        cp = self.within(parent_id, copied)
+        if cp is None:
             return
         while True:
             try:

@@ -165,7 +165,8 @@ class Engine:
         GPU) and, with `session_store`, on to checksummed files there, and their pages released. Sessions the store
         already holds (a worker stopped cleanly) are served again: their ids, oldest first."""
         self.hibernation = Hibernation(self.model_name, self.state_layout, host_cache_bytes, session_store,
-                                       pin=self.model.device.type == "cuda", max_context=self.max_context)
+                                       pin=self.model.device.type == "cuda", max_context=self.max_context,
+                                       checkpoint_bytes=0 if self.checkpoints is None else self.table.spec.bytes_for(0))
         found = self.hibernation.index()
         for stored in found:
             if stored.session_id in self._sessions:
@@ -960,21 +961,32 @@ class Engine:
         if id(session) in (self._in_flight() if in_flight is None else in_flight):
             return False  # a step still running holds a row of it: its state is not final yet
         nbytes = self.table.spec.bytes_for(session.computed)
+        # Its checkpoint goes with it where the store has room for both (it would be dropped here anyway).
+        checkpoints = self.checkpoints
+        cp = None if checkpoints is None else checkpoints.within(session.id, session.computed)
+        extra = 0 if cp is None else self.table.spec.bytes_for(0)
+        if extra and not h.admits(nbytes + extra, session.id):
+            cp, extra = None, 0
         if not h.admits(nbytes, session.id):
             return False
-        state = h.buffer(nbytes)
-        self.table.save_prefix(session.slot, session.computed, state)  # ordered after the steps
+        state = h.buffer(nbytes + extra)
+        self.table.save_prefix(session.slot, session.computed, state[:nbytes])  # ordered after the steps
+        if checkpoints is not None and cp is not None:
+            checkpoints.save(cp, state[nbytes:])
+        stored = Stored(session.id, session.owner, list(session.tokens), session.computed, nbytes, state,
+                        checkpoint_at=0 if cp is None else cp.at, checkpoint_bytes=extra)
         try:
-            h.put(Stored(session.id, session.owner, list(session.tokens), session.computed, nbytes, state))
+            h.put(stored)
         except (OSError, SessionLost) as e:
             log.warning("hibernation_failed", session=session.id, error=str(e))
             return False
-        if self.checkpoints is not None:
-            self.checkpoints.drop(session.id)
+        if checkpoints is not None:
+            checkpoints.drop(session.id)
         self.table.free(session.slot)
         session.slot = NO_SLOT
         self.hibernated += 1
-        log.debug("session_hibernated", session=session.id, tokens=session.computed, bytes=nbytes)
+        log.debug("session_hibernated", session=session.id, tokens=session.computed, bytes=nbytes,
+                  checkpoint=stored.checkpoint_at)
         return True
 
     def _resident(self, session: Session) -> None:
@@ -993,9 +1005,11 @@ class Engine:
             self._lose(session)
             raise
         # Held here: making room may hibernate another session and spill this very copy to disk (its state let go).
-        state, computed = stored.state, stored.computed
+        state = stored.state
         assert state is not None
-        if stored.nbytes != self.table.spec.bytes_for(computed):  # a file checksummed, but not of this layout
+        computed, nbytes, checkpoint_at = stored.computed, stored.nbytes, stored.checkpoint_at
+        checkpoint = state[nbytes : stored.held]
+        if nbytes != self.table.spec.bytes_for(computed):  # a file checksummed, but not of this layout
             self._lose(session)
             raise SessionLost(f"session {session.id}: its stored state is {stored.nbytes} bytes, not the "
                               f"{self.table.spec.bytes_for(computed)} of {computed} tokens")
@@ -1006,11 +1020,13 @@ class Engine:
                 stored.state = None  # read again next time: the file stays the truth
             raise
         try:
-            self.table.load_prefix(slot, computed, state)  # the host copy (or file) is released below
+            self.table.load_prefix(slot, computed, state[:nbytes])  # the host copy (or file) is released below
         except BaseException:
             self.table.free(slot)
             raise
         session.slot, session.computed = slot, computed
+        if checkpoint_at and self.checkpoints is not None:  # in a free slot, if one is (no room is made for it)
+            self.checkpoints.load(session.id, checkpoint_at, checkpoint)
         h.drop(session.id)
         self.restored += 1
         seconds = time.perf_counter() - start

@@ -18,6 +18,14 @@ when; this module keeps the bytes:
   matches; otherwise the session is lost (`SessionLost`), and nothing else is touched. A file is deleted when its
   session is restored or closed, so the store holds exactly the sessions that are on disk.
 
+A session of a recurrent model keeps its checkpoint (worker.engine.checkpoints: its fixed-size state as it was at
+`at` tokens) with it, after its state's bytes in host memory and in a file of its own on disk,
+`<session id>.checkpoint`, written first, the same way (magic b"SCHECKPT"; the header holds `at`, the checkpoint's
+size and a digest of the session's first `at` tokens). A checkpoint is only ever a shortcut: a companion file that is
+missing, corrupt, of another layout or of other tokens is deleted and the session restored without one; one whose
+session file is gone is deleted when the store is listed. Workers that predate checkpoints read the session files as
+before and leave the companions alone.
+
 On a clean stop with a store the worker writes every session here (`persist`); a worker started with the same
 store lists the files (`index`: headers only, the digest is checked when a session is restored) and serves them.
 
@@ -37,10 +45,12 @@ import os
 import re
 import struct
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -50,9 +60,11 @@ from worker.errors import EngineError
 log = structlog.get_logger(__name__)
 
 MAGIC = b"SSESSION"
+CHECKPOINT_MAGIC = b"SCHECKPT"
 VERSION = 1
 DIGEST_BYTES = 32
 SUFFIX = ".session"
+CHECKPOINT_SUFFIX = ".checkpoint"
 _LENGTH = struct.Struct("<Q")
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what may name a file in the store
 MAX_HEADER_BYTES = 64 << 20
@@ -80,6 +92,16 @@ class Stored:
     nbytes: int
     state: torch.Tensor | None = None  # None: on disk
     at: float = 0.0  # monotonic() when it was hibernated
+    checkpoint_at: int = 0  # the session's checkpoint kept with it (its tokens; 0: none), in `state` after `nbytes`
+    checkpoint_bytes: int = 0
+
+    @property
+    def held(self) -> int:
+        """The bytes `state` holds: the session's, then its checkpoint's."""
+        return self.nbytes + self.checkpoint_bytes
+
+    def without_checkpoint(self) -> None:
+        self.checkpoint_at = self.checkpoint_bytes = 0
 
 
 def storable_id(session_id: str) -> bool:
@@ -88,8 +110,9 @@ def storable_id(session_id: str) -> bool:
 
 class Hibernation:
     def __init__(self, model: str, fingerprint: str, host_limit_bytes: int, store_dir: str | Path | None,
-                 pin: bool, max_context: int) -> None:
+                 pin: bool, max_context: int, checkpoint_bytes: int = 0) -> None:
         self.model = model
+        self.checkpoint_bytes = checkpoint_bytes  # a checkpoint's size (the fixed-size state's); 0: the model has none
         self.fingerprint = fingerprint
         self.max_context = max_context  # a stored session longer than this is left in the store, not served
         self.host_limit_bytes = max(0, host_limit_bytes)
@@ -135,21 +158,22 @@ class Hibernation:
         the host holds more than its limit; straight to disk when it cannot fit at all."""
         assert stored.state is not None
         stored.at = time.monotonic()
-        if stored.nbytes > self.host_limit_bytes:
+        if stored.held > self.host_limit_bytes:
             self._write(stored)
             return
         self.host[stored.session_id] = stored
-        self.host_bytes += stored.nbytes
+        self.host_bytes += stored.held
         try:
             while self.host_bytes > self.host_limit_bytes:
-                # The oldest copy that can go to disk (an id that is no file name stays in host memory).
-                oldest = next((s for s in self.host.values() if storable_id(s.session_id)), stored)
-                if oldest is stored or self.store is None:
+                # The oldest copy that can go to disk (an id that is no file name stays in host memory), this one
+                # last.
+                oldest = next((s for s in self.host.values() if storable_id(s.session_id)), None)
+                if oldest is None or self.store is None:
                     raise SessionLost(f"session {stored.session_id}: host memory for hibernated sessions is full")
                 self._spill(oldest)
         except BaseException:
             if self.host.pop(stored.session_id, None) is not None:  # not kept: the caller keeps it resident
-                self.host_bytes -= stored.nbytes
+                self.host_bytes -= stored.held
             raise
 
     def take(self, session_id: str) -> Stored:
@@ -162,19 +186,21 @@ class Hibernation:
         if stored is None:
             raise SessionLost(f"session {session_id} has no stored state")
         stored.state = self._read(stored)
+        self._read_checkpoint(stored)
         return stored
 
     def drop(self, session_id: str) -> None:
         """Forget a session's stored state (restored or closed): its host copy, or its file."""
         stored = self.host.pop(session_id, None)
         if stored is not None:
-            self.host_bytes -= stored.nbytes
+            self.host_bytes -= stored.held
             return
         stored = self.disk.pop(session_id, None)
         if stored is not None and self.store is not None:
             stored.state = None
             try:
                 self._path(session_id).unlink(missing_ok=True)
+                self._path(session_id, CHECKPOINT_SUFFIX).unlink(missing_ok=True)
             except OSError as e:
                 log.warning("session_file_not_deleted", session=session_id, error=str(e))
 
@@ -183,11 +209,12 @@ class Hibernation:
         for a person to look at."""
         stored = self.host.pop(session_id, None)
         if stored is not None:
-            self.host_bytes -= stored.nbytes
+            self.host_bytes -= stored.held
         if self.disk.pop(session_id, None) is not None and self.store is not None:
             path = self._path(session_id)
             if path.exists():
                 _set_aside(path)
+            _unlink(self._path(session_id, CHECKPOINT_SUFFIX))
 
     def persist(self) -> int:
         """Write every host copy to disk (a clean stop): each that can be (one that cannot is logged, the others are
@@ -219,8 +246,12 @@ class Hibernation:
                 continue
             self.disk[stored.session_id] = stored
             found.append(stored)
-        for tmp in self.store.glob("*" + SUFFIX + ".tmp*"):  # a write a crash cut short
-            tmp.unlink(missing_ok=True)
+        for path in self.store.glob("*" + CHECKPOINT_SUFFIX):  # a checkpoint whose session file is gone
+            if not path.with_suffix(SUFFIX).exists():
+                _unlink(path)
+        for suffix in (SUFFIX, CHECKPOINT_SUFFIX):
+            for tmp in self.store.glob("*" + suffix + ".tmp*"):  # a write a crash cut short
+                _unlink(tmp)
         return found
 
     # -- disk ---------------------------------------------------------------------------------------------------
@@ -229,41 +260,40 @@ class Hibernation:
         """Host -> disk (written first: a failed write leaves it in host memory)."""
         self._write(stored)
         del self.host[stored.session_id]
-        self.host_bytes -= stored.nbytes
+        self.host_bytes -= stored.held
 
-    def _path(self, session_id: str) -> Path:
+    def _path(self, session_id: str, suffix: str = SUFFIX) -> Path:
         assert self.store is not None
-        return self.store / (session_id + SUFFIX)
+        return self.store / (session_id + suffix)
 
     def _write(self, stored: Stored) -> None:
         if self.store is None or not storable_id(stored.session_id) or stored.state is None:
             raise SessionLost(f"session {stored.session_id} cannot be written to the session store")
-        header = json.dumps({
+        self._write_checkpoint(stored)
+        header = {
             "version": VERSION, "session_id": stored.session_id, "owner": stored.owner, "model": self.model,
             "layout": self.fingerprint, "computed": stored.computed, "nbytes": stored.nbytes, "tokens": stored.tokens,
-        }, separators=(",", ":")).encode()
-        path = self._path(stored.session_id)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
-        payload = stored.state[: stored.nbytes].numpy().data
-        try:
-            with open(tmp, "wb") as f:
-                for part in (MAGIC, _LENGTH.pack(len(header)), header, payload):
-                    digest.update(part)
-                    f.write(part)
-                f.write(digest.digest())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            # A write cut short (a full disk, an I/O error): its part would hold the space a full disk lacks until the
-            # next start, one more per session tried. The session stays where it was (the caller keeps it).
-            with contextlib.suppress(OSError):  # (a store gone read-only: the write's own error is the one to tell)
-                tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)
+        }
+        _write_file(self._path(stored.session_id), MAGIC, header, stored.state[: stored.nbytes])
         stored.state = None
         self.disk[stored.session_id] = stored
+
+    def _write_checkpoint(self, stored: Stored) -> None:
+        """The session's checkpoint into its own file, before the session's (a checkpoint is a shortcut: one that
+        cannot be written is logged and left out; an earlier one of this id is deleted either way)."""
+        assert stored.state is not None
+        path = self._path(stored.session_id, CHECKPOINT_SUFFIX)
+        _unlink(path)
+        if not stored.checkpoint_at:
+            return
+        header = {"version": VERSION, "session_id": stored.session_id, "model": self.model, "layout": self.fingerprint,
+                  "at": stored.checkpoint_at, "nbytes": stored.checkpoint_bytes,
+                  "tokens": _tokens_digest(stored.tokens[: stored.checkpoint_at])}
+        try:
+            _write_file(path, CHECKPOINT_MAGIC, header, stored.state[stored.nbytes : stored.held])
+        except OSError as e:
+            log.warning("checkpoint_not_written", session=stored.session_id, error=str(e))
+            stored.without_checkpoint()
 
     def _header(self, path: Path) -> Stored | None:
         """A file's session from its header (its size checked); None for a file of another model or layout."""
@@ -293,28 +323,98 @@ class Hibernation:
         return stored
 
     def _read(self, stored: Stored) -> torch.Tensor:
+        """The session's state from its file, in a buffer with room for its checkpoint after it."""
         path = self._path(stored.session_id)
         try:
-            data = path.read_bytes()
+            head, payload = _read_file(path, MAGIC)
         except OSError as e:
             raise SessionLost(f"session {stored.session_id}: its stored state cannot be read ({e})") from e
-        body, digest = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
-        if len(data) <= DIGEST_BYTES or hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != digest:
-            raise SessionLost(f"session {stored.session_id}: its stored state is corrupt (checksum mismatch)")
+        except ValueError as e:
+            raise SessionLost(f"session {stored.session_id}: its stored state is corrupt ({e})") from e
         try:
-            (length,) = _LENGTH.unpack_from(body, len(MAGIC))
-            head = json.loads(body[len(MAGIC) + _LENGTH.size : len(MAGIC) + _LENGTH.size + length])
             again = _stored(head)
-        except (ValueError, struct.error) as e:
+        except ValueError as e:
             raise SessionLost(f"session {stored.session_id}: its stored header is corrupt ({e})") from e
         if (again.session_id, again.tokens, again.computed, again.nbytes) != (
-                stored.session_id, stored.tokens, stored.computed, stored.nbytes) or head.get("layout") != self.fingerprint:
+                stored.session_id, stored.tokens, stored.computed, stored.nbytes) or head.get("layout") != self.fingerprint \
+                or len(payload) != stored.nbytes:
             raise SessionLost(f"session {stored.session_id}: its stored state changed since the worker listed it")
-        start = len(MAGIC) + _LENGTH.size + length
-        state = self.buffer(stored.nbytes)
+        state = self.buffer(stored.nbytes + self.checkpoint_bytes)
         if stored.nbytes:  # (a session of no fixed state and no computed token has none: torch reads no empty buffer)
-            state.copy_(torch.frombuffer(bytearray(body[start : start + stored.nbytes]), dtype=torch.uint8))
+            state[: stored.nbytes].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         return state
+
+    def _read_checkpoint(self, stored: Stored) -> None:
+        """The session's checkpoint from its file into `state` after the session's bytes, where there is one that
+        holds this session's first tokens in this layout; any other is deleted (the session comes back without)."""
+        stored.without_checkpoint()
+        path = self._path(stored.session_id, CHECKPOINT_SUFFIX)
+        if not self.checkpoint_bytes or not path.exists():
+            return
+        try:
+            head, payload = _read_file(path, CHECKPOINT_MAGIC)
+            at = head.get("at")
+            if not (head.get("version") == VERSION and head.get("session_id") == stored.session_id
+                    and head.get("model") == self.model and head.get("layout") == self.fingerprint
+                    and isinstance(at, int) and not isinstance(at, bool) and 0 < at <= stored.computed
+                    and head.get("nbytes") == self.checkpoint_bytes == len(payload)
+                    and head.get("tokens") == _tokens_digest(stored.tokens[:at])):
+                raise ValueError("not this session's checkpoint")
+        except (OSError, ValueError) as e:
+            log.warning("checkpoint_file_unreadable", session=stored.session_id, error=str(e))
+            _unlink(path)
+            return
+        assert stored.state is not None
+        stored.state[stored.nbytes : stored.nbytes + len(payload)].copy_(
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        stored.checkpoint_at, stored.checkpoint_bytes = at, len(payload)
+
+
+def _write_file(path: Path, magic: bytes, header: dict[str, object], state: torch.Tensor) -> None:
+    """`magic | u64 header length | header (JSON) | state | BLAKE2b-256 of everything before`, written to a temporary
+    name, flushed and renamed (a crash leaves the old file or none, never half of one)."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    digest = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    try:
+        with open(tmp, "wb") as f:
+            for part in (magic, _LENGTH.pack(len(head)), head, state.numpy().data):
+                digest.update(part)
+                f.write(part)
+            f.write(digest.digest())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # A write cut short (a full disk, an I/O error): its part would hold the space a full disk lacks until the
+        # next start, one more per session tried. The session stays where it was (the caller keeps it).
+        with contextlib.suppress(OSError):  # (a store gone read-only: the write's own error is the one to tell)
+            tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _read_file(path: Path, magic: bytes) -> tuple[dict[str, Any], memoryview]:
+    """What _write_file wrote: its header and its state's bytes, the digest checked (ValueError otherwise)."""
+    data = path.read_bytes()
+    body, digest = memoryview(data)[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+    if len(data) <= DIGEST_BYTES or hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != digest:
+        raise ValueError("checksum mismatch")
+    if bytes(body[: len(magic)]) != magic:
+        raise ValueError("not a file of this kind")
+    try:
+        (length,) = _LENGTH.unpack_from(body, len(magic))
+        head = json.loads(bytes(body[len(magic) + _LENGTH.size : len(magic) + _LENGTH.size + length]))
+    except (ValueError, struct.error) as e:
+        raise ValueError(f"bad header ({e})") from e
+    if not isinstance(head, dict):
+        raise ValueError("bad header")
+    return head, body[len(magic) + _LENGTH.size + length :]
+
+
+def _tokens_digest(tokens: list[int]) -> str:
+    """What a checkpoint file names its session's first tokens by."""
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
 
 
 def _stored(head: object) -> Stored:
@@ -339,6 +439,11 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _set_aside(path: Path) -> None:

@@ -113,7 +113,7 @@ class Serve:
                               page_budget=table.page_budget, hibernated=getattr(self.engine, "hibernated", 0),
                               moves=self.moves.counts.as_dict() if self.moves.supported else None,
                               checkpoints=None if (cps := getattr(self.engine, "checkpoints", None)) is None
-                              else (len(cps), cps.taken, cps.used))
+                              else (len(cps), cps.taken, cps.used, cps.restored))
 
     def ready_message(self) -> p.Ready:
         """On the link thread: the state the loop replaced last, and each session's latest client (single dict reads)."""

@@ -31,8 +31,9 @@ count; the sum may be one step ahead. Names follow vLLM's (`vllm:time_to_first_t
     sessionserve:session_restore_seconds{source}                   histogram a hibernated session back in a slot
     sessionserve:state_checkpoints_held                            gauge    recurrent-state checkpoints held (hybrid
                                                                             models only: worker.engine.checkpoints)
-    sessionserve:state_checkpoints_total{event}                    counter  checkpoints taken, and put back (a turn
-                                                                            that started from one)
+    sessionserve:state_checkpoints_total{event}                    counter  checkpoints taken, put back (a turn that
+                                                                            started from one), restored (with a
+                                                                            hibernated session)
     sessionserve:session_moves_total{event}                        counter  moves seen here: sent, released (out),
                                                                             imported (in), failed (here)
     sessionserve:gpu_memory_allocated_bytes, ..._reserved_bytes    gauges   torch's CUDA allocator (CUDA only)
@@ -153,7 +154,7 @@ class WorkerSnapshot:
     page_budget: int = 0
     hibernated: int = 0  # sessions hibernated so far
     moves: dict[str, int] | None = None  # worker.serve.moves' counts by event; None: this worker does not move sessions
-    checkpoints: tuple[int, int, int] | None = None  # held, taken, put back; None: the model has no recurrent state
+    checkpoints: tuple[int, int, int, int] | None = None  # held, taken, put back, restored; None: no recurrent state
 
 
 def torch_memory(device: str) -> Callable[[], dict[str, float]] | None:
@@ -407,13 +408,14 @@ class _WorkerCollector(Collector):
             yield where
             yield self._counter("sessions_hibernated", "Sessions hibernated (idle, or pages short).", s.hibernated)
         if s.checkpoints is not None:
-            held, taken, used = s.checkpoints
+            held, taken, used, restored = s.checkpoints
             family = GaugeMetricFamily(PREFIX + "state_checkpoints_held", "Recurrent-state checkpoints held (each in a slot "
                                        "no session needs).", labels=LABELS)
             family.add_metric(self.m.labels, held)
             yield family
-            yield self._by("state_checkpoints", "Recurrent-state checkpoints taken, and put back (a turn started from "
-                           "one).", "event", {"taken": taken, "used": used})
+            yield self._by("state_checkpoints", "Recurrent-state checkpoints taken, put back (a turn started from one), "
+                           "and restored with a hibernated session.", "event",
+                           {"taken": taken, "used": used, "restored": restored})
 
     def _counter(self, name: str, doc: str, value: int) -> Metric:
         family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)

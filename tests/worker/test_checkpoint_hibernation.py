@@ -1,0 +1,170 @@
+"""A hybrid session's recurrent-state checkpoint (worker.engine.checkpoints) goes with it into hibernation: host
+memory, the session store's files, a worker started again on that store. Restored, the session's next rewritten turn
+starts from the checkpoint instead of its first token, and gives transformers' greedy tokens (fp32, CPU) on a
+Qwen3.5 folder transformers wrote. A checkpoint is only a shortcut: a companion file that is corrupt or of other
+tokens is deleted and the session computes its context from the start, with the same tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.worker import test_qwen3_5
+from tests.worker.test_from_start import Model, finish, run
+from worker.engine import Engine, SamplingParams
+from worker.engine.hibernation import CHECKPOINT_MAGIC, DIGEST_BYTES
+
+pytest.importorskip("transformers")
+
+ONE = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    hybrid = test_qwen3_5.write_folder(tmp_path_factory.mktemp("checkpoint_hibernation"))
+    return Model(hybrid.path, hybrid.prompts, recurrent=True)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (see tests/worker/test_qwen3_5.py's one_thread)
+    yield
+    torch.set_num_threads(threads)
+
+
+def load(model: Model, store: Path | None = None, host: int = 64 * ONE, **options: Any) -> Engine:
+    engine = Engine.load(str(model.path), device="cpu", max_sessions=options.pop("max_sessions", 4), max_context=256,
+                         step_tokens=64, **options)
+    engine.enable_hibernation(host, store)
+    return engine
+
+
+def answered(engine: Engine, sid: str, prompt: list[int], n: int) -> list[int]:
+    [answer] = run(engine, [(sid, n, {"prompt_ids": prompt})])
+    return answer
+
+
+def regenerate(engine: Engine, sid: str, prompt: list[int], n: int) -> tuple[int, list[int]]:
+    """The session's answer asked again (its context cut back to the prompt): what it computed before the step, and
+    the tokens."""
+    rid = engine.start_generate(sid, SamplingParams(max_tokens=n, ignore_eos=True), prompt_ids=prompt,
+                                from_start=True)
+    return engine.session_computed(sid), finish(engine, rid)
+
+
+def test_a_hibernated_session_keeps_its_checkpoint_in_host_memory(model: Model) -> None:
+    engine = load(model)
+    cps = engine.checkpoints
+    assert cps is not None
+    prompt = model.prompts[1]
+    sid = engine.create_session()
+    answer = answered(engine, sid, prompt, 6)
+    assert answer == model.greedy(prompt, 6)
+    assert engine.hibernate(sid) and not engine.is_resident(sid) and len(cps) == 0
+    stored = engine.hibernation.host[sid]  # type: ignore[union-attr]
+    assert (stored.checkpoint_at, stored.checkpoint_bytes) == (len(prompt) - 1, engine.table.spec.bytes_for(0))
+    assert engine.hibernation.host_bytes == stored.held  # type: ignore[union-attr]
+    computed, again = regenerate(engine, sid, prompt, 6)
+    assert computed == len(prompt) - 1  # only the prompt's last token runs again
+    assert again == answer
+    assert (cps.restored, cps.used) == (1, 1)
+    engine.unload()
+
+
+def test_a_checkpoint_survives_a_restart_through_the_store(model: Model, tmp_path: Path) -> None:
+    """Two sessions persist at a clean stop; the worker started again on the store has each one's checkpoint back.
+    One turn goes on from where its prompt ended (the next turn's context keeps the prompt and cuts the answer), the
+    other's answer is asked again; both give transformers' tokens."""
+    store = tmp_path / "store"
+    first = load(model, store)
+    a, b = first.create_session("a"), first.create_session("b")
+    pa, pb = model.prompts[1], model.prompts[0]
+    answer_a, answer_b = answered(first, a, pa, 5), answered(first, b, pb, 5)
+    assert first.persist() == 2
+    assert sorted(p.name for p in store.iterdir() if p.name != ".lock") == [
+        "a.checkpoint", "a.session", "b.checkpoint", "b.session"]
+    first.unload()
+
+    again = load(model, store)
+    assert sorted(again.sessions()) == ["a", "b"]
+    computed, got = regenerate(again, b, pb, 5)
+    assert (computed, got) == (len(pb) - 1, answer_b)
+    edited = pa + answer_a[:2] + [7, 8, 9]
+    computed, got = regenerate(again, a, edited, 6)
+    assert computed == len(pa) - 1
+    assert got == model.greedy(edited, 6)
+    assert again.checkpoints is not None and again.checkpoints.restored == 2
+    assert sorted(p.name for p in store.iterdir() if p.name != ".lock") == []  # restored: the files go
+    again.unload()
+
+
+def rewrite(path: Path, change: Any) -> None:
+    """A checkpoint file with its header changed by `change`, its digest made again (a valid file, wrong content)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack_from("<Q", data, len(CHECKPOINT_MAGIC))
+    start = len(CHECKPOINT_MAGIC) + 8
+    head = json.loads(data[start : start + length])
+    change(head)
+    new = json.dumps(head, separators=(",", ":")).encode()
+    body = CHECKPOINT_MAGIC + struct.pack("<Q", len(new)) + new + data[start + length : -DIGEST_BYTES]
+    path.write_bytes(body + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest())
+
+
+@pytest.mark.parametrize("damage", ["bit flipped", "other tokens", "past the session", "cut short", "orphan"])
+def test_a_bad_checkpoint_file_is_deleted_and_the_session_computes_again(model: Model, tmp_path: Path,
+                                                                          damage: str) -> None:
+    store = tmp_path / "store"
+    first = load(model, store)
+    prompt = model.prompts[1]
+    sid = first.create_session("s")
+    answer = answered(first, sid, prompt, 5)
+    assert first.persist() == 1
+    first.unload()
+    path = store / "s.checkpoint"
+    if damage == "bit flipped":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+    elif damage == "other tokens":
+        rewrite(path, lambda head: head.update(tokens="0" * 32))
+    elif damage == "past the session":
+        rewrite(path, lambda head: head.update(at=10_000))
+    elif damage == "cut short":
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        (store / "s.session").rename(store / "gone.bin")
+    again = load(model, store)
+    if damage == "orphan":
+        assert again.sessions() == [] and not path.exists()
+        again.unload()
+        return
+    computed, got = regenerate(again, sid, prompt, 5)
+    assert computed == 0 and got == answer  # from the start, the same tokens
+    assert not path.exists()
+    assert again.checkpoints is not None and again.checkpoints.restored == 0
+    again.unload()
+
+
+def test_a_checkpoint_that_does_not_fit_the_host_is_left_behind(model: Model) -> None:
+    """Host memory that holds the session's state but not its checkpoint too: it hibernates without one (no store to
+    spill to), and its regenerate computes the prompt again."""
+    probe = load(model, max_sessions=1)
+    prompt = model.prompts[1]
+    nbytes = probe.table.spec.bytes_for(len(prompt) + 5)
+    probe.unload()
+    engine = load(model, host=nbytes)
+    sid = engine.create_session()
+    answer = answered(engine, sid, prompt, 6)
+    assert engine.hibernate(sid)
+    assert engine.hibernation.host[sid].checkpoint_at == 0  # type: ignore[union-attr]
+    computed, again = regenerate(engine, sid, prompt, 6)
+    assert (computed, again) == (0, answer)
+    engine.unload()
