@@ -2,7 +2,8 @@
 template: the template renders an earlier answer without the "<think>\n" its assistant prompt opened, so each turn is
 sent whole from its start (GENERATE's from_start), and the session starts from its checkpoint, its state before that
 "<think>\n", instead of computing the conversation again. A regenerate (the first request again) goes to a fork,
-which starts from its copy of the checkpoint and computes the "<think>\n" again. The checkpoint goes with a session
+which starts from its copy of the checkpoint and computes the "<think>\n" again; an edited last question to a fork
+that starts from the turn before's checkpoint. The checkpoint goes with a session
 into hibernation and through a worker's restart on its session store. Every answer is the one a new session gives."""
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ def test_turns_start_from_the_checkpoint_before_the_reasoning_prompt(hybrid: tup
     fresh = ask(url, turns, session_id="reference-turns")
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert second.choices[0].message.content == fresh.choices[0].message.content
+    # The last question edited: a fork of the session, which starts from its copy of the first turn's checkpoint.
+    edited = [*turns[:-1], {"role": "user", "content": "And of Italy?"}]
+    before = gateways.prefilled()
+    third = ask(url, edited)
+    cached = third.usage.prompt_tokens_details.cached_tokens
+    assert cached == first.usage.prompt_tokens - THINK
+    assert gateways.prefilled() - before == third.usage.prompt_tokens - cached
+    fresh = ask(url, edited, session_id="reference-edited")
+    assert third.choices[0].message.content == fresh.choices[0].message.content
 
 
 def test_a_regenerate_starts_from_the_forks_copy_of_the_checkpoint(hybrid: tuple[Gateways, str]) -> None:

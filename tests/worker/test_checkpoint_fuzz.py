@@ -37,7 +37,7 @@ import torch
 
 from cuda_state import CapacityExhausted
 from worker.engine import Chunk, Engine, SamplingParams
-from worker.engine.checkpoints import Checkpoints
+from worker.engine.checkpoints import NOT_TAKEN, PER_SESSION, Checkpoints
 from worker.engine.session import Launched
 
 PRESET = "random:tiny-qwen3.5-moe"
@@ -388,13 +388,17 @@ class Fuzz:
         for a resident session, within its tokens."""
         engine = self.engine
         resident = [s for s in engine._sessions.values() if s.resident]
-        held = self.checkpoints._held
+        held = {id(cp): cp for sid in engine._sessions for cp in self.checkpoints.of(sid)}
+        assert len(held) == len(self.checkpoints), "a checkpoint held for a closed session"
         assert engine.table.live == len(resident) + len(held), (engine.table.live, len(resident), len(held))
-        for sid, cp in held.items():
-            session = engine._sessions.get(sid)
-            assert session is not None, f"a checkpoint held for closed session {sid[:6]}"
-            assert session.resident, f"a checkpoint held for hibernated session {sid[:6]}"
-            assert not cp.dropped and cp.at <= len(session.tokens), (sid[:6], cp, len(session.tokens))
+        for cp in held.values():
+            assert cp.owners and not cp.dropped, cp
+            for sid in cp.owners:
+                session = engine._sessions[sid]
+                assert cp in self.checkpoints.of(sid), (sid[:6], cp)
+                assert session.resident, f"a checkpoint held for hibernated session {sid[:6]}"
+                assert cp.at <= len(session.tokens), (sid[:6], cp, len(session.tokens))
+        assert all(len(self.checkpoints.of(sid)) <= PER_SESSION for sid in engine._sessions)
         slots = [s.slot for s in resident] + [cp.slot for cp in held.values()]
         assert len(set(slots)) == len(slots), slots
 
@@ -404,8 +408,9 @@ class Fuzz:
         engine = self.engine
         in_flight = engine._in_flight()
         for sid, s in engine._sessions.items():
-            cp = self.checkpoints.get(sid)
-            if cp is not None:
+            for cp in self.checkpoints.of(sid):
+                if cp.at == NOT_TAKEN:
+                    continue
                 want = self.reference.state(s.tokens[:cp.at])
                 assert_state(fixed_state(engine, cp.slot), want.fixed, f"checkpoint of {sid[:6]} at {cp.at}")
                 assert_state(kv_state(engine, s.slot, cp.at), want.kv,

@@ -206,8 +206,8 @@ def test_what_a_from_start_keeps_computed(engine: Engine, model: Model) -> None:
 
 def test_a_recurrent_checkpoint_takes_only_free_room(engine: Engine, model: Model) -> None:
     """A checkpoint takes a slot no session needs: a session has none where the table has no slot free, and a
-    create that finds none drops the least recently used checkpoint rather than fail; a fork copies its parent's, so
-    that the parent's answer asked again in the fork computes one token."""
+    create that finds none drops the least recently used checkpoint rather than fail; a fork shares its parent's (no
+    slot, no copy), so that the parent's answer asked again in the fork computes one token."""
     if not model.recurrent:
         assert engine.checkpoints is None
         return
@@ -218,7 +218,7 @@ def test_a_recurrent_checkpoint_takes_only_free_room(engine: Engine, model: Mode
     a, answer = session(engine, prompt, 6)
     assert len(cps) == 1 and engine.free_slots == 3  # the checkpoint's slot counts free: it goes first
     child = engine.fork(a)
-    assert len(cps) == 2
+    assert len(cps) == 1 and cps.get(child) is cps.get(a)
     rid = engine.start_generate(child, SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=prompt,
                                 from_start=True)
     assert engine.session_computed(child) == n - 1  # its prompt's last token runs again, nothing before it
@@ -236,6 +236,37 @@ def test_a_recurrent_checkpoint_takes_only_free_room(engine: Engine, model: Mode
         engine.step()
     for sid in (a, b, c, d):
         engine.close(sid)
+    assert len(cps) == 0
+
+
+def test_an_edited_last_question_starts_from_the_turn_before(engine: Engine, model: Model) -> None:
+    """A session keeps its last two turns' checkpoints: a context that edits the last question (the second prompt
+    changed after the first answer) cuts inside the latest checkpoint and starts from the one before, computing the
+    first answer and the new question only; edited once more, the same. A regenerate of the edited turn then starts
+    from its own checkpoint. Each gives transformers' tokens."""
+    if not model.recurrent:
+        return
+    cps = engine.checkpoints
+    assert cps is not None
+    first, rng = model.prompts[1], random.Random(11)
+    sid, answer = session(engine, first, 5)
+    question = [rng.randrange(VOCAB) for _ in range(7)]
+    [second] = run(engine, [(sid, 5, {"prompt_ids": question})])
+    assert sorted(cp.at for cp in cps.of(sid)) == [len(first) - 1, len(first) + 5 + 6]
+    for edit in range(2):
+        edited = first + answer + [rng.randrange(VOCAB) for _ in range(6 + edit)]
+        rid = engine.start_generate(sid, SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=edited,
+                                    from_start=True)
+        assert engine.session_computed(sid) == len(first) - 1, edit
+        assert finish(engine, rid) == model.greedy(edited, 6), edit
+        assert sorted(cp.at for cp in cps.of(sid)) == [len(first) - 1, len(edited) - 1]
+    taken = cps.taken
+    rid = engine.start_generate(sid, SamplingParams(max_tokens=6, ignore_eos=True), prompt_ids=edited,
+                                from_start=True)
+    assert engine.session_computed(sid) == len(edited) - 1
+    assert finish(engine, rid) == model.greedy(edited, 6)
+    assert cps.taken == taken  # it holds that checkpoint already: not taken again
+    engine.close(sid)
     assert len(cps) == 0
 
 

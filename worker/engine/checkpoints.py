@@ -11,21 +11,28 @@ after the rest, so that state exists between two steps; see worker.engine.schedu
 K/V for those positions still in its slot, the session holds `at` tokens again, and its last prompt token runs once
 more to sample from: a regenerate computes one token, a next turn what follows the last prompt.
 
+A session holds up to PER_SESSION (2): its latest turn's, which the next turn and a regenerate start from, and the
+turn's before, which an edited last question starts from (the edit cuts inside the latest one). A turn starts from
+the latest checkpoint its context keeps; its own checkpoint goes into a new slot where one is free, else into the
+slot of its own checkpoint it needs least (one that no longer holds its tokens, else the one of the fewest), and is
+not taken again where the session already has one at that position (a regenerate).
+
 Each checkpoint takes a slot of the session table holding only the fixed-size state (its pages, nothing per token),
-and only room no session needs: it is taken where a slot is free without hibernating anyone, and dropped, the oldest
-first, before a session is hibernated or refused for want of a slot or a page. A session holds one at most (its latest
-turn's); its copy is queued on the stream after the step that leaves the state there, and put back in stream order
-too, so no step ever waits for either. A checkpoint holds for as long as the session's first `at` tokens stay as they
-were: a context cut inside them drops it, and so does the session's close; a fork copies it (into another session's
-checkpoint's slot, the least recently used, where no slot is free); a hibernating session takes it along
-(worker.engine.hibernation: host memory, or a file beside the session's) and has it back, in a free slot, when it is
-restored. A moved session leaves it behind.
+and only room no session needs: it is taken where a slot is free without hibernating anyone, and dropped, the least
+recently used first, before a session is hibernated or refused for want of a slot or a page. Its copy is queued on
+the stream after the step that leaves the state there, and put back in stream order too, so no step ever waits for
+either. A checkpoint holds for as long as the session's first `at` tokens stay as they were: a context cut inside
+them drops it, and so does the session's close. A fork shares its parent's checkpoints within the state it copies,
+without a copy or a slot (their bytes are only read once taken, and a generating session, whose checkpoint may be
+written, is not forked), so that the fork's first turn, an answer asked again or an edited question, starts from
+whichever it keeps. A hibernating session takes its latest along (worker.engine.hibernation: host memory, or a
+file beside the session's) and has it back, in a free slot, when it is restored. A moved session leaves them behind.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -35,65 +42,92 @@ from cuda_state import CapacityExhausted, SessionTable
 log = structlog.get_logger(__name__)
 
 NOT_TAKEN = 0  # a checkpoint's `at` before its copy is queued (no session holds 0 tokens worth keeping)
+PER_SESSION = 2  # the latest turn's, and the one before (an edited last question starts from it)
 
 
-@dataclass
+@dataclass(eq=False)
 class Checkpoint:
-    """One session's checkpoint: its slot, and the tokens whose state the slot holds (NOT_TAKEN: none yet)."""
+    """A checkpoint: its slot, the tokens whose state the slot holds (NOT_TAKEN: none yet), and the sessions it serves
+    (a fork shares its parent's: the bytes are only ever read once taken)."""
 
     slot: int
     at: int = NOT_TAKEN
     dropped: bool = False  # its slot went back to the table: a copy planned into it must not run
+    owners: set[str] = field(default_factory=set)
 
 
 class Checkpoints:
-    """The checkpoints of one engine's sessions, by session id, the least recently used first."""
+    """The checkpoints of one engine's sessions: each session's, and every checkpoint least recently used first."""
 
     def __init__(self, table: SessionTable) -> None:
         self.table = table
-        self._held: OrderedDict[str, Checkpoint] = OrderedDict()
+        self._of: dict[str, list[Checkpoint]] = {}
+        self._lru: OrderedDict[Checkpoint, None] = OrderedDict()
         self.taken = self.used = self.restored = 0  # copies queued, put back, and brought back from hibernation
 
     def __len__(self) -> int:
-        return len(self._held)
+        """The slots checkpoints hold."""
+        return len(self._lru)
+
+    def of(self, session_id: str) -> list[Checkpoint]:
+        """The session's checkpoints, taken or not."""
+        return list(self._of.get(session_id, ()))
 
     def get(self, session_id: str) -> Checkpoint | None:
-        """The session's checkpoint, once its copy is queued."""
-        cp = self._held.get(session_id)
-        return cp if cp is not None and cp.at != NOT_TAKEN else None
+        """The session's latest checkpoint (of the most tokens), once its copy is queued."""
+        return self.within(session_id, None)
 
-    def within(self, session_id: str, computed: int) -> Checkpoint | None:
-        """The session's checkpoint if its state holds the `at` tokens the checkpoint needs (see fork)."""
-        cp = self.get(session_id)
-        return cp if cp is not None and cp.at <= computed else None
+    def within(self, session_id: str, tokens: int | None) -> Checkpoint | None:
+        """The session's checkpoint of the most tokens up to `tokens` (None: any), once its copy is queued. A
+        checkpoint past what the session's slot has computed would start it on K/V it lacks (see fork)."""
+        best = None
+        for cp in self._of.get(session_id, ()):
+            if cp.at != NOT_TAKEN and (tokens is None or cp.at <= tokens) and (best is None or cp.at > best.at):
+                best = cp
+        return best
 
-    def reserve(self, session_id: str) -> Checkpoint | None:
-        """The slot the session's next checkpoint goes into: the one it has, or a free one (None when the table has
-        no slot or page free: nothing is hibernated or dropped for a checkpoint)."""
-        cp = self._held.get(session_id)
-        if cp is None:
-            try:
-                cp = Checkpoint(self.table.create(0))
-            except CapacityExhausted:
-                return None
-            self._held[session_id] = cp
-        self._held.move_to_end(session_id)
+    def reserve(self, session_id: str, at: int) -> Checkpoint | None:
+        """The checkpoint the session's state at `at` tokens is copied into: a new one where a slot is free and the
+        session holds fewer than PER_SESSION, else the one of its own (shared with no other session) it needs least
+        (one that no longer holds its tokens, else the one of the fewest). None where the session already holds `at`
+        (the same tokens: taking it again changes nothing), or where nothing is free and it has none of its own:
+        nothing is hibernated or dropped for a checkpoint."""
+        held = self._of.setdefault(session_id, [])
+        if any(cp.at == at for cp in held):
+            return None
+        if len(held) >= PER_SESSION:
+            own = self._own(session_id)
+            if own is not None:
+                return own
+            self._detach(session_id, min(held, key=lambda c: c.at))  # its other owners keep it
+        try:
+            slot = self.table.create(0)
+        except CapacityExhausted:
+            own = self._own(session_id)
+            if not held:
+                del self._of[session_id]
+            return own
+        cp = Checkpoint(slot, owners={session_id})
+        held.append(cp)
+        self._lru[cp] = None
         return cp
 
     def take(self, cp: Checkpoint, session_slot: int, at: int) -> None:
         """Copy the session's fixed-size state, which holds its first `at` tokens once the work queued so far is done,
-        into its checkpoint (unless the checkpoint was dropped since it was reserved)."""
+        into its checkpoint (unless the checkpoint was dropped since it was reserved). A reserved checkpoint has one
+        owner until the generation ends (a generating session is not forked)."""
         if cp.dropped:
             return
+        assert len(cp.owners) == 1, "a shared checkpoint written"
         self.table.copy_fixed(cp.slot, session_slot)
         cp.at = at
+        self._lru.move_to_end(cp)
         self.taken += 1
 
-    def put_back(self, session_id: str, session_slot: int) -> int:
-        """Copy the session's checkpoint into its slot; the tokens the slot then holds."""
-        cp = self._held[session_id]
+    def put_back(self, cp: Checkpoint, session_slot: int) -> int:
+        """Copy checkpoint `cp` into a session's slot; the tokens the slot then holds."""
         self.table.copy_fixed(session_slot, cp.slot)
-        self._held.move_to_end(session_id)
+        self._lru.move_to_end(cp)
         self.used += 1
         return cp.at
 
@@ -105,7 +139,7 @@ class Checkpoints:
     def load(self, session_id: str, at: int, state: torch.Tensor) -> bool:
         """A restored session's checkpoint, `state` being what `save` took when it held `at` tokens, in a free slot
         (False where none is: the session comes back without one)."""
-        cp = self.reserve(session_id)
+        cp = self.reserve(session_id, at)
         if cp is None:
             return False
         self.table.load_prefix(cp.slot, 0, state)
@@ -115,47 +149,62 @@ class Checkpoints:
 
     def keep_within(self, session_id: str, tokens: int) -> None:
         """The session's first `tokens` tokens stay, those after are replaced: a checkpoint past them no longer holds
-        the session's tokens (its slot is kept for the next one)."""
-        cp = self._held.get(session_id)
-        if cp is not None and cp.at > tokens:
-            cp.at = NOT_TAKEN
+        the session's tokens (one of its own keeps its slot for the next; it lets go of a shared one)."""
+        for cp in self.of(session_id):
+            if cp.at > tokens:
+                if cp.owners == {session_id}:
+                    cp.at = NOT_TAKEN
+                else:
+                    self._detach(session_id, cp)
 
     def fork(self, parent_id: str, child_id: str, copied: int) -> None:
-        """The child's copy of the parent's checkpoint, in a free slot or in the least recently used other
-        checkpoint's (a fork is most often made to be used at once: an answer asked again); else the child has none.
-        `copied`: the positions of the parent's K/V the child holds; a checkpoint past them (the parent's state was
-        reset below it: a cancel, a from_start cut) would start the child on positions it lacks, so it has none."""
-        cp = self.within(parent_id, copied)
-        if cp is None:
-            return
-        while True:
-            try:
-                slot = self.table.clone(cp.slot, 0)
-                break
-            except CapacityExhausted:
-                other = next((sid for sid in self._held if sid != parent_id), None)
-                if other is None:
-                    return
-                self.drop(other)
-        self._held[child_id] = Checkpoint(slot, cp.at)
+        """The child shares the parent's checkpoints (no copy, no room: their bytes are read only, and a turn writes a
+        checkpoint of its own). `copied`: the positions of the parent's K/V the child holds; a checkpoint past them
+        (the parent's state was reset below it: a cancel, a from_start cut) would start the child on positions it
+        lacks, so it is not shared."""
+        shared = [cp for cp in self._of.get(parent_id, ()) if cp.at != NOT_TAKEN and cp.at <= copied]
+        for cp in shared:
+            cp.owners.add(child_id)
+        if shared:
+            self._of[child_id] = shared
 
     def drop(self, session_id: str) -> None:
-        cp = self._held.pop(session_id, None)
-        if cp is not None:
-            cp.dropped = True
-            self.table.free(cp.slot)  # after the queued work that copies into or out of it
+        for cp in self.of(session_id):
+            self._detach(session_id, cp)
 
     def drop_oldest(self) -> bool:
-        """Give the least recently used checkpoint's slot and pages back; False when there is none."""
-        if not self._held:
+        """Give the least recently used checkpoint's slot and pages back (every session it serves lets go of it);
+        False when there is none."""
+        if not self._lru:
             return False
-        session_id = next(iter(self._held))
-        self.drop(session_id)
-        log.debug("checkpoint_dropped", session=session_id, reason="room")
+        cp = next(iter(self._lru))
+        owners = list(cp.owners)
+        for owner in owners:
+            self._detach(owner, cp)
+        log.debug("checkpoint_dropped", sessions=owners, at=cp.at, reason="room")
         return True
 
     def clear(self) -> None:
         """Forget every checkpoint (the table is being closed: it releases their slots itself)."""
-        for cp in self._held.values():
+        for cp in self._lru:
             cp.dropped = True
-        self._held.clear()
+        self._lru.clear()
+        self._of.clear()
+
+    def _own(self, session_id: str) -> Checkpoint | None:
+        """The session's checkpoint it needs least among those no other session shares."""
+        own = [cp for cp in self._of.get(session_id, ()) if cp.owners == {session_id}]
+        return min(own, key=lambda c: c.at) if own else None  # NOT_TAKEN (0) first
+
+    def _detach(self, session_id: str, cp: Checkpoint) -> None:
+        """The session lets go of the checkpoint; its slot goes back once no session holds it."""
+        held = self._of.get(session_id)
+        if held is not None and cp in held:
+            held.remove(cp)
+            if not held:
+                del self._of[session_id]
+        cp.owners.discard(session_id)
+        if not cp.owners and not cp.dropped:
+            cp.dropped = True
+            del self._lru[cp]
+            self.table.free(cp.slot)  # after the queued work that copies into or out of it

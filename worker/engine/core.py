@@ -528,7 +528,7 @@ class Engine:
             self._from_checkpoint(session)
             at = len(session.tokens) - max(1, turn_tail)
             if session.computed < at:  # a prompt to compute: its chunks stop there, and the state there is kept
-                request.checkpoint_at, request.checkpoint = at, self.checkpoints.reserve(session.id)
+                request.checkpoint_at, request.checkpoint = at, self.checkpoints.reserve(session.id, at)
         if params.max_tokens == 0 and session.computed >= len(session.tokens) - 1:
             self._finished.append(Chunk(rid, session.id, [], "", "length"))  # nothing to prefill
             return rid
@@ -560,13 +560,13 @@ class Engine:
         return len(ids) if ids and list(prompt_ids[-len(ids):]) == ids else 0
 
     def _from_checkpoint(self, session: Session) -> None:
-        """A recurrent session whose state holds fewer of its tokens than its checkpoint starts from the checkpoint
-        (queued on the stream, after the steps that still hold rows of it), when a token is left after it to sample
-        from."""
+        """A recurrent session whose state holds fewer of its tokens than a checkpoint of it starts from its latest such
+        checkpoint that leaves a token after it to sample from (queued on the stream, after the steps that still hold
+        rows of it)."""
         assert self.checkpoints is not None
-        cp = self.checkpoints.get(session.id)
-        if cp is not None and session.computed < cp.at < len(session.tokens):
-            session.computed = self.checkpoints.put_back(session.id, session.slot)
+        cp = self.checkpoints.within(session.id, len(session.tokens) - 1)
+        if cp is not None and session.computed < cp.at:
+            session.computed = self.checkpoints.put_back(cp, session.slot)
 
     def session_computed(self, session_id: str) -> int:
         """The session's tokens whose state it holds (the rest are computed by its next generation)."""

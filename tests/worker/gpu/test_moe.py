@@ -243,8 +243,8 @@ def test_a_context_given_from_its_start_continues_as_a_new_session_given_it(
     engine runs ahead: the hybrid's recurrent state cannot be cut, so the session starts again from its checkpoint
     (the prompt but its last token, copied on the stream) where the context keeps the prompt, else from nothing, and
     gives bit for bit the tokens of a new session whose prompt is cut at the same step boundaries; beside it another
-    session generates in the same steps. A fork takes the checkpoint with it: the answer asked again there computes
-    the prompt's last token only."""
+    session generates in the same steps. A fork shares the checkpoint: the answer asked again there computes the
+    prompt's last token only."""
     from worker.engine import SamplingParams
 
     folder, _, gpu = served
@@ -256,8 +256,9 @@ def test_a_context_given_from_its_start_continues_as_a_new_session_given_it(
     beside = open_with(gpu, folder.prompts[1])
     beside_rid = gpu.start_generate(beside, SamplingParams(max_tokens=30, ignore_eos=True))
     got: dict[str, list[int]] = {}
-    # "edited" starts from the checkpoint; "again" from nothing: the edited context's checkpoint is past the prompt.
-    for name, ids, computed in (("edited", context, len(prompt) - 1), ("again", prompt, 0)):
+    # Both start from the first turn's checkpoint: "again" cuts inside the one "edited" took, and the session keeps
+    # the one before it too.
+    for name, ids, computed in (("edited", context, len(prompt) - 1), ("again", prompt, len(prompt) - 1)):
         rid = gpu.start_generate(sid, SamplingParams(max_tokens=12, ignore_eos=True), prompt_ids=ids, from_start=True)
         assert gpu.session_computed(sid) == computed, name
         got[name] = []
