@@ -11,6 +11,10 @@ process, nothing else running), for:
 - regenerate: the conversation again (its answer asked again; the checkpoint before the prompt's last token, from a
   first generation without a tail);
 - next turn: the conversation less its tail, then `--turn` new tokens (the next user turn);
+- edited last question: after such a next turn and its answer, that turn's question replaced (`--turn` other tokens):
+  it cuts inside the latest checkpoint and starts from the first turn's;
+- next turn after hibernation: the next turn of a session hibernated (to host memory) after its answer, its restore
+  (and its checkpoint's) included;
 
 each from the session's checkpoint and with the checkpoint dropped first (the state computed from the start: what
 every such turn cost before checkpoints). JSON on stdout: the milliseconds (median of the repeats), the tokens each
@@ -49,19 +53,32 @@ def first_token_ms(engine: Engine, sid: str, ids: list[int]) -> tuple[float, int
     return ms, computed
 
 
+CASES = ("regenerate", "next turn", "edited last question", "next turn after hibernation")
+
+
 def one_case(engine: Engine, case: str, checkpoint: bool, context: int, tail: int, turn: int,
              rng: random.Random, vocab: int) -> tuple[float, int]:
-    prompt = [rng.randrange(3, vocab) for _ in range(context)]
-    sid = engine.create_session()
-    try:
-        first = engine.start_generate(sid, SamplingParams(max_tokens=ANSWER_TOKENS, ignore_eos=True),
-                                      prompt_ids=prompt, turn_tail=tail if case == "next turn" else 0)
+    def new_ids(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    def generate(ids: list[int], turn_tail: int, from_start: bool) -> None:
+        engine.start_generate(sid, SamplingParams(max_tokens=ANSWER_TOKENS, ignore_eos=True), prompt_ids=ids,
+                              turn_tail=turn_tail, from_start=from_start)
         while engine.has_work():
             engine.step()
-        assert first
+
+    prompt = new_ids(context)
+    sid = engine.create_session()
+    try:
+        generate(prompt, 0 if case == "regenerate" else tail, False)
+        kept = prompt[:-tail]
+        if case == "edited last question":  # a second turn, then its question edited: the first turn's checkpoint
+            generate(kept + new_ids(turn) + prompt[-tail:], tail, True)
         if not checkpoint and engine.checkpoints is not None:
             engine.checkpoints.drop(sid)
-        ids = prompt if case == "regenerate" else prompt[:-tail] + [rng.randrange(3, vocab) for _ in range(turn)]
+        if case == "next turn after hibernation":
+            assert engine.hibernate(sid), "the session did not hibernate"
+        ids = prompt if case == "regenerate" else kept + new_ids(turn)
         return first_token_ms(engine, sid, ids)
     finally:
         engine.close(sid)
@@ -72,7 +89,7 @@ def measure(engine: Engine, context: int, tail: int, turn: int, repeats: int) ->
     vocab = engine.model.config.vocab_size
     one_case(engine, "regenerate", True, min(context, 64), tail, turn, rng, vocab)  # warm-up
     out: dict[str, Any] = {}
-    for case in ("regenerate", "next turn"):
+    for case in CASES:
         for checkpoint in (True, False):
             runs = [one_case(engine, case, checkpoint, context, tail, turn, rng, vocab) for _ in range(repeats)]
             ms = statistics.median(r[0] for r in runs)
@@ -93,6 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     engine = Engine.load(args.model, device=args.device, max_sessions=4, max_context=args.max_context)
+    engine.enable_hibernation(host_cache_bytes=8 * engine.table.spec.bytes_for(args.max_context), session_store=None)
     try:
         if engine.checkpoints is None:
             parser.error(f"{args.model} has no recurrent state: a from_start turn cuts its K/V, no checkpoint needed")
