@@ -2,7 +2,7 @@
 template: the template renders an earlier answer without the "<think>\n" its assistant prompt opened, so each turn is
 sent whole from its start (GENERATE's from_start), and the session starts from its checkpoint, its state before that
 "<think>\n", instead of computing the conversation again. A regenerate (the first request again) goes to a fork,
-which starts from its copy of the checkpoint and computes the "<think>\n" again; an edited last question to a fork
+which starts from its share of the checkpoint and computes the "<think>\n" again; an edited last question to a fork
 that starts from the turn before's checkpoint. The checkpoint goes with a session
 into hibernation and through a worker's restart on its session store. Every answer is the one a new session gives."""
 
@@ -45,7 +45,7 @@ def hybrid(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     try:
         stack.start_broker()
         metrics_port = free_port()
-        stack.start_worker("h1", model=str(folder), device="cpu", max_sessions=6, max_context=512,
+        stack.start_worker("h1", model=str(folder), device="cpu", max_sessions=12, max_context=512,
                            extra=["--metrics-port", str(metrics_port)])
         stack.wait_for_workers({"h1"}, timeout=180)
         gateways = Gateways(stack, f"http://127.0.0.1:{metrics_port}/metrics")
@@ -85,7 +85,7 @@ def test_turns_start_from_the_checkpoint_before_the_reasoning_prompt(hybrid: tup
     fresh = ask(url, turns, session_id="reference-turns")
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0
     assert second.choices[0].message.content == fresh.choices[0].message.content
-    # The last question edited: a fork of the session, which starts from its copy of the first turn's checkpoint.
+    # The last question edited: a fork of the session, which starts from its share of the first turn's checkpoint.
     edited = [*turns[:-1], {"role": "user", "content": "And of Italy?"}]
     before = gateways.prefilled()
     third = ask(url, edited)
@@ -96,9 +96,8 @@ def test_turns_start_from_the_checkpoint_before_the_reasoning_prompt(hybrid: tup
     assert third.choices[0].message.content == fresh.choices[0].message.content
 
 
-def test_a_regenerate_starts_from_the_forks_copy_of_the_checkpoint(hybrid: tuple[Gateways, str]) -> None:
-    """By now three sessions and their checkpoints fill the worker's six slots: the fork takes the least recently used
-    checkpoint's slot, and its copy of its parent's checkpoint the next one's."""
+def test_a_regenerate_starts_from_the_forks_share_of_the_checkpoint(hybrid: tuple[Gateways, str]) -> None:
+    """The fork shares its parent's checkpoint (who gives up room to whom is tests/worker/test_from_start.py's)."""
     _, url = hybrid
     asked = [{"role": "user", "content": "Name a colour."}]
     first = ask(url, asked)

@@ -270,6 +270,39 @@ def test_an_edited_last_question_starts_from_the_turn_before(engine: Engine, mod
     assert len(cps) == 0
 
 
+def test_who_gives_a_checkpoint_its_room(engine: Engine, model: Model) -> None:
+    """Room for checkpoints, four slots in all. A session's new checkpoint takes a free slot, else the slot of another
+    session's older checkpoint, never its latest; a fork's own slot comes from another session's checkpoint before its
+    parent's, which the child shares: the parent's answer asked again in the fork computes its last token only."""
+    if not model.recurrent:
+        return
+    cps = engine.checkpoints
+    assert cps is not None and len(cps) == 0
+    first = model.prompts[1]
+    a, answer = session(engine, first, 4)
+    run(engine, [(a, 4, {"prompt_ids": [5, 6, 7]})])
+    older, latest = sorted(cps.of(a), key=lambda cp: cp.at)
+    b, _ = session(engine, model.prompts[0], 4)  # the fourth slot: its checkpoint takes a's older one's
+    assert cps.of(a) == [latest] and len(cps.of(b)) == 1 and older.dropped
+    c = engine.create_session()  # no slot free: the least recently used checkpoint, a's, goes
+    assert cps.of(a) == [] and len(cps) == 1
+    run(engine, [(c, 2, {"prompt_ids": [9, 8, 7]})])
+    assert cps.of(c) == []  # b's is its latest: c has none
+    engine.close(c)
+    run(engine, [(a, 2, {"prompt_ids": [4, 3]})])  # the free slot: a's checkpoint, more recent than b's
+    [mine] = cps.of(b)
+    assert len(cps.of(a)) == 1 and engine.table.live == 4
+    child = engine.fork(b)  # its slot: a's checkpoint goes, not b's (the least recently used), which it shares
+    assert cps.of(a) == [] and cps.of(child) == [mine] and not mine.dropped
+    rid = engine.start_generate(child, SamplingParams(max_tokens=4, ignore_eos=True), prompt_ids=model.prompts[0],
+                                from_start=True)
+    assert engine.session_computed(child) == len(model.prompts[0]) - 1
+    assert finish(engine, rid) == model.greedy(model.prompts[0], 4)
+    for sid in (a, b, child):
+        engine.close(sid)
+    assert len(cps) == 0 and engine.table.live == 0
+
+
 def test_a_cut_to_nothing_new_and_the_refusals(engine: Engine, model: Model) -> None:
     prompt = model.prompts[1]
     sid, _ = session(engine, prompt, 4)

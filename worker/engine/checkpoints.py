@@ -18,8 +18,10 @@ slot of its own checkpoint it needs least (one that no longer holds its tokens, 
 not taken again where the session already has one at that position (a regenerate).
 
 Each checkpoint takes a slot of the session table holding only the fixed-size state (its pages, nothing per token),
-and only room no session needs: it is taken where a slot is free without hibernating anyone, and dropped, the least
-recently used first, before a session is hibernated or refused for want of a slot or a page. Its copy is queued on
+and only room no session needs: a slot free without hibernating anyone, or one another session's older checkpoint
+gives up (never a session's latest: sessions taking turns would take each other's, and none would start from one).
+Checkpoints are dropped, the least recently used first (a fork's parent's last), before a session is hibernated or
+refused for want of a slot or a page. Its copy is queued on
 the stream after the step that leaves the state there, and put back in stream order too, so no step ever waits for
 either. A checkpoint holds for as long as the session's first `at` tokens stay as they were: a context cut inside
 them drops it, and so does the session's close. A fork shares its parent's checkpoints within the state it copies,
@@ -87,28 +89,24 @@ class Checkpoints:
         return best
 
     def reserve(self, session_id: str, at: int) -> Checkpoint | None:
-        """The checkpoint the session's state at `at` tokens is copied into: a new one where a slot is free and the
-        session holds fewer than PER_SESSION, else the one of its own (shared with no other session) it needs least
-        (one that no longer holds its tokens, else the one of the fewest). None where the session already holds `at`
-        (the same tokens: taking it again changes nothing), or where nothing is free and it has none of its own:
-        nothing is hibernated or dropped for a checkpoint."""
-        held = self._of.setdefault(session_id, [])
+        """The checkpoint the session's state at `at` tokens is copied into; None where the session already holds `at`
+        (the same tokens: taking it again changes nothing). A session of PER_SESSION checkpoints reuses the one of its
+        own (shared with no other session) of the fewest tokens; else a new one takes a free slot, or, where none is,
+        the session reuses its own, or takes the slot of another session's older checkpoint (see _slot). Nothing is
+        hibernated for a checkpoint."""
+        held = self._of.get(session_id, [])
         if any(cp.at == at for cp in held):
             return None
-        if len(held) >= PER_SESSION:
-            own = self._own(session_id)
-            if own is not None:
-                return own
-            self._detach(session_id, min(held, key=lambda c: c.at))  # its other owners keep it
-        try:
-            slot = self.table.create(0)
-        except CapacityExhausted:
-            own = self._own(session_id)
-            if not held:
-                del self._of[session_id]
+        own = self._own(session_id)
+        if len(held) >= PER_SESSION and own is not None:
             return own
+        slot = self._slot(spare=session_id, take_others=own is None)
+        if slot is None:
+            return own
+        if len(held) >= PER_SESSION:  # both shared: it lets go of the older one (its other owners keep it)
+            self._detach(session_id, min(held, key=lambda c: c.at))
         cp = Checkpoint(slot, owners={session_id})
-        held.append(cp)
+        self._of.setdefault(session_id, []).append(cp)
         self._lru[cp] = None
         return cp
 
@@ -148,14 +146,11 @@ class Checkpoints:
         return True
 
     def keep_within(self, session_id: str, tokens: int) -> None:
-        """The session's first `tokens` tokens stay, those after are replaced: a checkpoint past them no longer holds
-        the session's tokens (one of its own keeps its slot for the next; it lets go of a shared one)."""
+        """The session's first `tokens` tokens stay, those after are replaced: it lets go of a checkpoint past them,
+        which no longer holds its tokens (its slot goes back unless another session shares it)."""
         for cp in self.of(session_id):
             if cp.at > tokens:
-                if cp.owners == {session_id}:
-                    cp.at = NOT_TAKEN
-                else:
-                    self._detach(session_id, cp)
+                self._detach(session_id, cp)
 
     def fork(self, parent_id: str, child_id: str, copied: int) -> None:
         """The child shares the parent's checkpoints (no copy, no room: their bytes are read only, and a turn writes a
@@ -172,12 +167,13 @@ class Checkpoints:
         for cp in self.of(session_id):
             self._detach(session_id, cp)
 
-    def drop_oldest(self) -> bool:
-        """Give the least recently used checkpoint's slot and pages back (every session it serves lets go of it);
-        False when there is none."""
-        if not self._lru:
+    def drop_oldest(self, spare: str | None = None, older_only: bool = False) -> bool:
+        """Give the least recently used checkpoint's slot and pages back (every session it serves lets go of it), none
+        of `spare`'s, and with `older_only` none that is a session's latest; False when there is none."""
+        cp = next((c for c in self._lru if spare not in c.owners
+                   and not (older_only and any(self.get(owner) is c for owner in c.owners))), None)
+        if cp is None:
             return False
-        cp = next(iter(self._lru))
         owners = list(cp.owners)
         for owner in owners:
             self._detach(owner, cp)
@@ -192,9 +188,20 @@ class Checkpoints:
         self._of.clear()
 
     def _own(self, session_id: str) -> Checkpoint | None:
-        """The session's checkpoint it needs least among those no other session shares."""
+        """The session's checkpoint of the fewest tokens among those no other session shares."""
         own = [cp for cp in self._of.get(session_id, ()) if cp.owners == {session_id}]
-        return min(own, key=lambda c: c.at) if own else None  # NOT_TAKEN (0) first
+        return min(own, key=lambda c: c.at) if own else None
+
+    def _slot(self, spare: str, take_others: bool) -> int | None:
+        """A slot for a new checkpoint: a free one, or (`take_others`) the slot of another session's older checkpoint
+        (not its latest: sessions taking turns would otherwise take each other's, and none would start from one), the
+        least recently used first; None when there is neither."""
+        while True:
+            try:
+                return self.table.create(0)
+            except CapacityExhausted:
+                if not take_others or not self.drop_oldest(spare=spare, older_only=True):
+                    return None
 
     def _detach(self, session_id: str, cp: Checkpoint) -> None:
         """The session lets go of the checkpoint; its slot goes back once no session holds it."""

@@ -1046,19 +1046,23 @@ class Engine:
             self._lost.popitem(last=False)
 
     def _with_room(self, make: Callable[[], _T], keep: Session | None = None) -> _T:
-        """make(), dropping the least recently used checkpoint, then hibernating the least recently used idle
-        session, while it finds no slot or page."""
+        """make(), dropping the least recently used checkpoint (`keep`'s last), then hibernating the least recently
+        used idle session (never `keep`), while it finds no slot or page."""
         in_flight: set[int] | None = None
+        spare = None if keep is None else keep.id  # a fork's parent's checkpoints: its child shares them
         while True:
             try:
                 return make()
             except CapacityExhausted:
-                if self.checkpoints is not None and self.checkpoints.drop_oldest():
+                if self.checkpoints is not None and self.checkpoints.drop_oldest(spare):
                     continue
                 if in_flight is None:
                     in_flight = self._in_flight()
-                if not self._evict_one(keep, in_flight):
-                    raise
+                if self._evict_one(keep, in_flight):
+                    continue
+                if self.checkpoints is not None and self.checkpoints.drop_oldest():
+                    continue
+                raise
 
     def _evict_one(self, keep: Session | None, in_flight: set[int]) -> bool:
         h = self.hibernation
