@@ -168,3 +168,93 @@ def test_a_checkpoint_that_does_not_fit_the_host_is_left_behind(model: Model) ->
     computed, again = regenerate(engine, sid, prompt, 6)
     assert (computed, again) == (0, answer)
     engine.unload()
+
+
+def hybrid(**options: Any) -> Engine:
+    options.setdefault("max_sessions", 4)
+    return Engine.load("random:tiny-qwen3.5", device="cpu", max_context=128, **options)
+
+
+def answered_now(engine: Engine, sid: str, ids: list[int]) -> None:
+    engine.create_session(sid)
+    engine.append(sid, token_ids=ids)
+    engine.generate(sid, max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+def counted(engine: Engine) -> tuple[int, int]:
+    """What the host counts, and what its copies hold."""
+    h = engine.hibernation
+    assert h is not None
+    return h.host_bytes, sum(s.held for s in h.host.values())
+
+
+def test_a_checkpoint_file_that_cannot_be_written_leaves_the_host_count_right(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk for checkpoint files only: the sessions are written without theirs, the host's count of its
+    copies' bytes stays what they hold (it kept a checkpoint's bytes counted, and later hibernations failed), and the
+    sessions come back with their tokens."""
+    import worker.engine.hibernation as hibernation
+
+    real = hibernation._write_file
+
+    def no_room_for_checkpoints(path: Path, magic: bytes, header: dict[str, object], state: torch.Tensor) -> None:
+        if magic == CHECKPOINT_MAGIC:
+            raise OSError(28, "No space left on device")
+        real(path, magic, header, state)
+
+    monkeypatch.setattr(hibernation, "_write_file", no_room_for_checkpoints)
+    engine, ref = hybrid(), hybrid()
+    engine.enable_hibernation(64 * ONE, tmp_path)
+    for x in (engine, ref):
+        answered_now(x, "a", [1, 2, 3, 4, 5])
+    assert engine.hibernate("a") and counted(engine)[0] > 0
+    assert engine.persist() == 1
+    assert counted(engine) == (0, 0) and engine.hibernation.host_checkpoint_bytes == 0  # type: ignore[union-attr]
+    assert not (tmp_path / "a.checkpoint").exists() and (tmp_path / "a.session").exists()
+    answered_now(engine, "b", [7, 8])
+    assert engine.hibernate("b") and counted(engine)[0] == counted(engine)[1]
+    for x in (engine, ref):
+        x.append("a", token_ids=[9, 9])
+    got, want = (x.generate("a", max_tokens=4, temperature=0.0, ignore_eos=True).token_ids for x in (engine, ref))
+    assert got == want
+    engine.unload()
+    ref.unload()
+
+
+def test_checkpoints_in_host_memory_give_way_to_a_sessions_state() -> None:
+    """Host memory for two sessions' state and no store: the first hibernates with its checkpoint, and the second
+    still hibernates, the first's checkpoint let go to make its room."""
+    probe = hybrid()
+    nbytes = probe.table.spec.bytes_for(8)
+    probe.unload()
+    engine = hybrid()
+    engine.enable_hibernation(2 * nbytes, None)
+    for sid in ("a", "b"):
+        answered_now(engine, sid, [1, 2, 3, 4, 5])
+    assert engine.hibernate("a")
+    h = engine.hibernation
+    assert h is not None and h.host["a"].checkpoint_at == 4
+    assert h.host_bytes == nbytes + engine.table.spec.bytes_for(0) == counted(engine)[1]
+    assert engine.hibernate("b")
+    assert h.host["a"].checkpoint is None and h.host_bytes == 2 * nbytes == counted(engine)[1]
+    engine.unload()
+
+
+def test_a_session_named_like_a_temporary_file_survives_a_restart(tmp_path: Path) -> None:
+    """The start-up cleanup of writes a crash cut short deletes `*.session.tmpN` and `*.checkpoint.tmpN` only, not a
+    session whose id has ".checkpoint.tmp1" in it."""
+    sid = "notes.checkpoint.tmp1"
+    engine, ref = hybrid(), hybrid()
+    engine.enable_hibernation(64 * ONE, tmp_path)
+    for x in (engine, ref):
+        answered_now(x, sid, [1, 2, 3, 4, 5])
+    assert engine.persist() == 1
+    (tmp_path / "other.session.tmp123").write_bytes(b"a write cut short")
+    engine.unload()
+    again = hybrid()
+    again.enable_hibernation(64 * ONE, tmp_path)
+    assert again.sessions() == [sid] and not (tmp_path / "other.session.tmp123").exists()
+    assert again.generate(sid, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids == \
+        ref.generate(sid, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids
+    again.unload()
+    ref.unload()

@@ -969,12 +969,12 @@ class Engine:
             cp, extra = None, 0
         if not h.admits(nbytes, session.id):
             return False
-        state = h.buffer(nbytes + extra)
-        self.table.save_prefix(session.slot, session.computed, state[:nbytes])  # ordered after the steps
+        state = h.buffer(nbytes)
+        self.table.save_prefix(session.slot, session.computed, state)  # ordered after the steps
+        stored = Stored(session.id, session.owner, list(session.tokens), session.computed, nbytes, state)
         if checkpoints is not None and cp is not None:
-            checkpoints.save(cp, state[nbytes:])
-        stored = Stored(session.id, session.owner, list(session.tokens), session.computed, nbytes, state,
-                        checkpoint_at=0 if cp is None else cp.at, checkpoint_bytes=extra)
+            stored.checkpoint_at, stored.checkpoint_bytes, stored.checkpoint = cp.at, extra, h.buffer(extra)
+            checkpoints.save(cp, stored.checkpoint)
         try:
             h.put(stored)
         except (OSError, SessionLost) as e:
@@ -1005,10 +1005,9 @@ class Engine:
             self._lose(session)
             raise
         # Held here: making room may hibernate another session and spill this very copy to disk (its state let go).
-        state = stored.state
+        state, checkpoint = stored.state, stored.checkpoint
         assert state is not None
         computed, nbytes, checkpoint_at = stored.computed, stored.nbytes, stored.checkpoint_at
-        checkpoint = state[nbytes : stored.held]
         if nbytes != self.table.spec.bytes_for(computed):  # a file checksummed, but not of this layout
             self._lose(session)
             raise SessionLost(f"session {session.id}: its stored state is {stored.nbytes} bytes, not the "
@@ -1020,12 +1019,12 @@ class Engine:
                 stored.state = None  # read again next time: the file stays the truth
             raise
         try:
-            self.table.load_prefix(slot, computed, state[:nbytes])  # the host copy (or file) is released below
+            self.table.load_prefix(slot, computed, state)  # the host copy (or file) is released below
         except BaseException:
             self.table.free(slot)
             raise
         session.slot, session.computed = slot, computed
-        if checkpoint_at and self.checkpoints is not None:  # in a free slot, if one is (no room is made for it)
+        if checkpoint is not None and self.checkpoints is not None:  # in a free slot, if one is (no room is made)
             self.checkpoints.load(session.id, checkpoint_at, checkpoint)
         h.drop(session.id)
         self.restored += 1

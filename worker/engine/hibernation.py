@@ -18,8 +18,9 @@ when; this module keeps the bytes:
   matches; otherwise the session is lost (`SessionLost`), and nothing else is touched. A file is deleted when its
   session is restored or closed, so the store holds exactly the sessions that are on disk.
 
-A session of a recurrent model keeps its checkpoint (worker.engine.checkpoints: its fixed-size state as it was at
-`at` tokens) with it, after its state's bytes in host memory and in a file of its own on disk,
+A session of a recurrent model keeps its latest checkpoint (worker.engine.checkpoints: its fixed-size state as it was
+at `at` tokens) with it, in host memory beside its state (where the host is short of room for a session's state,
+checkpoints are let go first, the oldest first, when no copy can go to disk) and in a file of its own on disk,
 `<session id>.checkpoint`, written first, the same way (magic b"SCHECKPT"; the header holds `at`, the checkpoint's
 size and a digest of the session's first `at` tokens). A checkpoint is only ever a shortcut: a companion file that is
 missing, corrupt, of another layout or of other tokens is deleted and the session restored without one; one whose
@@ -67,6 +68,7 @@ SUFFIX = ".session"
 CHECKPOINT_SUFFIX = ".checkpoint"
 _LENGTH = struct.Struct("<Q")
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")  # what may name a file in the store
+_TEMPORARY = re.compile(r"^.+\.(session|checkpoint)\.tmp\d+$")  # what _write_file writes before its rename
 MAX_HEADER_BYTES = 64 << 20
 LOCK_FILE = ".lock"
 
@@ -92,16 +94,18 @@ class Stored:
     nbytes: int
     state: torch.Tensor | None = None  # None: on disk
     at: float = 0.0  # monotonic() when it was hibernated
-    checkpoint_at: int = 0  # the session's checkpoint kept with it (its tokens; 0: none), in `state` after `nbytes`
+    checkpoint_at: int = 0  # the session's checkpoint kept with it (its tokens; 0: none)
     checkpoint_bytes: int = 0
+    checkpoint: torch.Tensor | None = None  # its bytes while in host memory
 
     @property
     def held(self) -> int:
-        """The bytes `state` holds: the session's, then its checkpoint's."""
+        """The host memory it takes while there: the session's state, and its checkpoint's."""
         return self.nbytes + self.checkpoint_bytes
 
     def without_checkpoint(self) -> None:
         self.checkpoint_at = self.checkpoint_bytes = 0
+        self.checkpoint = None
 
 
 def storable_id(session_id: str) -> bool:
@@ -121,6 +125,7 @@ class Hibernation:
         self.host: OrderedDict[str, Stored] = OrderedDict()  # oldest first
         self.disk: dict[str, Stored] = {}
         self.host_bytes = 0
+        self.host_checkpoint_bytes = 0  # of host_bytes: checkpoints', which make room for a session's state
         self._lock_fd: int | None = None  # held open while this process lives: closing it would release the lock
         if self.store is not None:
             self.store.mkdir(parents=True, exist_ok=True)
@@ -144,8 +149,8 @@ class Hibernation:
     def admissible(self, sessions: Iterable[tuple[str, int]]) -> int:
         """How many of these sessions (id, state bytes) could hibernate one after another, each kept where `put`
         keeps it: a session the store can name costs the host nothing for long (its copy spills to disk); another
-        stays in host memory, within its limit."""
-        host, count = self.host_bytes, 0
+        stays in host memory, within its limit, which checkpoints there give up for it."""
+        host, count = self.host_bytes - self.host_checkpoint_bytes, 0
         for session_id, nbytes in sessions:
             cost = 0 if self.store is not None and storable_id(session_id) else nbytes
             if host + cost <= self.host_limit_bytes or cost == 0:
@@ -155,25 +160,35 @@ class Hibernation:
 
     def put(self, stored: Stored) -> None:
         """Keep a hibernated session (its `state` set): in host memory, the oldest copies spilling to disk while
-        the host holds more than its limit; straight to disk when it cannot fit at all."""
+        the host holds more than its limit (checkpoints let go, the oldest first, where none can); straight to disk
+        when it cannot fit at all."""
         assert stored.state is not None
         stored.at = time.monotonic()
         if stored.held > self.host_limit_bytes:
-            self._write(stored)
+            if not self._write(stored):
+                stored.without_checkpoint()
             return
-        self.host[stored.session_id] = stored
-        self.host_bytes += stored.held
+        self._host_add(stored)
         try:
             while self.host_bytes > self.host_limit_bytes:
                 # The oldest copy that can go to disk (an id that is no file name stays in host memory), this one
-                # last.
+                # last; where none can, the oldest checkpoint.
                 oldest = next((s for s in self.host.values() if storable_id(s.session_id)), None)
-                if oldest is None or self.store is None:
+                if oldest is not None and self.store is not None:
+                    self._spill(oldest)
+                    if oldest is stored:
+                        break  # kept, on disk
+                    continue
+                with_checkpoint = next((s for s in self.host.values() if s.checkpoint_bytes), None)
+                if with_checkpoint is None:
                     raise SessionLost(f"session {stored.session_id}: host memory for hibernated sessions is full")
-                self._spill(oldest)
+                self._host_remove(with_checkpoint)
+                with_checkpoint.without_checkpoint()
+                self._host_add(with_checkpoint)
         except BaseException:
-            if self.host.pop(stored.session_id, None) is not None:  # not kept: the caller keeps it resident
-                self.host_bytes -= stored.held
+            if stored.session_id in self.host:  # not kept: the caller keeps it resident
+                self._host_remove(stored)
+                del self.host[stored.session_id]
             raise
 
     def take(self, session_id: str) -> Stored:
@@ -193,7 +208,7 @@ class Hibernation:
         """Forget a session's stored state (restored or closed): its host copy, or its file."""
         stored = self.host.pop(session_id, None)
         if stored is not None:
-            self.host_bytes -= stored.held
+            self._host_remove(stored)
             return
         stored = self.disk.pop(session_id, None)
         if stored is not None and self.store is not None:
@@ -209,7 +224,7 @@ class Hibernation:
         for a person to look at."""
         stored = self.host.pop(session_id, None)
         if stored is not None:
-            self.host_bytes -= stored.held
+            self._host_remove(stored)
         if self.disk.pop(session_id, None) is not None and self.store is not None:
             path = self._path(session_id)
             if path.exists():
@@ -249,8 +264,8 @@ class Hibernation:
         for path in self.store.glob("*" + CHECKPOINT_SUFFIX):  # a checkpoint whose session file is gone
             if not path.with_suffix(SUFFIX).exists():
                 _unlink(path)
-        for suffix in (SUFFIX, CHECKPOINT_SUFFIX):
-            for tmp in self.store.glob("*" + suffix + ".tmp*"):  # a write a crash cut short
+        for tmp in self.store.glob("*.tmp*"):  # a write a crash cut short (never a store file: those end in a suffix)
+            if _TEMPORARY.match(tmp.name):
                 _unlink(tmp)
         return found
 
@@ -258,42 +273,58 @@ class Hibernation:
 
     def _spill(self, stored: Stored) -> None:
         """Host -> disk (written first: a failed write leaves it in host memory)."""
-        self._write(stored)
+        with_checkpoint = self._write(stored)
+        self._host_remove(stored)
         del self.host[stored.session_id]
+        if not with_checkpoint:
+            stored.without_checkpoint()
+
+    def _host_add(self, stored: Stored) -> None:
+        self.host[stored.session_id] = stored
+        self.host_bytes += stored.held
+        self.host_checkpoint_bytes += stored.checkpoint_bytes
+
+    def _host_remove(self, stored: Stored) -> None:
+        """Its bytes out of the host's count (the caller takes it out of `host`, or adds it back changed)."""
         self.host_bytes -= stored.held
+        self.host_checkpoint_bytes -= stored.checkpoint_bytes
 
     def _path(self, session_id: str, suffix: str = SUFFIX) -> Path:
         assert self.store is not None
         return self.store / (session_id + suffix)
 
-    def _write(self, stored: Stored) -> None:
+    def _write(self, stored: Stored) -> bool:
+        """The session's files; whether its checkpoint went too (the caller forgets one that did not, once its host
+        memory is counted out: `stored` keeps the sizes it was counted with)."""
         if self.store is None or not storable_id(stored.session_id) or stored.state is None:
             raise SessionLost(f"session {stored.session_id} cannot be written to the session store")
-        self._write_checkpoint(stored)
+        with_checkpoint = self._write_checkpoint(stored)
         header = {
             "version": VERSION, "session_id": stored.session_id, "owner": stored.owner, "model": self.model,
             "layout": self.fingerprint, "computed": stored.computed, "nbytes": stored.nbytes, "tokens": stored.tokens,
         }
         _write_file(self._path(stored.session_id), MAGIC, header, stored.state[: stored.nbytes])
-        stored.state = None
+        stored.state = stored.checkpoint = None
         self.disk[stored.session_id] = stored
+        return with_checkpoint
 
-    def _write_checkpoint(self, stored: Stored) -> None:
-        """The session's checkpoint into its own file, before the session's (a checkpoint is a shortcut: one that
-        cannot be written is logged and left out; an earlier one of this id is deleted either way)."""
-        assert stored.state is not None
+    def _write_checkpoint(self, stored: Stored) -> bool:
+        """The session's checkpoint into its own file, before the session's; whether it was written (a checkpoint is
+        a shortcut: one that cannot be written is logged and left out; an earlier one of this id is deleted either
+        way)."""
         path = self._path(stored.session_id, CHECKPOINT_SUFFIX)
         _unlink(path)
-        if not stored.checkpoint_at:
-            return
+        if not stored.checkpoint_at or stored.checkpoint is None:
+            return False
         header = {"version": VERSION, "session_id": stored.session_id, "model": self.model, "layout": self.fingerprint,
                   "at": stored.checkpoint_at, "nbytes": stored.checkpoint_bytes,
                   "tokens": _tokens_digest(stored.tokens[: stored.checkpoint_at])}
         try:
-            _write_file(path, CHECKPOINT_MAGIC, header, stored.state[stored.nbytes : stored.held])
+            _write_file(path, CHECKPOINT_MAGIC, header, stored.checkpoint)
         except OSError as e:
             log.warning("checkpoint_not_written", session=stored.session_id, error=str(e))
-            stored.without_checkpoint()
+            return False
+        return True
 
     def _header(self, path: Path) -> Stored | None:
         """A file's session from its header (its size checked); None for a file of another model or layout."""
@@ -323,7 +354,7 @@ class Hibernation:
         return stored
 
     def _read(self, stored: Stored) -> torch.Tensor:
-        """The session's state from its file, in a buffer with room for its checkpoint after it."""
+        """The session's state from its file."""
         path = self._path(stored.session_id)
         try:
             head, payload = _read_file(path, MAGIC)
@@ -339,14 +370,14 @@ class Hibernation:
                 stored.session_id, stored.tokens, stored.computed, stored.nbytes) or head.get("layout") != self.fingerprint \
                 or len(payload) != stored.nbytes:
             raise SessionLost(f"session {stored.session_id}: its stored state changed since the worker listed it")
-        state = self.buffer(stored.nbytes + self.checkpoint_bytes)
+        state = self.buffer(stored.nbytes)
         if stored.nbytes:  # (a session of no fixed state and no computed token has none: torch reads no empty buffer)
-            state[: stored.nbytes].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            state.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         return state
 
     def _read_checkpoint(self, stored: Stored) -> None:
-        """The session's checkpoint from its file into `state` after the session's bytes, where there is one that
-        holds this session's first tokens in this layout; any other is deleted (the session comes back without)."""
+        """The session's checkpoint from its file, where there is one that holds this session's first tokens in this
+        layout; any other is deleted (the session comes back without)."""
         stored.without_checkpoint()
         path = self._path(stored.session_id, CHECKPOINT_SUFFIX)
         if not self.checkpoint_bytes or not path.exists():
@@ -364,9 +395,8 @@ class Hibernation:
             log.warning("checkpoint_file_unreadable", session=stored.session_id, error=str(e))
             _unlink(path)
             return
-        assert stored.state is not None
-        stored.state[stored.nbytes : stored.nbytes + len(payload)].copy_(
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        stored.checkpoint = self.buffer(len(payload))
+        stored.checkpoint.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         stored.checkpoint_at, stored.checkpoint_bytes = at, len(payload)
 
 

@@ -96,7 +96,7 @@ def export_session(engine: Engine, session_id: str) -> Snapshot | None:
             engine._lose(session)
             raise
         assert stored.state is not None
-        state, computed = stored.state[: stored.nbytes], stored.computed
+        state, computed = stored.state, stored.computed
         if on_disk:
             stored.state = None  # the file stays the truth until the session is released
     return Snapshot(session.id, session.owner, list(session.tokens), computed, engine.model_name,
