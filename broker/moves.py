@@ -233,7 +233,8 @@ class Moves:
         target.pending += 1  # its slot is promised until the move ends
         log.info("session_moving", session=session_id, source=source.name, target=target.name,
                  migration=migration.id)
-        self._send(source.identity, p.Move(migration=migration.id, session_id=session_id, target=target.name))
+        self._send(source.identity, p.Move(migration=migration.id, session_id=session_id, target=target.name,
+                                           checkpoint=target.checkpoints))
 
     # -- while it runs ----------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ class WorkerRecord:
     # its next session without waiting for the last one's close (64 sessions turning over on a full worker).
     closing: set[str] = field(default_factory=set)
     bytes_per_session: int = 0
+    checkpoints: bool = False  # it takes moved sessions' recurrent-state checkpoints
     seen_at: float = 0.0  # when the broker last heard from it (monotonic)
     cordoned: bool = False  # `broker drain`: no new session is placed here (kept while the worker stays registered)
 
@@ -114,6 +115,7 @@ class Registry:
         record.free_slots, record.max_context = ready.free_slots, ready.max_context
         record.device, record.draining = ready.device, ready.draining
         record.bytes_per_session = ready.bytes_per_session
+        record.checkpoints = ready.checkpoints
         record.seen_at = now
         for sid in list(record.sessions):
             self._forget(sid)

@@ -904,6 +904,7 @@ class Ready(Message):
     # leases on sessions (whose client is gone) survive a broker restart.
     holders: Annotated[tuple[bytes, ...], blob_list(MAX_SESSIONS_LISTED, MAX_ROUTE_BYTES)] = ()
     evacuate: Annotated[bool, boolean] = False  # it drains and asks for its sessions to be moved (as Heartbeat's)
+    checkpoints: Annotated[bool, boolean] = False  # it takes a moved session's recurrent-state checkpoint (MoveState's)
 
     def _check(self) -> None:
         if self.owners and len(self.owners) != len(self.sessions):
@@ -986,6 +987,7 @@ class Move(Message):
     migration: MoveId
     session_id: SessionId
     target: Name
+    checkpoint: Annotated[bool, boolean] = False  # the target takes the session's checkpoint (its READY said so)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1010,10 +1012,18 @@ class MoveState(Message):
     # The source's kept answers to the session's recent requests, each the [command, header] of an answer message, so
     # that a resent request is answered on the target as on the source, never run again.
     answers: Annotated[tuple[bytes, ...], blob_list(MAX_KEPT_ANSWERS, MAX_HEADER_BYTES)] = ()
+    # The session's latest recurrent-state checkpoint (worker.engine.checkpoints), where the MOVE asked for it: the
+    # state of its first `checkpoint_at` tokens, whose `checkpoint_bytes` come last in the chunks (`nbytes` counts them).
+    checkpoint_at: Count = 0
+    checkpoint_bytes: Count = 0
 
     def _check(self) -> None:
         if self.computed > len(self.tokens):
             raise _bad(f"computed {self.computed} exceeds the session's {len(self.tokens)} tokens")
+        if self.checkpoint_at > self.computed or (self.checkpoint_at == 0) != (self.checkpoint_bytes == 0) \
+                or self.checkpoint_bytes > self.nbytes:
+            raise _bad(f"a checkpoint of {self.checkpoint_bytes} bytes at {self.checkpoint_at} tokens does not fit a "
+                       f"session of {self.computed} computed tokens and {self.nbytes} bytes")
         if len(self.digest) != DIGEST_BYTES:
             raise _bad(f"digest must be {DIGEST_BYTES} bytes")
         if -(-self.nbytes // MOVE_CHUNK_BYTES) != self.chunks:

@@ -4,6 +4,9 @@ giving the session back, a session two workers claim dropped on the second, reba
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from prometheus_client import generate_latest
 
 from broker.common import protocol as p
@@ -179,3 +182,18 @@ def test_a_drained_worker_shows_as_draining_in_status_metrics_and_readiness() ->
     text = generate_latest(metrics.registry).decode()
     assert 'sessionserve:worker_draining{device="",model="m",worker="w1"} 1.0' in text
     assert metrics.readiness() == (True, "ready: 2 workers, 1 taking new sessions")
+
+
+def test_a_move_asks_for_the_checkpoint_only_of_a_target_that_takes_one() -> None:
+    """MOVE's `checkpoint` is the target's READY `checkpoints` (a worker that predates checkpoints says nothing: the
+    source sends the state alone, which such a target takes); a MOVE_STATE whose checkpoint does not fit is refused."""
+    for takes in (False, True):
+        router = running((W1, ready("w1", 2, (A,))), (W2, dataclasses.replace(ready("w2", 2), checkpoints=takes)))
+        assert drain_w1(router).checkpoint is takes
+    fields = dict(migration="m", session_id=A, tokens=(1, 2, 3), computed=3, nbytes=10, chunks=1, model="m",
+                  layout="x", digest=bytes(p.DIGEST_BYTES))
+    state = p.MoveState(**fields, checkpoint_at=2, checkpoint_bytes=4)  # type: ignore[arg-type]
+    assert p.decode(p.encode(state)) == state
+    for at, size in ((4, 4), (2, 0), (0, 4), (2, 11)):
+        with pytest.raises(p.ProtocolError, match="checkpoint"):
+            p.MoveState(**fields, checkpoint_at=at, checkpoint_bytes=size)  # type: ignore[arg-type]

@@ -163,3 +163,38 @@ def test_the_checkpoint_follows_the_session_into_hibernation_and_a_restart(folde
                 assert fresh.choices[0].message.content == answer.choices[0].message.content, turn
         finally:
             gateways.close()
+
+
+def test_the_checkpoint_moves_with_its_session(folder: Path, tmp_path: Path) -> None:
+    """A worker stopped (SIGTERM) while another serves the model moves its sessions there, each with its checkpoint
+    (the target's READY says it takes them): the conversation's next turn starts from the checkpoint on the new
+    worker."""
+    with LocalStack(tmp_path) as stack:
+        stack.start_broker()
+        ports = [free_port(), free_port()]
+        stack.start_worker("h1", model=str(folder), device="cpu", max_sessions=4, max_context=512,
+                           extra=["--metrics-port", str(ports[0])])
+        stack.wait_for_workers({"h1"}, timeout=180)
+        gateways = Gateways(stack, f"http://127.0.0.1:{ports[0]}/metrics")
+        try:
+            url = gateways.start()
+            turns: list[dict[str, str]] = [{"role": "user", "content": "Capital of Peru?"}]
+            first = ask(url, turns)
+            stack.start_worker("h2", model=str(folder), device="cpu", max_sessions=4, max_context=512,
+                               extra=["--metrics-port", str(ports[1])])
+            stack.wait_for_workers({"h1", "h2"}, timeout=180)
+            assert stack.workers["h1"].terminate(timeout=60) == 0  # its session moves to h2 first
+            gateways.worker_metrics = f"http://127.0.0.1:{ports[1]}/metrics"
+            assert metric(gateways.worker_metrics, "sessionserve:session_moves_total", event="imported") == 1
+            assert metric(gateways.worker_metrics, "sessionserve:state_checkpoints_total", event="restored") == 1
+            turns += [{"role": "assistant", "content": first.choices[0].message.content},
+                      {"role": "user", "content": "And of Chile?"}]
+            before = gateways.prefilled()
+            second = ask(url, turns)
+            cached = second.usage.prompt_tokens_details.cached_tokens
+            assert cached == first.usage.prompt_tokens - THINK
+            assert gateways.prefilled() - before == second.usage.prompt_tokens - cached
+            fresh = ask(url, turns, session_id="reference-moved")
+            assert fresh.choices[0].message.content == second.choices[0].message.content
+        finally:
+            gateways.close()

@@ -20,6 +20,7 @@ from tests.worker import test_qwen3_5
 from tests.worker.test_from_start import Model, finish, run
 from worker.engine import Engine, SamplingParams
 from worker.engine.hibernation import CHECKPOINT_MAGIC, DIGEST_BYTES
+from worker.engine.migration import MoveRefused
 
 pytest.importorskip("transformers")
 
@@ -258,3 +259,71 @@ def test_a_session_named_like_a_temporary_file_survives_a_restart(tmp_path: Path
         ref.generate(sid, max_tokens=4, temperature=0.0, ignore_eos=True).token_ids
     again.unload()
     ref.unload()
+
+
+@pytest.mark.parametrize("hibernated", [False, True], ids=["resident", "hibernated"])
+def test_a_moved_session_takes_its_checkpoint_where_the_target_takes_one(model: Model, tmp_path: Path,
+                                                                         hibernated: bool) -> None:
+    """A move that asks for the checkpoint (the target said it takes them) carries it after the state, resident or
+    hibernated on the source: the target's regenerate starts from it, with transformers' tokens. A move that does not
+    ask carries the state alone, as before: the same digest, and the target computes the context again."""
+    source = load(model, tmp_path / "store" if hibernated else None)
+    prompt = model.prompts[1]
+    sid = source.create_session("m")
+    answer = answered(source, sid, prompt, 5)
+    if hibernated:
+        assert source.persist() == 1  # on disk: the export reads both files
+    bare = source.export_session(sid)
+    snapshot = source.export_session(sid, checkpoint=True)
+    assert bare is not None and snapshot is not None
+    assert (bare.checkpoint_at, snapshot.checkpoint_at) == (0, len(prompt) - 1)
+    assert snapshot.nbytes == bare.nbytes + source.table.spec.bytes_for(0) == bare.nbytes + snapshot.checkpoint_bytes
+    assert snapshot.digest() != bare.digest()
+    for moved, computed in ((snapshot, len(prompt) - 1), (bare, 0)):
+        target = load(model)
+        assert target.import_session(moved, moved.digest()) == sid
+        assert regenerate(target, sid, prompt, 5) == (computed, answer)
+        target.unload()
+    broken = load(model)
+    snapshot.checkpoint_at += 1  # not what the digest covers
+    with pytest.raises(MoveRefused, match="digest"):
+        broken.import_session(snapshot, bare.digest())
+    with pytest.raises(MoveRefused, match="checkpoint"):
+        broken.check_import(sid, list(snapshot.tokens), snapshot.computed, snapshot.nbytes, snapshot.model,
+                            snapshot.layout, snapshot.computed + 1, snapshot.checkpoint_bytes)
+    broken.unload()
+    source.unload()
+
+
+def test_a_running_turns_checkpoint_is_not_taken_for_another(model: Model) -> None:
+    """A turn reserves the last free slot for its checkpoint; another session's turn, with no slot free, takes no slot
+    that is any session's latest checkpoint, nor the one the running turn has not taken yet: both turns keep theirs
+    where they have them."""
+    engine = load(model)
+    cps = engine.checkpoints
+    assert cps is not None
+    a = engine.create_session()
+    answered(engine, a, model.prompts[0], 1)
+    d = engine.create_session()
+    ra = engine.start_generate(a, SamplingParams(max_tokens=4, ignore_eos=True), prompt_ids=list(range(30, 50)))
+    assert engine.table.free_slots == 0
+    rd = engine.start_generate(d, SamplingParams(max_tokens=4, ignore_eos=True), prompt_ids=list(range(60, 90)))
+    finish(engine, ra)
+    assert sorted(cp.at for cp in cps.of(a)) == [len(model.prompts[0]) - 1, len(model.prompts[0]) + 20]
+    assert cps.of(d) == [] and rd
+    engine.unload()
+
+
+def test_a_growing_session_gives_its_own_checkpoints_before_anyone_hibernates() -> None:
+    """Pages short for a generation's growth: the checkpoints go, its own session's too, before an idle session
+    hibernates (only a fork's parent keeps its checkpoints past hibernations: its child shares them)."""
+    engine = hybrid(max_sessions=6, host_page_bytes=4096, state_pages=28)
+    engine.enable_hibernation(64 * ONE, None)
+    a = engine.create_session()
+    for ids, n in ((list(range(10, 30)), 1), (list(range(30, 50)), 1)):
+        answered(engine, a, ids, n)
+    assert engine.checkpoints is not None and len(engine.checkpoints.of(a)) == 2
+    b = engine.create_session()
+    answered(engine, a, list(range(50, 90)), 8)
+    assert engine.is_resident(b) and engine.hibernated == 0
+    engine.unload()

@@ -28,7 +28,8 @@ them drops it, and so does the session's close. A fork shares its parent's check
 without a copy or a slot (their bytes are only read once taken, and a generating session, whose checkpoint may be
 written, is not forked), so that the fork's first turn, an answer asked again or an edited question, starts from
 whichever it keeps. A hibernating session takes its latest along (worker.engine.hibernation: host memory, or a
-file beside the session's) and has it back, in a free slot, when it is restored. A moved session leaves them behind.
+file beside the session's) and has it back when it is restored; a moved session takes it along where the target
+takes one (worker.engine.migration).
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ class Checkpoints:
         self.table.save_prefix(cp.slot, 0, out)
 
     def load(self, session_id: str, at: int, state: torch.Tensor) -> bool:
-        """A restored session's checkpoint, `state` being what `save` took when it held `at` tokens, in a free slot
-        (False where none is: the session comes back without one)."""
+        """A restored or moved session's checkpoint, `state` being what `save` took when it held `at` tokens, where
+        `reserve` finds it a slot (False where it does not: the session comes back without one)."""
         cp = self.reserve(session_id, at)
         if cp is None:
             return False
@@ -169,9 +170,10 @@ class Checkpoints:
 
     def drop_oldest(self, spare: str | None = None, older_only: bool = False) -> bool:
         """Give the least recently used checkpoint's slot and pages back (every session it serves lets go of it), none
-        of `spare`'s, and with `older_only` none that is a session's latest; False when there is none."""
-        cp = next((c for c in self._lru if spare not in c.owners
-                   and not (older_only and any(self.get(owner) is c for owner in c.owners))), None)
+        of `spare`'s, and with `older_only` none that is a session's latest or a running turn's (not taken yet); False
+        when there is none."""
+        cp = next((c for c in self._lru if spare not in c.owners and not (older_only and (
+            c.at == NOT_TAKEN or any(self.get(owner) is c for owner in c.owners)))), None)
         if cp is None:
             return False
         owners = list(cp.owners)

@@ -292,7 +292,7 @@ class Engine:
             raise SessionBusy(f"session {session_id} is generating: fork it after the generation ends")
         sid = self._new_id(child_id)
         self._resident(parent)
-        slot = self._with_room(lambda: self.table.clone(parent.slot, parent.computed), keep=parent)
+        slot = self._with_room(lambda: self.table.clone(parent.slot, parent.computed), keep=parent, spare=parent.id)
         parent.used_at = time.monotonic()
         self._lost.pop(sid, None)
         self._sessions[sid] = Session(sid, slot, list(parent.tokens), parent.computed, owner=parent.owner)
@@ -938,14 +938,16 @@ class Engine:
 
     # -- moving sessions between workers (worker.engine.migration) --------------------------------
 
-    def export_session(self, session_id: str) -> migration.Snapshot | None:
-        """An idle session's snapshot (it stays here); None while a step launched ahead holds a row of it."""
-        return migration.export_session(self, session_id)
+    def export_session(self, session_id: str, checkpoint: bool = False) -> migration.Snapshot | None:
+        """An idle session's snapshot (it stays here), with its latest checkpoint where `checkpoint` asks and it has
+        one; None while a step launched ahead holds a row of it."""
+        return migration.export_session(self, session_id, checkpoint)
 
     def check_import(self, session_id: str, tokens: list[int], computed: int, nbytes: int, model: str,
-                     layout: str) -> None:
+                     layout: str, checkpoint_at: int = 0, checkpoint_bytes: int = 0) -> None:
         """MoveRefused unless a snapshot with these fields fits this engine (before any byte of it is taken)."""
-        migration.check_snapshot(self, session_id, tokens, computed, nbytes, model, layout)
+        migration.check_snapshot(self, session_id, tokens, computed, nbytes, model, layout, checkpoint_at,
+                                 checkpoint_bytes)
 
     def import_session(self, snapshot: migration.Snapshot, digest: bytes) -> str:
         """A moved session, checked against `digest`, into a slot of its own; refused whole on any mismatch."""
@@ -1016,7 +1018,7 @@ class Engine:
             slot = self._with_room(lambda: self.table.create(computed), keep=session)
         except CapacityExhausted:
             if source == "disk" and stored.session_id in h.disk:
-                stored.state = None  # read again next time: the file stays the truth
+                stored.state = stored.checkpoint = None  # read again next time: the files stay the truth
             raise
         try:
             self.table.load_prefix(slot, computed, state)  # the host copy (or file) is released below
@@ -1024,7 +1026,7 @@ class Engine:
             self.table.free(slot)
             raise
         session.slot, session.computed = slot, computed
-        if checkpoint is not None and self.checkpoints is not None:  # in a free slot, if one is (no room is made)
+        if checkpoint is not None and self.checkpoints is not None:  # where one is taken (Checkpoints.reserve)
             self.checkpoints.load(session.id, checkpoint_at, checkpoint)
         h.drop(session.id)
         self.restored += 1
@@ -1044,11 +1046,11 @@ class Engine:
         if len(self._lost) > MAX_LOST_REMEMBERED:
             self._lost.popitem(last=False)
 
-    def _with_room(self, make: Callable[[], _T], keep: Session | None = None) -> _T:
-        """make(), dropping the least recently used checkpoint (`keep`'s last), then hibernating the least recently
-        used idle session (never `keep`), while it finds no slot or page."""
+    def _with_room(self, make: Callable[[], _T], keep: Session | None = None, spare: str | None = None) -> _T:
+        """make(), dropping the least recently used checkpoint, then hibernating the least recently used idle session
+        (never `keep`), while it finds no slot or page. `spare`'s checkpoints (a fork's parent's: its child shares
+        them) go last, after the hibernations."""
         in_flight: set[int] | None = None
-        spare = None if keep is None else keep.id  # a fork's parent's checkpoints: its child shares them
         while True:
             try:
                 return make()

@@ -11,6 +11,10 @@ corruption on the way, fast enough not to count beside the copy) first.
   engine unchanged: the source closes it only once the target has it (worker.serve.moves).
 - `import_session`: a new session from a snapshot, in a slot backed for its computed tokens (idle sessions hibernate
   for it as for a create), the bytes copied in; refused whole (nothing changes) on any mismatch.
+
+A snapshot may carry the session's latest recurrent-state checkpoint (worker.engine.checkpoints), where the target
+takes one (the broker says so, from the target's READY): its bytes follow the state's, and the target puts it in a
+free slot, as a restore from hibernation does, so that the moved session's next rewritten turn starts from it.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ class Snapshot:
     computed: int
     model: str
     layout: str
-    state: torch.Tensor  # uint8, (nbytes,), on the host
+    state: torch.Tensor  # uint8, (nbytes,), on the host: the session's state, then its checkpoint's (if any)
+    checkpoint_at: int = 0  # the checkpoint's tokens (0: none)
+    checkpoint_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -60,30 +66,42 @@ class Snapshot:
 
     def digest(self) -> bytes:
         return state_digest(self.session_id, self.owner, self.tokens, self.computed, self.model, self.layout,
-                            self.state.numpy().data)
+                            self.state.numpy().data, self.checkpoint_at)
 
 
 def state_digest(session_id: str, owner: str, tokens: list[int], computed: int, model: str, layout: str,
-                 state: memoryview | bytes | bytearray) -> bytes:
+                 state: memoryview | bytes | bytearray, checkpoint_at: int = 0) -> bytes:
     """XXH3-128 of a moved session's fields and state bytes: what the target checks before it takes the session."""
     digest = xxhash.xxh3_128()
-    digest.update(msgpack.packb([session_id, owner, tokens, computed, model, layout, len(state)], use_bin_type=True))
+    fields: list[Any] = [session_id, owner, tokens, computed, model, layout, len(state)]
+    if checkpoint_at:  # (a move without one hashes as before: either side may be older)
+        fields.append(checkpoint_at)
+    digest.update(msgpack.packb(fields, use_bin_type=True))
     digest.update(state)
     return digest.digest()
 
 
-def export_session(engine: Engine, session_id: str) -> Snapshot | None:
-    """The snapshot of an idle session, or None while a step launched ahead still holds a row of it (ask again after
-    the next step). SessionBusy while it generates; SessionNotFound / SessionLost as any request for it."""
+def export_session(engine: Engine, session_id: str, checkpoint: bool = False) -> Snapshot | None:
+    """The snapshot of an idle session (with `checkpoint`, and its latest checkpoint, where it has one), or None while
+    a step launched ahead still holds a row of it (ask again after the next step). SessionBusy while it generates;
+    SessionNotFound / SessionLost as any request for it."""
     session = engine._session(session_id)
     if session.request is not None:
         raise SessionBusy(f"session {session_id} is generating: it moves once the generation ends")
+    pin = engine.model.device.type == "cuda"
+    checkpoint_at, extra = 0, None
     if session.resident:
         if id(session) in engine._in_flight():
             return None
         nbytes = engine.table.spec.bytes_for(session.computed)
-        state = torch.empty(nbytes, dtype=torch.uint8, pin_memory=engine.model.device.type == "cuda")
-        engine.table.save_prefix(session.slot, session.computed, state)  # after the steps
+        cp = engine.checkpoints.within(session.id, session.computed) \
+            if checkpoint and engine.checkpoints is not None else None
+        cp_bytes = 0 if cp is None else engine.table.spec.bytes_for(0)
+        state = torch.empty(nbytes + cp_bytes, dtype=torch.uint8, pin_memory=pin)
+        engine.table.save_prefix(session.slot, session.computed, state[:nbytes])  # after the steps
+        if cp is not None:
+            engine.checkpoints.save(cp, state[nbytes:])
+            checkpoint_at = cp.at
         computed = session.computed
     else:
         h = engine.hibernation
@@ -97,16 +115,24 @@ def export_session(engine: Engine, session_id: str) -> Snapshot | None:
             raise
         assert stored.state is not None
         state, computed = stored.state, stored.computed
+        if checkpoint and stored.checkpoint is not None:
+            state = torch.cat([state, stored.checkpoint])
+            checkpoint_at, extra = stored.checkpoint_at, stored.checkpoint
         if on_disk:
-            stored.state = None  # the file stays the truth until the session is released
-    return Snapshot(session.id, session.owner, list(session.tokens), computed, engine.model_name,
-                    engine.state_layout, state)
+            stored.state = stored.checkpoint = None  # the files stay the truth until the session is released
+    snapshot = Snapshot(session.id, session.owner, list(session.tokens), computed, engine.model_name,
+                        engine.state_layout, state)
+    if checkpoint_at:
+        snapshot.checkpoint_at = checkpoint_at
+        snapshot.checkpoint_bytes = engine.table.spec.bytes_for(0) if extra is None else int(extra.numel())
+    return snapshot
 
 
 def check_snapshot(engine: Engine, session_id: str, tokens: list[int], computed: int, nbytes: int, model: str,
-                   layout: str) -> None:
+                   layout: str, checkpoint_at: int = 0, checkpoint_bytes: int = 0) -> None:
     """MoveRefused (nothing changes) unless a snapshot with these fields fits this engine: its model and layout, the
-    state size its computed count takes, tokens within the context and the vocabulary, a session id not in use."""
+    state size its computed count takes (and its checkpoint's, one of this layout's fixed-size state within the
+    computed tokens), tokens within the context and the vocabulary, a session id not in use."""
     if model != engine.model_name:
         raise MoveRefused(f"the session is of model {model!r}; this worker serves {engine.model_name!r}")
     if layout != engine.state_layout:
@@ -114,6 +140,12 @@ def check_snapshot(engine: Engine, session_id: str, tokens: list[int], computed:
     if not 0 <= computed <= len(tokens) or len(tokens) > engine.max_context:
         raise MoveRefused(f"a session of {len(tokens)} tokens ({computed} computed) does not fit max_context "
                           f"{engine.max_context}")
+    if checkpoint_at or checkpoint_bytes:
+        if engine.checkpoints is None or checkpoint_bytes != engine.table.spec.bytes_for(0) \
+                or not 0 < checkpoint_at <= computed:
+            raise MoveRefused(f"a checkpoint of {checkpoint_bytes} bytes at {checkpoint_at} tokens does not fit this "
+                              "layout or the session's computed tokens")
+    nbytes -= checkpoint_bytes
     if nbytes != engine.table.spec.bytes_for(computed):
         raise MoveRefused(f"{nbytes} state bytes for {computed} computed tokens; this layout takes "
                           f"{engine.table.spec.bytes_for(computed)}")
@@ -130,11 +162,15 @@ def import_session(engine: Engine, snapshot: Snapshot, digest: bytes) -> str:
     """Take a moved session: checked (check_snapshot, then the digest), then a slot backed for its computed tokens
     and its bytes copied in. MoveRefused, SessionExists or CapacityExhausted leave the engine unchanged."""
     s = snapshot
-    check_snapshot(engine, s.session_id, s.tokens, s.computed, s.nbytes, s.model, s.layout)
+    check_snapshot(engine, s.session_id, s.tokens, s.computed, s.nbytes, s.model, s.layout, s.checkpoint_at,
+                   s.checkpoint_bytes)
     if s.digest() != digest:
         raise MoveRefused(f"session {s.session_id}: its state does not match its digest (checksum mismatch)")
     slot = engine._with_room(lambda: engine.table.create(s.computed))
-    engine.table.load_prefix(slot, s.computed, s.state)  # the host copy is released by the caller
+    state_bytes = s.nbytes - s.checkpoint_bytes
+    engine.table.load_prefix(slot, s.computed, s.state[:state_bytes])  # the host copy is released by the caller
     engine._lost.pop(s.session_id, None)
     engine._sessions[s.session_id] = Session(s.session_id, slot, list(s.tokens), s.computed, owner=s.owner)
+    if s.checkpoint_at and engine.checkpoints is not None:  # where one is taken (Checkpoints.reserve)
+        engine.checkpoints.load(s.session_id, s.checkpoint_at, s.state[state_bytes:])
     return s.session_id

@@ -124,7 +124,7 @@ class Serve:
             free_slots=state.free_slots, max_context=self.engine.max_context, sessions=state.sessions,
             draining=state.draining, device=self.engine.device, bytes_per_session=self.engine.bytes_per_session,
             owners=state.owners, holders=tuple(routes.get(sid, b"") for sid in state.sessions),
-            evacuate=state.evacuate,
+            evacuate=state.evacuate, checkpoints=getattr(self.engine, "checkpoints", None) is not None,
         )
 
     def drain(self) -> None:

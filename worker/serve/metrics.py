@@ -33,7 +33,7 @@ count; the sum may be one step ahead. Names follow vLLM's (`vllm:time_to_first_t
                                                                             models only: worker.engine.checkpoints)
     sessionserve:state_checkpoints_total{event}                    counter  checkpoints taken, put back (a turn that
                                                                             started from one), restored (with a
-                                                                            hibernated session)
+                                                                            hibernated or moved session)
     sessionserve:session_moves_total{event}                        counter  moves seen here: sent, released (out),
                                                                             imported (in), failed (here)
     sessionserve:gpu_memory_allocated_bytes, ..._reserved_bytes    gauges   torch's CUDA allocator (CUDA only)
@@ -414,7 +414,7 @@ class _WorkerCollector(Collector):
             family.add_metric(self.m.labels, held)
             yield family
             yield self._by("state_checkpoints", "Recurrent-state checkpoints taken, put back (a turn started from one), "
-                           "and restored with a hibernated session.", "event",
+                           "and brought back with a hibernated or moved session.", "event",
                            {"taken": taken, "used": used, "restored": restored})
 
     def _counter(self, name: str, doc: str, value: int) -> Metric:

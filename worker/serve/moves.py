@@ -51,6 +51,7 @@ class Export:
     migration: str
     session_id: str
     target: str
+    checkpoint: bool = False  # the target takes the session's checkpoint
     sent: bool = False  # the state went out: waiting for MOVE_END
 
 
@@ -151,7 +152,7 @@ class Moves:
             return [self._report(move.migration, move.session_id, "failed", p.ErrorCode.BAD_REQUEST,
                                  "this worker's engine cannot move sessions")]
         self._pause_at("export")
-        self.exports[move.migration] = Export(move.migration, move.session_id, move.target)
+        self.exports[move.migration] = Export(move.migration, move.session_id, move.target, move.checkpoint)
         self.dispatch.moving.add(move.session_id)
         return self.poll()
 
@@ -174,7 +175,7 @@ class Moves:
             if export.sent or self.dispatch.busy(export.session_id):
                 continue
             try:
-                snapshot = self.engine.export_session(export.session_id)
+                snapshot = self.engine.export_session(export.session_id, export.checkpoint)
             except Exception as e:  # the session is gone here (closed, lost), or busy after all
                 if error_code(e) is p.ErrorCode.BAD_REQUEST:
                     continue  # busy: a generation started meanwhile (a resend); it moves after it
@@ -213,7 +214,8 @@ class Moves:
             migration=export.migration, session_id=snapshot.session_id, tokens=tuple(snapshot.tokens),
             computed=snapshot.computed, nbytes=len(data), chunks=chunks, model=snapshot.model, layout=snapshot.layout,
             digest=digest, owner=snapshot.owner, holder=self.dispatch.routes.get(snapshot.session_id, b""),
-            answers=self.dispatch.answers_of(snapshot.session_id))
+            answers=self.dispatch.answers_of(snapshot.session_id), checkpoint_at=snapshot.checkpoint_at,
+            checkpoint_bytes=snapshot.checkpoint_bytes)
         log.info("session_sending", session=snapshot.session_id, target=export.target, tokens=len(snapshot.tokens),
                  bytes=len(data), migration=export.migration)
         return [header, *(p.MoveChunk(migration=export.migration, index=i, data=data[i * size:(i + 1) * size])
@@ -236,7 +238,7 @@ class Moves:
             if len(self.imports) >= MAX_IMPORTS:
                 raise ValueError(f"{MAX_IMPORTS} moves are being received already")
             self.engine.check_import(sid, list(header.tokens), header.computed, header.nbytes, header.model,
-                                     header.layout)
+                                     header.layout, header.checkpoint_at, header.checkpoint_bytes)
         except Exception as e:
             return [self._failed(mid, sid, e)]
         state = torch.empty(header.nbytes, dtype=torch.uint8, pin_memory=self.engine.device.startswith("cuda"))
@@ -267,7 +269,8 @@ class Moves:
         h = work.header
         from worker.engine.migration import Snapshot
 
-        snapshot = Snapshot(h.session_id, h.owner, list(h.tokens), h.computed, h.model, h.layout, work.state)
+        snapshot = Snapshot(h.session_id, h.owner, list(h.tokens), h.computed, h.model, h.layout, work.state,
+                            h.checkpoint_at, h.checkpoint_bytes)
         try:
             self.engine.import_session(snapshot, h.digest)
         except Exception as e:
