@@ -327,3 +327,30 @@ def test_a_growing_session_gives_its_own_checkpoints_before_anyone_hibernates() 
     answered(engine, a, list(range(50, 90)), 8)
     assert engine.is_resident(b) and engine.hibernated == 0
     engine.unload()
+
+
+def test_a_moved_checkpoint_that_cannot_be_loaded_leaves_the_session_in(model: Model,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint is a shortcut: a failure loading it (a copy error) leaves the moved session imported without
+    one, no slot held for it, rather than a session the move reports failed."""
+    from worker.engine.checkpoints import Checkpoints
+
+    source = load(model)
+    prompt = model.prompts[1]
+    sid = source.create_session("m")
+    answer = answered(source, sid, prompt, 5)
+    snapshot = source.export_session(sid, checkpoint=True)
+    assert snapshot is not None and snapshot.checkpoint is not None
+    target = load(model)
+    real = Checkpoints.load
+
+    def failing(self: Checkpoints, session_id: str, at: int, state: torch.Tensor) -> bool:
+        real(self, session_id, at, state)
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(Checkpoints, "load", failing)
+    assert target.import_session(snapshot, snapshot.digest()) == sid
+    assert target.table.live == 1 and target.checkpoints is not None and len(target.checkpoints) == 0
+    assert regenerate(target, sid, prompt, 5) == (0, answer)
+    target.unload()
+    source.unload()

@@ -158,3 +158,22 @@ def test_a_move_in_whose_chunks_stop_coming_is_given_up_and_reported_failed(engi
     assert isinstance(chunk, p.MoveChunk)
     assert target.handle(dataclasses.replace(chunk, migration="m2")) == []  # a late chunk: nothing to add it to
     assert A not in engine.sessions()
+
+
+def test_a_moves_chunks_are_its_parts_bytes_in_order() -> None:
+    """The state's and the checkpoint's bytes go out as one run of chunks: every chunk full but the last, views of the
+    parts but for a chunk across two (copied), the bytes in order."""
+    import random
+
+    from worker.serve.moves import _chunked
+
+    rng = random.Random(3)
+    for _ in range(200):
+        parts = [memoryview(bytes(rng.randrange(256) for _ in range(rng.randrange(0, 30)))) for _ in range(rng.randint(0, 3))]
+        size = rng.randint(1, 9)
+        chunks = _chunked(parts, size)
+        whole = b"".join(bytes(part) for part in parts)
+        assert b"".join(bytes(chunk) for chunk in chunks) == whole
+        assert len(chunks) == -(-len(whole) // size)
+        assert all(len(chunk) == size for chunk in chunks[:-1])
+    assert all(isinstance(c, memoryview) for c in _chunked([memoryview(b"abcdef"), memoryview(b"ghi")], 3))

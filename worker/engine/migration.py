@@ -19,10 +19,12 @@ free slot, as a restore from hibernation does, so that the moved session's next 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import structlog
 import torch
 import xxhash
 
@@ -34,6 +36,8 @@ from worker.errors import BadRequest, EngineError, SessionBusy
 # `engine` below is a worker.engine.core.Engine (not imported: core imports this module); these functions are its
 # export_session / check_import / import_session, kept here with the rest of what a move needs.
 Engine = Any
+
+log = structlog.get_logger(__name__)
 
 DIGEST_BYTES = 16
 
@@ -48,7 +52,8 @@ class MoveRefused(EngineError):
 
 @dataclass
 class Snapshot:
-    """A session as it moves: its fields, and its state's bytes (host memory, `nbytes` long)."""
+    """A session as it moves: its fields, its state's bytes, and its checkpoint's where it carries one (host memory,
+    `nbytes` long together: the order they travel in)."""
 
     session_id: str
     owner: str
@@ -56,28 +61,38 @@ class Snapshot:
     computed: int
     model: str
     layout: str
-    state: torch.Tensor  # uint8, (nbytes,), on the host: the session's state, then its checkpoint's (if any)
+    state: torch.Tensor  # uint8, (bytes_for(computed),), on the host
     checkpoint_at: int = 0  # the checkpoint's tokens (0: none)
-    checkpoint_bytes: int = 0
+    checkpoint: torch.Tensor | None = None  # its bytes (uint8, the layout's fixed-size state), on the host
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return 0 if self.checkpoint is None else int(self.checkpoint.numel())
 
     @property
     def nbytes(self) -> int:
-        return int(self.state.numel())
+        return int(self.state.numel()) + self.checkpoint_bytes
+
+    def parts(self) -> list[memoryview]:
+        """The bytes, as they travel (views, no copy)."""
+        return [t.numpy().data for t in (self.state, self.checkpoint) if t is not None and t.numel()]
 
     def digest(self) -> bytes:
         return state_digest(self.session_id, self.owner, self.tokens, self.computed, self.model, self.layout,
-                            self.state.numpy().data, self.checkpoint_at)
+                            self.parts(), self.checkpoint_at)
 
 
 def state_digest(session_id: str, owner: str, tokens: list[int], computed: int, model: str, layout: str,
-                 state: memoryview | bytes | bytearray, checkpoint_at: int = 0) -> bytes:
-    """XXH3-128 of a moved session's fields and state bytes: what the target checks before it takes the session."""
+                 parts: Sequence[memoryview | bytes], checkpoint_at: int = 0) -> bytes:
+    """XXH3-128 of a moved session's fields and bytes (its state's, then its checkpoint's): what the target checks
+    before it takes the session."""
     digest = xxhash.xxh3_128()
-    fields: list[Any] = [session_id, owner, tokens, computed, model, layout, len(state)]
+    fields: list[Any] = [session_id, owner, tokens, computed, model, layout, sum(len(part) for part in parts)]
     if checkpoint_at:  # (a move without one hashes as before: either side may be older)
         fields.append(checkpoint_at)
     digest.update(msgpack.packb(fields, use_bin_type=True))
-    digest.update(state)
+    for part in parts:
+        digest.update(part)
     return digest.digest()
 
 
@@ -94,13 +109,13 @@ def export_session(engine: Engine, session_id: str, checkpoint: bool = False) ->
         if id(session) in engine._in_flight():
             return None
         nbytes = engine.table.spec.bytes_for(session.computed)
+        state = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        engine.table.save_prefix(session.slot, session.computed, state)  # after the steps
         cp = engine.checkpoints.within(session.id, session.computed) \
             if checkpoint and engine.checkpoints is not None else None
-        cp_bytes = 0 if cp is None else engine.table.spec.bytes_for(0)
-        state = torch.empty(nbytes + cp_bytes, dtype=torch.uint8, pin_memory=pin)
-        engine.table.save_prefix(session.slot, session.computed, state[:nbytes])  # after the steps
         if cp is not None:
-            engine.checkpoints.save(cp, state[nbytes:])
+            extra = torch.empty(engine.table.spec.bytes_for(0), dtype=torch.uint8, pin_memory=pin)
+            engine.checkpoints.save(cp, extra)
             checkpoint_at = cp.at
         computed = session.computed
     else:
@@ -116,16 +131,11 @@ def export_session(engine: Engine, session_id: str, checkpoint: bool = False) ->
         assert stored.state is not None
         state, computed = stored.state, stored.computed
         if checkpoint and stored.checkpoint is not None:
-            state = torch.cat([state, stored.checkpoint])
             checkpoint_at, extra = stored.checkpoint_at, stored.checkpoint
         if on_disk:
             stored.state = stored.checkpoint = None  # the files stay the truth until the session is released
-    snapshot = Snapshot(session.id, session.owner, list(session.tokens), computed, engine.model_name,
-                        engine.state_layout, state)
-    if checkpoint_at:
-        snapshot.checkpoint_at = checkpoint_at
-        snapshot.checkpoint_bytes = engine.table.spec.bytes_for(0) if extra is None else int(extra.numel())
-    return snapshot
+    return Snapshot(session.id, session.owner, list(session.tokens), computed, engine.model_name, engine.state_layout,
+                    state, checkpoint_at, extra)
 
 
 def check_snapshot(engine: Engine, session_id: str, tokens: list[int], computed: int, nbytes: int, model: str,
@@ -167,10 +177,17 @@ def import_session(engine: Engine, snapshot: Snapshot, digest: bytes) -> str:
     if s.digest() != digest:
         raise MoveRefused(f"session {s.session_id}: its state does not match its digest (checksum mismatch)")
     slot = engine._with_room(lambda: engine.table.create(s.computed))
-    state_bytes = s.nbytes - s.checkpoint_bytes
-    engine.table.load_prefix(slot, s.computed, s.state[:state_bytes])  # the host copy is released by the caller
+    try:
+        engine.table.load_prefix(slot, s.computed, s.state)  # the host copy is released by the caller
+    except BaseException:
+        engine.table.free(slot)
+        raise
     engine._lost.pop(s.session_id, None)
     engine._sessions[s.session_id] = Session(s.session_id, slot, list(s.tokens), s.computed, owner=s.owner)
-    if s.checkpoint_at and engine.checkpoints is not None:  # where one is taken (Checkpoints.reserve)
-        engine.checkpoints.load(s.session_id, s.checkpoint_at, s.state[state_bytes:])
+    if s.checkpoint is not None and engine.checkpoints is not None:  # where one is taken (Checkpoints.reserve)
+        try:
+            engine.checkpoints.load(s.session_id, s.checkpoint_at, s.checkpoint)
+        except Exception:  # noqa: BLE001  (a checkpoint is a shortcut: the session is in, without one)
+            log.exception("moved_checkpoint_not_loaded", session=s.session_id)
+            engine.checkpoints.drop(s.session_id)
     return s.session_id

@@ -203,23 +203,25 @@ class Moves:
 
     def _state_messages(self, export: Export, snapshot: Any) -> list[p.Message]:
         digest = snapshot.digest()
-        # The chunks are views of the snapshot's host copy, sent without a copy (ZeroMQ keeps the copy alive until
-        # they are out); nothing writes to it meanwhile (a fresh buffer, or a hibernated copy, read-only until dropped).
-        data = memoryview(snapshot.state.numpy())
-        if self._corrupt and len(data):
-            data = memoryview(bytes([data[0] ^ 0xFF]) + bytes(data[1:]))
+        # The chunks are views of the snapshot's host copies (the state's, then the checkpoint's), sent without a copy
+        # (ZeroMQ keeps them alive until they are out) but for a chunk across the two; nothing writes to them meanwhile
+        # (fresh buffers, or a hibernated copy, read-only until dropped).
+        parts = snapshot.parts()
+        if self._corrupt and parts:
+            parts[0] = memoryview(bytes([parts[0][0] ^ 0xFF]) + bytes(parts[0][1:]))
         size = p.MOVE_CHUNK_BYTES
-        chunks = -(-len(data) // size)
+        data = _chunked(parts, size)
+        chunks = len(data)
+        nbytes = sum(len(part) for part in parts)
         header = p.MoveState(
             migration=export.migration, session_id=snapshot.session_id, tokens=tuple(snapshot.tokens),
-            computed=snapshot.computed, nbytes=len(data), chunks=chunks, model=snapshot.model, layout=snapshot.layout,
+            computed=snapshot.computed, nbytes=nbytes, chunks=chunks, model=snapshot.model, layout=snapshot.layout,
             digest=digest, owner=snapshot.owner, holder=self.dispatch.routes.get(snapshot.session_id, b""),
             answers=self.dispatch.answers_of(snapshot.session_id), checkpoint_at=snapshot.checkpoint_at,
             checkpoint_bytes=snapshot.checkpoint_bytes)
         log.info("session_sending", session=snapshot.session_id, target=export.target, tokens=len(snapshot.tokens),
-                 bytes=len(data), migration=export.migration)
-        return [header, *(p.MoveChunk(migration=export.migration, index=i, data=data[i * size:(i + 1) * size])
-                          for i in range(chunks))]
+                 bytes=nbytes, checkpoint=snapshot.checkpoint_at, migration=export.migration)
+        return [header, *(p.MoveChunk(migration=export.migration, index=i, data=chunk) for i, chunk in enumerate(data))]
 
     # -- target ------------------------------------------------------------------------------------
 
@@ -269,8 +271,10 @@ class Moves:
         h = work.header
         from worker.engine.migration import Snapshot
 
-        snapshot = Snapshot(h.session_id, h.owner, list(h.tokens), h.computed, h.model, h.layout, work.state,
-                            h.checkpoint_at, h.checkpoint_bytes)
+        state_bytes = h.nbytes - h.checkpoint_bytes
+        snapshot = Snapshot(h.session_id, h.owner, list(h.tokens), h.computed, h.model, h.layout,
+                            work.state[:state_bytes], h.checkpoint_at,
+                            work.state[state_bytes:] if h.checkpoint_bytes else None)
         try:
             self.engine.import_session(snapshot, h.digest)
         except Exception as e:
@@ -323,3 +327,28 @@ class Moves:
     @staticmethod
     def _report(mid: str, sid: str, status: str, code: p.ErrorCode | None = None, message: str = "") -> p.MoveReport:
         return p.MoveReport(migration=mid, session_id=sid, status=status, code=code, message=message[:4096])
+
+
+def _chunked(parts: list[memoryview], size: int) -> list[memoryview | bytes]:
+    """The bytes of `parts`, one after the other, in chunks of `size` (the last shorter): views of the parts, but for a
+    chunk across two of them, which is copied."""
+    chunks: list[memoryview | bytes] = []
+    pending: list[memoryview] = []  # the pieces of a chunk that spans parts
+    have = 0
+    for part in parts:
+        at = 0
+        while at < len(part):
+            take = min(size - have, len(part) - at)
+            piece = part[at:at + take]
+            at += take
+            if not pending and take == size:
+                chunks.append(piece)
+                continue
+            pending.append(piece)
+            have += take
+            if have == size:
+                chunks.append(b"".join(pending))
+                pending, have = [], 0
+    if pending:
+        chunks.append(pending[0] if len(pending) == 1 else b"".join(pending))
+    return chunks
