@@ -241,3 +241,13 @@ def test_stored_and_moved_state_is_read_at_any_context_that_holds_it(preset: str
     assert shorter.sessions() == ["short"]
     assert greedy(shorter, "short", 5) == greedy(ref, "short", 5)
     assert (store / "long.session").exists()  # left for a worker whose context holds it
+
+
+def test_an_unloaded_engine_lets_go_of_its_store(tmp_path: Path) -> None:
+    """Each engine with a store held the store's lock descriptor open for good: loads and unloads in one process (a
+    worker reloading, the tests) added one each. Now unload closes it, and another process may take the store."""
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        e = load(HYB, session_store=tmp_path)
+        e.unload()
+    assert len(os.listdir("/proc/self/fd")) == fds

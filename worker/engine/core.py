@@ -189,6 +189,8 @@ class Engine:
         self._mailboxes.clear()
         if self.checkpoints is not None:
             self.checkpoints.clear()
+        if self.hibernation is not None:
+            self.hibernation.close()
         self.executor = _Closed()
         self.table.close()
         del self.model

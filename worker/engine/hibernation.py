@@ -131,6 +131,12 @@ class Hibernation:
             self.store.mkdir(parents=True, exist_ok=True)
             self._lock_fd = _lock_store(self.store)
 
+    def close(self) -> None:
+        """Let go of the store (its lock goes with the descriptor): the engine is being unloaded."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     @property
     def enabled(self) -> bool:
         return self.host_limit_bytes > 0 or self.store is not None
