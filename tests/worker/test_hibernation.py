@@ -251,3 +251,19 @@ def test_an_unloaded_engine_lets_go_of_its_store(tmp_path: Path) -> None:
         e = load(HYB, session_store=tmp_path)
         e.unload()
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_session_no_file_can_name_hibernates_where_others_can_spill(tmp_path: Path) -> None:
+    """Host memory for one and a half sessions, and a store: a session whose id names no file hibernates into host
+    memory, the storable copy there spilling to disk for it (it stayed resident: the host's count charged it for a
+    copy that could go)."""
+    e = load(HYB, host_cache_bytes=int(1.5 * load(HYB).table.spec.bytes_for(20)), session_store=tmp_path)
+    for sid, first in (("s", 10), ("n/1", 40)):
+        e.create_session(sid)
+        e.append(sid, token_ids=list(range(first, first + 20)))
+        greedy(e, sid, 1)
+        assert e.checkpoints is not None
+        e.checkpoints.drop(sid)
+    assert e.hibernate("s") and "s" in e.hibernation.host  # type: ignore[union-attr]
+    assert e.hibernate("n/1")
+    assert "n/1" in e.hibernation.host and "s" in e.hibernation.disk  # type: ignore[union-attr]

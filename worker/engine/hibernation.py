@@ -126,6 +126,7 @@ class Hibernation:
         self.disk: dict[str, Stored] = {}
         self.host_bytes = 0
         self.host_checkpoint_bytes = 0  # of host_bytes: checkpoints', which make room for a session's state
+        self.host_storable_bytes = 0  # of host_bytes: states a store can take (they spill to make room)
         self._lock_fd: int | None = None  # held open while this process lives: closing it would release the lock
         if self.store is not None:
             self.store.mkdir(parents=True, exist_ok=True)
@@ -155,8 +156,9 @@ class Hibernation:
     def admissible(self, sessions: Iterable[tuple[str, int]]) -> int:
         """How many of these sessions (id, state bytes) could hibernate one after another, each kept where `put`
         keeps it: a session the store can name costs the host nothing for long (its copy spills to disk); another
-        stays in host memory, within its limit, which checkpoints there give up for it."""
-        host, count = self.host_bytes - self.host_checkpoint_bytes, 0
+        stays in host memory, within its limit, which checkpoints and storable copies there give up for it."""
+        host = self.host_bytes - self.host_checkpoint_bytes - (self.host_storable_bytes if self.store is not None else 0)
+        count = 0
         for session_id, nbytes in sessions:
             cost = 0 if self.store is not None and storable_id(session_id) else nbytes
             if host + cost <= self.host_limit_bytes or cost == 0:
@@ -289,11 +291,13 @@ class Hibernation:
         self.host[stored.session_id] = stored
         self.host_bytes += stored.held
         self.host_checkpoint_bytes += stored.checkpoint_bytes
+        self.host_storable_bytes += stored.nbytes if storable_id(stored.session_id) else 0
 
     def _host_remove(self, stored: Stored) -> None:
         """Its bytes out of the host's count (the caller takes it out of `host`, or adds it back changed)."""
         self.host_bytes -= stored.held
         self.host_checkpoint_bytes -= stored.checkpoint_bytes
+        self.host_storable_bytes -= stored.nbytes if storable_id(stored.session_id) else 0
 
     def _path(self, session_id: str, suffix: str = SUFFIX) -> Path:
         assert self.store is not None
