@@ -331,10 +331,8 @@ def test_a_growing_session_gives_its_own_checkpoints_before_anyone_hibernates() 
 
 def test_a_moved_checkpoint_that_cannot_be_loaded_leaves_the_session_in(model: Model,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The checkpoint is a shortcut: a failure loading it (a copy error) leaves the moved session imported without
-    one, no slot held for it, rather than a session the move reports failed."""
-    from worker.engine.checkpoints import Checkpoints
-
+    """The checkpoint is a shortcut: a failure copying it in (its slot's state, 0 positions) leaves the moved session
+    imported without one, no slot held for it, rather than a session the move reports failed."""
     source = load(model)
     prompt = model.prompts[1]
     sid = source.create_session("m")
@@ -342,15 +340,40 @@ def test_a_moved_checkpoint_that_cannot_be_loaded_leaves_the_session_in(model: M
     snapshot = source.export_session(sid, checkpoint=True)
     assert snapshot is not None and snapshot.checkpoint is not None
     target = load(model)
-    real = Checkpoints.load
+    real = target.table.load_prefix
 
-    def failing(self: Checkpoints, session_id: str, at: int, state: torch.Tensor) -> bool:
-        real(self, session_id, at, state)
-        raise RuntimeError("copy failed")
+    def failing(slot: int, tokens: int, state: torch.Tensor) -> None:
+        real(slot, tokens, state)
+        if tokens == 0:
+            raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(Checkpoints, "load", failing)
+    monkeypatch.setattr(target.table, "load_prefix", failing)
     assert target.import_session(snapshot, snapshot.digest()) == sid
     assert target.table.live == 1 and target.checkpoints is not None and len(target.checkpoints) == 0
     assert regenerate(target, sid, prompt, 5) == (0, answer)
     target.unload()
     source.unload()
+
+
+def test_a_restored_checkpoint_that_cannot_be_loaded_leaves_the_session_restored(
+        model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a restore from hibernation: the session is back in its slot, its host copy let go, and its next
+    regenerate computes the prompt again."""
+    engine = load(model)
+    prompt = model.prompts[1]
+    sid = engine.create_session()
+    answer = answered(engine, sid, prompt, 5)
+    assert engine.hibernate(sid)
+    real = engine.table.load_prefix
+
+    def failing(slot: int, tokens: int, state: torch.Tensor) -> None:
+        real(slot, tokens, state)
+        if tokens == 0:
+            raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(engine.table, "load_prefix", failing)
+    engine.restore(sid)
+    assert engine.is_resident(sid) and sid not in engine.hibernation.host  # type: ignore[union-attr]
+    assert engine.table.live == 1 and engine.checkpoints is not None and len(engine.checkpoints) == 0
+    assert regenerate(engine, sid, prompt, 5) == (0, answer)
+    engine.unload()

@@ -137,11 +137,17 @@ class Checkpoints:
 
     def load(self, session_id: str, at: int, state: torch.Tensor) -> bool:
         """A restored or moved session's checkpoint, `state` being what `save` took when it held `at` tokens, where
-        `reserve` finds it a slot (False where it does not: the session comes back without one)."""
+        `reserve` finds it a slot. False where it does not, or the copy fails (a checkpoint is a shortcut: the
+        session comes back without one)."""
         cp = self.reserve(session_id, at)
         if cp is None:
             return False
-        self.table.load_prefix(cp.slot, 0, state)
+        try:
+            self.table.load_prefix(cp.slot, 0, state)
+        except Exception:  # noqa: BLE001  (its slot may hold part of the copy: let go of it)
+            log.exception("checkpoint_not_loaded", session=session_id)
+            self._detach(session_id, cp)
+            return False
         cp.at = at
         self.restored += 1
         return True

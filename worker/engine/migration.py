@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import structlog
 import torch
 import xxhash
 
@@ -36,8 +35,6 @@ from worker.errors import BadRequest, EngineError, SessionBusy
 # `engine` below is a worker.engine.core.Engine (not imported: core imports this module); these functions are its
 # export_session / check_import / import_session, kept here with the rest of what a move needs.
 Engine = Any
-
-log = structlog.get_logger(__name__)
 
 DIGEST_BYTES = 16
 
@@ -185,9 +182,5 @@ def import_session(engine: Engine, snapshot: Snapshot, digest: bytes) -> str:
     engine._lost.pop(s.session_id, None)
     engine._sessions[s.session_id] = Session(s.session_id, slot, list(s.tokens), s.computed, owner=s.owner)
     if s.checkpoint is not None and engine.checkpoints is not None:  # where one is taken (Checkpoints.reserve)
-        try:
-            engine.checkpoints.load(s.session_id, s.checkpoint_at, s.checkpoint)
-        except Exception:  # noqa: BLE001  (a checkpoint is a shortcut: the session is in, without one)
-            log.exception("moved_checkpoint_not_loaded", session=s.session_id)
-            engine.checkpoints.drop(s.session_id)
+        engine.checkpoints.load(s.session_id, s.checkpoint_at, s.checkpoint)
     return s.session_id
