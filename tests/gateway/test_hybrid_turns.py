@@ -70,6 +70,20 @@ def ask(url: str, messages: list[dict[str, str]], **extra: Any) -> Any:
                                                     temperature=0, max_tokens=6, extra_body=extra)
 
 
+def resumed(gateways: Gateways, url: str, messages: list[dict[str, str]], after: Any, reference: str) -> None:
+    """Ask `messages`, a turn resumed from the checkpoint the answer `after` left: its cached tokens are that answer's
+    prompt less "<think>\n", the worker computes exactly the rest, and the answer is a new session's (named
+    `reference`, which caches nothing)."""
+    before = gateways.prefilled()
+    answer = ask(url, messages)
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    assert cached == after.usage.prompt_tokens - THINK
+    assert gateways.prefilled() - before == answer.usage.prompt_tokens - cached
+    fresh = ask(url, messages, session_id=reference)
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert answer.choices[0].message.content == fresh.choices[0].message.content
+
+
 def test_turns_start_from_the_checkpoint_before_the_reasoning_prompt(hybrid: tuple[Gateways, str]) -> None:
     gateways, url = hybrid
     first_turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
@@ -77,23 +91,10 @@ def test_turns_start_from_the_checkpoint_before_the_reasoning_prompt(hybrid: tup
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     turns = [*first_turn, {"role": "assistant", "content": first.choices[0].message.content},
              {"role": "user", "content": "And of Spain?"}]
-    before = gateways.prefilled()
-    second = ask(url, turns)
-    cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached == first.usage.prompt_tokens - THINK
-    assert gateways.prefilled() - before == second.usage.prompt_tokens - cached
-    fresh = ask(url, turns, session_id="reference-turns")
-    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.choices[0].message.content == fresh.choices[0].message.content
+    resumed(gateways, url, turns, after=first, reference="reference-turns")
     # The last question edited: a fork of the session, which starts from its share of the first turn's checkpoint.
     edited = [*turns[:-1], {"role": "user", "content": "And of Italy?"}]
-    before = gateways.prefilled()
-    third = ask(url, edited)
-    cached = third.usage.prompt_tokens_details.cached_tokens
-    assert cached == first.usage.prompt_tokens - THINK
-    assert gateways.prefilled() - before == third.usage.prompt_tokens - cached
-    fresh = ask(url, edited, session_id="reference-edited")
-    assert third.choices[0].message.content == fresh.choices[0].message.content
+    resumed(gateways, url, edited, after=first, reference="reference-edited")
 
 
 def test_a_regenerate_starts_from_the_forks_share_of_the_checkpoint(hybrid: tuple[Gateways, str]) -> None:
@@ -189,12 +190,6 @@ def test_the_checkpoint_moves_with_its_session(folder: Path, tmp_path: Path) -> 
             assert metric(gateways.worker_metrics, "sessionserve:state_checkpoints_total", event="restored") == 1
             turns += [{"role": "assistant", "content": first.choices[0].message.content},
                       {"role": "user", "content": "And of Chile?"}]
-            before = gateways.prefilled()
-            second = ask(url, turns)
-            cached = second.usage.prompt_tokens_details.cached_tokens
-            assert cached == first.usage.prompt_tokens - THINK
-            assert gateways.prefilled() - before == second.usage.prompt_tokens - cached
-            fresh = ask(url, turns, session_id="reference-moved")
-            assert fresh.choices[0].message.content == second.choices[0].message.content
+            resumed(gateways, url, turns, after=first, reference="reference-moved")
         finally:
             gateways.close()
