@@ -466,7 +466,7 @@ class Router:
                                    or flight.addressed() != request.session_id):
             self._reused_id(route, request.request_id, flight)
             return
-        if flight is None and self._too_long(route, request, worker):
+        if flight is None and (self._too_long(route, request, worker) or self._unapplied(route, request, worker)):
             return
         sent_at = now if flight is None else flight.sent_at  # a resend does not move the deadline
         if isinstance(request, p.Fork):
@@ -496,6 +496,15 @@ class Router:
             return False
         self._error(route, request.request_id, p.ErrorCode.BAD_REQUEST,
                     f"{len(ids)} token ids exceed max_context {worker.max_context} of session {request.session_id}")
+        return True
+
+    def _unapplied(self, route: bytes, request: p.SessionRequest, worker: WorkerRecord) -> bool:
+        """Refuse logit_bias and penalties for a worker that would ignore them (one older than them says nothing of
+        them in its READY): answered as if applied, they would be silently wrong."""
+        if not isinstance(request, p.Generate) or not request.params.penalized or worker.penalties:
+            return False
+        self._error(route, request.request_id, p.ErrorCode.BAD_REQUEST,
+                    f"worker {worker.name} does not apply logit_bias or penalties (an older worker): upgrade it")
         return True
 
     def _unknown_session(self, route: bytes, request: p.SessionRequest, now: float, user: str) -> None:

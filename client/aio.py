@@ -343,7 +343,9 @@ class AsyncSession:
                        ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ..., from_start: bool = ...,
                        prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                        chat_template_kwargs: Mapping[str, Any] | None = ...,
-                       logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
+                       logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
+                 repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
+                 timeout: float | None = ...) -> Generation: ...
     @overload
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                        seed: int | None = ..., stop: str | Sequence[str] | None = ..., *,
@@ -351,7 +353,9 @@ class AsyncSession:
                        ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ..., from_start: bool = ...,
                        prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                        chat_template_kwargs: Mapping[str, Any] | None = ...,
-                       logprobs: int | None = ..., timeout: float | None = ...) -> AsyncStream: ...
+                       logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
+                 repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
+                 timeout: float | None = ...) -> AsyncStream: ...
 
     async def generate(
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -360,9 +364,12 @@ class AsyncSession:
         boundary_check: bool = False, from_start: bool = False,
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
-        timeout: float | None = None,
+        logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0, timeout: float | None = None,
     ) -> Generation | AsyncStream:
-        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
+                                logit_bias=logit_bias, repetition_penalty=repetition_penalty,
+                                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
         request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
                                          chat_template_kwargs, from_start)
         return await self._send_generate(request, timeout)

@@ -83,11 +83,18 @@ def chat_message(message: Mapping[str, str]) -> p.ChatMessage:
 def sampling(
     max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
     stop: str | Sequence[str] | None, stop_token_ids: Sequence[int], ignore_eos: bool, logprobs: int | None = None,
+    *, logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
 ) -> p.Sampling:
     stops = (stop,) if isinstance(stop, str) else () if stop is None else items("stop", stop)
+    if logit_bias is not None and not isinstance(logit_bias, Mapping):
+        raise BadRequest(f"logit_bias must be a map of token ids to numbers, got {type(logit_bias).__name__}")
+    bias = tuple(build(p.LogitBias, token=t, bias=b) for t, b in (logit_bias or {}).items())
     return build(
         p.Sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop=stops, stop_token_ids=items("stop_token_ids", stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs,
+        logit_bias=bias, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
     )
 
 

@@ -160,7 +160,9 @@ class Session:
                  boundary_check: bool = ..., from_start: bool = ...,
                  prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                  chat_template_kwargs: Mapping[str, Any] | None = ...,
-                 logprobs: int | None = ..., timeout: float | None = ...) -> Generation: ...
+                 logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
+                 repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
+                 timeout: float | None = ...) -> Generation: ...
     @overload
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., *, stream: Literal[True],
@@ -168,7 +170,9 @@ class Session:
                  boundary_check: bool = ..., from_start: bool = ...,
                  prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
                  chat_template_kwargs: Mapping[str, Any] | None = ...,
-                 logprobs: int | None = ..., timeout: float | None = ...) -> Stream: ...
+                 logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
+                 repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
+                 timeout: float | None = ...) -> Stream: ...
 
     def generate(
         self, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -177,7 +181,8 @@ class Session:
         boundary_check: bool = False, from_start: bool = False,
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
-        timeout: float | None = None,
+        logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0, timeout: float | None = None,
     ) -> Generation | Stream:
         """Continue the session. The generated tokens become part of it, so the next turn follows on.
 
@@ -188,6 +193,10 @@ class Session:
         prompt (on a session holding a conversation: what the template puts after its last answer).
         `logprobs=k`: each token's log-probability and the k most likely (0 <= k <= 20) in the result's
         `logprobs`. max_tokens 0 only computes the prompt (then fork it: each child computes one token).
+        `logit_bias` ({token id: number in [-100, 100]}, at most 300) is added to the logits, then
+        `repetition_penalty` (> 1 discourages the context's and the answer's tokens), `frequency_penalty` and
+        `presence_penalty` (in [-2, 2], over the answer so far) apply, as vLLM and OpenAI define them; log-probabilities
+        stay the model's.
         `from_start=True`: the prompt (or messages) is the session's whole context from its start, not a continuation:
         the session keeps what it holds that the prompt starts with, not computed again, and drops the rest, so that
         it holds exactly what a new session given that prompt would (edit a conversation, generate an answer again).
@@ -195,7 +204,9 @@ class Session:
         prompt tokens whose state was kept. A model with a recurrent state (Qwen3.5) can only keep everything its
         state has taken in, with the context going on past it: otherwise the session is computed again from its start.
         """
-        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
+        params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
+                                logit_bias=logit_bias, repetition_penalty=repetition_penalty,
+                                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
         request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
                                          chat_template_kwargs, from_start)
         return self._send_generate(request, timeout)

@@ -92,6 +92,7 @@ MAX_SESSIONS_LISTED: Final = 1 << 20
 MAX_ROUTE_BYTES: Final = 255  # ZeroMQ routing ids are 1..255 bytes
 MAX_CHUNKS: Final = 1 << 16  # requests in one CHUNKS message
 MAX_LOGPROBS: Final = 20  # top log-probabilities per token (Sampling.logprobs)
+MAX_LOGIT_BIAS: Final = 300  # tokens one request may bias (Sampling.logit_bias; OpenAI's limit)
 _MAX_TOKEN_ID: Final = 2**31 - 1
 MAX_TOKEN_BYTES: Final = 256  # bytes of one token in a log-probability entry
 MAX_MESSAGES: Final = 1 << 16  # chat turns in one GENERATE
@@ -300,6 +301,17 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
+class LogitBias:
+    """A number added to one token's logit before sampling (OpenAI's logit_bias entry)."""
+
+    token: Annotated[int, integer(0, _MAX_TOKEN_ID)]
+    bias: Annotated[float, number(-100.0, 100.0)]
+
+    def __post_init__(self) -> None:
+        _checked(self)
+
+
+@dataclass(frozen=True, slots=True)
 class Sampling:
     """How to generate. Mirrors worker.engine.sampling.SamplingParams; the engine checks the vocabulary."""
 
@@ -313,11 +325,27 @@ class Sampling:
     ignore_eos: Annotated[bool, boolean] = False
     # None: no log-probabilities; k: each generated token's and the k most likely ones (answers' `logprobs`)
     logprobs: Annotated[int | None, integer(0, MAX_LOGPROBS, optional=True)] = None
+    # Changes to the logits before sampling (worker.engine.penalties): a worker that does not apply them says so in
+    # its READY (`penalties` False), and the broker refuses a GENERATE with them there rather than have them ignored.
+    logit_bias: Annotated[tuple[LogitBias, ...], nested_list(LogitBias, MAX_LOGIT_BIAS)] = ()
+    repetition_penalty: Annotated[float, number(0.0, 10.0)] = 1.0  # > 0; 1 = none
+    frequency_penalty: Annotated[float, number(-2.0, 2.0)] = 0.0
+    presence_penalty: Annotated[float, number(-2.0, 2.0)] = 0.0
 
     def __post_init__(self) -> None:
         _checked(self)
         if self.top_p <= 0.0:
             raise _bad("top_p must be in (0, 1]")
+        if self.repetition_penalty <= 0.0:
+            raise _bad("repetition_penalty must be in (0, 10]")
+        if len({b.token for b in self.logit_bias}) != len(self.logit_bias):
+            raise _bad("logit_bias names a token twice")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether it changes the logits before sampling (a worker must say it can: Ready.penalties)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 \
+            or self.presence_penalty != 0.0
 
 
 class TokenLogprob(NamedTuple):
@@ -905,6 +933,7 @@ class Ready(Message):
     holders: Annotated[tuple[bytes, ...], blob_list(MAX_SESSIONS_LISTED, MAX_ROUTE_BYTES)] = ()
     evacuate: Annotated[bool, boolean] = False  # it drains and asks for its sessions to be moved (as Heartbeat's)
     checkpoints: Annotated[bool, boolean] = False  # it takes a moved session's recurrent-state checkpoint (MoveState's)
+    penalties: Annotated[bool, boolean] = False  # it applies Sampling's logit_bias and penalties
 
     def _check(self) -> None:
         if self.owners and len(self.owners) != len(self.sessions):

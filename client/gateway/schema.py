@@ -105,30 +105,33 @@ class _Common(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=p.MAX_LOGIT_BIAS)
     user: str | None = Field(default=None, max_length=256)
     # extensions
     session_id: str | None = None
     return_token_ids: bool = False
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # vLLM's
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=p.MAX_STOP_STRINGS)
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None, info: Any) -> float | None:
-        if value not in (None, 0, 0.0):
-            raise ValueError("not supported by this server: only 0")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value:
-            raise ValueError("not supported by this server")
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isascii() or not key.isdigit() or len(key) > 10 or int(key) > 2**31 - 1:
+                raise ValueError(f"keys must be token ids, got {key[:40]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return value
+
+    def penalties(self) -> dict[str, Any]:
+        """logit_bias and the penalties as the client library's generate takes them."""
+        return {"logit_bias": {int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0}
 
     @field_validator("stop")
     @classmethod
@@ -263,14 +266,19 @@ class Sampling:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     logprobs: int | None
+    penalties: dict[str, Any]  # logit_bias ({id: bias}) and the three penalties, by their names
 
     def params(self, max_context: int, index: int = 0) -> p.Sampling:
         """Choice `index` of n: its own seed (seed + index), so that n seeded choices differ."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
         try:
+            bias = tuple(p.LogitBias(t, b) for t, b in self.penalties["logit_bias"].items())
             return p.Sampling(max_tokens=self.max_tokens or max_context, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+                              ignore_eos=self.ignore_eos, logprobs=self.logprobs, logit_bias=bias,
+                              repetition_penalty=self.penalties["repetition_penalty"],
+                              frequency_penalty=self.penalties["frequency_penalty"],
+                              presence_penalty=self.penalties["presence_penalty"])
         except p.ProtocolError as e:
             raise bad_request(e.message) from e
 
@@ -283,7 +291,7 @@ def sampling(request: ChatRequest | CompletionRequest) -> Sampling:
     request.check_stream_options()
     return Sampling(limit, 1.0 if request.temperature is None else request.temperature,
                     1.0 if request.top_p is None else request.top_p, request.top_k or 0, request.seed, request.stops(),
-                    tuple(request.stop_token_ids or ()), request.ignore_eos, logprobs)
+                    tuple(request.stop_token_ids or ()), request.ignore_eos, logprobs, request.penalties())
 
 
 def parse(kind: type[ChatRequest] | type[CompletionRequest], body: Any) -> Any:

@@ -665,7 +665,9 @@ def _call_args(params: Any, new_part: NewPart | None) -> dict[str, Any]:
     args: dict[str, Any] = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
                             "top_k": params.top_k, "seed": params.seed, "stop": list(params.stop),
                             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
-                            "logprobs": params.logprobs}
+                            "logprobs": params.logprobs, "logit_bias": {b.token: b.bias for b in params.logit_bias},
+                            "repetition_penalty": params.repetition_penalty,
+                            "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty}
     if new_part is not None:
         if new_part.key != "messages" and not new_part.value:
             return args

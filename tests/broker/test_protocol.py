@@ -25,6 +25,9 @@ EXAMPLES: list[p.Message] = [
                                                                    seed=7, stop=("\n",), stop_token_ids=(2,)),
                stream=True, route=b"c1"),
     p.Generate(request_id="r4", session_id=SID, prompt_ids=(1, 2, 3)),
+    p.Generate(request_id="r4", session_id=SID, params=p.Sampling(
+        logit_bias=(p.LogitBias(5, -100.0), p.LogitBias(9, 2.5)), repetition_penalty=1.2, frequency_penalty=-0.5,
+        presence_penalty=2.0)),
     p.Generate(request_id="r4", session_id=SID, prompt="héllo", stream=True),
     p.Generate(request_id="r4", session_id=SID, prompt="héllo", boundary_check=True),
     p.Generate(request_id="r4", session_id=SID, messages=(p.ChatMessage(role="system", content="héllo"),), stream=True,
@@ -263,6 +266,14 @@ def test_unchecked_answers_equal_checked_ones_and_take_defaults() -> None:
 def test_messages_built_in_python_are_checked_too() -> None:
     with pytest.raises(p.ProtocolError, match="max_tokens"):
         p.Sampling(max_tokens=-1)
+    for bad, named in (({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, 10\]"),
+                       ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2.0, 2.0\]"),
+                       ({"logit_bias": (p.LogitBias(1, 1.0), p.LogitBias(1, 2.0))}, "logit_bias names a token twice"),
+                       ({"logit_bias": tuple(p.LogitBias(i, 1.0) for i in range(301))}, "logit_bias")):
+        with pytest.raises(p.ProtocolError, match=named):
+            p.Sampling(**bad)
+    with pytest.raises(p.ProtocolError, match="bias"):
+        p.LogitBias(1, 101.0)
     with pytest.raises(p.ProtocolError, match="session_id"):
         p.Info(request_id="r", session_id="ABC")
     assert p.Generated(request_id="r", session_id=SID, token_ids=[1, 2], text="", finish_reason="stop",  # type: ignore[arg-type]

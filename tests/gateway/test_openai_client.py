@@ -118,6 +118,29 @@ def test_n_choices_come_from_one_prefill(gateway: str, gateways: Gateways) -> No
     assert r.usage.completion_tokens == sum(len(ids) for ids in token_ids)
 
 
+def test_penalties_and_logit_bias_go_to_the_worker_as_the_native_clients_do(gateway: str, gateways: Gateways) -> None:
+    """OpenAI's presence and frequency penalties and vLLM's repetition_penalty change the greedy answer, which equals
+    the native client's with the same values; a logit bias of 100 on one token makes it every token."""
+    c = sync_client(gateway)
+    messages = [{"role": "user", "content": "Repeat after me: the cat, the cat, the cat, the cat."}]
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+
+    def answer(**extra: Any) -> list[int]:
+        r = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16,  # type: ignore[arg-type]
+                                      **extra)
+        return r.choices[0].model_extra["token_ids"]  # type: ignore[index]
+
+    plain = answer(extra_body={"return_token_ids": True})
+    penalized = answer(**penalties, extra_body={"return_token_ids": True, "repetition_penalty": 1.3})
+    assert penalized != plain
+    with Client(gateways.stack.clients, timeout=120) as native, native.session(MODEL) as s:
+        assert s.generate(messages=messages, max_tokens=16, repetition_penalty=1.3, presence_penalty=1.5,
+                          frequency_penalty=0.5).token_ids == penalized
+    comp = c.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5,
+                                logit_bias={"29": 100}, extra_body={"return_token_ids": True})
+    assert comp.choices[0].model_extra["token_ids"] == [29] * 5  # type: ignore[index]
+
+
 def _sse(url: str, body: dict[str, Any]) -> list[str]:
     request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -287,7 +310,8 @@ def test_errors_in_openais_shape(gateway: str) -> None:
     c = sync_client(gateway)
     messages = [{"role": "user", "content": "hi"}]
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"1000000": 5}}, "logit_bias"),  # past the vocabulary: the worker's refusal
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"temperature": 5}, "temperature"),

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from broker.common import protocol as p
 from client.aio import AsyncClient, AsyncSession
 from client.errors import (
     BadRequest,
@@ -162,8 +163,13 @@ def test_chat_parameters_map_to_sampling() -> None:
     s = schema.sampling(parse_chat(max_completion_tokens=7, temperature=0, top_p=0.5, seed=3, stop=["x"], logprobs=True,
                                    top_logprobs=4, top_k=5, ignore_eos=True, stop_token_ids=[9], n=2, user="u",
                                    tool_choice="none", response_format={"type": "text"}, presence_penalty=0))
-    assert s == schema.Sampling(7, 0.0, 0.5, 5, 3, ("x",), (9,), True, 4)
-    assert s.params(100, 1).seed == 4 and s.params(100).max_tokens == 7
+    plain = {"logit_bias": {}, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    assert s == schema.Sampling(7, 0.0, 0.5, 5, 3, ("x",), (9,), True, 4, plain)
+    assert s.params(100, 1).seed == 4 and s.params(100).max_tokens == 7 and not s.params(100).penalized
+    penalized = schema.sampling(parse_chat(presence_penalty=1.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                                           logit_bias={"5": 2, "17": -100})).params(100, 1)
+    assert (penalized.presence_penalty, penalized.frequency_penalty, penalized.repetition_penalty) == (1.5, -0.5, 1.2)
+    assert penalized.logit_bias == (p.LogitBias(5, 2.0), p.LogitBias(17, -100.0))
     assert schema.sampling(parse_chat()).params(100).max_tokens == 100  # no limit: the session's context
     turns = parse_chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                                  {"role": "user", "content": "c"}]).turns()
@@ -175,8 +181,13 @@ def test_chat_parameters_map_to_sampling() -> None:
     ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
     ({"temperature": "1"}, "temperature", "valid number"),
     ({"n": 0}, "n", "greater than or equal to 1"),
-    ({"frequency_penalty": 1.0}, "frequency_penalty", "not supported"),
-    ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "less than or equal to 2"),
+    ({"presence_penalty": -3}, "presence_penalty", "greater than or equal to -2"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids, got 'x'"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "keys must be token ids"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "values must be in [-100, 100], got 101.0 for token 5"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "tools are not supported"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name", "None"),
     ({"messages": []}, "messages", "at least 1"),

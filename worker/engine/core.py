@@ -45,6 +45,7 @@ from worker.engine.detokenizer import Detokenizer
 from worker.engine.executor import Executor
 from worker.engine.hibernation import Hibernation, SessionLost, Stored
 from worker.engine.options import EngineOptions
+from worker.engine.penalties import Penalties
 from worker.engine.sampling import RowRandom, SamplingParams, sample_ids, step_logprobs
 from worker.engine.scheduler import StepPlan, schedule
 from worker.engine.session import NO_SLOT, Chunk, Generation, Launched, Request, Session, TokenLogprob, common_prefix
@@ -114,6 +115,8 @@ class Engine:
         self._rewritable = table.spec.positional
         # A recurrent state's checkpoints before each generation's last prompt token (worker.engine.checkpoints).
         self.checkpoints = None if self._rewritable else Checkpoints(table)
+        self.penalties: Penalties | None = None  # logit bias and penalties' rows: made for the first request asking
+        self.applies_penalties = True  # (READY says so: the broker sends requests with them only to such workers)
         self._starved: list[Request] = []  # requests whose session could not get its next pages: they end "capacity"
         self.hibernation: Hibernation | None = None  # set by enable_hibernation
         self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose stored state was lost
@@ -511,6 +514,10 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids)
         request = Request(rid, session, params, RowRandom.for_params(params), Detokenizer(self.tokenizer, params.stop), stop_ids)
         self._resident(session)  # a hibernated session is restored first: refused whole if it cannot be
+        if params.penalized and params.max_tokens:  # (the last refusal: nothing is changed before it)
+            if self.penalties is None:
+                self.penalties = Penalties(self.model.config.vocab_size, self.model.device)
+            request.penalty_row = self.penalties.open(params, ids if from_start else [*session.tokens, *ids])
         session.used_at = time.monotonic()
         if from_start:
             same = common_prefix(session.tokens, ids)
@@ -620,6 +627,7 @@ class Engine:
             if not self._rewritable:  # the failed steps may have advanced their sessions' state: rebuild it
                 self._forget_state([*self._active.values(), *self._rows_of(self._unread), *self._rows_of(self._ahead)])
             self._unread = self._ahead = None  # nothing of a failed step is kept: its requests run it again
+            self._recount()  # nor its samples' counts
             # The ends made between steps belong to no step: they come with the next call, not lost with this one.
             self._finished = outside + self._finished
             raise
@@ -700,7 +708,14 @@ class Engine:
                     self.checkpoints.take(cp, request.session.slot, start + n)
         sampled, positions = plan.sampled()
         params = [r.params for r in sampled]
-        ids = sample_ids(logits, params, [r.random for r in sampled])
+        penalized = [i for i, r in enumerate(sampled) if r.penalty_row is not None]
+        if penalized:
+            assert self.penalties is not None
+            rows = self.penalties.rows_of(penalized, [sampled[i].penalty_row for i in penalized])  # type: ignore[misc]
+            ids = sample_ids(self.penalties.apply(logits, rows), params, [r.random for r in sampled])
+            self.penalties.count(ids, rows)  # before the step launched next samples (worker.engine.penalties)
+        else:
+            ids = sample_ids(logits, params, [r.random for r in sampled])
         logprobs = step_logprobs(logits, ids, params)  # None unless a request asked: nothing more per step
         step, self.steps = self.steps, self.steps + 1
         if ids.device.type != "cuda":
@@ -847,6 +862,9 @@ class Engine:
         self._finished.append(Chunk(request.id, request.session.id, [], request.detok.take(True), "cancelled"))
 
     def _retire(self, request: Request) -> None:
+        if request.penalty_row is not None and self.penalties is not None:
+            self.penalties.close(request.penalty_row)
+            request.penalty_row = None
         request.session.request = None
         request.session.used_at = time.monotonic()
         self._active.pop(request.id, None)
@@ -879,6 +897,16 @@ class Engine:
                     end = position + 1
                     fed_dropped = sample_dropped
         return end
+
+    def _recount(self) -> None:
+        """The penalized requests' rows from the tokens accepted (after a failed step: its samples are not)."""
+        if self.penalties is None:
+            return
+        for request in self._active.values():
+            if request.penalty_row is not None:
+                tokens = request.session.tokens
+                start = len(tokens) - request.generated
+                self.penalties.rebuild(request.penalty_row, tokens[:start], tokens[start:])
 
     @staticmethod
     def _rows_of(launched: Launched | None) -> list[Request]:

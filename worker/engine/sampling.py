@@ -13,6 +13,7 @@ report them.
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
 from dataclasses import dataclass, field
@@ -28,6 +29,10 @@ MAX_STOP_STRING_CHARS = 256
 MIN_TEMPERATURE = 1e-5  # sampling below this is greedy
 MAX_TOP_K = 2**31 - 1  # as the protocol bounds it (a larger one passes no tensor of the step)
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit)
+MAX_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2] (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+MAX_LOGIT_BIAS_VALUE = 100.0  # a bias lies in [-100, 100] (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, like EOS (not returned)
     ignore_eos: bool = False  # keep going past EOS (benchmarks that need a fixed length)
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (k <= 20)
+    # worker.engine.penalties: added to the logits (token id, bias), then the penalties (vLLM's and OpenAI's meanings)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0  # > 1 discourages every token of the context and the answer so far
+    frequency_penalty: float = 0.0  # subtracted once for each time a token is in the answer so far
+    presence_penalty: float = 0.0  # subtracted once if a token is in the answer so far
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed before sampling (the request then holds a row of the penalties' pool)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 \
+            or self.presence_penalty != 0.0
 
     def validate(self, vocab_size: int) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -65,6 +81,30 @@ class SamplingParams:
         lp = self.logprobs
         if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
             raise BadRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {lp!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise BadRequest(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        rp = self.repetition_penalty
+        if not _number(rp) or not 0.0 < rp <= MAX_REPETITION_PENALTY:
+            raise BadRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rp!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        seen: set[int] = set()
+        for entry in self.logit_bias:
+            token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise BadRequest(f"logit_bias keys must be token ids in [0, {vocab_size}), got {token!r}")
+            if token in seen:
+                raise BadRequest(f"logit_bias names token {token} twice")
+            seen.add(token)
+            if not _number(bias) or not -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE:
+                raise BadRequest(f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], "
+                                 f"got {bias!r} for token {token}")
+
+
+def _number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 @dataclass
@@ -105,16 +145,16 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], randoms: list
     sampled = [i for i, p in enumerate(params) if p.temperature >= MIN_TEMPERATURE]
     if sampled:
         dev = logits.device
-        rows = _upload(sampled, torch.long, dev)
-        u = _upload([randoms[i].uniform() for i in sampled], torch.float64, dev)
-        temps = _upload([params[i].temperature for i in sampled], torch.float32, dev)
-        top_k = _upload([params[i].top_k for i in sampled], torch.long, dev)
-        top_p = _upload([params[i].top_p for i in sampled], torch.float64, dev)
+        rows = upload(sampled, torch.long, dev)
+        u = upload([randoms[i].uniform() for i in sampled], torch.float64, dev)
+        temps = upload([params[i].temperature for i in sampled], torch.float32, dev)
+        top_k = upload([params[i].top_k for i in sampled], torch.long, dev)
+        top_p = upload([params[i].top_p for i in sampled], torch.float64, dev)
         out[rows] = _sample_rows(logits[rows] / temps[:, None], u, top_k, top_p)
     return out
 
 
-def _upload(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def upload(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on `device`. On a GPU through pinned memory: the copy queues behind the
     running step instead of waiting for it (a copy from pageable memory synchronises the host)."""
     t = torch.tensor(values, dtype=dtype)
@@ -181,7 +221,7 @@ def step_logprobs(logits: torch.Tensor, ids: torch.Tensor, params: list[Sampling
     if not rows:
         return None
     k = max(params[i].logprobs or 0 for i in rows)
-    picked = _upload(rows, torch.long, logits.device)
+    picked = upload(rows, torch.long, logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, picked).double(), dim=-1)  # (n, V) float64
     chosen = logprobs.gather(1, ids.index_select(0, picked)[:, None])[:, 0].float()
     if k:

@@ -59,6 +59,7 @@ class Request:
     # boundary whether a checkpoint is taken or not), and the slot the state there is copied into (None: no room).
     checkpoint_at: int | None = None
     checkpoint: Checkpoint | None = None
+    penalty_row: int | None = None  # its row of the engine's Penalties, where its parameters change the logits
 
 
 NO_SLOT = -1  # a hibernated session's slot

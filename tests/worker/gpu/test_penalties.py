@@ -1,0 +1,76 @@
+"""Logit bias and the penalties on the GPU, where the engine runs a step ahead: each step's samples are counted on the
+device before the step launched after it samples (the CPU tests check the numbers against transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.penalties import Penalties
+from worker.engine.sampling import SamplingParams
+
+from .device import needs_cuda
+from .references import TOKENS, Reference, open_with
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:triton")
+
+PENALIZED: dict[str, object] = {"max_tokens": TOKENS, "ignore_eos": True, "frequency_penalty": 1.2,
+                                "presence_penalty": 0.6, "repetition_penalty": 1.4}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_penalized_tokens_are_the_same_run_ahead_or_step_by_step_alone_or_batched(
+        gpu_engine: object, references: list[Reference]) -> None:
+    from worker.engine import Engine
+
+    engine = gpu_engine
+    assert isinstance(engine, Engine) and engine.overlap
+
+    def run(prompts: list[list[int]], overlap: bool) -> list[list[int]]:
+        engine.overlap = overlap
+        try:
+            sids = [open_with(engine, prompt) for prompt in prompts]
+            results = engine.generate_many([(sid, PENALIZED) for sid in sids])
+            for sid in sids:
+                engine.close(sid)
+        finally:
+            engine.overlap = True
+        return [r.token_ids for r in results]
+
+    prompts = [r.prompt for r in references[:4]]
+    step_by_step = [run([prompt], False)[0] for prompt in prompts]
+    assert [run([prompt], True)[0] for prompt in prompts] == step_by_step
+    assert run(prompts, True) == step_by_step
+    assert step_by_step != [r.tokens for r in references[:4]]  # the penalties changed the greedy answers
+    assert engine.penalties is not None and engine.penalties.held == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_logit_bias_of_100_makes_a_token_every_token(gpu_engine: object, references: list[Reference]) -> None:
+    from worker.engine import Engine
+
+    assert isinstance(gpu_engine, Engine)
+    sid = open_with(gpu_engine, references[0].prompt)
+    assert gpu_engine.generate(sid, max_tokens=8, ignore_eos=True, logit_bias=((4321, 100.0),)).token_ids == [4321] * 8
+    gpu_engine.close(sid)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_pool_gives_the_cpus_bits() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn((6, 1000), generator=gen) * 8
+    answers = [torch.randint(0, 1000, (40,), generator=gen).tolist() for _ in range(6)]
+    contexts = [torch.randint(0, 1000, (200,), generator=gen).tolist() for _ in range(6)]
+    params = [SamplingParams(repetition_penalty=0.5 + 0.3 * i, frequency_penalty=0.4 * i - 1.0,
+                             presence_penalty=1.0 - 0.3 * i, logit_bias=((7 * i, 3.5 * i - 9.0),)) for i in range(6)]
+    out = []
+    for device in ("cpu", "cuda"):
+        pool = Penalties(1000, torch.device(device))
+        rows = [pool.open(p, c) for p, c in zip(params, contexts, strict=True)]
+        for row, answer in zip(rows, answers, strict=True):
+            pool.rebuild(row, contexts[row], answer)
+        out.append(pool.apply(logits.to(device), pool.rows_of([5, 0, 3], [rows[1], rows[4], rows[2]])).cpu())
+    assert torch.equal(out[0], out[1])
