@@ -253,6 +253,20 @@ def test_the_pool_grows_keeps_rows_and_builds_a_row_again_as_counted() -> None:
     assert pool.counts[rows[2]].sum() == 0 and not pool.context[rows[2]].any() and pool.bias[rows[2]].sum() == 0
 
 
+def test_the_engine_takes_logit_bias_as_a_map_or_as_pairs(engine: Engine, folder: Folder,
+                                                           expected: dict[str, list[list[int]]]) -> None:
+    bias = CASES["logit bias"]["logit_bias"]
+    for given in (dict(bias), [list(pair) for pair in bias]):
+        sid = opened(engine, folder.prompts[0])
+        assert engine.generate(sid, max_tokens=NEW, ignore_eos=True, logit_bias=given).token_ids == \
+            expected["logit bias"][0]
+        engine.close(sid)
+    sid = opened(engine, folder.prompts[0])
+    with pytest.raises(BadRequest, match=re.escape("logit_bias entries must be (token id, bias) pairs, got 5")):
+        engine.generate(sid, max_tokens=2, logit_bias=[5])
+    engine.close(sid)
+
+
 def test_a_request_without_them_takes_no_row(engine: Engine, folder: Folder) -> None:
     sid = opened(engine, folder.prompts[0])
     held = 0 if engine.penalties is None else engine.penalties.held

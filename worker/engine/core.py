@@ -194,6 +194,7 @@ class Engine:
             self.checkpoints.clear()
         if self.hibernation is not None:
             self.hibernation.close()
+        self.penalties = None
         self.executor = _Closed()
         self.table.close()
         del self.model
@@ -1133,6 +1134,11 @@ def _params(kwargs: dict[str, object]) -> SamplingParams:
     stop = kwargs.pop("stop", None)
     if isinstance(stop, str):
         stop = (stop,)
+    bias = kwargs.get("logit_bias")
+    if isinstance(bias, Mapping):  # {token id: bias}, as OpenAI's logit_bias
+        kwargs["logit_bias"] = tuple(bias.items())
+    elif isinstance(bias, (list, tuple)):  # (token id, bias) pairs
+        kwargs["logit_bias"] = tuple(tuple(e) if isinstance(e, (list, tuple)) else e for e in bias)
     try:
         return SamplingParams(stop=tuple(stop or ()), **kwargs)  # type: ignore[arg-type]
     except TypeError as e:

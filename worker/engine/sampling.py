@@ -92,7 +92,9 @@ class SamplingParams:
             raise BadRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         seen: set[int] = set()
         for entry in self.logit_bias:
-            token, bias = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, None)
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise BadRequest(f"logit_bias entries must be (token id, bias) pairs, got {entry!r:.80}")
+            token, bias = entry
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
                 raise BadRequest(f"logit_bias keys must be token ids in [0, {vocab_size}), got {token!r}")
             if token in seen:
