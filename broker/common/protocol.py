@@ -328,7 +328,7 @@ class Sampling:
     # Changes to the logits before sampling (worker.engine.penalties): a worker that does not apply them says so in
     # its READY (`penalties` False), and the broker refuses a GENERATE with them there rather than have them ignored.
     logit_bias: Annotated[tuple[LogitBias, ...], nested_list(LogitBias, MAX_LOGIT_BIAS)] = ()
-    repetition_penalty: Annotated[float, number(0.0, 10.0)] = 1.0  # > 0; 1 = none
+    repetition_penalty: Annotated[float, number(0.01, 10.0)] = 1.0  # 1 = none
     frequency_penalty: Annotated[float, number(-2.0, 2.0)] = 0.0
     presence_penalty: Annotated[float, number(-2.0, 2.0)] = 0.0
 
@@ -336,8 +336,6 @@ class Sampling:
         _checked(self)
         if self.top_p <= 0.0:
             raise _bad("top_p must be in (0, 1]")
-        if self.repetition_penalty <= 0.0:
-            raise _bad("repetition_penalty must be in (0, 10]")
         if len({b.token for b in self.logit_bias}) != len(self.logit_bias):
             raise _bad("logit_bias names a token twice")
 

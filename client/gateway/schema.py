@@ -113,16 +113,20 @@ class _Common(_Strict):
     session_id: str | None = None
     return_token_ids: bool = False
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # vLLM's
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)  # vLLM's (smaller overflows a logit)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=p.MAX_STOP_STRINGS)
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        seen: set[int] = set()
         for key, bias in (value or {}).items():
             if not key.isascii() or not key.isdigit() or len(key) > 10 or int(key) > 2**31 - 1:
                 raise ValueError(f"keys must be token ids, got {key[:40]!r}")
+            if int(key) in seen:
+                raise ValueError(f"token {int(key)} is named twice")
+            seen.add(int(key))
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return value

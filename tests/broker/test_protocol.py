@@ -266,7 +266,7 @@ def test_unchecked_answers_equal_checked_ones_and_take_defaults() -> None:
 def test_messages_built_in_python_are_checked_too() -> None:
     with pytest.raises(p.ProtocolError, match="max_tokens"):
         p.Sampling(max_tokens=-1)
-    for bad, named in (({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, 10\]"),
+    for bad, named in (({"repetition_penalty": 0.0}, r"repetition_penalty must be in \[0.01, 10.0\]"),
                        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2.0, 2.0\]"),
                        ({"logit_bias": (p.LogitBias(1, 1.0), p.LogitBias(1, 2.0))}, "logit_bias names a token twice"),
                        ({"logit_bias": tuple(p.LogitBias(i, 1.0) for i in range(301))}, "logit_bias")):

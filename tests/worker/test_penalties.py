@@ -212,7 +212,11 @@ def test_a_seeded_sample_with_penalties_is_the_same_in_any_batch(engine: Engine,
 @pytest.mark.parametrize(("change", "named"), [
     ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty must be in [-2, 2]"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 10]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in [0.01, 10]"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty must be in [0.01, 10]"),  # would overflow a logit to inf
+    ({"presence_penalty": 10**400}, "presence_penalty must be in [-2, 2]"),
+    ({"logit_bias": None}, "logit_bias must be (token id, bias) pairs, got NoneType"),
+    ({"logit_bias": ((5, 10**400),)}, "logit_bias values must be in [-100, 100]"),
     ({"logit_bias": ((1000, 1.0),)}, "logit_bias keys must be token ids in [0, 259)"),
     ({"logit_bias": ((5, 1.0), (5, 2.0))}, "logit_bias names token 5 twice"),
     ({"logit_bias": ((5, 101.0),)}, "logit_bias values must be in [-100, 100]"),

@@ -20,7 +20,9 @@ accepted, the rows are built again from the tokens the host accepted (`rebuild`)
 
 Each row's numbers come from its own request only, elementwise, so a session's tokens do not depend on which other
 sessions share the step. The pool grows by doubling (a row is 9 bytes a vocabulary entry: 2.2 MB for a 248k
-vocabulary) and its rows are reused; it is made on the first request that asks.
+vocabulary) and its rows are reused; it is made on the first request that asks and never shrinks. A growth that would
+leave less than GROWTH_MARGIN of device memory free is refused (CapacityExhausted): the request is refused, the steps
+go on.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from worker.engine.sampling import SamplingParams, upload
 from worker.errors import CapacityExhausted
 
 FIRST_ROWS = 4
+GROWTH_MARGIN = 512 << 20  # device memory a growth leaves free for the steps' own allocations
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,12 @@ class Penalties:
 
     def _grow(self) -> None:
         rows = max(FIRST_ROWS, 2 * self.rows)
+        need = rows * self._row_bytes()
+        if self.device.type == "cuda":  # the steps' own allocations must still fit beside it
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if free < need + GROWTH_MARGIN:
+                raise CapacityExhausted(f"no device memory for {rows} requests' penalties and logit bias "
+                                        f"({need >> 20} MiB with {free >> 20} MiB free)")
         try:
             counts = torch.zeros((rows, self.vocab_size), dtype=torch.int32, device=self.device)
             context = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=self.device)
@@ -142,10 +151,13 @@ class Penalties:
             factors = torch.zeros((rows, 3), dtype=torch.float32, device=self.device)
         except torch.OutOfMemoryError as e:
             raise CapacityExhausted(f"no device memory for {rows} requests' penalties and logit bias "
-                                    f"({rows * self.vocab_size * 9 >> 20} MiB)") from e
+                                    f"({need >> 20} MiB)") from e
         for new, old in ((counts, self.counts), (context, self.context), (bias, self.bias), (factors, self.factors)):
             new[: self.rows].copy_(old)
         self.counts, self.context, self.bias, self.factors = counts, context, bias, factors
         self._free.extend(range(rows - 1, self.rows - 1, -1))  # the lowest first
         self.rows = rows
+
+    def _row_bytes(self) -> int:
+        return self.vocab_size * (4 + 1 + 4) + 3 * 4  # counts, context, bias; factors
 

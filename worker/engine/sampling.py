@@ -31,6 +31,7 @@ MAX_TOP_K = 2**31 - 1  # as the protocol bounds it (a larger one passes no tenso
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit)
 MAX_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2] (OpenAI's range)
 MAX_REPETITION_PENALTY = 10.0
+MIN_REPETITION_PENALTY = 0.01  # a smaller one overflows a seen token's logit to infinity (then NaN probabilities)
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_LOGIT_BIAS_VALUE = 100.0  # a bias lies in [-100, 100] (OpenAI's range)
 
@@ -86,8 +87,11 @@ class SamplingParams:
             if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise BadRequest(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         rp = self.repetition_penalty
-        if not _number(rp) or not 0.0 < rp <= MAX_REPETITION_PENALTY:
-            raise BadRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {rp!r}")
+        if not _number(rp) or not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+            raise BadRequest(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {rp!r}")
+        if not isinstance(self.logit_bias, tuple):
+            raise BadRequest(f"logit_bias must be (token id, bias) pairs, got {type(self.logit_bias).__name__}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise BadRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         seen: set[int] = set()
@@ -106,7 +110,13 @@ class SamplingParams:
 
 
 def _number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    """A finite int or float (an int too large for a float is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass

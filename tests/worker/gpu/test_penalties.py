@@ -74,3 +74,17 @@ def test_gpu_pool_gives_the_cpus_bits() -> None:
             pool.rebuild(row, contexts[row], answer)
         out.append(pool.apply(logits.to(device), pool.rows_of([5, 0, 3], [rows[1], rows[4], rows[2]])).cpu())
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_pool_refuses_a_growth_that_would_leave_too_little_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.engine.penalties as penalties
+    from worker.errors import CapacityExhausted
+
+    free, _ = torch.cuda.mem_get_info()
+    monkeypatch.setattr(penalties, "GROWTH_MARGIN", free)  # whatever the rows take, less than this is left
+    pool = Penalties(1000, torch.device("cuda"))
+    with pytest.raises(CapacityExhausted, match="no device memory for 4 requests' penalties"):
+        pool.open(SamplingParams(presence_penalty=1.0), [1, 2])
+    assert pool.rows == 0 and pool.held == 0
