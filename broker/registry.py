@@ -54,7 +54,7 @@ class WorkerRecord:
     closing: set[str] = field(default_factory=set)
     bytes_per_session: int = 0
     checkpoints: bool = False  # it takes moved sessions' recurrent-state checkpoints
-    penalties: bool = False  # it applies a GENERATE's logit_bias and penalties (older workers ignored them)
+    sampling_extras: bool = False  # it applies Sampling's extras: logit_bias ... min_tokens (older workers ignore them)
     seen_at: float = 0.0  # when the broker last heard from it (monotonic)
     cordoned: bool = False  # `broker drain`: no new session is placed here (kept while the worker stays registered)
 
@@ -117,7 +117,7 @@ class Registry:
         record.device, record.draining = ready.device, ready.draining
         record.bytes_per_session = ready.bytes_per_session
         record.checkpoints = ready.checkpoints
-        record.penalties = ready.penalties
+        record.sampling_extras = ready.sampling_extras
         record.seen_at = now
         for sid in list(record.sessions):
             self._forget(sid)

@@ -345,6 +345,7 @@ class AsyncSession:
                        chat_template_kwargs: Mapping[str, Any] | None = ...,
                        logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
                  repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
+                 min_p: float = ..., min_tokens: int = ...,
                  timeout: float | None = ...) -> Generation: ...
     @overload
     async def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
@@ -355,6 +356,7 @@ class AsyncSession:
                        chat_template_kwargs: Mapping[str, Any] | None = ...,
                        logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
                  repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
+                 min_p: float = ..., min_tokens: int = ...,
                  timeout: float | None = ...) -> AsyncStream: ...
 
     async def generate(
@@ -365,11 +367,12 @@ class AsyncSession:
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
         logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0, timeout: float | None = None,
+        presence_penalty: float = 0.0, min_p: float = 0.0, min_tokens: int = 0, timeout: float | None = None,
     ) -> Generation | AsyncStream:
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
                                 logit_bias=logit_bias, repetition_penalty=repetition_penalty,
-                                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+                                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, min_p=min_p,
+                                min_tokens=min_tokens)
         request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
                                          chat_template_kwargs, from_start)
         return await self._send_generate(request, timeout)

@@ -84,7 +84,7 @@ def sampling(
     max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
     stop: str | Sequence[str] | None, stop_token_ids: Sequence[int], ignore_eos: bool, logprobs: int | None = None,
     *, logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
+    presence_penalty: float = 0.0, min_p: float = 0.0, min_tokens: int = 0,
 ) -> p.Sampling:
     stops = (stop,) if isinstance(stop, str) else () if stop is None else items("stop", stop)
     if logit_bias is not None and not isinstance(logit_bias, Mapping):
@@ -94,7 +94,7 @@ def sampling(
         p.Sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop=stops, stop_token_ids=items("stop_token_ids", stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs,
         logit_bias=bias, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
+        presence_penalty=presence_penalty, min_p=min_p, min_tokens=min_tokens,
     )
 
 

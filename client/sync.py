@@ -162,6 +162,7 @@ class Session:
                  chat_template_kwargs: Mapping[str, Any] | None = ...,
                  logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
                  repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
+                 min_p: float = ..., min_tokens: int = ...,
                  timeout: float | None = ...) -> Generation: ...
     @overload
     def generate(self, max_tokens: int = ..., temperature: float = ..., top_p: float = ..., top_k: int = ...,
@@ -172,6 +173,7 @@ class Session:
                  chat_template_kwargs: Mapping[str, Any] | None = ...,
                  logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
                  repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
+                 min_p: float = ..., min_tokens: int = ...,
                  timeout: float | None = ...) -> Stream: ...
 
     def generate(
@@ -182,7 +184,7 @@ class Session:
         prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
         logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0, timeout: float | None = None,
+        presence_penalty: float = 0.0, min_p: float = 0.0, min_tokens: int = 0, timeout: float | None = None,
     ) -> Generation | Stream:
         """Continue the session. The generated tokens become part of it, so the next turn follows on.
 
@@ -196,7 +198,8 @@ class Session:
         `logit_bias` ({token id: number in [-100, 100]}, at most 300) is added to the logits, then
         `repetition_penalty` (> 1 discourages the context's and the answer's tokens), `frequency_penalty` and
         `presence_penalty` (in [-2, 2], over the answer so far) apply, as vLLM and OpenAI define them; log-probabilities
-        stay the model's.
+        stay the model's. `min_p` (vLLM's) keeps, when sampling, the tokens at least min_p times as likely as the
+        likeliest; `min_tokens` keeps EOS and `stop_token_ids` out of reach until that many tokens are generated.
         `from_start=True`: the prompt (or messages) is the session's whole context from its start, not a continuation:
         the session keeps what it holds that the prompt starts with, not computed again, and drops the rest, so that
         it holds exactly what a new session given that prompt would (edit a conversation, generate an answer again).
@@ -206,7 +209,8 @@ class Session:
         """
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
                                 logit_bias=logit_bias, repetition_penalty=repetition_penalty,
-                                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+                                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, min_p=min_p,
+                                min_tokens=min_tokens)
         request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
                                          chat_template_kwargs, from_start)
         return self._send_generate(request, timeout)

@@ -170,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
             stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logprobs=s.logprobs,
             logit_bias=tuple((b.token, b.bias) for b in s.logit_bias), repetition_penalty=s.repetition_penalty,
-            frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, min_p=s.min_p,
+            min_tokens=s.min_tokens,
         )
 
     serve = Serve(engine, config, sampling)

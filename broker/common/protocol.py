@@ -325,12 +325,15 @@ class Sampling:
     ignore_eos: Annotated[bool, boolean] = False
     # None: no log-probabilities; k: each generated token's and the k most likely ones (answers' `logprobs`)
     logprobs: Annotated[int | None, integer(0, MAX_LOGPROBS, optional=True)] = None
-    # Changes to the logits before sampling (worker.engine.penalties): a worker that does not apply them says so in
-    # its READY (`penalties` False), and the broker refuses a GENERATE with them there rather than have them ignored.
+    # Extras (`extended`): logit_bias and the penalties (worker.engine.penalties), min_p and min_tokens (vLLM's). A
+    # worker that applies them says so in its READY (`sampling_extras`), and the broker refuses a GENERATE with them
+    # for one that does not rather than have them ignored (peers ignore fields they do not know).
     logit_bias: Annotated[tuple[LogitBias, ...], nested_list(LogitBias, MAX_LOGIT_BIAS)] = ()
     repetition_penalty: Annotated[float, number(0.01, 10.0)] = 1.0  # 1 = none
     frequency_penalty: Annotated[float, number(-2.0, 2.0)] = 0.0
     presence_penalty: Annotated[float, number(-2.0, 2.0)] = 0.0
+    min_p: Annotated[float, number(0.0, 1.0)] = 0.0  # keep tokens at least min_p times as likely as the likeliest
+    min_tokens: Annotated[int, integer(0, MAX_TOKENS)] = 0  # EOS and stop_token_ids out of reach before this many
 
     def __post_init__(self) -> None:
         _checked(self)
@@ -338,12 +341,14 @@ class Sampling:
             raise _bad("top_p must be in (0, 1]")
         if len({b.token for b in self.logit_bias}) != len(self.logit_bias):
             raise _bad("logit_bias names a token twice")
+        if self.min_tokens > self.max_tokens:
+            raise _bad(f"min_tokens {self.min_tokens} is more than max_tokens {self.max_tokens}")
 
     @property
-    def penalized(self) -> bool:
-        """Whether it changes the logits before sampling (a worker must say it can: Ready.penalties)."""
+    def extended(self) -> bool:
+        """Whether it asks for an extra (a worker must say it applies them: Ready.sampling_extras)."""
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 \
-            or self.presence_penalty != 0.0
+            or self.presence_penalty != 0.0 or self.min_p != 0.0 or self.min_tokens != 0
 
 
 class TokenLogprob(NamedTuple):
@@ -931,7 +936,7 @@ class Ready(Message):
     holders: Annotated[tuple[bytes, ...], blob_list(MAX_SESSIONS_LISTED, MAX_ROUTE_BYTES)] = ()
     evacuate: Annotated[bool, boolean] = False  # it drains and asks for its sessions to be moved (as Heartbeat's)
     checkpoints: Annotated[bool, boolean] = False  # it takes a moved session's recurrent-state checkpoint (MoveState's)
-    penalties: Annotated[bool, boolean] = False  # it applies Sampling's logit_bias and penalties
+    sampling_extras: Annotated[bool, boolean] = False  # it applies Sampling's extras (logit_bias ... min_tokens)
 
     def _check(self) -> None:
         if self.owners and len(self.owners) != len(self.sessions):

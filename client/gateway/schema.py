@@ -114,6 +114,8 @@ class _Common(_Strict):
     return_token_ids: bool = False
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)  # vLLM's (smaller overflows a logit)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's
+    min_tokens: int | None = Field(default=None, ge=0, le=p.MAX_TOKENS)  # vLLM's
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=p.MAX_STOP_STRINGS)
 
@@ -131,11 +133,12 @@ class _Common(_Strict):
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return value
 
-    def penalties(self) -> dict[str, Any]:
-        """logit_bias and the penalties as the client library's generate takes them."""
+    def extras(self) -> dict[str, Any]:
+        """logit_bias, the penalties, min_p and min_tokens, by the protocol's names (protocol.Sampling's extras)."""
         return {"logit_bias": {int(k): float(v) for k, v in (self.logit_bias or {}).items()},
                 "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                "frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0}
+                "frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0,
+                "min_p": self.min_p or 0.0, "min_tokens": self.min_tokens or 0}
 
     @field_validator("stop")
     @classmethod
@@ -270,19 +273,16 @@ class Sampling:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     logprobs: int | None
-    penalties: dict[str, Any]  # logit_bias ({id: bias}) and the three penalties, by their names
+    extras: dict[str, Any]  # logit_bias ({id: bias}), the three penalties, min_p and min_tokens, by their names
 
     def params(self, max_context: int, index: int = 0) -> p.Sampling:
         """Choice `index` of n: its own seed (seed + index), so that n seeded choices differ."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
         try:
-            bias = tuple(p.LogitBias(t, b) for t, b in self.penalties["logit_bias"].items())
+            extras = {**self.extras, "logit_bias": tuple(p.LogitBias(t, b) for t, b in self.extras["logit_bias"].items())}
             return p.Sampling(max_tokens=self.max_tokens or max_context, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, logprobs=self.logprobs, logit_bias=bias,
-                              repetition_penalty=self.penalties["repetition_penalty"],
-                              frequency_penalty=self.penalties["frequency_penalty"],
-                              presence_penalty=self.penalties["presence_penalty"])
+                              ignore_eos=self.ignore_eos, logprobs=self.logprobs, **extras)
         except p.ProtocolError as e:
             raise bad_request(e.message) from e
 
@@ -295,7 +295,7 @@ def sampling(request: ChatRequest | CompletionRequest) -> Sampling:
     request.check_stream_options()
     return Sampling(limit, 1.0 if request.temperature is None else request.temperature,
                     1.0 if request.top_p is None else request.top_p, request.top_k or 0, request.seed, request.stops(),
-                    tuple(request.stop_token_ids or ()), request.ignore_eos, logprobs, request.penalties())
+                    tuple(request.stop_token_ids or ()), request.ignore_eos, logprobs, request.extras())
 
 
 def parse(kind: type[ChatRequest] | type[CompletionRequest], body: Any) -> Any:

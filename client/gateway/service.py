@@ -667,7 +667,8 @@ def _call_args(params: Any, new_part: NewPart | None) -> dict[str, Any]:
                             "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos,
                             "logprobs": params.logprobs, "logit_bias": {b.token: b.bias for b in params.logit_bias},
                             "repetition_penalty": params.repetition_penalty,
-                            "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty}
+                            "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty,
+                            "min_p": params.min_p, "min_tokens": params.min_tokens}
     if new_part is not None:
         if new_part.key != "messages" and not new_part.value:
             return args

@@ -85,18 +85,21 @@ def test_token_ids_past_the_workers_whole_context_are_refused_at_the_broker() ->
     assert one(router.client_message(C1, p.encode(fits), 2.1)) == (Peer.WORKER, W1, fits.routed(C1))
 
 
-def test_penalties_go_only_to_a_worker_that_says_it_applies_them() -> None:
+def test_sampling_extras_go_only_to_a_worker_that_says_it_applies_them() -> None:
     """A worker older than logit_bias and the penalties would ignore them and answer as if it had applied them: the
     broker refuses such a GENERATE for its sessions; one without them, or for a worker that applies them, goes on."""
     old, new = "c" * 32, "d" * 32
-    router = running((W1, ready("w1", sessions=(old,))), (W2, replace(ready("w2", sessions=(new,)), penalties=True)))
+    router = running((W1, ready("w1", sessions=(old,))), (W2, replace(ready("w2", sessions=(new,)),
+                                                                                 sampling_extras=True)))
     for i, params in enumerate((p.Sampling(presence_penalty=0.5), p.Sampling(repetition_penalty=1.1),
-                                p.Sampling(logit_bias=(p.LogitBias(3, -5.0),)))):
+                                p.Sampling(logit_bias=(p.LogitBias(3, -5.0),)), p.Sampling(min_p=0.1),
+                                p.Sampling(min_tokens=4))):
         peer, identity, error = one(router.client_message(
             C1, p.encode(p.Generate(request_id=f"g{i}", session_id=old, params=params)), 2.0))
         assert (peer, identity) == (Peer.CLIENT, C1) and isinstance(error, p.Error)
         assert (error.code, error.message) == (
-            p.ErrorCode.BAD_REQUEST, "worker w1 does not apply logit_bias or penalties (an older worker): upgrade it")
+            p.ErrorCode.BAD_REQUEST,
+            "worker w1 does not apply logit_bias, penalties, min_p or min_tokens (an older worker): upgrade it")
     assert not router.inflight
     plain = p.Generate(request_id="p1", session_id=old, params=p.Sampling(frequency_penalty=0.0))
     assert one(router.client_message(C1, p.encode(plain), 2.1)) == (Peer.WORKER, W1, plain.routed(C1))

@@ -118,9 +118,10 @@ def test_n_choices_come_from_one_prefill(gateway: str, gateways: Gateways) -> No
     assert r.usage.completion_tokens == sum(len(ids) for ids in token_ids)
 
 
-def test_penalties_and_logit_bias_go_to_the_worker_as_the_native_clients_do(gateway: str, gateways: Gateways) -> None:
+def test_penalties_logit_bias_and_min_tokens_go_to_the_worker(gateway: str, gateways: Gateways) -> None:
     """OpenAI's presence and frequency penalties and vLLM's repetition_penalty change the greedy answer, which equals
-    the native client's with the same values; a logit bias of 100 on one token makes it every token."""
+    the native client's with the same values; a logit bias of 100 on one token makes it every token; min_tokens keeps
+    the answer going past its end of turn."""
     c = sync_client(gateway)
     messages = [{"role": "user", "content": "Repeat after me: the cat, the cat, the cat, the cat."}]
     penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
@@ -139,6 +140,16 @@ def test_penalties_and_logit_bias_go_to_the_worker_as_the_native_clients_do(gate
     comp = c.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5,
                                 logit_bias={"29": 100}, extra_body={"return_token_ids": True})
     assert comp.choices[0].model_extra["token_ids"] == [29] * 5  # type: ignore[index]
+    # vLLM's min_tokens: the end of turn stays out of reach until then (the same answer up to where it ended)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    short = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,  # type: ignore[arg-type]
+                                      extra_body={"return_token_ids": True})
+    ids: list[int] = short.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert short.choices[0].finish_reason == "stop" and len(ids) < 30
+    longer = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,  # type: ignore[arg-type]
+                                       extra_body={"return_token_ids": True, "min_tokens": len(ids) + 3})
+    more: list[int] = longer.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert more[:len(ids)] == ids and len(more) >= len(ids) + 3
 
 
 def _sse(url: str, body: dict[str, Any]) -> list[str]:

@@ -163,11 +163,13 @@ def test_chat_parameters_map_to_sampling() -> None:
     s = schema.sampling(parse_chat(max_completion_tokens=7, temperature=0, top_p=0.5, seed=3, stop=["x"], logprobs=True,
                                    top_logprobs=4, top_k=5, ignore_eos=True, stop_token_ids=[9], n=2, user="u",
                                    tool_choice="none", response_format={"type": "text"}, presence_penalty=0))
-    plain = {"logit_bias": {}, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    plain = {"logit_bias": {}, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+             "min_p": 0.0, "min_tokens": 0}
     assert s == schema.Sampling(7, 0.0, 0.5, 5, 3, ("x",), (9,), True, 4, plain)
-    assert s.params(100, 1).seed == 4 and s.params(100).max_tokens == 7 and not s.params(100).penalized
+    assert s.params(100, 1).seed == 4 and s.params(100).max_tokens == 7 and not s.params(100).extended
     penalized = schema.sampling(parse_chat(presence_penalty=1.5, frequency_penalty=-0.5, repetition_penalty=1.2,
-                                           logit_bias={"5": 2, "17": -100})).params(100, 1)
+                                           logit_bias={"5": 2, "17": -100}, min_p=0.05, min_tokens=3)).params(100, 1)
+    assert (penalized.min_p, penalized.min_tokens) == (0.05, 3)
     assert (penalized.presence_penalty, penalized.frequency_penalty, penalized.repetition_penalty) == (1.5, -0.5, 1.2)
     assert penalized.logit_bias == (p.LogitBias(5, 2.0), p.LogitBias(17, -100.0))
     assert schema.sampling(parse_chat()).params(100).max_tokens == 100  # no limit: the session's context

@@ -1,10 +1,11 @@
-"""Logit bias and the repetition, frequency and presence penalties against Hugging Face transformers.
+"""Logit bias, the repetition, frequency and presence penalties, min_tokens and min_p against Hugging Face transformers.
 
 The reference: transformers' generate on a folder it wrote (Qwen3's tiny config, seeded random fp32 weights), with its
 own RepetitionPenaltyLogitsProcessor and SequenceBiasLogitsProcessor, and the OpenAI frequency and presence
 penalties as a logits processor of a few lines (transformers has none). The engine must give exactly its greedy
 tokens: each prompt alone, interleaved with sessions that ask for other penalties or none, after a fork, and after a
-step that failed once its samples were counted.
+step that failed once its samples were counted. min_tokens against transformers' MinNewTokensLengthLogitsProcessor
+(greedy tokens), min_p against its MinPLogitsWarper (the tokens sampling may draw).
 """
 
 from __future__ import annotations
@@ -283,3 +284,88 @@ def test_a_request_without_them_takes_no_row(engine: Engine, folder: Folder) -> 
 
 def test_the_gpu_kernels_give_the_torch_ops_bits_in_the_interpreter() -> None:
     run_interpreted("penalties_kernels", timeout_s=300)
+
+
+@pytest.mark.parametrize("least", [8, 11])
+def test_min_tokens_keeps_a_stop_token_out_of_reach_as_transformers_does(
+        engine: Engine, folder: Folder, expected: dict[str, list[list[int]]], least: int) -> None:
+    """The stop token is plain greedy's third token: without min_tokens the answer ends there; with `least` it is
+    the tokens transformers generates with min_new_tokens `least`, up to that token's next turn (not returned), run
+    ahead too. With 11 the token comes back exactly at the 12th: a mask lifted a token late would miss it."""
+    prompt, stop = folder.prompts[1], folder.expected[1][2]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder.path, dtype=torch.float32).eval()
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=stop,
+                             min_new_tokens=least, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    reference = out[0, len(prompt):].tolist()
+    assert stop in reference[least:] and stop not in reference[:least]
+    reference = reference[:reference.index(stop, least)]
+    assert least != 11 or len(reference) == 11
+    sid = opened(engine, prompt)
+    early = engine.generate(sid, max_tokens=NEW, ignore_eos=True, stop_token_ids=[stop])
+    assert (early.token_ids, early.finish_reason) == (folder.expected[1][:2], "stop")
+    engine.close(sid)
+    overlap = engine.overlap
+    try:
+        for ahead in (False, True):
+            engine.overlap = ahead
+            sid = opened(engine, prompt)
+            done = engine.generate(sid, max_tokens=NEW, ignore_eos=True, stop_token_ids=[stop], min_tokens=least)
+            assert (done.token_ids, done.finish_reason) == (reference, "stop")
+            engine.close(sid)
+    finally:
+        engine.overlap = overlap
+
+
+def test_min_tokens_above_max_tokens_is_refused(engine: Engine, folder: Folder) -> None:
+    sid = opened(engine, folder.prompts[0])
+    with pytest.raises(BadRequest, match=re.escape("min_tokens must be an integer in [0, max_tokens = 4], got 5")):
+        engine.generate(sid, max_tokens=4, min_tokens=5)
+    with pytest.raises(BadRequest, match=re.escape("min_p must be in [0, 1], got 1.5")):
+        engine.generate(sid, max_tokens=4, min_p=1.5)
+    engine.close(sid)
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(0, 1.0, 0.05), (0, 1.0, 0.3), (20, 1.0, 0.1), (0, 1.0, 1.0),
+                                                       (0, 0.9, 0.0)])
+def test_min_p_keeps_the_tokens_transformers_keeps(top_k: int, top_p: float, min_p: float) -> None:
+    from worker.engine.sampling import kept
+
+    gen = torch.Generator().manual_seed(11)
+    scaled = torch.randn((6, 500), generator=gen) * 3
+    probs, ids = kept(scaled, torch.full((6,), top_k), torch.full((6,), top_p, dtype=torch.float64),
+                      torch.full((6,), min_p, dtype=torch.float64))
+    ours = [set(ids[r][probs[r] > 0].tolist()) for r in range(6)]
+    warpers: list[Any] = []
+    if top_k:
+        warpers.append(transformers.TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(transformers.TopPLogitsWarper(top_p))
+    if min_p:
+        warpers.append(transformers.MinPLogitsWarper(min_p))
+    scores = scaled.clone()
+    for warper in warpers:
+        scores = warper(torch.zeros((6, 1), dtype=torch.long), scores)
+    theirs = [set(torch.nonzero(scores[r] > float("-inf"))[:, 0].tolist()) for r in range(6)]
+    assert ours == theirs and all(len(s) < 500 for s in ours)
+
+
+def test_a_seeded_sample_with_min_p_is_the_same_in_any_batch_and_draws_only_kept_tokens(engine: Engine,
+                                                                                        folder: Folder) -> None:
+    sampled: dict[str, object] = {"max_tokens": 16, "ignore_eos": True, "temperature": 1.5, "seed": 3, "min_p": 0.2}
+
+    def run(others: int) -> list[int]:
+        sid = opened(engine, folder.prompts[1])
+        noise = [opened(engine, folder.prompts[i % 2]) for i in range(others)]
+        results = engine.generate_many([(sid, sampled), *((n, args("negative")) for n in noise)])
+        for s in (sid, *noise):
+            engine.close(s)
+        return results[0].token_ids
+
+    alone = run(0)
+    assert run(2) == alone
+    sid = opened(engine, folder.prompts[1])
+    wide = engine.generate(sid, **{**sampled, "min_p": 0.0}).token_ids
+    engine.close(sid)
+    assert wide != alone  # at temperature 1.5 the cut changes what is drawn

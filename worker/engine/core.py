@@ -46,7 +46,7 @@ from worker.engine.executor import Executor
 from worker.engine.hibernation import Hibernation, SessionLost, Stored
 from worker.engine.options import EngineOptions
 from worker.engine.penalties import Penalties
-from worker.engine.sampling import RowRandom, SamplingParams, sample_ids, step_logprobs
+from worker.engine.sampling import RowRandom, SamplingParams, sample_ids, step_logprobs, upload
 from worker.engine.scheduler import StepPlan, schedule
 from worker.engine.session import NO_SLOT, Chunk, Generation, Launched, Request, Session, TokenLogprob, common_prefix
 from worker.errors import (
@@ -116,7 +116,7 @@ class Engine:
         # A recurrent state's checkpoints before each generation's last prompt token (worker.engine.checkpoints).
         self.checkpoints = None if self._rewritable else Checkpoints(table)
         self.penalties: Penalties | None = None  # logit bias and penalties' rows: made for the first request asking
-        self.applies_penalties = True  # (READY says so: the broker sends requests with them only to such workers)
+        self.sampling_extras = True  # logit bias, penalties, min_p, min_tokens (READY says so: see protocol.Sampling)
         self._starved: list[Request] = []  # requests whose session could not get its next pages: they end "capacity"
         self.hibernation: Hibernation | None = None  # set by enable_hibernation
         self._lost: OrderedDict[str, None] = OrderedDict()  # sessions whose stored state was lost
@@ -692,10 +692,11 @@ class Engine:
         plan = self._plan(last)
         if plan.decode_rows > self.executor.max_decode_rows:
             return None
-        return self._launch(plan)
+        return self._launch(plan, last)
 
-    def _launch(self, plan: StepPlan) -> Launched | None:
-        """Execute one planned step and queue its sampling and the copy of its ids to the host."""
+    def _launch(self, plan: StepPlan, after: Launched | None = None) -> Launched | None:
+        """Execute one planned step and queue its sampling and the copy of its ids to the host (`after`: the step
+        launched before it and not read yet)."""
         self.last_rows = len(plan)
         self.last_prefill_tokens = plan.prefill_tokens
         self.last_prompt_tokens = plan.prefill_tokens + plan.decode_prompt_tokens
@@ -710,13 +711,15 @@ class Engine:
         sampled, positions = plan.sampled()
         params = [r.params for r in sampled]
         penalized = [i for i, r in enumerate(sampled) if r.penalty_row is not None]
+        scores = logits  # what sampling reads: the model's logits changed for the requests that ask (logprobs: these)
         if penalized:
             assert self.penalties is not None
             rows = self.penalties.rows_of(penalized, [sampled[i].penalty_row for i in penalized])  # type: ignore[misc]
-            ids = sample_ids(self.penalties.apply(logits, rows), params, [r.random for r in sampled])
-            self.penalties.count(ids, rows)  # before the step launched next samples (worker.engine.penalties)
-        else:
-            ids = sample_ids(logits, params, [r.random for r in sampled])
+            scores = self.penalties.apply(logits, rows)
+        scores = self._before_min_tokens(scores, logits, sampled, after)
+        ids = sample_ids(scores, params, [r.random for r in sampled])
+        if penalized:
+            self.penalties.count(ids, rows)  # type: ignore[union-attr]  # before the step launched next samples
         logprobs = step_logprobs(logits, ids, params)  # None unless a request asked: nothing more per step
         step, self.steps = self.steps, self.steps + 1
         if ids.device.type != "cuda":
@@ -730,6 +733,26 @@ class Engine:
         host_logprobs = None if logprobs is None else logprobs.to_host()  # queued before the event: it covers them
         copied.record(torch.cuda.current_stream(ids.device))  # named: current_stream() alone looks the device up
         return Launched(plan.partial, sampled, positions, ids, host, copied, plan.prefill_tokens, host_logprobs)
+
+    @staticmethod
+    def _before_min_tokens(scores: torch.Tensor, logits: torch.Tensor, sampled: Sequence[Request],
+                           after: Launched | None) -> torch.Tensor:
+        """`scores` with EOS and the stop ids out of reach (-inf) in the rows of requests that have sampled fewer than
+        their min_tokens before this step (those accepted, and one in the step launched before it, not read yet)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, request in enumerate(sampled):
+            if request.params.min_tokens and request.stop_ids:
+                before = request.generated + (after is not None and any(r is request for r in after.sampled))
+                if before < request.params.min_tokens:
+                    rows += [i] * len(request.stop_ids)
+                    cols += sorted(request.stop_ids)
+        if not rows:
+            return scores
+        if scores is logits:
+            scores = logits.clone()
+        at = (upload(rows, torch.long, scores.device), upload(cols, torch.long, scores.device))
+        return scores.index_put_(at, scores.new_full((len(rows),), float("-inf")))  # (a fill: no copy that waits)
 
     def _update(self, launched: Launched) -> list[Chunk]:
         """Read a launched step's tokens and apply them to the requests still running (only once the step has

@@ -52,6 +52,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages every token of the context and the answer so far
     frequency_penalty: float = 0.0  # subtracted once for each time a token is in the answer so far
     presence_penalty: float = 0.0  # subtracted once if a token is in the answer so far
+    min_p: float = 0.0  # sampling keeps the tokens at least min_p times as likely as the likeliest (vLLM's); 0 = all
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens (vLLM's)
 
     @property
     def penalized(self) -> bool:
@@ -86,6 +88,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise BadRequest(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise BadRequest(f"min_p must be in [0, 1], got {self.min_p!r}")
+        mt = self.min_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 0 <= mt <= self.max_tokens:
+            raise BadRequest(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got {mt!r}")
         rp = self.repetition_penalty
         if not _number(rp) or not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
             raise BadRequest(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
@@ -162,7 +169,8 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], randoms: list
         temps = upload([params[i].temperature for i in sampled], torch.float32, dev)
         top_k = upload([params[i].top_k for i in sampled], torch.long, dev)
         top_p = upload([params[i].top_p for i in sampled], torch.float64, dev)
-        out[rows] = _sample_rows(logits[rows] / temps[:, None], u, top_k, top_p)
+        min_p = upload([params[i].min_p for i in sampled], torch.float64, dev)
+        out[rows] = _sample_rows(logits[rows] / temps[:, None], u, top_k, top_p, min_p)
     return out
 
 
@@ -175,16 +183,30 @@ def upload(values: list[int] | list[float], dtype: torch.dtype, device: torch.de
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling over the top-k / top-p truncated distribution of each row.
+def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse-CDF sampling over the top-k / top-p / min-p truncated distribution of each row.
 
     The softmax and the running sums are float64: a float32 cumulative sum over a 49k vocabulary
     drifts by ~1e-3, far more than one token's probability, and its rounding depends on how many
     rows the scan kernel gets, so the same row could pick another token in another batch (seen on
     the H100). In float64 the drift (~1e-12) is far below any token's mass.
     """
+    probs, ids = kept(scaled, top_k, top_p, min_p)
+    cdf = probs.cumsum(dim=-1)
+    target = (u.double() * cdf[:, -1])[:, None]
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    # searchsorted can land on a zero-probability tail entry only through rounding: step back to the last kept one.
+    last_kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
+    pick = torch.minimum(pick, last_kept)
+    return ids.gather(-1, pick)[:, 0]
+
+
+def kept(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's distribution after top-k, top-p and min-p (float64 probabilities, not renormalized, zero where cut)
+    in descending order, and the token ids in that order: what _sample_rows draws from. The kept tokens are a prefix."""
     scaled = scaled.double()
-    u = u.double()
     # Stable: tied probabilities (common with bf16 logits) keep id order, so a row samples the same
     # token whatever other rows are in the batch (an unstable sort may order ties by the batch shape).
     values, ids = scaled.sort(dim=-1, descending=True, stable=True)  # (R, V)
@@ -194,13 +216,9 @@ def _sample_rows(scaled: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top
     probs = values.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill((mass_before >= top_p.double()[:, None]) & (rank > 0), 0.0)  # the top token always stays
-    cdf = probs.cumsum(dim=-1)
-    target = (u * cdf[:, -1])[:, None]
-    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=values.shape[-1] - 1)
-    # searchsorted can land on a zero-probability tail entry only through rounding: step back to the last kept one.
-    last_kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
-    pick = torch.minimum(pick, last_kept)
-    return ids.gather(-1, pick)[:, 0]
+    if min_p is not None:  # the same tokens whether before or after top-k and top-p: they keep the likeliest
+        probs = probs.masked_fill(probs < min_p.double()[:, None] * probs[:, :1], 0.0)
+    return probs, ids
 
 
 @dataclass

@@ -125,7 +125,7 @@ class Serve:
             draining=state.draining, device=self.engine.device, bytes_per_session=self.engine.bytes_per_session,
             owners=state.owners, holders=tuple(routes.get(sid, b"") for sid in state.sessions),
             evacuate=state.evacuate, checkpoints=getattr(self.engine, "checkpoints", None) is not None,
-            penalties=getattr(self.engine, "applies_penalties", False),
+            sampling_extras=getattr(self.engine, "sampling_extras", False),
         )
 
     def drain(self) -> None:

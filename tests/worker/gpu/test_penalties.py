@@ -88,3 +88,28 @@ def test_gpu_pool_refuses_a_growth_that_would_leave_too_little_memory(monkeypatc
     with pytest.raises(CapacityExhausted, match="no device memory for 4 requests' penalties"):
         pool.open(SamplingParams(presence_penalty=1.0), [1, 2])
     assert pool.rows == 0 and pool.held == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_min_tokens_is_the_same_run_ahead_or_step_by_step(gpu_engine: object, references: list[Reference]) -> None:
+    """The stop token is greedy's third: min_tokens 6 keeps it out of reach for exactly six tokens, counted with the
+    step launched ahead."""
+    from worker.engine import Engine
+
+    engine = gpu_engine
+    assert isinstance(engine, Engine)
+    ref = references[0]
+    stop = ref.tokens[2]
+    asked: dict[str, object] = {"max_tokens": 16, "ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 6}
+    answers = []
+    for overlap in (False, True):
+        engine.overlap = overlap
+        try:
+            sid = open_with(engine, ref.prompt)
+            answers.append(engine.generate(sid, **asked).token_ids)
+            engine.close(sid)
+        finally:
+            engine.overlap = True
+    assert answers[0] == answers[1] and len(answers[0]) >= 6 and stop not in answers[0]
+    assert answers[0][:2] == ref.tokens[:2]
