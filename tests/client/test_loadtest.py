@@ -633,3 +633,27 @@ def test_ctrl_c_stops_the_run_closes_its_sessions_and_prints_the_partial_report(
     while not finished(metrics).get("cancelled"):  # ... and its generations in flight cancelled (the worker counts
         assert time.monotonic() < deadline, "no generation was cancelled"  # a cancel in its next step)
         time.sleep(0.05)
+
+
+def test_compare_stopped_in_its_native_run_writes_the_comparisons_shape(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's run is not started, and the JSON keeps --compare's shape (it was the single report's)."""
+    import client.bench.loadtest.cli as cli
+
+    runs: list[LoadConfig] = []
+
+    def stopped(config: LoadConfig, **kwargs: object) -> object:
+        runs.append(config)
+        raw = RawRun(start=10.0, finish=11.0, interrupted=True)
+        raw.requests = [sample(10.0, [10.5], [1], end=10.6)]
+        return build_report(raw, "full-stack", {})
+
+    monkeypatch.setattr(cli, "run", stopped)
+    out = tmp_path / "compare.json"
+    main(["--http", "http://127.0.0.1:1", "--broker", "tcp://127.0.0.1:1", "--compare", "--sessions", "1",
+          "--no-progress", "--json", str(out)])
+    assert [c.http for c in runs] == [None]  # the native run only
+    figures = json.loads(out.read_text())
+    assert sorted(figures) == ["comparison", "http", "native"]
+    assert figures["http"] is None and figures["comparison"] is None
+    assert figures["native"]["interrupted"] and figures["native"]["completed"] == 1

@@ -472,28 +472,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, config: LoadConfig, stop: Stop) -> int:
-    """Run what the arguments ask for, print the report(s), write --json and --plot; the exit code."""
-    native: Report | None
+    """Run what the arguments ask for, print the report(s), write --json and --plot; the exit code.
+
+    With --compare the JSON has the comparison's shape whatever happens: a run stopped during its native part has
+    no gateway run, and its "http" and "comparison" are null."""
+    native: Report | None = None
+    http: Report | None
     if args.compare == "together":
-        native, report = run_together(config, log_level=args.log_level, stop=stop)
+        native, http = run_together(config, log_level=args.log_level, stop=stop)
+    elif args.compare:
+        native = run(replace(config, http=None), log_level=args.log_level, stop=stop)
+        # stopped during the native run: the gateway's is not started
+        http = None if native.interrupted else run(config, log_level=args.log_level, stop=stop)
     else:
-        native = run(replace(config, http=None), log_level=args.log_level, stop=stop) if args.compare else None
-        if native is not None and native.interrupted:  # the gateway's run is not started: report the native one
-            report, native = native, None
-        else:
-            report = run(config, log_level=args.log_level, stop=stop)
+        http = run(config, log_level=args.log_level, stop=stop)
     from rich.console import Console
 
     console = Console()
-    if native is not None:
-        console.print(native.table())
-    console.print(report.table())
+    for shown in (native, http):
+        if shown is not None:
+            console.print(shown.table())
+    report = http if http is not None else native
+    assert report is not None
     out: dict[str, Any] = report.to_dict()
     if native is not None:
-        figures = compare(native, report)
-        console.print("gateway against native: " + ", ".join(
-            f"{k} {v:.3f}" if v is not None else f"{k} n/a" for k, v in figures.items()))
-        out = {"native": native.to_dict(), "http": out, "comparison": figures}
+        figures = compare(native, http) if http is not None else None
+        if figures is not None:
+            console.print("gateway against native: " + ", ".join(
+                f"{k} {v:.3f}" if v is not None else f"{k} n/a" for k, v in figures.items()))
+        out = {"native": native.to_dict(), "http": None if http is None else http.to_dict(), "comparison": figures}
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     if args.plot is not None:
