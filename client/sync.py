@@ -199,7 +199,7 @@ class Session:
         `repetition_penalty` (> 1 discourages the context's and the answer's tokens), `frequency_penalty` and
         `presence_penalty` (in [-2, 2], over the answer so far) apply, as vLLM and OpenAI define them; log-probabilities
         stay the model's. `min_p` (vLLM's) keeps, when sampling, the tokens at least min_p times as likely as the
-        likeliest; `min_tokens` keeps EOS and `stop_token_ids` out of reach until that many tokens are generated.
+        likeliest; `min_tokens`: EOS, `stop_token_ids` and stop strings do not end the answer before that many tokens.
         `from_start=True`: the prompt (or messages) is the session's whole context from its start, not a continuation:
         the session keeps what it holds that the prompt starts with, not computed again, and drops the rest, so that
         it holds exactly what a new session given that prompt would (edit a conversation, generate an answer again).

@@ -683,7 +683,8 @@ def _call_args(params: Any, new_part: NewPart | None) -> dict[str, Any]:
 
 
 def _with_max_tokens(params: Any, max_tokens: int) -> Any:
-    return dataclasses.replace(params, max_tokens=max_tokens)
+    """The same sampling with another max_tokens (n choices' prefill: 0), min_tokens within it."""
+    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
 
 def _text_is_tokens(kind: Kind, sampling: schema.Sampling, result: Generation, stop_token: int) -> bool:

@@ -150,6 +150,9 @@ def test_penalties_logit_bias_and_min_tokens_go_to_the_worker(gateway: str, gate
                                        extra_body={"return_token_ids": True, "min_tokens": len(ids) + 3})
     more: list[int] = longer.choices[0].model_extra["token_ids"]  # type: ignore[index]
     assert more[:len(ids)] == ids and len(more) >= len(ids) + 3
+    both = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40, n=2,  # type: ignore[arg-type]
+                                     extra_body={"return_token_ids": True, "min_tokens": len(ids) + 3})
+    assert [choice.model_extra["token_ids"] for choice in both.choices] == [more, more]  # type: ignore[index]
 
 
 def _sse(url: str, body: dict[str, Any]) -> list[str]:

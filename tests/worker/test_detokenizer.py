@@ -5,8 +5,8 @@ from worker.engine.detokenizer import Detokenizer
 from worker.model.tokenizer import Tokenizer
 
 
-def _stream(tok: Tokenizer, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], Detokenizer]:
-    d = Detokenizer(tok, stop)
+def _stream(tok: Tokenizer, text: str, stop: tuple[str, ...] = (), min_tokens: int = 0) -> tuple[list[str], Detokenizer]:
+    d = Detokenizer(tok, stop, min_tokens)
     pieces = []
     for i in tok.encode(text):
         d.add(i)
@@ -63,3 +63,15 @@ def test_byte_table_matches_the_tokenizer_on_random_ids(smol_engine: Engine) -> 
         d.flush()
         pieces.append(d.take(final=True))
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_strings_count_only_from_min_tokens_on(smol_engine: Engine) -> None:
+    """vLLM's min_tokens: a stop string that ends within the first min_tokens tokens does not stop the text; the same
+    string ending later does."""
+    tok = smol_engine.tokenizer
+    text = "one STOP two three four five six STOP seven"
+    first = len(tok.encode("one STOP"))
+    pieces, d = _stream(tok, text, stop=("STOP",), min_tokens=first + 1)
+    assert d.stopped and d.text == "one STOP two three four five six " and "".join(pieces) == d.text
+    pieces, d = _stream(tok, text, stop=("STOP",), min_tokens=first)  # ends at its min_tokens-th token: it counts
+    assert d.stopped and d.text == "one "

@@ -328,7 +328,7 @@ def test_min_tokens_above_max_tokens_is_refused(engine: Engine, folder: Folder) 
 
 
 @pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(0, 1.0, 0.05), (0, 1.0, 0.3), (20, 1.0, 0.1), (0, 1.0, 1.0),
-                                                       (0, 0.9, 0.0)])
+                                                       (0, 0.9, 0.0), (0, 0.9, 0.05), (20, 0.8, 0.1), (0, 0.5, 0.5)])
 def test_min_p_keeps_the_tokens_transformers_keeps(top_k: int, top_p: float, min_p: float) -> None:
     from worker.engine.sampling import kept
 

@@ -513,7 +513,8 @@ class Engine:
         if rid in self._active:
             raise BadRequest(f"request id {rid} is already in flight")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids)
-        request = Request(rid, session, params, RowRandom.for_params(params), Detokenizer(self.tokenizer, params.stop), stop_ids)
+        request = Request(rid, session, params, RowRandom.for_params(params),
+                          Detokenizer(self.tokenizer, params.stop, params.min_tokens), stop_ids)
         self._resident(session)  # a hibernated session is restored first: refused whole if it cannot be
         if params.penalized and params.max_tokens:  # (the last refusal: nothing is changed before it)
             if self.penalties is None:

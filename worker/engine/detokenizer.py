@@ -4,7 +4,8 @@ Text is produced token by token without decoding the whole output each time: for
 vocabularies each id's bytes go through an incremental UTF-8 decoder (O(1) per token); otherwise a
 window of a few tokens is decoded, as in vLLM/TGI. Bytes of an unfinished UTF-8 character are held
 back, and so is any tail that could still turn into a stop string, so a streamed client never sees
-text that is later taken back.
+text that is later taken back. Stop strings are looked for only once `min_tokens` tokens have come (vLLM's
+min_tokens), from the text those tokens end with: a stop string that ends before then does not count.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from worker.model.tokenizer import Tokenizer
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         self._tok = tokenizer
         # Byte-level vocabularies: each id is a fixed byte string, and an incremental UTF-8 decoder
         # holds back an unfinished character by itself. Others: decode a window of ids.
@@ -25,6 +26,7 @@ class Detokenizer:
         self._prefix = 0  # window start: text of ids[_prefix:_read] is already in self.text
         self._read = 0
         self._stop = stop
+        self._min_tokens = min_tokens
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # all text so far (cut at a stop string once one is found)
         self._emitted = 0  # chars of self.text already handed out
@@ -67,7 +69,7 @@ class Detokenizer:
             return
         start = max(0, len(self.text) - self._hold)
         self.text += delta
-        if not self._stop:
+        if not self._stop or len(self._ids) < self._min_tokens:
             return
         hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
         if hits:

@@ -53,7 +53,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once for each time a token is in the answer so far
     presence_penalty: float = 0.0  # subtracted once if a token is in the answer so far
     min_p: float = 0.0  # sampling keeps the tokens at least min_p times as likely as the likeliest (vLLM's); 0 = all
-    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens (vLLM's)
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings do not end it before this many tokens (vLLM's)
 
     @property
     def penalized(self) -> bool:
@@ -216,7 +216,7 @@ def kept(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     probs = values.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill((mass_before >= top_p.double()[:, None]) & (rank > 0), 0.0)  # the top token always stays
-    if min_p is not None:  # the same tokens whether before or after top-k and top-p: they keep the likeliest
+    if min_p is not None:  # after top-k and top-p, as transformers' warpers (vLLM's V1 cuts it before them)
         probs = probs.masked_fill(probs < min_p.double()[:, None] * probs[:, :1], 0.0)
     return probs, ids
 
