@@ -742,12 +742,14 @@ class Engine:
         their min_tokens before this step (those accepted, and one in the step launched before it, not read yet)."""
         rows: list[int] = []
         cols: list[int] = []
+        width = scores.shape[1]
         for i, request in enumerate(sampled):
             if request.params.min_tokens and request.stop_ids:
                 before = request.generated + (after is not None and any(r is request for r in after.sampled))
                 if before < request.params.min_tokens:
-                    rows += [i] * len(request.stop_ids)
-                    cols += sorted(request.stop_ids)
+                    ids = sorted(t for t in request.stop_ids if 0 <= t < width)  # (a model's config may name others)
+                    rows += [i] * len(ids)
+                    cols += ids
         if not rows:
             return scores
         if scores is logits:
