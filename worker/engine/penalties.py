@@ -9,8 +9,9 @@ Their meanings and order are vLLM's (OpenAI's for logit_bias and the last two), 
     logits[t] -= presence * (count[t] > 0)
 
 The context is what the session held when the generation started (earlier turns and the prompt); the answer is the
-generation's sampled tokens. Temperature, top-k and top-p then apply to the result, and greedy takes its maximum.
-Log-probabilities stay the model's (as they are before temperature).
+generation's sampled tokens. Then min_tokens keeps the stop ids out of reach (worker.engine.core), temperature, top-k,
+top-p and min-p apply (worker.engine.sampling), and greedy takes the maximum. Log-probabilities stay the model's (as
+they are before temperature).
 
 A request that asks for any of them holds a row of the pool (`Penalties`), on the logits' device: its answer's counts
 (int32), whether its context holds each token (bool), its bias (float32) and its three penalties. The engine runs a
