@@ -743,9 +743,12 @@ class Engine:
         rows: list[int] = []
         cols: list[int] = []
         width = scores.shape[1]
+        in_flight: set[int] | None = None  # the requests sampled in `after` (made once, when a row needs it)
         for i, request in enumerate(sampled):
             if request.params.min_tokens and request.stop_ids:
-                before = request.generated + (after is not None and any(r is request for r in after.sampled))
+                if in_flight is None:
+                    in_flight = {id(r) for r in after.sampled} if after is not None else set()
+                before = request.generated + (id(request) in in_flight)
                 if before < request.params.min_tokens:
                     ids = sorted(t for t in request.stop_ids if 0 <= t < width)  # (a model's config may name others)
                     rows += [i] * len(ids)
