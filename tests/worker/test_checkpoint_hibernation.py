@@ -329,6 +329,18 @@ def test_a_growing_session_gives_its_own_checkpoints_before_anyone_hibernates() 
     engine.unload()
 
 
+def fail_checkpoint_loads(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy into a slot of 0 positions (a checkpoint's: its fixed-size state only) fails once its bytes are in."""
+    real = engine.table.load_prefix
+
+    def failing(slot: int, tokens: int, state: torch.Tensor) -> None:
+        real(slot, tokens, state)
+        if tokens == 0:
+            raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(engine.table, "load_prefix", failing)
+
+
 def test_a_moved_checkpoint_that_cannot_be_loaded_leaves_the_session_in(model: Model,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The checkpoint is a shortcut: a failure copying it in (its slot's state, 0 positions) leaves the moved session
@@ -340,14 +352,7 @@ def test_a_moved_checkpoint_that_cannot_be_loaded_leaves_the_session_in(model: M
     snapshot = source.export_session(sid, checkpoint=True)
     assert snapshot is not None and snapshot.checkpoint is not None
     target = load(model)
-    real = target.table.load_prefix
-
-    def failing(slot: int, tokens: int, state: torch.Tensor) -> None:
-        real(slot, tokens, state)
-        if tokens == 0:
-            raise RuntimeError("copy failed")
-
-    monkeypatch.setattr(target.table, "load_prefix", failing)
+    fail_checkpoint_loads(target, monkeypatch)
     assert target.import_session(snapshot, snapshot.digest()) == sid
     assert target.table.live == 1 and target.checkpoints is not None and len(target.checkpoints) == 0
     assert regenerate(target, sid, prompt, 5) == (0, answer)
@@ -364,14 +369,7 @@ def test_a_restored_checkpoint_that_cannot_be_loaded_leaves_the_session_restored
     sid = engine.create_session()
     answer = answered(engine, sid, prompt, 5)
     assert engine.hibernate(sid)
-    real = engine.table.load_prefix
-
-    def failing(slot: int, tokens: int, state: torch.Tensor) -> None:
-        real(slot, tokens, state)
-        if tokens == 0:
-            raise RuntimeError("copy failed")
-
-    monkeypatch.setattr(engine.table, "load_prefix", failing)
+    fail_checkpoint_loads(engine, monkeypatch)
     engine.restore(sid)
     assert engine.is_resident(sid) and sid not in engine.hibernation.host  # type: ignore[union-attr]
     assert engine.table.live == 1 and engine.checkpoints is not None and len(engine.checkpoints) == 0

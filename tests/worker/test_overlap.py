@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.worker.faults import fail_once
 from worker.engine import Engine
 from worker.engine.sampling import SamplingParams
 
@@ -167,17 +168,7 @@ def test_a_step_that_fails_while_another_runs_ahead_is_run_again(tiny: Engine, m
         for chunk in tiny.step():
             out[chunk.request_id] += chunk.token_ids
     assert tiny._unread is not None
-    real = worker.engine.core.sample_ids
-    calls = 0
-
-    def flaky(*args: object) -> object:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("injected")
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(worker.engine.core, "sample_ids", flaky)
+    fail_once(monkeypatch, worker.engine.core, "sample_ids")
     with pytest.raises(RuntimeError, match="injected"):
         tiny.step()
     assert tiny._unread is None

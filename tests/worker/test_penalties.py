@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.worker.faults import fail_once
 from tests.worker.interpreted import run_interpreted
 from tests.worker.test_families import Folder, write_folder
 from worker.engine import Engine
@@ -170,17 +171,7 @@ def test_a_failed_step_after_its_samples_were_counted_counts_them_once(
         for _ in range(5):
             for chunk in engine.step():
                 out[chunk.request_id] += chunk.token_ids
-        real = worker.engine.core.step_logprobs
-        calls = 0
-
-        def flaky(*a: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                raise RuntimeError("injected")  # after the step's sampling and its count
-            return real(*a)
-
-        monkeypatch.setattr(worker.engine.core, "step_logprobs", flaky)
+        fail_once(monkeypatch, worker.engine.core, "step_logprobs")  # after the step's sampling and its count
         with pytest.raises(RuntimeError, match="injected"):
             engine.step()
         while engine.has_work():
@@ -193,21 +184,22 @@ def test_a_failed_step_after_its_samples_were_counted_counts_them_once(
         engine.overlap = overlap
 
 
+def amid_noise(engine: Engine, prompt: list[int], asked: dict[str, object], folder: Folder, others: int) -> list[int]:
+    """The tokens of a generation of `prompt` batched with `others` sessions generating with the negative penalties."""
+    sid = opened(engine, prompt)
+    noise = [opened(engine, folder.prompts[i % 2]) for i in range(others)]
+    results = engine.generate_many([(sid, asked), *((n, args("negative")) for n in noise)])
+    for s in (sid, *noise):
+        engine.close(s)
+    return results[0].token_ids
+
+
 def test_a_seeded_sample_with_penalties_is_the_same_in_any_batch(engine: Engine, folder: Folder) -> None:
     sampled: dict[str, object] = {"max_tokens": 16, "ignore_eos": True, "temperature": 0.8, "seed": 7,
                                   **CASES["all of them"]}
-
-    def run(others: int) -> list[int]:
-        sid = opened(engine, folder.prompts[2])
-        noise = [opened(engine, folder.prompts[i % 2]) for i in range(others)]
-        results = engine.generate_many([(sid, sampled), *((n, args("negative")) for n in noise)])
-        for s in (sid, *noise):
-            engine.close(s)
-        return results[0].token_ids
-
-    alone = run(0)
-    assert run(3) == alone
-    assert run(0) == alone
+    alone = amid_noise(engine, folder.prompts[2], sampled, folder, 0)
+    assert amid_noise(engine, folder.prompts[2], sampled, folder, 3) == alone
+    assert amid_noise(engine, folder.prompts[2], sampled, folder, 0) == alone
 
 
 @pytest.mark.parametrize(("change", "named"), [
@@ -351,20 +343,11 @@ def test_min_p_keeps_the_tokens_transformers_keeps(top_k: int, top_p: float, min
     assert ours == theirs and all(len(s) < 500 for s in ours)
 
 
-def test_a_seeded_sample_with_min_p_is_the_same_in_any_batch_and_draws_only_kept_tokens(engine: Engine,
-                                                                                        folder: Folder) -> None:
+def test_a_seeded_sample_with_min_p_is_the_same_in_any_batch_and_its_cut_changes_the_draws(
+        engine: Engine, folder: Folder) -> None:
     sampled: dict[str, object] = {"max_tokens": 16, "ignore_eos": True, "temperature": 1.5, "seed": 3, "min_p": 0.2}
-
-    def run(others: int) -> list[int]:
-        sid = opened(engine, folder.prompts[1])
-        noise = [opened(engine, folder.prompts[i % 2]) for i in range(others)]
-        results = engine.generate_many([(sid, sampled), *((n, args("negative")) for n in noise)])
-        for s in (sid, *noise):
-            engine.close(s)
-        return results[0].token_ids
-
-    alone = run(0)
-    assert run(2) == alone
+    alone = amid_noise(engine, folder.prompts[1], sampled, folder, 0)
+    assert amid_noise(engine, folder.prompts[1], sampled, folder, 2) == alone
     sid = opened(engine, folder.prompts[1])
     wide = engine.generate(sid, **{**sampled, "min_p": 0.0}).token_ids
     engine.close(sid)

@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tests.worker.faults import fail_once
 from worker.engine import Engine
 from worker.engine.executor import StepRows
 from worker.engine.sampling import SamplingParams
@@ -346,15 +347,7 @@ def test_a_failed_step_leaves_the_states_to_be_computed_again(engine: Engine, fo
         for _ in range(4):
             for chunk in engine.step():
                 out[chunk.request_id] += chunk.token_ids
-        real, calls = worker.engine.core.sample_ids, [0]
-
-        def flaky(*args: Any) -> Any:
-            calls[0] += 1
-            if calls[0] == 1:
-                raise RuntimeError("injected")
-            return real(*args)
-
-        monkeypatch.setattr(worker.engine.core, "sample_ids", flaky)
+        fail_once(monkeypatch, worker.engine.core, "sample_ids")
         with pytest.raises(RuntimeError, match="injected"):
             engine.step()
         assert all(engine._sessions[sid].computed == 0 for sid in sids)
