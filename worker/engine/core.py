@@ -711,16 +711,16 @@ class Engine:
                     self.checkpoints.take(cp, request.session.slot, start + n)
         sampled, positions = plan.sampled()
         params = [r.params for r in sampled]
-        penalized = [i for i, r in enumerate(sampled) if r.penalty_row is not None]
+        penalized = [(i, r.penalty_row) for i, r in enumerate(sampled) if r.penalty_row is not None]
         scores = logits  # what sampling reads: the model's logits changed for the requests that ask (logprobs: these)
-        if penalized:
-            assert self.penalties is not None
-            rows = self.penalties.rows_of(penalized, [sampled[i].penalty_row for i in penalized])  # type: ignore[misc]
-            scores = self.penalties.apply(logits, rows)
+        pool, rows = self.penalties, None
+        if penalized and pool is not None:
+            rows = pool.rows_of([i for i, _ in penalized], [row for _, row in penalized])
+            scores = pool.apply(logits, rows)
         scores = self._before_min_tokens(scores, logits, sampled, after)
         ids = sample_ids(scores, params, [r.random for r in sampled])
-        if penalized:
-            self.penalties.count(ids, rows)  # type: ignore[union-attr]  # before the step launched next samples
+        if pool is not None and rows is not None:
+            pool.count(ids, rows)  # before the step launched next samples
         logprobs = step_logprobs(logits, ids, params)  # None unless a request asked: nothing more per step
         step, self.steps = self.steps, self.steps + 1
         if ids.device.type != "cuda":
