@@ -13,7 +13,7 @@ from enum import Enum
 
 import structlog
 
-from broker.common.protocol import ErrorCode, Ready, WorkerStatus
+from broker.common.protocol import ErrorCode, Ready, SamplingDefaults, WorkerStatus
 
 log = structlog.get_logger()
 
@@ -55,6 +55,7 @@ class WorkerRecord:
     bytes_per_session: int = 0
     checkpoints: bool = False  # it takes moved sessions' recurrent-state checkpoints
     sampling_extras: bool = False  # it applies Sampling's extras: logit_bias ... min_tokens (older workers ignore them)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # its model's recommended sampling (the gateway's defaults)
     seen_at: float = 0.0  # when the broker last heard from it (monotonic)
     cordoned: bool = False  # `broker drain`: no new session is placed here (kept while the worker stays registered)
 
@@ -82,6 +83,7 @@ class WorkerRecord:
             device=self.device,
             last_seen_ms=max(0, round((now - self.seen_at) * 1000)),
             max_context=self.max_context,
+            sampling_defaults=self.sampling_defaults,
         )
 
 
@@ -118,6 +120,7 @@ class Registry:
         record.bytes_per_session = ready.bytes_per_session
         record.checkpoints = ready.checkpoints
         record.sampling_extras = ready.sampling_extras
+        record.sampling_defaults = ready.sampling_defaults
         record.seen_at = now
         for sid in list(record.sessions):
             self._forget(sid)

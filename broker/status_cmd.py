@@ -93,7 +93,8 @@ def as_dict(worker: p.WorkerStatus) -> dict[str, Any]:
     """A worker as `--json` prints it (the heartbeat age in seconds)."""
     return {"name": worker.name, "model": worker.model, "capacity": worker.capacity, "free_slots": worker.free_slots,
             "sessions": worker.sessions, "draining": worker.draining, "device": worker.device,
-            "max_context": worker.max_context, "last_seen_s": worker.last_seen_ms / 1000}
+            "max_context": worker.max_context, "last_seen_s": worker.last_seen_ms / 1000,
+            "sampling_defaults": worker.sampling_defaults.given()}
 
 
 def table(workers: Sequence[p.WorkerStatus]) -> Table:

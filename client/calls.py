@@ -245,7 +245,7 @@ def session_info(i: p.SessionInfo) -> SessionInfo:
 def worker_infos(report: p.StatusReport) -> list[WorkerInfo]:
     return [
         WorkerInfo(w.name, w.model, w.capacity, w.free_slots, w.sessions, w.draining, w.device, w.last_seen_ms / 1000,
-                   w.max_context)
+                   w.max_context, w.sampling_defaults.given())
         for w in report.workers
     ]
 

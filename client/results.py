@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from broker.common.protocol import TokenLogprob
@@ -51,3 +52,6 @@ class WorkerInfo:
     device: str
     last_seen_s: float = 0.0  # since the broker last heard from the worker
     max_context: int = 0  # the tokens a session on this worker can hold (0: the broker did not say)
+    # Its model's recommended sampling (generation_config.json), by generate()'s names: temperature, top_p, top_k,
+    # min_p, repetition_penalty, max_tokens; only those it recommends. The OpenAI gateway's defaults.
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)

@@ -32,6 +32,8 @@ from broker.common.arguments import (
 )
 from broker.common.keys import CurveClient, KeyFileError
 from broker.common.metrics_http import MetricsServer
+from worker.model.config import ModelLoadError
+from worker.serve.generation_config import sampling_defaults
 from worker.serve.loop import Serve, WorkerConfig
 from worker.serve.metrics import WorkerMetrics, worker_readiness
 
@@ -63,6 +65,11 @@ def parser() -> argparse.ArgumentParser:
     start.add_argument("--model", default=env("WORKER_MODEL", None),
                        help="a .gguf file, a Hugging Face folder, or random:PRESET[:SEED] (e.g. random:tiny) "
                             "[env WORKER_MODEL] (default: the bundled SmolLM2-135M-Instruct)")
+    start.add_argument("--generation-config", default=env("WORKER_GENERATION_CONFIG", "auto"), metavar="SOURCE",
+                       help="the model's recommended sampling, which the OpenAI gateway gives requests that leave a "
+                            "parameter out: auto (the model folder's generation_config.json, if any), none, or the "
+                            "path of a generation_config.json or its folder [env WORKER_GENERATION_CONFIG] "
+                            "(default %(default)s)")
     start.add_argument("--device", type=device, default=env("WORKER_DEVICE", "auto"),
                        help="auto, cpu, cuda or cuda:N [env WORKER_DEVICE] (default %(default)s)")
     start.add_argument("--max-sessions", type=positive_int, default=from_env("WORKER_MAX_SESSIONS", 8),
@@ -136,11 +143,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_STARTUP_FAILED
     except ValueError as e:  # one of the two alone: a bad argument
         arguments.error(f"arguments --broker-key, --key: {e}")
+    try:
+        recommended = sampling_defaults(args.generation_config, args.model)
+    except ModelLoadError as e:  # before the model's (slow) load
+        log.error("worker_start_failed", error=str(e), error_type=type(e).__name__, model=args.model)
+        return EXIT_STARTUP_FAILED
+    if recommended.given():
+        log.info("sampling_defaults", **recommended.given())
     config = WorkerConfig(
         broker=args.broker, name=args.name, drain_timeout_s=args.drain_timeout, reconnect_max_ms=args.reconnect_max_ms,
         curve=curve, session_idle_timeout_s=args.session_idle_timeout, metrics=args.metrics_port is not None,
         hibernate_after_s=args.hibernate_after, test_move_pause=move_pause_option(os.environ.get("WORKER_TEST_MOVE_PAUSE")),
-        test_corrupt_moves=os.environ.get("WORKER_TEST_CORRUPT_MOVES") == "1",
+        test_corrupt_moves=os.environ.get("WORKER_TEST_CORRUPT_MOVES") == "1", sampling_defaults=recommended,
     )
     serve: Serve | None = None
     stop_requested = False

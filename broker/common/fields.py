@@ -65,8 +65,10 @@ def integer(lo: int, hi: int, optional: bool = False) -> Check:
     return check
 
 
-def number(lo: float, hi: float) -> Check:
+def number(lo: float, hi: float, optional: bool = False) -> Check:
     def check(name: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise FieldError(f"{name} must be a number, got {type(value).__name__}")
         if not math.isfinite(value) or not lo <= value <= hi:

@@ -420,6 +420,28 @@ class TemplateArg:
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """A model's recommended sampling (its generation_config.json, read as vLLM reads it): what an OpenAI request
+    that leaves a parameter out is given at the gateway. None: no recommendation (the API's own default)."""
+
+    temperature: Annotated[float | None, number(0.0, 100.0, optional=True)] = None
+    top_p: Annotated[float | None, number(0.0, 1.0, optional=True)] = None
+    top_k: Annotated[int | None, integer(0, 2**31 - 1, optional=True)] = None  # 0 = whole vocabulary
+    min_p: Annotated[float | None, number(0.0, 1.0, optional=True)] = None
+    repetition_penalty: Annotated[float | None, number(0.01, 10.0, optional=True)] = None
+    max_tokens: Annotated[int | None, integer(1, MAX_TOKENS, optional=True)] = None  # its max_new_tokens
+
+    def __post_init__(self) -> None:
+        _checked(self)
+        if self.top_p is not None and self.top_p <= 0.0:
+            raise _bad("top_p must be in (0, 1]")
+
+    def given(self) -> dict[str, float | int]:
+        """The recommended parameters alone, by their protocol.Sampling names."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     name: Name
     model: Name
@@ -430,6 +452,7 @@ class WorkerStatus:
     device: Label = ""
     last_seen_ms: Count = 0  # since the broker last heard from the worker
     max_context: Count = 0  # the tokens a session on this worker can hold (0: an older broker did not say)
+    sampling_defaults: Annotated[SamplingDefaults, nested(SamplingDefaults)] = SamplingDefaults()
 
     def __post_init__(self) -> None:
         _checked(self)
@@ -937,6 +960,7 @@ class Ready(Message):
     evacuate: Annotated[bool, boolean] = False  # it drains and asks for its sessions to be moved (as Heartbeat's)
     checkpoints: Annotated[bool, boolean] = False  # it takes a moved session's recurrent-state checkpoint (MoveState's)
     sampling_extras: Annotated[bool, boolean] = False  # it applies Sampling's extras (logit_bias ... min_tokens)
+    sampling_defaults: Annotated[SamplingDefaults, nested(SamplingDefaults)] = SamplingDefaults()  # its model's
 
     def _check(self) -> None:
         if self.owners and len(self.owners) != len(self.sessions):

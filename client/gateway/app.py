@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -156,12 +156,17 @@ def create_app(config: GatewayConfig) -> Starlette:
             raise model_not_found(name, served.models)
         return Response(responses.dumps(_model_object(found, served.max_context(found))), media_type=JSON)
 
+    async def recommended(model: str) -> Mapping[str, float | int]:
+        """The model's recommended sampling, for the parameters a request leaves out."""
+        assert gw.models is not None
+        return await gw.models.sampling_defaults(model)
+
     async def chat(request: Request) -> Response:
         owner = gw.keys.owner(request.headers.get("authorization"))
         body = schema.parse(schema.ChatRequest, await _json(request))
         assert isinstance(body, schema.ChatRequest)
         name = _session_name(request, body)
-        ask = chat_ask(body, owner, name)
+        ask = chat_ask(body, owner, name, await recommended(body.model))
         if ask.stream:
             return await _streamed(ask, True, body.logprobs, body.return_token_ids, body.include_usage(), "chat")
         assert gw.service is not None
@@ -175,7 +180,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         body = schema.parse(schema.CompletionRequest, await _json(request))
         assert isinstance(body, schema.CompletionRequest)
         name = _session_name(request, body)
-        ask = completion_ask(body, owner, name)
+        ask = completion_ask(body, owner, name, await recommended(body.model))
         want_logprobs = body.logprobs is not None
         if ask.stream:
             return await _streamed(ask, False, want_logprobs, body.return_token_ids, body.include_usage(), "completions")

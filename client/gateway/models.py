@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -34,6 +35,17 @@ class Served:
         known = [w.max_context for w in self.workers if w.model == model and w.max_context > 0]
         return min(known, default=0)
 
+    def sampling_defaults(self, model: str) -> Mapping[str, float | int]:
+        """`model`'s recommended sampling as its workers announce it (their generation_config.json): {} when they
+        recommend none, or when they disagree (workers of two configs, in a rollout say: none is used until they
+        agree)."""
+        seen = self.recommendations(model)
+        return dict(seen.pop()) if len(seen) == 1 else {}
+
+    def recommendations(self, model: str) -> set[tuple[tuple[str, float | int], ...]]:
+        """The distinct recommended samplings of `model`'s workers."""
+        return {tuple(sorted(w.sampling_defaults.items())) for w in self.workers if w.model == model}
+
     def ready(self) -> tuple[bool, str]:
         if self.error:
             return False, f"the broker does not answer: {self.error}"
@@ -48,6 +60,7 @@ class Models:
         self.client = client
         self.last = Served((), 0.0, "not asked yet")
         self._asking: asyncio.Task[Served] | None = None
+        self._split: set[str] = set()  # models whose workers recommend different samplings (warned of)
 
     async def served(self, fresh: bool = False) -> Served:
         """The broker's workers, from a status at most FRESH_S old (fresh: asked now); concurrent callers share one
@@ -62,10 +75,25 @@ class Models:
         try:
             workers = await self.client.status(timeout=STATUS_TIMEOUT_S)
             self.last = Served(tuple(workers), time.monotonic())
+            self._check_recommendations()
         except ClientError as e:
             log.warning("broker_status_failed", error=str(e), code=e.code)
             self.last = Served((), time.monotonic(), str(e))
         return self.last
+
+    async def sampling_defaults(self, model: str) -> Mapping[str, float | int]:
+        """`model`'s recommended sampling (Served.sampling_defaults), from the last status when it lists the model."""
+        served = self.last if model in self.last.models and not self.last.error else await self.served()
+        return served.sampling_defaults(model)
+
+    def _check_recommendations(self) -> None:
+        """Warn, once each time it starts, that a model's workers recommend different samplings."""
+        split = {m for m in self.last.models if len(self.last.recommendations(m)) > 1}
+        for model in sorted(split - self._split):
+            log.warning("sampling_defaults_disagree", model=model,
+                        workers={w.name: dict(w.sampling_defaults) for w in self.last.workers if w.model == model},
+                        using="the API's own defaults")
+        self._split = split
 
     async def check(self, model: str) -> None:
         """ApiError unless a live worker serves `model`: 404 when others are served, 503 when none is up. A model the

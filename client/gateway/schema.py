@@ -10,13 +10,17 @@ Extensions (the openai package sends them with `extra_body`, or as a header):
     return_token_ids  each choice carries its `token_ids`
     top_k, ignore_eos, stop_token_ids  as vLLM takes them
     chat_template_kwargs  (chat) variables for the model's chat template, as vLLM takes them: Qwen3's enable_thinking
+
+A sampling parameter a request leaves out is the model's recommended one where its workers announce one (their
+generation_config.json, as vLLM's server reads it), else OpenAI's default: see `sampling`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -24,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from broker.common import protocol as p
 from client.gateway.errors import ApiError, bad_request
 
+NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})  # no recommended sampling
 MAX_N = 16  # choices per request: each is a session (a fork of the prompt's)
 TemplateValue = bool | int | float | str | None  # a chat_template_kwargs value (the wire's TemplateArg checks it)
 MAX_STOP = p.MAX_STOP_STRINGS
@@ -133,12 +138,13 @@ class _Common(_Strict):
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return value
 
-    def extras(self) -> dict[str, Any]:
-        """logit_bias, the penalties, min_p and min_tokens, by the protocol's names (protocol.Sampling's extras)."""
+    def extras(self, defaults: Mapping[str, float | int] = NO_DEFAULTS) -> dict[str, Any]:
+        """logit_bias, the penalties, min_p and min_tokens, by the protocol's names (protocol.Sampling's extras); the
+        model's recommended repetition_penalty and min_p (`defaults`) where the request leaves them out."""
         return {"logit_bias": {int(k): float(v) for k, v in (self.logit_bias or {}).items()},
-                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "repetition_penalty": _given(self.repetition_penalty, defaults, "repetition_penalty", 1.0),
                 "frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0,
-                "min_p": self.min_p or 0.0, "min_tokens": self.min_tokens or 0}
+                "min_p": _given(self.min_p, defaults, "min_p", 0.0), "min_tokens": self.min_tokens or 0}
 
     @field_validator("stop")
     @classmethod
@@ -287,15 +293,25 @@ class Sampling:
             raise bad_request(e.message) from e
 
 
-def sampling(request: ChatRequest | CompletionRequest) -> Sampling:
+def sampling(request: ChatRequest | CompletionRequest, defaults: Mapping[str, float | int] = NO_DEFAULTS) -> Sampling:
+    """The request's sampling; a parameter it leaves out is the model's recommended one (`defaults`, from its
+    generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), else OpenAI's."""
     if isinstance(request, ChatRequest):
         limit, logprobs = request.token_limit(), request.logprob_count()
     else:
         limit, logprobs = request.max_tokens, request.logprobs
     request.check_stream_options()
-    return Sampling(limit, 1.0 if request.temperature is None else request.temperature,
-                    1.0 if request.top_p is None else request.top_p, request.top_k or 0, request.seed, request.stops(),
-                    tuple(request.stop_token_ids or ()), request.ignore_eos, logprobs, request.extras())
+    if limit is None and "max_tokens" in defaults:  # never below the request's own min_tokens
+        limit = max(int(defaults["max_tokens"]), request.min_tokens or 0)
+    return Sampling(limit, _given(request.temperature, defaults, "temperature", 1.0),
+                    _given(request.top_p, defaults, "top_p", 1.0), int(_given(request.top_k, defaults, "top_k", 0)),
+                    request.seed, request.stops(), tuple(request.stop_token_ids or ()), request.ignore_eos, logprobs,
+                    request.extras(defaults))
+
+
+def _given(value: float | None, defaults: Mapping[str, float | int], name: str, otherwise: float) -> float:
+    """The request's value; where it has none, the model's recommended one, else the API's default."""
+    return value if value is not None else float(defaults.get(name, otherwise))
 
 
 def parse(kind: type[ChatRequest] | type[CompletionRequest], body: Any) -> Any:

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -710,15 +710,19 @@ def _finish(reason: str) -> str:
     return "length" if reason in ("length", "capacity") else "stop"
 
 
-def chat_ask(request: schema.ChatRequest, owner: str, name: str | None) -> Ask:
+def chat_ask(request: schema.ChatRequest, owner: str, name: str | None,
+             defaults: Mapping[str, float | int] = schema.NO_DEFAULTS) -> Ask:
+    """`defaults`: the model's recommended sampling, for the parameters the request leaves out (schema.sampling)."""
     turns = request.turns()
     args = tuple((request.chat_template_kwargs or {}).items())
-    return Ask(owner, request.model, "chat", turns, schema.sampling(request), request.n, name, request.stream,
-               tuple(chain(turns, template_start(args))), args)
+    return Ask(owner, request.model, "chat", turns, schema.sampling(request, defaults), request.n, name,
+               request.stream, tuple(chain(turns, template_start(args))), args)
 
 
-def completion_ask(request: schema.CompletionRequest, owner: str, name: str | None) -> Ask:
+def completion_ask(request: schema.CompletionRequest, owner: str, name: str | None,
+                   defaults: Mapping[str, float | int] = schema.NO_DEFAULTS) -> Ask:
     prompt = request.prompt_value()
     kind: Kind = "text" if isinstance(prompt, str) else "ids"
-    return Ask(owner, request.model, kind, prompt, schema.sampling(request), request.n, name, request.stream)
+    return Ask(owner, request.model, kind, prompt, schema.sampling(request, defaults), request.n, name,
+               request.stream)
 

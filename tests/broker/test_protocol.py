@@ -48,6 +48,8 @@ EXAMPLES: list[p.Message] = [
     p.Closed(request_id="r6", session_id=SID),
     p.SessionInfo(request_id="r7", session_id=SID, length=5, model="m", worker="w", max_context=64, busy=True),
     p.StatusReport(request_id="r9", broker_id="b1", workers=(p.WorkerStatus("w", "m", 4, 3, 1, True, "cpu"),)),
+    p.StatusReport(request_id="r9", broker_id="b1", workers=(p.WorkerStatus(
+        "w", "m", 4, 3, 1, sampling_defaults=p.SamplingDefaults(temperature=0.6, top_k=20, max_tokens=512)),)),
     p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a", 7), p.StreamChunk("r5", (), "é"), p.StreamChunk("r6", (1, 2), "")),
              route=b"c1"),
     p.Chunks(chunks=(p.StreamChunk("r4", (4,), "a"),)),
@@ -56,6 +58,8 @@ EXAMPLES: list[p.Message] = [
     p.Error(request_id="r2", code=p.ErrorCode.PROMPT_BOUNDARY, message="merges"),
     p.Error(request_id=None, code=p.ErrorCode.VERSION_MISMATCH),
     p.Ready(name="w", model="m", capacity=4, free_slots=3, max_context=64, sessions=(SID,), draining=False, device="cpu"),
+    p.Ready(name="w", model="m", capacity=4, free_slots=4, max_context=64, sampling_defaults=p.SamplingDefaults(
+        temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.05, max_tokens=2048)),
     p.Welcome(broker_id="b1", heartbeat_ms=100, liveness=3),
     p.Heartbeat(broker_id="b1"),
     p.Heartbeat(free_slots=3, sessions=1, draining=True),
@@ -371,3 +375,24 @@ def test_a_payload_is_bytes_or_a_memoryview_within_its_limit() -> None:
 def test_the_address_of_a_raw_header_is_read_without_decoding_it(header: bytes, address: tuple[str | None, str, bytes]
                                                                  ) -> None:
     assert p.peek_address(header) == address
+
+
+def test_sampling_defaults_are_checked_and_an_older_worker_s_ready_recommends_none() -> None:
+    """A worker's recommended sampling (its model's generation_config.json) is checked as a GENERATE's would be; a
+    READY from a worker that predates it (no field) recommends nothing."""
+    ready = {"name": "w", "model": "m", "capacity": 1, "free_slots": 1, "max_context": 8}
+    old = p.decode(frames(b"READY", ready))
+    assert isinstance(old, p.Ready) and old.sampling_defaults == p.SamplingDefaults()
+    assert p.SamplingDefaults().given() == {}
+    assert p.SamplingDefaults(temperature=1, top_k=0).given() == {"temperature": 1.0, "top_k": 0}
+    for bad, complaint in (({"temperature": "hot"}, "temperature must be a number, got str"),
+                           ({"temperature": 101}, "temperature must be in [0.0, 100.0], got 101"),
+                           ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+                           ({"top_k": 2.5}, "top_k must be an integer, got float"),
+                           ({"repetition_penalty": 0}, "repetition_penalty must be in [0.01, 10.0]"),
+                           ({"max_tokens": 0}, "max_tokens must be in [1, 1048576], got 0"),
+                           ([0.6], "sampling_defaults must be a map, got list")):
+        with pytest.raises(p.ProtocolError) as e:
+            p.decode(frames(b"READY", {**ready, "sampling_defaults": bad}))
+        assert e.value.code is p.ErrorCode.BAD_REQUEST
+        assert complaint in e.value.message, e.value.message

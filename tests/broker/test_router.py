@@ -107,6 +107,20 @@ def test_sampling_extras_go_only_to_a_worker_that_says_it_applies_them() -> None
     assert one(router.client_message(C1, p.encode(penalized), 2.1)) == (Peer.WORKER, W2, penalized.routed(C1))
 
 
+def test_status_lists_each_worker_s_recommended_sampling_as_its_last_ready_said() -> None:
+    """The gateway gives a model's recommended sampling (generation_config.json) to requests that leave parameters
+    out: the broker keeps each worker's, from its READY, and STATUS reports it; a READY again replaces it."""
+    qwen = p.SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20)
+    router = running((W1, replace(ready("w1"), sampling_defaults=qwen)), (W2, ready("w2")))
+    _, _, report = one(router.client_message(C1, p.encode(p.Status(request_id="s1")), 2.0))
+    assert isinstance(report, p.StatusReport)
+    assert {w.name: w.sampling_defaults for w in report.workers} == {"w1": qwen, "w2": p.SamplingDefaults()}
+    router.worker_message(W1, p.encode(replace(ready("w1"), sampling_defaults=p.SamplingDefaults(max_tokens=9))), 2.1)
+    _, _, report = one(router.client_message(C1, p.encode(p.Status(request_id="s2")), 2.2))
+    assert isinstance(report, p.StatusReport)
+    assert {w.name: w.sampling_defaults.given() for w in report.workers} == {"w1": {"max_tokens": 9}, "w2": {}}
+
+
 def test_session_requests_go_to_the_session_s_worker() -> None:
     sid = "b" * 32
     router = running((W1, ready("w1")), (W2, ready("w2", sessions=(sid,))))

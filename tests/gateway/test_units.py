@@ -25,7 +25,9 @@ from client.errors import (
 from client.gateway import schema
 from client.gateway.auth import ApiKeys, KeyFileError
 from client.gateway.errors import ApiError, from_client_error
+from client.gateway.models import Served
 from client.gateway.sessions import Entry, SessionStore, chain
+from client.results import WorkerInfo
 
 SID = "0123456789abcdef0123456789abcdef"
 
@@ -176,6 +178,42 @@ def test_chat_parameters_map_to_sampling() -> None:
     turns = parse_chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                                  {"role": "user", "content": "c"}]).turns()
     assert turns == (("system", "ab"), ("user", "c"))
+
+
+QWEN25 = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}  # Qwen2.5-7B-Instruct's
+
+
+def test_a_parameter_left_out_is_the_model_s_recommended_one_and_one_given_wins() -> None:
+    """vLLM's server gives a request the model's generation_config.json sampling where it leaves a parameter out
+    (OpenAI's own default where the model recommends none); what the request sets, even to OpenAI's default, stays."""
+    left_out = schema.sampling(parse_chat(), QWEN25).params(100)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.repetition_penalty, left_out.min_p,
+            left_out.max_tokens) == (0.7, 0.8, 20, 1.05, 0.0, 100)
+    assert left_out.extended  # repetition_penalty: only a worker that applies it may take the request
+    given = schema.sampling(parse_chat(temperature=1, top_p=1, top_k=0, repetition_penalty=1, min_p=0.1,
+                                       max_tokens=9), {**QWEN25, "min_p": 0.05, "max_tokens": 3}).params(100)
+    assert (given.temperature, given.top_p, given.top_k, given.repetition_penalty, given.min_p, given.max_tokens) == (
+        1.0, 1.0, 0, 1.0, 0.1, 9)
+    capped = schema.sampling(parse_chat(), {"max_tokens": 3}).params(100)
+    assert (capped.max_tokens, capped.temperature, capped.top_p, capped.top_k) == (3, 1.0, 1.0, 0)
+    assert schema.sampling(parse_chat(min_tokens=5), {"max_tokens": 3}).params(100).max_tokens == 5
+    plain = schema.sampling(parse_chat()).params(100)  # no recommendation: OpenAI's defaults
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens, plain.extended) == (1.0, 1.0, 0, 100, False)
+    text = schema.parse(schema.CompletionRequest, {"model": "m", "prompt": "a", "temperature": 0.2})
+    assert isinstance(text, schema.CompletionRequest)
+    both = schema.sampling(text, QWEN25).params(100)
+    assert (both.temperature, both.top_p, both.top_k) == (0.2, 0.8, 20)
+
+
+def test_a_model_s_recommended_sampling_is_used_only_when_its_workers_agree() -> None:
+    def worker(name: str, model: str, defaults: dict[str, float | int]) -> WorkerInfo:
+        return WorkerInfo(name, model, 4, 4, 0, False, "cpu", sampling_defaults=defaults)
+
+    served = Served((worker("a", "qwen", QWEN25), worker("b", "qwen", dict(reversed(QWEN25.items()))),
+                     worker("c", "llama", {"temperature": 0.6, "top_p": 0.9}), worker("d", "llama", {})), 0.0)
+    assert served.sampling_defaults("qwen") == QWEN25  # the same recommendation, in any order
+    assert served.sampling_defaults("llama") == {}  # a worker recommends none: no agreement, the API's defaults
+    assert served.sampling_defaults("other") == {}
 
 
 @pytest.mark.parametrize(("body", "param", "needle"), [

@@ -22,6 +22,8 @@ class WorkerConfig:
     session_idle_timeout_s: float = 0.0  # 0: sessions never expire
     metrics: bool = False  # keep Prometheus metrics (for --metrics-port)
     hibernate_after_s: float = 0.0  # idle sessions hibernate after this long (0: only when pages run out)
+    # The model's recommended sampling, announced in READY (worker.serve.generation_config)
+    sampling_defaults: p.SamplingDefaults = p.SamplingDefaults()
     # Tests of moves only (WORKER_TEST_MOVE_PAUSE=STEP:SECONDS, WORKER_TEST_CORRUPT_MOVES=1, read once by `worker
     # start`): sleep that long at a step of a move (export, release, import), so that a test can kill a process
     # there; flip a byte of every state this worker sends.
