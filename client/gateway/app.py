@@ -36,6 +36,7 @@ from client.gateway.errors import ApiError, bad_request, from_client_error, mode
 from client.gateway.events import EventStream
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models, Served
+from client.gateway.reasoning import Splitter
 from client.gateway.service import Service, chat_ask, completion_ask
 from client.gateway.sessions import SessionStore
 
@@ -60,6 +61,7 @@ class GatewayConfig:
     key: str | None = None
     api_keys: ApiKeys | None = None
     max_idle_sessions: int = 0
+    reasoning_parser: str | None = None  # qwen3, deepseek_r1 (client.gateway.reasoning): chat answers' reasoning apart
 
 
 class Gateway:
@@ -166,13 +168,13 @@ def create_app(config: GatewayConfig) -> Starlette:
         body = schema.parse(schema.ChatRequest, await _json(request))
         assert isinstance(body, schema.ChatRequest)
         name = _session_name(request, body)
-        ask = chat_ask(body, owner, name, await recommended(body.model))
+        ask = chat_ask(body, owner, name, await recommended(body.model), config.reasoning_parser)
         if ask.stream:
             return await _streamed(ask, True, body.logprobs, body.return_token_ids, body.include_usage(), "chat")
         assert gw.service is not None
         live = await _unless_gone(request, gw.service.complete(ask))
         out = responses.chat_completion(responses.new_id("chatcmpl"), ask.model, live.answers(), live.usage(),
-                                        body.logprobs, body.return_token_ids, name)
+                                        body.logprobs, body.return_token_ids, name, ask.reasoner is not None)
         return Response(responses.dumps(out), media_type=JSON)
 
     async def completions(request: Request) -> Response:
@@ -196,13 +198,22 @@ def create_app(config: GatewayConfig) -> Starlette:
         start = time.perf_counter()
         live, deltas = await gw.service.stream(ask)
         writer = responses.ChunkWriter(chat, ask.model, want_logprobs, token_ids, include_usage)
+        splitters: dict[int, Splitter] = {}  # with a reasoning parser: each choice's
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for d in deltas:
                     c = d.chunk
                     finish = None if c.finish_reason is None else ("length" if c.finish_reason in ("length", "capacity") else "stop")
-                    yield writer.delta(d.index, c.token_ids, c.text, c.logprobs, finish)
+                    if ask.reasoner is None:
+                        yield writer.delta(d.index, c.token_ids, c.text, c.logprobs, finish)
+                        continue
+                    split = splitters.setdefault(d.index, ask.reasoner.splitter())
+                    reasoning, content = split.feed(c.text)
+                    if finish is not None:
+                        held = split.flush()
+                        reasoning, content = reasoning + held[0], content + held[1]
+                    yield writer.delta(d.index, c.token_ids, content, c.logprobs, finish, reasoning)
                 if include_usage:
                     yield writer.usage(live.usage())
                 yield responses.DONE

@@ -45,6 +45,7 @@ from broker.common.arguments import (
     positive_int,
     zmq_address,
 )
+from client.gateway.reasoning import PARSERS
 
 EXIT_FAILED = 1
 EXIT_STARTUP_FAILED = 3
@@ -74,6 +75,11 @@ def parser() -> argparse.ArgumentParser:
     start.add_argument("--max-idle-sessions", type=non_negative_int, default=from_env("GATEWAY_MAX_IDLE_SESSIONS", 0),
                        help="idle sessions kept for the next turn, 0 for as many as the workers have slots for "
                             "(the least recently used closes first) [env GATEWAY_MAX_IDLE_SESSIONS] (default %(default)s)")
+    start.add_argument("--reasoning-parser", type=one_of(*PARSERS), choices=PARSERS,
+                       default=env("GATEWAY_REASONING_PARSER", None),
+                       help="split a reasoning model's chat answers into `reasoning` and `content`, as vLLM's parser "
+                            "of that name: qwen3 (Qwen3, Qwen3.5, QwQ) or deepseek_r1 (DeepSeek-R1 and its distills) "
+                            "[env GATEWAY_REASONING_PARSER] (default: none, answers are content alone)")
     start.add_argument("--processes", type=positive_int, default=from_env("GATEWAY_PROCESSES", 1),
                        help="processes sharing the port [env GATEWAY_PROCESSES] (default %(default)s)")
     start.add_argument("--drain-timeout", type=non_negative_float, default=from_env("GATEWAY_DRAIN_TIMEOUT", 30),
@@ -131,7 +137,8 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
     log = structlog.get_logger()
     config = GatewayConfig(broker=args.broker, timeout=args.timeout, broker_key=args.broker_key, key=args.key,
-                           api_keys=_keys(args), max_idle_sessions=args.max_idle_sessions)
+                           api_keys=_keys(args), max_idle_sessions=args.max_idle_sessions,
+                           reasoning_parser=args.reasoning_parser)
     app = create_app(config)
     gateway = app.state.gateway
 

@@ -65,10 +65,16 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], offset: int = 0) -> di
 
 
 def chat_completion(rid: str, model: str, answers: Sequence[Answer], usage: Usage, want_logprobs: bool,
-                    token_ids: bool, session_id: str | None) -> dict[str, Any]:
+                    token_ids: bool, session_id: str | None, reasoning: bool = False) -> dict[str, Any]:
+    """`reasoning`: the gateway splits answers (--reasoning-parser): each message has `reasoning` and
+    `reasoning_content` (null where there is none), and a null content where the answer is all reasoning."""
     choices = []
     for a in answers:
-        choice: dict[str, Any] = {"index": a.index, "message": {"role": "assistant", "content": a.text, "refusal": None},
+        message: dict[str, Any] = {"role": "assistant", "content": a.text, "refusal": None}
+        if reasoning:
+            message["content"] = None if a.reasoning is not None and not a.text else a.text
+            message["reasoning"] = message["reasoning_content"] = a.reasoning
+        choice: dict[str, Any] = {"index": a.index, "message": message,
                                   "logprobs": chat_logprobs(a.logprobs) if want_logprobs else None,
                                   "finish_reason": a.finish_reason}
         if token_ids:
@@ -124,8 +130,9 @@ class ChunkWriter:
         return b"data: " + self._head + dumps(choices) + self._tail
 
     def delta(self, index: int, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob],
-              finish_reason: str | None) -> bytes:
-        """One chunk of choice `index` (chat: preceded by its role delta the first time)."""
+              finish_reason: str | None, reasoning: str = "") -> bytes:
+        """One chunk of choice `index` (chat: preceded by its role delta the first time; its reasoning, split off
+        with --reasoning-parser, as `reasoning` and `reasoning_content`)."""
         out = b""
         choice: dict[str, Any]
         if self.chat:
@@ -133,8 +140,11 @@ class ChunkWriter:
                 self._started.add(index)
                 out += self._event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                      "finish_reason": None}])
-            if text or token_ids:
-                choice = {"index": index, "delta": {"content": text},
+            if text or token_ids or reasoning:
+                delta: dict[str, Any] = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
+                if text or not reasoning:
+                    delta["content"] = text
+                choice = {"index": index, "delta": delta,
                           "logprobs": chat_logprobs(logprobs) if self.want_logprobs else None, "finish_reason": None}
                 if self.token_ids:
                     choice["token_ids"] = list(token_ids)

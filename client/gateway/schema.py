@@ -11,6 +11,9 @@ Extensions (the openai package sends them with `extra_body`, or as a header):
     top_k, ignore_eos, stop_token_ids  as vLLM takes them
     chat_template_kwargs  (chat) variables for the model's chat template, as vLLM takes them: Qwen3's enable_thinking
 
+An assistant message sent back may carry its `reasoning` (or `reasoning_content`) where the gateway splits answers
+(--reasoning-parser: client.gateway.reasoning).
+
 A sampling parameter a request leaves out is the model's recommended one where its workers announce one (their
 generation_config.json, as vLLM's server reads it), else OpenAI's default: see `sampling`.
 """
@@ -27,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from broker.common import protocol as p
 from client.gateway.errors import ApiError, bad_request
+from client.gateway.reasoning import END, START
 
 NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})  # no recommended sampling
 MAX_N = 16  # choices per request: each is a session (a fork of the prompt's)
@@ -61,9 +65,12 @@ class TextPart(_Strict):
 
 class Message(_Strict):
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None: an assistant's answer that had no content (reasoning only)
     name: None = None  # the chat templates here have no place for a name: refused rather than dropped
-    # An assistant message as the API answered it (sent back with the next turn): no refusal, no tool calls.
+    # An assistant message as the API answered it (sent back with the next turn): no refusal, no tool calls; its
+    # reasoning (a gateway with --reasoning-parser), by vLLM's name or the older one.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     refusal: Any = None
     tool_calls: Any = None
     function_call: Any = None
@@ -83,9 +90,27 @@ class Message(_Strict):
             raise ValueError(f"role must be one of {', '.join(ROLES)} (tools are not supported), got {role!r}")
         return role
 
+    def model_post_init(self, context: Any) -> None:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.reasoning is not None or self.reasoning_content is not None:
+            if self.role != "assistant":
+                raise ValueError("only an assistant message has reasoning")
+            if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+                raise ValueError("reasoning and reasoning_content differ: give one")
+
     def turn(self) -> tuple[str, str]:
-        """(role as the template takes it, text): developer is OpenAI's newer name for system."""
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        """(role as the template takes it, text): developer is OpenAI's newer name for system. An answer's reasoning
+        goes back in its text as the model wrote it, <think>reasoning</think>content: the reasoning models' templates
+        (Qwen3's, DeepSeek-R1's) take it from there as they take a reasoning_content field, and drop it from answers
+        before the last question."""
+        if self.content is None:
+            text = ""
+        else:
+            text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            text = f"{START}{reasoning}{END}{text}"
         return ROLES[self.role], text
 
 
@@ -215,6 +240,10 @@ class ChatRequest(_Common):
 
     def turns(self) -> tuple[tuple[str, str], ...]:
         return tuple(m.turn() for m in self.messages)
+
+    def has_reasoning(self) -> bool:
+        """Whether an assistant message carries its reasoning (taken only with a reasoning parser)."""
+        return any(m.reasoning is not None or m.reasoning_content is not None for m in self.messages)
 
     def token_limit(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \

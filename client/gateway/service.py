@@ -42,9 +42,10 @@ from client.errors import (
     SessionNotFound,
 )
 from client.gateway import schema
-from client.gateway.errors import from_client_error, session_busy
+from client.gateway.errors import bad_request, from_client_error, session_busy
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models
+from client.gateway.reasoning import Reasoner
 from client.gateway.sessions import EMPTY, Entry, Kind, SessionStore, Turn, chain, template_start
 from client.results import Chunk, Generation
 
@@ -71,6 +72,7 @@ class Ask:
     stream: bool = False
     digests: tuple[bytes, ...] = ()  # chat: chain(history, template_start(template_args))
     template_args: tuple[tuple[str, Any], ...] = ()  # chat: chat_template_kwargs, in the order given
+    reasoner: Reasoner | None = None  # chat with --reasoning-parser: how its answers split into reasoning and content
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Answer:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    reasoning: str | None = None  # with a reasoning parser: the reasoning (then `text` is the content, "" for none)
 
 
 @dataclass
@@ -148,8 +151,19 @@ class Live:
         return Usage(self.before - self.rewound + (self.appended or 0), completion, self.cached)
 
     def answers(self) -> list[Answer]:
-        return [Answer(i, list(r.token_ids), r.text, _finish(r.finish_reason), list(r.logprobs))
-                for i, r in enumerate(self.results) if r is not None]
+        out = []
+        for i, r in enumerate(self.results):
+            if r is not None:
+                reasoning, content = self._split(r.text)
+                out.append(Answer(i, list(r.token_ids), content, _finish(r.finish_reason), list(r.logprobs), reasoning))
+        return out
+
+    def _split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of an answer's text: no reasoning without a reasoning parser."""
+        if self.ask.reasoner is None:
+            return None, text
+        reasoning, content = self.ask.reasoner.split(text)
+        return reasoning, content or ""
 
     def finish(self) -> None:
         """Every choice answered: keep the sessions with their new history, marked inexact where their tokens may not
@@ -170,6 +184,9 @@ class Live:
                 cut = True  # the text the client holds has no stop token: it no longer starts with the session's
             if ask.kind != "ids" and not _text_is_tokens(ask.kind, ask.sampling, result, stop_token):
                 cut = True
+            reasoning, content = self._split(result.text)
+            if reasoning is not None:
+                cut = True  # the client holds the content alone: the session holds the reasoning too
             if entry.deleted or result.session_length == 0 or (cut and not _takes_from_start(entry)):
                 service.discard(entry, "ended")  # (0: its session was closed while it generated)
                 continue
@@ -178,7 +195,7 @@ class Live:
             entry.model = ask.model
             if ask.kind == "chat":
                 assert isinstance(ask.history, tuple)
-                turn = ("assistant", result.text)
+                turn = ("assistant", content)
                 entry.history = (*ask.history, turn)
                 entry.asked = ask.digests[-1] if ask.digests else None
                 turns: tuple[Turn, ...] = ask.history  # type: ignore[assignment]  # (chat: turns, checked above)
@@ -711,12 +728,17 @@ def _finish(reason: str) -> str:
 
 
 def chat_ask(request: schema.ChatRequest, owner: str, name: str | None,
-             defaults: Mapping[str, float | int] = schema.NO_DEFAULTS) -> Ask:
-    """`defaults`: the model's recommended sampling, for the parameters the request leaves out (schema.sampling)."""
+             defaults: Mapping[str, float | int] = schema.NO_DEFAULTS, reasoning_parser: str | None = None) -> Ask:
+    """`defaults`: the model's recommended sampling, for the parameters the request leaves out (schema.sampling);
+    `reasoning_parser`: the gateway's --reasoning-parser (None: answers are content alone)."""
+    if reasoning_parser is None and request.has_reasoning():
+        raise bad_request("an assistant message's reasoning is taken only by a gateway started with "
+                                 "--reasoning-parser", "messages")
     turns = request.turns()
     args = tuple((request.chat_template_kwargs or {}).items())
     return Ask(owner, request.model, "chat", turns, schema.sampling(request, defaults), request.n, name,
-               request.stream, tuple(chain(turns, template_start(args))), args)
+               request.stream, tuple(chain(turns, template_start(args))), args,
+               Reasoner.for_request(reasoning_parser, dict(args)))
 
 
 def completion_ask(request: schema.CompletionRequest, owner: str, name: str | None,

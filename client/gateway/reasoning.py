@@ -1,0 +1,95 @@
+"""A reasoning model's answer split into its reasoning and its content, as vLLM's reasoning parsers split it
+(`gateway --reasoning-parser`): the chat answer's `content` without the reasoning, which goes in `reasoning` (vLLM's
+name) and `reasoning_content` (its older name, DeepSeek's API's).
+
+Both parsers read `<think> ... </think>`:
+    qwen3        Qwen3, Qwen3.5 (whose template opens <think> in the prompt: the answer holds only </think>), QwQ.
+                 A request with chat_template_kwargs {"enable_thinking": false} has no reasoning: all is content.
+    deepseek_r1  DeepSeek-R1 and its distilled Qwen and Llama models: always reasoning first.
+
+The answer's text up to the first </think> is the reasoning (a <think> it starts with left out), the rest the content;
+an answer without </think> was cut short while reasoning (max_tokens): all reasoning, no content. A streamed answer
+is split the same way as its text arrives: what could still be the start of </think> is held back until the next
+text says, so the reasoning deltas put together are the whole answer's reasoning and the content deltas its content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PARSERS = ("qwen3", "deepseek_r1")
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class Reasoner:
+    """How one request's answers split: `thinking` False (qwen3 with enable_thinking false): no reasoning at all."""
+
+    parser: str
+    thinking: bool = True
+
+    @classmethod
+    def for_request(cls, parser: str | None, template_args: dict[str, object]) -> Reasoner | None:
+        if parser is None:
+            return None
+        if parser not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r}: one of {', '.join(PARSERS)}")
+        thinking = parser != "qwen3" or template_args.get("enable_thinking", True) is not False
+        return cls(parser, thinking)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole answer; None where there is none."""
+        if not self.thinking:
+            return None, text
+        text = text.removeprefix(START)
+        reasoning, end, content = text.partition(END)
+        return reasoning, (content or None) if end else None
+
+    def splitter(self) -> Splitter:
+        return Splitter(self.thinking)
+
+
+@dataclass
+class Splitter:
+    """A streamed answer's split: `feed` each piece of text as it comes, `flush` at its end; each returns the
+    (reasoning, content) it lets go."""
+
+    reasoning: bool  # still in the reasoning (before </think>)
+    _held: str = ""
+    _started: bool = field(default=False)  # past the answer's first characters (where a <think> is left out)
+
+    def __post_init__(self) -> None:
+        self._started = not self.reasoning
+
+    def feed(self, text: str) -> tuple[str, str]:
+        held = self._held + text
+        self._held = ""
+        if not self._started:
+            if START.startswith(held) and len(held) < len(START):
+                self._held = held  # maybe the answer's opening <think>: wait
+                return "", ""
+            self._started = True
+            held = held.removeprefix(START)
+        if not self.reasoning:
+            return "", held
+        before, end, after = held.partition(END)
+        if end:
+            self.reasoning = False
+            return before, after
+        keep = _partial_end(held)
+        self._held = held[len(held) - keep:]
+        return held[:len(held) - keep], ""
+
+    def flush(self) -> tuple[str, str]:
+        """What is held at the answer's end: reasoning cut short (or the start of an answer too short to tell)."""
+        held, self._held = self._held, ""
+        self._started = True
+        return (held, "") if self.reasoning else ("", held)
+
+
+def _partial_end(text: str) -> int:
+    """How many of text's last characters could be the start of </think> (held until the next text says)."""
+    for n in range(min(len(END) - 1, len(text)), 0, -1):
+        if END.startswith(text[-n:]):
+            return n
+    return 0
