@@ -56,6 +56,7 @@ class WorkerRecord:
     checkpoints: bool = False  # it takes moved sessions' recurrent-state checkpoints
     sampling_extras: bool = False  # it applies Sampling's extras: logit_bias ... min_tokens (older workers ignore them)
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # its model's recommended sampling (the gateway's defaults)
+    tools: bool = False  # it renders tools and function calls (older workers would ignore them)
     seen_at: float = 0.0  # when the broker last heard from it (monotonic)
     cordoned: bool = False  # `broker drain`: no new session is placed here (kept while the worker stays registered)
 
@@ -121,6 +122,7 @@ class Registry:
         record.checkpoints = ready.checkpoints
         record.sampling_extras = ready.sampling_extras
         record.sampling_defaults = ready.sampling_defaults
+        record.tools = ready.tools
         record.seen_at = now
         for sid in list(record.sessions):
             self._forget(sid)

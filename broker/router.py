@@ -499,14 +499,21 @@ class Router:
         return True
 
     def _unapplied(self, route: bytes, request: p.SessionRequest, worker: WorkerRecord) -> bool:
-        """Refuse sampling's extras (logit_bias, the penalties, min_p, min_tokens) for a worker that would ignore them
-        (one older than them says nothing of them in its READY): answered as if applied, they would be silently wrong."""
-        if not isinstance(request, p.Generate) or not request.params.extended or worker.sampling_extras:
+        """Refuse sampling's extras (logit_bias, the penalties, min_p, min_tokens), tools and function calls for a worker
+        that would ignore them (one older than them says nothing of them in its READY): answered as if applied, they
+        would be silently wrong."""
+        if not isinstance(request, p.Generate):
             return False
-        self._error(route, request.request_id, p.ErrorCode.BAD_REQUEST,
-                    f"worker {worker.name} does not apply logit_bias, penalties, min_p or min_tokens (an older "
-                    "worker): upgrade it")
-        return True
+        if request.params.extended and not worker.sampling_extras:
+            self._error(route, request.request_id, p.ErrorCode.BAD_REQUEST,
+                        f"worker {worker.name} does not apply logit_bias, penalties, min_p or min_tokens (an older "
+                        "worker): upgrade it")
+            return True
+        if request.uses_tools and not worker.tools:
+            self._error(route, request.request_id, p.ErrorCode.BAD_REQUEST,
+                        f"worker {worker.name} does not render tools or function calls (an older worker): upgrade it")
+            return True
+        return False
 
     def _unknown_session(self, route: bytes, request: p.SessionRequest, now: float, user: str) -> None:
         if isinstance(request, p.Cancel):

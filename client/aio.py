@@ -341,9 +341,10 @@ class AsyncSession:
                        seed: int | None = ..., stop: str | Sequence[str] | None = ...,
                        stream: Literal[False] = ..., *, stop_token_ids: Sequence[int] = ...,
                        ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ..., from_start: bool = ...,
-                       prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                       prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, Any]] | None = ...,
                        chat_template_kwargs: Mapping[str, Any] | None = ...,
-                       logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
+                       tools: Sequence[Mapping[str, Any]] | None = ..., logprobs: int | None = ...,
+                 logit_bias: Mapping[int, float] | None = ...,
                  repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
                  min_p: float = ..., min_tokens: int = ...,
                  timeout: float | None = ...) -> Generation: ...
@@ -352,9 +353,10 @@ class AsyncSession:
                        seed: int | None = ..., stop: str | Sequence[str] | None = ..., *,
                        stream: Literal[True], stop_token_ids: Sequence[int] = ...,
                        ignore_eos: bool = ..., prompt: str | None = ..., boundary_check: bool = ..., from_start: bool = ...,
-                       prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                       prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, Any]] | None = ...,
                        chat_template_kwargs: Mapping[str, Any] | None = ...,
-                       logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
+                       tools: Sequence[Mapping[str, Any]] | None = ..., logprobs: int | None = ...,
+                 logit_bias: Mapping[int, float] | None = ...,
                  repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
                  min_p: float = ..., min_tokens: int = ...,
                  timeout: float | None = ...) -> AsyncStream: ...
@@ -364,9 +366,10 @@ class AsyncSession:
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
         boundary_check: bool = False, from_start: bool = False,
-        prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
-        logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+        prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+        logprobs: int | None = None, logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0, min_p: float = 0.0, min_tokens: int = 0, timeout: float | None = None,
     ) -> Generation | AsyncStream:
         params = calls.sampling(max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs,
@@ -374,7 +377,7 @@ class AsyncSession:
                                 frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, min_p=min_p,
                                 min_tokens=min_tokens)
         request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
-                                         chat_template_kwargs, from_start)
+                                         chat_template_kwargs, from_start, tools)
         return await self._send_generate(request, timeout)
 
     async def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | AsyncStream:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,9 +61,9 @@ def items(name: str, value: Any) -> tuple[Any, ...]:
 
 def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: str | None = None,
                      prompt_ids: Sequence[int] | None = None,
-                     messages: Sequence[Mapping[str, str]] | None = None,
+                     messages: Sequence[Mapping[str, Any]] | None = None,
                      boundary_check: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
-                     from_start: bool = False) -> p.Generate:
+                     from_start: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> p.Generate:
     """The whole GENERATE, checked before anything is sent: a turn (prompt, prompt ids or chat messages) and its
     generation are one request, which the worker takes whole or refuses whole."""
     turns = None if messages is None else tuple(chat_message(m) for m in items("messages", messages))
@@ -71,13 +72,44 @@ def generate_request(session_id: str, params: p.Sampling, stream: bool, prompt: 
     args = tuple(build(p.TemplateArg, name=k, value=v) for k, v in (chat_template_kwargs or {}).items())
     return build(p.Generate, request_id=new_request_id(), session_id=session_id, params=params, stream=stream,
                  prompt=prompt, prompt_ids=None if prompt_ids is None else items("prompt_ids", prompt_ids),
-                 messages=turns, boundary_check=boundary_check, template_args=args, from_start=from_start)
+                 messages=turns, boundary_check=boundary_check, template_args=args, from_start=from_start,
+                 tools=tools_json(tools))
 
 
-def chat_message(message: Mapping[str, str]) -> p.ChatMessage:
+def tools_json(tools: Sequence[Mapping[str, Any]] | None) -> str:
+    """OpenAI's tools list as GENERATE carries it (JSON text; "" for none)."""
+    if tools is None:
+        return ""
+    listed = items("tools", tools)
+    if not all(isinstance(t, Mapping) for t in listed):
+        raise BadRequest("tools must be a list of maps (OpenAI's {\"type\": \"function\", \"function\": {...}})")
+    try:
+        return json.dumps([dict(t) for t in listed], ensure_ascii=False, separators=(",", ":")) if listed else ""
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"tools must be JSON: {e}") from None
+
+
+def chat_message(message: Mapping[str, Any]) -> p.ChatMessage:
+    """A chat message: role and content; an assistant's `tool_calls` (OpenAI's: {"id", "type": "function",
+    "function": {"name", "arguments"}}, arguments as JSON text or a map) and a tool message's `tool_call_id`."""
     if not isinstance(message, Mapping):
         raise BadRequest(f"a chat message is a map with role and content, got {type(message).__name__}")
-    return build(p.ChatMessage, role=message.get("role"), content=message.get("content"))
+    content = message.get("content")
+    calls = tuple(tool_call(c) for c in items("tool_calls", message.get("tool_calls") or ()))
+    if content is None and calls:
+        content = ""  # (an answer that only called functions)
+    return build(p.ChatMessage, role=message.get("role"), content=content, tool_calls=calls,
+                 tool_call_id=message.get("tool_call_id") or "")
+
+
+def tool_call(call: Any) -> p.ToolCall:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        raise BadRequest("a tool call is a map with id, type \"function\" and function {name, arguments}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, Mapping):
+        arguments = json.dumps(dict(arguments), ensure_ascii=False)
+    return build(p.ToolCall, id=call.get("id") or "", name=function.get("name"), arguments=arguments)
 
 
 def sampling(

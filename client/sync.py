@@ -158,9 +158,10 @@ class Session:
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., stream: Literal[False] = ..., *,
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
                  boundary_check: bool = ..., from_start: bool = ...,
-                 prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                 prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, Any]] | None = ...,
                  chat_template_kwargs: Mapping[str, Any] | None = ...,
-                 logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
+                 tools: Sequence[Mapping[str, Any]] | None = ..., logprobs: int | None = ...,
+                 logit_bias: Mapping[int, float] | None = ...,
                  repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
                  min_p: float = ..., min_tokens: int = ...,
                  timeout: float | None = ...) -> Generation: ...
@@ -169,9 +170,10 @@ class Session:
                  seed: int | None = ..., stop: str | Sequence[str] | None = ..., *, stream: Literal[True],
                  stop_token_ids: Sequence[int] = ..., ignore_eos: bool = ..., prompt: str | None = ...,
                  boundary_check: bool = ..., from_start: bool = ...,
-                 prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, str]] | None = ...,
+                 prompt_ids: Sequence[int] | None = ..., messages: Sequence[Mapping[str, Any]] | None = ...,
                  chat_template_kwargs: Mapping[str, Any] | None = ...,
-                 logprobs: int | None = ..., logit_bias: Mapping[int, float] | None = ...,
+                 tools: Sequence[Mapping[str, Any]] | None = ..., logprobs: int | None = ...,
+                 logit_bias: Mapping[int, float] | None = ...,
                  repetition_penalty: float = ..., frequency_penalty: float = ..., presence_penalty: float = ...,
                  min_p: float = ..., min_tokens: int = ...,
                  timeout: float | None = ...) -> Stream: ...
@@ -181,9 +183,10 @@ class Session:
         seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False, *,
         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, prompt: str | None = None,
         boundary_check: bool = False, from_start: bool = False,
-        prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, str]] | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None, logprobs: int | None = None,
-        logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+        prompt_ids: Sequence[int] | None = None, messages: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+        logprobs: int | None = None, logit_bias: Mapping[int, float] | None = None, repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0, min_p: float = 0.0, min_tokens: int = 0, timeout: float | None = None,
     ) -> Generation | Stream:
         """Continue the session. The generated tokens become part of it, so the next turn follows on.
@@ -193,6 +196,10 @@ class Session:
         in one round trip. If either part is refused, neither happens. Or `messages`, chat turns
         ({"role", "content"} maps) rendered by the worker with the model's chat template, then the assistant
         prompt (on a session holding a conversation: what the template puts after its last answer).
+        `tools` (OpenAI's list of {"type": "function", "function": {...}}) gives the template the functions the model
+        may call; an assistant message may carry its `tool_calls` (OpenAI's) and a "tool" message its `tool_call_id`.
+        These are rendered with the whole conversation only: on a new session, or with `from_start`. The answer is the
+        model's text: the OpenAI gateway's --tool-call-parser reads the calls in it.
         `logprobs=k`: each token's log-probability and the k most likely (0 <= k <= 20) in the result's
         `logprobs`. max_tokens 0 only computes the prompt (then fork it: each child computes one token).
         `logit_bias` ({token id: number in [-100, 100]}, at most 300) is added to the logits, then
@@ -212,7 +219,7 @@ class Session:
                                 frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, min_p=min_p,
                                 min_tokens=min_tokens)
         request = calls.generate_request(self.id, params, stream, prompt, prompt_ids, messages, boundary_check,
-                                         chat_template_kwargs, from_start)
+                                         chat_template_kwargs, from_start, tools)
         return self._send_generate(request, timeout)
 
     def _send_generate(self, request: p.Generate, timeout: float | None) -> Generation | Stream:

@@ -98,6 +98,7 @@ MAX_TOKEN_BYTES: Final = 256  # bytes of one token in a log-probability entry
 MAX_MESSAGES: Final = 1 << 16  # chat turns in one GENERATE
 MAX_TEMPLATE_ARGS: Final = 16  # variables a GENERATE gives the chat template (e.g. Qwen3's enable_thinking)
 MAX_TEMPLATE_ARG_CHARS: Final = 4096
+MAX_TOOL_CALLS: Final = 128  # function calls in one assistant turn
 
 
 class Command(Enum):
@@ -397,14 +398,34 @@ def token_logprobs(name: str, value: Any) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
-class ChatMessage:
-    """One chat turn of a GENERATE's `messages`, rendered with the model's chat template."""
+class ToolCall:
+    """A function call an assistant turn made (OpenAI's tool_calls entry): `arguments` is its JSON text."""
 
-    role: Annotated[str, text(64, r"[a-z_]{1,64}")]
-    content: Text
+    id: Annotated[str, text(MAX_NAME_CHARS)]
+    name: Name
+    arguments: Text
 
     def __post_init__(self) -> None:
         _checked(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat turn of a GENERATE's `messages`, rendered with the model's chat template. An assistant turn may carry
+    the function calls it made; a "tool" turn is one call's result (`tool_call_id`). A worker that renders these says
+    so in its READY (`tools`)."""
+
+    role: Annotated[str, text(64, r"[a-z_]{1,64}")]
+    content: Text
+    tool_calls: Annotated[tuple[ToolCall, ...], nested_list(ToolCall, MAX_TOOL_CALLS)] = ()
+    tool_call_id: Annotated[str, text(MAX_NAME_CHARS)] = ""
+
+    def __post_init__(self) -> None:
+        _checked(self)
+
+    @property
+    def of_tools(self) -> bool:
+        return bool(self.tool_calls or self.tool_call_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,9 +550,19 @@ class Generate(Message):
     # Only on a resend of a streamed GENERATE whose chunks the client has seen: the offset of the first token it
     # lacks. The worker sends what it made from there in one CHUNKS, and never runs an id it no longer knows again.
     resume: Annotated[int | None, integer(0, MAX_TOKENS, optional=True)] = None
+    # With `messages`: the functions the model may call, for its chat template (OpenAI's `tools` list, JSON text). A
+    # worker renders tools only for an empty session or `from_start` (the whole conversation).
+    tools: Text = ""
     route: Route = b""
 
+    @property
+    def uses_tools(self) -> bool:
+        """Whether it needs a worker that renders tools (Ready.tools): tools, function calls or their results."""
+        return bool(self.tools) or any(m.of_tools for m in self.messages or ())
+
     def _check(self) -> None:
+        if self.tools and self.messages is None:
+            raise _bad("tools go with messages")
         if sum(x is not None for x in (self.prompt_ids, self.prompt, self.messages)) > 1:
             raise _bad("generate takes at most one of prompt_ids, prompt or messages")
         if self.template_args and self.messages is None:
@@ -961,6 +992,7 @@ class Ready(Message):
     checkpoints: Annotated[bool, boolean] = False  # it takes a moved session's recurrent-state checkpoint (MoveState's)
     sampling_extras: Annotated[bool, boolean] = False  # it applies Sampling's extras (logit_bias ... min_tokens)
     sampling_defaults: Annotated[SamplingDefaults, nested(SamplingDefaults)] = SamplingDefaults()  # its model's
+    tools: Annotated[bool, boolean] = False  # it renders GENERATE's tools and chat messages' tool_calls, tool_call_id
 
     def _check(self) -> None:
         if self.owners and len(self.owners) != len(self.sessions):

@@ -25,6 +25,9 @@ EXAMPLES: list[p.Message] = [
                                                                    seed=7, stop=("\n",), stop_token_ids=(2,)),
                stream=True, route=b"c1"),
     p.Generate(request_id="r4", session_id=SID, prompt_ids=(1, 2, 3)),
+    p.Generate(request_id="r4", session_id=SID, tools='[{"type":"function","function":{"name":"f"}}]', messages=(
+        p.ChatMessage("user", "q"), p.ChatMessage("assistant", "", (p.ToolCall("call_1", "f", '{"x": 1}'),)),
+        p.ChatMessage("tool", "42", tool_call_id="call_1")), from_start=True),
     p.Generate(request_id="r4", session_id=SID, params=p.Sampling(
         logit_bias=(p.LogitBias(5, -100.0), p.LogitBias(9, 2.5)), repetition_penalty=1.2, frequency_penalty=-0.5,
         presence_penalty=2.0)),

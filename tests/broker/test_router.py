@@ -107,6 +107,26 @@ def test_sampling_extras_go_only_to_a_worker_that_says_it_applies_them() -> None
     assert one(router.client_message(C1, p.encode(penalized), 2.1)) == (Peer.WORKER, W2, penalized.routed(C1))
 
 
+def test_tools_go_only_to_a_worker_that_says_it_renders_them() -> None:
+    """A worker older than tools would render a conversation without them (its messages' calls dropped): the broker
+    refuses a GENERATE with tools or function calls for its sessions."""
+    old, new = "c" * 32, "d" * 32
+    router = running((W1, ready("w1", sessions=(old,))), (W2, replace(ready("w2", sessions=(new,)), tools=True)))
+    call = p.ChatMessage("assistant", "", (p.ToolCall("call_1", "f", "{}"),))
+    for i, (messages, tools) in enumerate((((p.ChatMessage("user", "q"),), '[{"type": "function"}]'),
+                                           ((call,), ""), ((p.ChatMessage("tool", "21", tool_call_id="call_1"),), ""))):
+        asked = p.Generate(request_id=f"g{i}", session_id=old, messages=messages, tools=tools)
+        peer, identity, error = one(router.client_message(C1, p.encode(asked), 2.0))
+        assert (peer, identity) == (Peer.CLIENT, C1) and isinstance(error, p.Error)
+        assert (error.code, error.message) == (
+            p.ErrorCode.BAD_REQUEST, "worker w1 does not render tools or function calls (an older worker): upgrade it")
+        sent = replace(asked, session_id=new)
+        assert one(router.client_message(C1, p.encode(sent), 2.1)) == (Peer.WORKER, W2, sent.routed(C1))
+        router.worker_message(W2, p.encode(p.Error(request_id=f"g{i}", code=p.ErrorCode.INTERNAL, route=C1)), 2.2)
+    plain = p.Generate(request_id="p1", session_id=old, messages=(p.ChatMessage("user", "q"),))
+    assert one(router.client_message(C1, p.encode(plain), 2.3)) == (Peer.WORKER, W1, plain.routed(C1))
+
+
 def test_status_lists_each_worker_s_recommended_sampling_as_its_last_ready_said() -> None:
     """The gateway gives a model's recommended sampling (generation_config.json) to requests that leave parameters
     out: the broker keeps each worker's, from its READY, and STATUS reports it; a READY again replaces it."""

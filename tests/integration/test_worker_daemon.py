@@ -101,12 +101,14 @@ class FakeEngine:
     def session_computed(self, session_id: str) -> int:
         return max(0, self.lengths[self._known(session_id)] - 1)
 
-    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                 template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> list[int]:
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, Any]], boundary_check: bool = False,
+                 template_args: Mapping[str, Any] | None = None, from_start: bool = False,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         raise NotImplementedError
 
-    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                  template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> str:
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, Any]], boundary_check: bool = False,
+                  template_args: Mapping[str, Any] | None = None, from_start: bool = False,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
 
     def check_text_fits(self, session_id: str, text: str, from_start: bool = False) -> None:

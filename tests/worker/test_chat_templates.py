@@ -356,3 +356,46 @@ def test_the_assistant_prompt_tail_a_later_turn_renders_otherwise(model: str) ->
         return
     # The checkpoint's tokens, len(prompt) - len(ids), are those the table says the next turn keeps.
     assert len(ids) == (len(tok.encode("<think>\n", add_bos=False)) if how == "prompt less <think>" else 0)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city's name"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALLED = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+    {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]}
+TOOL_CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
+    "asked": [system("Be brief."), user("Weather in Paris?")],
+    "called and answered": [user("Weather and time in Paris?"), CALLED,
+                            {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "call_1"},
+                            {"role": "tool", "content": "14:05", "tool_call_id": "call_2"}],
+    "one call": [user("Weather in Paris?"), {"role": "assistant", "content": "", "tool_calls": CALLED["tool_calls"][:1]},
+                 {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "call_1"}],
+    "answered, then asked again": [user("Weather in Paris?"), CALLED,
+                                   {"role": "tool", "content": "21 C", "tool_call_id": "call_1"},
+                                   {"role": "tool", "content": "14:05", "tool_call_id": "call_2"},
+                                   assistant("21 C at 14:05."), user("And in Rome?")],
+}
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-instruct", "qwen2.5-instruct", "qwen3", "qwen3.5"])
+@pytest.mark.parametrize("conversation", sorted(TOOL_CONVERSATIONS))
+def test_tools_and_function_calls_render_as_transformers_renders_them(model: str, conversation: str) -> None:
+    """The functions the model may call (OpenAI's tools list), an answer's calls (their arguments a map, as vLLM
+    passes them) and the tool turns with their results, as transformers' apply_chat_template(tools=...) renders them."""
+    ours, theirs = pair((TEMPLATES / f"{model}.jinja").read_text(encoding="utf-8"), *MODELS[model])
+    messages = TOOL_CONVERSATIONS[conversation]
+    try:
+        expected = theirs.apply_chat_template(messages, tools=[WEATHER, TIME], tokenize=False,
+                                              add_generation_prompt=True)
+    except Exception as e:  # (Llama 3.1's template takes one call an answer)
+        with pytest.raises(ChatTemplateError, match=re.escape(str(e))):
+            ours.apply_chat_template(messages, tools=[WEATHER, TIME])
+        return
+    text = ours.apply_chat_template(messages, tools=[WEATHER, TIME])
+    assert text == expected and "get_weather" in text and "The city's name" in text
+    if conversation != "asked":
+        assert "Paris" in text and "21" in text  # the call and its result

@@ -416,7 +416,7 @@ def test_the_worker_takes_the_whole_context_as_ids_text_or_messages(smol_engine:
         rendered = engine.tokenize(engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True),
                                    add_bos=False)
         before = engine.session_length(SID)
-        reply = generate(d, engine, "g3", messages=tuple(p.ChatMessage(**t) for t in turns), from_start=True)
+        reply = generate(d, engine, "g3", messages=tuple(p.ChatMessage(t["role"], t["content"]) for t in turns), from_start=True)
         assert engine.session_tokens(SID)[:len(rendered)] == rendered
         assert reply.length == len(rendered) + 3 and before - reply.rewound + reply.appended == len(rendered)
         assert reply.rewound > 0 and reply.appended > 0 and reply.cached == before - reply.rewound
@@ -446,13 +446,13 @@ def test_a_chat_turn_resumes_from_the_checkpoint_before_the_reasoning_prompt(mod
         asked = engine.tokenize(engine.tokenizer.apply_chat_template(first, add_generation_prompt=True), add_bos=False)
         think = engine.tokenize("<think>\n", add_bos=False)
         assert asked[-len(think):] == think and engine.turn_tail(asked) == (len(think) if model.recurrent else 0)
-        generate(d, engine, "g1", messages=tuple(p.ChatMessage(**t) for t in first))
+        generate(d, engine, "g1", messages=tuple(p.ChatMessage(t["role"], t["content"]) for t in first))
         answer = engine.tokenizer.decode(engine.session_tokens(SID)[len(asked):])
         turns = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And of Spain?"}]
         context = engine.tokenize(engine.tokenizer.apply_chat_template(turns, add_generation_prompt=True),
                                   add_bos=False)
         assert common_prefix(context, asked) == len(asked) - len(think)
-        reply = generate(d, engine, "g2", messages=tuple(p.ChatMessage(**t) for t in turns), from_start=True)
+        reply = generate(d, engine, "g2", messages=tuple(p.ChatMessage(t["role"], t["content"]) for t in turns), from_start=True)
         assert reply.cached == len(asked) - len(think)
         assert engine.session_tokens(SID)[len(context):] == model.greedy(context, 3)
     finally:

@@ -424,14 +424,16 @@ class Engine:
         self._check_text_fits(self._session(session_id), text)
         return self.append(session_id, token_ids=self.tokenize(text, add_bos=False))
 
-    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                 template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> list[int]:
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, Any]], boundary_check: bool = False,
+                 template_args: Mapping[str, Any] | None = None, from_start: bool = False,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The token ids that appending these chat turns adds to the session (see chat_text; nothing is changed)."""
-        return self.tokenize(self.chat_text(session_id, messages, boundary_check, template_args, from_start),
+        return self.tokenize(self.chat_text(session_id, messages, boundary_check, template_args, from_start, tools),
                              add_bos=False)
 
-    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                  template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> str:
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, Any]], boundary_check: bool = False,
+                  template_args: Mapping[str, Any] | None = None, from_start: bool = False,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The text that appending these chat turns, rendered with the model's template, plus the assistant prompt,
         adds to the session (tokenized without a BOS; nothing is changed). Cheap next to tokenizing it: the worker
         renders on its compute loop and tokenizes a long text on another thread.
@@ -447,19 +449,25 @@ class Engine:
         whole conversation sent from its start (`from_start`) gets its tokens (the gateway's way). `template_args`: more variables for
         the template (Qwen3's enable_thinking), for the turns' rendering on a session that holds some too.
         `from_start`: the turns are the whole conversation (start_generate's from_start), rendered as on an empty
-        session."""
+        session. `tools` (the functions the model may call) and messages with `tool_calls` or `tool_call_id` are
+        rendered only so, the whole conversation at once (a template renders tools in its system turn)."""
         session = self._session(session_id)
         if isinstance(messages, (str, bytes)) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
             raise BadRequest("chat messages must be maps with string role and content")
-        turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+        turns: list[dict[str, Any]] = [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id") if k in m}
+                                       for m in messages]
         if (not session.tokens or from_start) and not turns:
             raise BadRequest(f"session {session_id} is empty: its first chat turn needs a message" if not from_start
                              else "from_start needs the whole conversation: at least one message")
+        whole = not session.tokens or from_start
+        if not whole and (tools or any("tool_calls" in t or "tool_call_id" in t for t in turns)):
+            raise BadRequest("tools and function calls are rendered with the whole conversation only: send it from its "
+                             "start (from_start) or to a new session")
         try:
-            if not session.tokens or from_start:
+            if whole:
                 first: str = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True,
-                                                                variables=template_args)
+                                                                variables=template_args, tools=tools)
                 return first
             if not boundary_check:
                 kept: str = self.tokenizer.chat_after_answer(session.tokens, turns, template_args)

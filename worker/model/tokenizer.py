@@ -300,14 +300,17 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         variables: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Any:
         """Render the model's chat template; with tokenize=True return the token ids instead. `variables`: more for
         the template (as transformers' apply_chat_template keyword arguments: Qwen3's enable_thinking), never one of
-        those it sets itself (TEMPLATE_OWN) nor jinja's globals."""
+        those it sets itself (TEMPLATE_OWN) nor jinja's globals. `tools`: the functions the model may call (OpenAI's
+        tools list), as transformers passes them; a message may carry `tool_calls` (OpenAI's, each function's
+        arguments a map) and `tool_call_id`, as transformers takes them."""
         taken = sorted(self._own_names.intersection(variables or ()))
         if taken:
             raise ChatTemplateError(f"{', '.join(taken)}: the template's own (set by the server or jinja), not a template "
@@ -319,7 +322,8 @@ class Tokenizer:
         specials = {name: token for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))
                     if i is not None and (token := self.token(i)) is not None}
         try:
-            text = self._template.render(**(variables or {}), messages=list(messages), tools=None, documents=None,
+            text = self._template.render(**(variables or {}), messages=list(messages),
+                                         tools=None if tools is None else list(tools), documents=None,
                                          add_generation_prompt=add_generation_prompt, **specials)
         except ChatTemplateError:
             raise  # the template's raise_exception

@@ -22,6 +22,7 @@ session_lost) closes those sessions, their generations too, and nothing is answe
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +33,7 @@ from typing import Any, Protocol
 import structlog
 
 from broker.common import protocol as p
-from worker.errors import SessionBusy
+from worker.errors import BadRequest, SessionBusy
 from worker.serve.config import Unqueued, WorkerConfig
 from worker.serve.metrics import NoMetrics, WorkerMetrics
 
@@ -75,10 +76,12 @@ class EngineAPI(Protocol):
     def prompt_ids(self, session_id: str, token_ids: Sequence[int] | None = None, text: str | None = None, *,
                    boundary_check: bool = False, from_start: bool = False) -> list[int]: ...
     def session_computed(self, session_id: str) -> int: ...
-    def chat_ids(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                 template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> list[int]: ...
-    def chat_text(self, session_id: str, messages: Sequence[dict[str, str]], boundary_check: bool = False,
-                  template_args: Mapping[str, Any] | None = None, from_start: bool = False) -> str: ...
+    def chat_ids(self, session_id: str, messages: Sequence[dict[str, Any]], boundary_check: bool = False,
+                 template_args: Mapping[str, Any] | None = None, from_start: bool = False,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]: ...
+    def chat_text(self, session_id: str, messages: Sequence[dict[str, Any]], boundary_check: bool = False,
+                  template_args: Mapping[str, Any] | None = None, from_start: bool = False,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> str: ...
     def check_text_fits(self, session_id: str, text: str, from_start: bool = False) -> None: ...
     def tokenize(self, text: str, add_bos: bool | None = None, after: Sequence[int] | None = None) -> list[int]: ...
     def text_context(self, session_id: str, boundary_check: bool = False,
@@ -359,7 +362,7 @@ class Dispatch:
             add_bos: bool | None = False
         elif isinstance(request, p.Generate) and request.messages is not None:
             text = e.chat_text(sid, _turns(request.messages), request.boundary_check, _args(request.template_args),
-                               from_start)
+                               from_start, _tools(request.tools))
             add_bos = False
         else:  # (the session cannot change while its text is tokenized: its requests wait behind it)
             add_bos, after = e.text_context(sid, getattr(request, "boundary_check", False), from_start)
@@ -455,7 +458,7 @@ class Dispatch:
             prompt = None if ids is not None else request.prompt
             if request.messages is not None and ids is None:
                 prompt_ids = e.chat_ids(sid, _turns(request.messages), request.boundary_check,
-                                        _args(request.template_args), request.from_start)
+                                        _args(request.template_args), request.from_start, _tools(request.tools))
             kept = before
             if request.from_start:
                 if prompt is not None:  # tokenized here, to count what the session keeps of its tokens
@@ -666,5 +669,39 @@ def _args(args: Sequence[p.TemplateArg]) -> dict[str, Any]:
     return {a.name: a.value for a in args}
 
 
-def _turns(messages: Sequence[p.ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def _turns(messages: Sequence[p.ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a chat template takes them (transformers'): a function call's arguments a map (vLLM's way),
+    a tool turn's tool_call_id."""
+    turns: list[dict[str, Any]] = []
+    for m in messages:
+        turn: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": _arguments(c)}} for c in m.tool_calls]
+        if m.tool_call_id:
+            turn["tool_call_id"] = m.tool_call_id
+        turns.append(turn)
+    return turns
+
+
+def _arguments(call: p.ToolCall) -> Any:
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        raise BadRequest(f"function call {call.id or call.name}: its arguments are not JSON") from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"function call {call.id or call.name}: its arguments are not a JSON object")
+    return value
+
+
+def _tools(tools: str) -> list[dict[str, Any]] | None:
+    """A GENERATE's tools (OpenAI's list, JSON text): None for none."""
+    if not tools:
+        return None
+    try:
+        value = json.loads(tools)
+    except ValueError:
+        raise BadRequest("tools is not JSON") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise BadRequest("tools must be a JSON list of objects")
+    return value

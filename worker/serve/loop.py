@@ -126,7 +126,7 @@ class Serve:
             owners=state.owners, holders=tuple(routes.get(sid, b"") for sid in state.sessions),
             evacuate=state.evacuate, checkpoints=getattr(self.engine, "checkpoints", None) is not None,
             sampling_extras=getattr(self.engine, "sampling_extras", False),
-            sampling_defaults=self.config.sampling_defaults,
+            sampling_defaults=self.config.sampling_defaults, tools=True,
         )
 
     def drain(self) -> None:
