@@ -20,6 +20,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from broker.common import protocol as p
@@ -277,7 +278,7 @@ def session_info(i: p.SessionInfo) -> SessionInfo:
 def worker_infos(report: p.StatusReport) -> list[WorkerInfo]:
     return [
         WorkerInfo(w.name, w.model, w.capacity, w.free_slots, w.sessions, w.draining, w.device, w.last_seen_ms / 1000,
-                   w.max_context, w.sampling_defaults.given())
+                   w.max_context, MappingProxyType(w.sampling_defaults.given()))
         for w in report.workers
     ]
 

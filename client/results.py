@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from broker.common.protocol import TokenLogprob
 
@@ -54,4 +55,4 @@ class WorkerInfo:
     max_context: int = 0  # the tokens a session on this worker can hold (0: the broker did not say)
     # Its model's recommended sampling (generation_config.json), by generate()'s names: temperature, top_p, top_k,
     # min_p, repetition_penalty, max_tokens; only those it recommends. The OpenAI gateway's defaults.
-    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=lambda: MappingProxyType({}), hash=False)

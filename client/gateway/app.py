@@ -37,8 +37,10 @@ from client.gateway.events import EventStream
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models, Served
 from client.gateway.reasoning import Splitter
+from client.gateway.schema import NO_DEFAULTS
 from client.gateway.service import Service, chat_ask, completion_ask
 from client.gateway.sessions import SessionStore
+from client.gateway.tool_calls import Call, CallStream
 
 log = structlog.get_logger()
 
@@ -62,6 +64,7 @@ class GatewayConfig:
     api_keys: ApiKeys | None = None
     max_idle_sessions: int = 0
     reasoning_parser: str | None = None  # qwen3, deepseek_r1 (client.gateway.reasoning): chat answers' reasoning apart
+    tool_call_parser: str | None = None  # hermes, llama3_json (client.gateway.tool_calls): chat answers' function calls
 
 
 class Gateway:
@@ -159,7 +162,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         return Response(responses.dumps(_model_object(found, served.max_context(found))), media_type=JSON)
 
     async def recommended(model: str) -> Mapping[str, float | int]:
-        """The model's recommended sampling, for the parameters a request leaves out."""
+        """The model's recommended sampling, for the parameters a request leaves out: asked once the request is checked,
+        and of a model the broker serves (404 or 503 here otherwise, as the service would answer)."""
         assert gw.models is not None
         return await gw.models.sampling_defaults(model)
 
@@ -168,7 +172,10 @@ def create_app(config: GatewayConfig) -> Starlette:
         body = schema.parse(schema.ChatRequest, await _json(request))
         assert isinstance(body, schema.ChatRequest)
         name = _session_name(request, body)
-        ask = chat_ask(body, owner, name, await recommended(body.model), config.reasoning_parser)
+        ask = chat_ask(body, owner, name, NO_DEFAULTS, config.reasoning_parser, config.tool_call_parser)  # checked
+        defaults = await recommended(body.model)
+        if defaults:
+            ask = chat_ask(body, owner, name, defaults, config.reasoning_parser, config.tool_call_parser)
         if ask.stream:
             return await _streamed(ask, True, body.logprobs, body.return_token_ids, body.include_usage(), "chat")
         assert gw.service is not None
@@ -182,7 +189,10 @@ def create_app(config: GatewayConfig) -> Starlette:
         body = schema.parse(schema.CompletionRequest, await _json(request))
         assert isinstance(body, schema.CompletionRequest)
         name = _session_name(request, body)
-        ask = completion_ask(body, owner, name, await recommended(body.model))
+        ask = completion_ask(body, owner, name)  # checked
+        defaults = await recommended(body.model)
+        if defaults:
+            ask = completion_ask(body, owner, name, defaults)
         want_logprobs = body.logprobs is not None
         if ask.stream:
             return await _streamed(ask, False, want_logprobs, body.return_token_ids, body.include_usage(), "completions")
@@ -199,21 +209,32 @@ def create_app(config: GatewayConfig) -> Starlette:
         live, deltas = await gw.service.stream(ask)
         writer = responses.ChunkWriter(chat, ask.model, want_logprobs, token_ids, include_usage)
         splitters: dict[int, Splitter] = {}  # with a reasoning parser: each choice's
+        calls: dict[int, CallStream] = {}  # with tools and a tool call parser: each choice's
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for d in deltas:
                     c = d.chunk
                     finish = None if c.finish_reason is None else ("length" if c.finish_reason in ("length", "capacity") else "stop")
-                    if ask.reasoner is None:
+                    if ask.reasoner is None and ask.tool_parser is None:
                         yield writer.delta(d.index, c.token_ids, c.text, c.logprobs, finish)
                         continue
-                    split = splitters.setdefault(d.index, ask.reasoner.splitter())
-                    reasoning, content = split.feed(c.text)
-                    if finish is not None:
-                        held = split.flush()
-                        reasoning, content = reasoning + held[0], content + held[1]
-                    yield writer.delta(d.index, c.token_ids, content, c.logprobs, finish, reasoning)
+                    reasoning, content = "", c.text
+                    if ask.reasoner is not None:
+                        split = splitters.setdefault(d.index, ask.reasoner.splitter())
+                        reasoning, content = split.feed(c.text)
+                        if finish is not None:
+                            held = split.flush()
+                            reasoning, content = reasoning + held[0], content + held[1]
+                    made: list[Call] = []
+                    if ask.tool_parser is not None:
+                        stream = calls.setdefault(d.index, CallStream(ask.tool_parser, live.call_ids(d.index)))
+                        content = stream.feed(content)
+                        if finish is not None:
+                            rest, made = stream.finish()
+                            content += rest
+                            finish = "tool_calls" if made else finish
+                    yield writer.delta(d.index, c.token_ids, content, c.logprobs, finish, reasoning, made)
                 if include_usage:
                     yield writer.usage(live.usage())
                 yield responses.DONE

@@ -46,6 +46,7 @@ from broker.common.arguments import (
     zmq_address,
 )
 from client.gateway.reasoning import PARSERS
+from client.gateway.tool_calls import PARSERS as TOOL_PARSERS
 
 EXIT_FAILED = 1
 EXIT_STARTUP_FAILED = 3
@@ -80,6 +81,11 @@ def parser() -> argparse.ArgumentParser:
                        help="split a reasoning model's chat answers into `reasoning` and `content`, as vLLM's parser "
                             "of that name: qwen3 (Qwen3, Qwen3.5, QwQ) or deepseek_r1 (DeepSeek-R1 and its distills) "
                             "[env GATEWAY_REASONING_PARSER] (default: none, answers are content alone)")
+    start.add_argument("--tool-call-parser", type=one_of(*TOOL_PARSERS), choices=TOOL_PARSERS,
+                       default=env("GATEWAY_TOOL_CALL_PARSER", None),
+                       help="take `tools` and read the function calls in chat answers, as vLLM's parser of that name: "
+                            "hermes (Qwen2.5, Qwen3, Qwen3.5) or llama3_json (Llama 3.1, 3.2) "
+                            "[env GATEWAY_TOOL_CALL_PARSER] (default: none, tools are refused)")
     start.add_argument("--processes", type=positive_int, default=from_env("GATEWAY_PROCESSES", 1),
                        help="processes sharing the port [env GATEWAY_PROCESSES] (default %(default)s)")
     start.add_argument("--drain-timeout", type=non_negative_float, default=from_env("GATEWAY_DRAIN_TIMEOUT", 30),
@@ -138,7 +144,7 @@ def serve(args: argparse.Namespace, sock: socket.socket) -> int:
     log = structlog.get_logger()
     config = GatewayConfig(broker=args.broker, timeout=args.timeout, broker_key=args.broker_key, key=args.key,
                            api_keys=_keys(args), max_idle_sessions=args.max_idle_sessions,
-                           reasoning_parser=args.reasoning_parser)
+                           reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     app = create_app(config)
     gateway = app.state.gateway
 

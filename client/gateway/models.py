@@ -82,9 +82,10 @@ class Models:
         return self.last
 
     async def sampling_defaults(self, model: str) -> Mapping[str, float | int]:
-        """`model`'s recommended sampling (Served.sampling_defaults), from the last status when it lists the model."""
-        served = self.last if model in self.last.models and not self.last.error else await self.served()
-        return served.sampling_defaults(model)
+        """`model`'s recommended sampling (Served.sampling_defaults), once `check` passed it (so from the last status,
+        which lists it: no question of its own on a request's path)."""
+        await self.check(model)
+        return self.last.sampling_defaults(model)
 
     def _check_recommendations(self) -> None:
         """Warn, once each time it starts, that a model's workers recommend different samplings."""

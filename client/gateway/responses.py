@@ -12,6 +12,7 @@ import orjson
 
 from broker.common.protocol import TokenLogprob
 from client.gateway.service import Answer, Usage
+from client.gateway.tool_calls import Call
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: OpenAI reports this instead
 DONE = b"data: [DONE]\n\n"
@@ -74,6 +75,9 @@ def chat_completion(rid: str, model: str, answers: Sequence[Answer], usage: Usag
         if reasoning:
             message["content"] = None if a.reasoning is not None and not a.text else a.text
             message["reasoning"] = message["reasoning_content"] = a.reasoning
+        if a.tool_calls:
+            message["content"] = a.text or None
+            message["tool_calls"] = [c.to_dict() for c in a.tool_calls]
         choice: dict[str, Any] = {"index": a.index, "message": message,
                                   "logprobs": chat_logprobs(a.logprobs) if want_logprobs else None,
                                   "finish_reason": a.finish_reason}
@@ -130,9 +134,10 @@ class ChunkWriter:
         return b"data: " + self._head + dumps(choices) + self._tail
 
     def delta(self, index: int, token_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob],
-              finish_reason: str | None, reasoning: str = "") -> bytes:
+              finish_reason: str | None, reasoning: str = "", tool_calls: Sequence[Call] = ()) -> bytes:
         """One chunk of choice `index` (chat: preceded by its role delta the first time; its reasoning, split off
-        with --reasoning-parser, as `reasoning` and `reasoning_content`)."""
+        with --reasoning-parser, as `reasoning` and `reasoning_content`; the function calls read at its end, each
+        whole, with --tool-call-parser)."""
         out = b""
         choice: dict[str, Any]
         if self.chat:
@@ -140,10 +145,12 @@ class ChunkWriter:
                 self._started.add(index)
                 out += self._event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                      "finish_reason": None}])
-            if text or token_ids or reasoning:
+            if text or token_ids or reasoning or tool_calls:
                 delta: dict[str, Any] = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
-                if text or not reasoning:
+                if text or not (reasoning or tool_calls):
                     delta["content"] = text
+                if tool_calls:
+                    delta["tool_calls"] = [{"index": k, **c.to_dict()} for k, c in enumerate(tool_calls)]
                 choice = {"index": index, "delta": delta,
                           "logprobs": chat_logprobs(logprobs) if self.want_logprobs else None, "finish_reason": None}
                 if self.token_ids:

@@ -1,7 +1,7 @@
 """The OpenAI request bodies the gateway takes, validated: what it can honour, and a 400 for anything else.
 
 Every field OpenAI defines is listed. Those the gateway honours are checked for type and range; the others are
-accepted only at the value that means "not used" (tools empty, penalties 0, response_format text, ...), so a
+accepted only at the value that means "not used" (functions empty, response_format text, ...), so a
 request is never answered as if a parameter it set had been applied. A field OpenAI does not define is refused
 too, except the extensions below.
 
@@ -20,6 +20,7 @@ generation_config.json, as vLLM's server reads it), else OpenAI's default: see `
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,12 +34,13 @@ from client.gateway.errors import ApiError, bad_request
 from client.gateway.reasoning import END, START
 
 NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})  # no recommended sampling
+MAX_TOOLS = 128  # functions a request may offer
 MAX_N = 16  # choices per request: each is a session (a fork of the prompt's)
 TemplateValue = bool | int | float | str | None  # a chat_template_kwargs value (the wire's TemplateArg checks it)
 MAX_STOP = p.MAX_STOP_STRINGS
 SESSION_ID_PATTERN = r"[A-Za-z0-9._:-]{1,128}"
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
@@ -63,31 +65,65 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, max_length=p.MAX_NAME_CHARS)
+    arguments: str  # JSON text
+
+
+class ToolCall(_Strict):
+    """A function call of an assistant message sent back (OpenAI's tool_calls entry)."""
+
+    id: str = Field(max_length=p.MAX_NAME_CHARS)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Function(_Strict):
+    """A function the model may call (OpenAI's tools entry's)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # (needs constrained decoding: only false or absent)
+
+    @field_validator("strict")
+    @classmethod
+    def _strict(cls, value: bool | None) -> bool | None:
+        _unused("strict", value, (False,))
+        return value
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
 class Message(_Strict):
     role: str
     content: str | list[TextPart] | None = None  # None: an assistant's answer that had no content (reasoning only)
     name: None = None  # the chat templates here have no place for a name: refused rather than dropped
-    # An assistant message as the API answered it (sent back with the next turn): no refusal, no tool calls; its
-    # reasoning (a gateway with --reasoning-parser), by vLLM's name or the older one.
+    # An assistant message as the API answered it (sent back with the next turn): no refusal; its function calls;
+    # its reasoning (a gateway with --reasoning-parser), by vLLM's name or the older one.
     reasoning: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=p.MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(default=None, max_length=p.MAX_NAME_CHARS)  # a tool message's: the call it answers
     refusal: Any = None
-    tool_calls: Any = None
     function_call: Any = None
     audio: Any = None
     annotations: Any = None
 
-    @field_validator("refusal", "tool_calls", "function_call", "audio", "annotations")
+    @field_validator("refusal", "function_call", "audio", "annotations")
     @classmethod
     def _answered_here(cls, value: Any, info: ValidationInfo) -> Any:
-        _unused(str(info.field_name), value, ([],) if info.field_name in ("tool_calls", "annotations") else ())
+        _unused(str(info.field_name), value, ([],) if info.field_name == "annotations" else ())
         return value
 
     @field_validator("role")
     @classmethod
     def _role(cls, role: str) -> str:
         if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)} (tools are not supported), got {role!r}")
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         return role
 
     def model_post_init(self, context: Any) -> None:
@@ -98,12 +134,16 @@ class Message(_Strict):
                 raise ValueError("only an assistant message has reasoning")
             if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
                 raise ValueError("reasoning and reasoning_content differ: give one")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, has a tool_call_id (the call it answers)")
 
     def turn(self) -> tuple[str, str]:
         """(role as the template takes it, text): developer is OpenAI's newer name for system. An answer's reasoning
         goes back in its text as the model wrote it, <think>reasoning</think>content: the reasoning models' templates
         (Qwen3's, DeepSeek-R1's) take it from there as they take a reasoning_content field, and drop it from answers
-        before the last question."""
+        before the last question. Function calls and a tool message's call id are kept in the text (`tool_turn`)."""
         if self.content is None:
             text = ""
         else:
@@ -111,7 +151,41 @@ class Message(_Strict):
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if reasoning is not None:
             text = f"{START}{reasoning}{END}{text}"
-        return ROLES[self.role], text
+        calls = [(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()]
+        return tool_turn(ROLES[self.role], text, calls, self.tool_call_id)
+
+
+# A turn with function calls, or a tool message's, is (role, TOOL_MARK + JSON of its content, calls and call id): one
+# string, so that the gateway's digests of a conversation cover them; `message_of` makes the message again.
+TOOL_MARK = "\x00tools\x00"
+
+
+def tool_turn(role: str, text: str, calls: Sequence[tuple[str, str, str]] = (),
+              tool_call_id: str | None = None) -> tuple[str, str]:
+    """A turn as the gateway keeps it: `calls` (id, name, JSON arguments)."""
+    if not calls and tool_call_id is None and not text.startswith(TOOL_MARK):
+        return role, text
+    return role, TOOL_MARK + json.dumps({"content": text, "tool_calls": [list(c) for c in calls],
+                                         "tool_call_id": tool_call_id}, ensure_ascii=False, separators=(",", ":"))
+
+
+def message_of(role: str, text: str) -> dict[str, Any]:
+    """A kept turn as the client library's chat message (tool_calls in OpenAI's shape)."""
+    if not text.startswith(TOOL_MARK):
+        return {"role": role, "content": text}
+    kept = json.loads(text[len(TOOL_MARK):])
+    message: dict[str, Any] = {"role": role, "content": kept["content"]}
+    if kept["tool_calls"]:
+        message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                                 for i, n, a in kept["tool_calls"]]
+    if kept["tool_call_id"] is not None:
+        message["tool_call_id"] = kept["tool_call_id"]
+    return message
+
+
+def of_tools(text: str) -> bool:
+    """Whether a kept turn has function calls or answers one."""
+    return text.startswith(TOOL_MARK)
 
 
 class StreamOptions(_Strict):
@@ -203,9 +277,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=p.MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=p.MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Any = None  # "auto" (the default with tools) or "none"
+    parallel_tool_calls: bool | None = None  # the model may always make several calls: true only
     functions: Any = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -225,10 +299,18 @@ class ChatRequest(_Common):
                 p.TemplateArg(key, value)
             except p.ProtocolError as e:
                 raise ValueError(f"chat_template_kwargs: {e.message}") from e
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        _unused("tool_choice", self.tool_choice, ("none",))
-        for name in ("parallel_tool_calls", "functions", "function_call", "audio", "prediction", "reasoning_effort",
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice {str(self.tool_choice)[:80]} is not supported by this server: only \"auto\" "
+                             "and \"none\" (a call it must make needs constrained decoding)")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice is only allowed with tools")
+        if self.parallel_tool_calls is False:
+            raise ValueError("parallel_tool_calls false is not supported by this server: the model may make several "
+                             "calls")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools names a function twice")
+        for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort",
                      "web_search_options", "metadata"):
             _unused(name, getattr(self, name))
         if self.response_format not in (None, {"type": "text"}):
@@ -240,6 +322,14 @@ class ChatRequest(_Common):
 
     def turns(self) -> tuple[tuple[str, str], ...]:
         return tuple(m.turn() for m in self.messages)
+
+    def tools_json(self) -> str:
+        """The tools the template is given (JSON text, the client's order), "" for none: with tool_choice "none" the
+        model is not told of them."""
+        if not self.tools or self.tool_choice == "none":
+            return ""
+        return json.dumps([t.model_dump(exclude_none=True) for t in self.tools], ensure_ascii=False,
+                          separators=(",", ":"))
 
     def has_reasoning(self) -> bool:
         """Whether an assistant message carries its reasoning (taken only with a reasoning parser)."""
@@ -309,13 +399,20 @@ class Sampling:
     ignore_eos: bool
     logprobs: int | None
     extras: dict[str, Any]  # logit_bias ({id: bias}), the three penalties, min_p and min_tokens, by their names
+    recommended_max: int | None = None  # max_tokens None: the model's recommended most (its max_new_tokens), if any
 
     def params(self, max_context: int, index: int = 0) -> p.Sampling:
-        """Choice `index` of n: its own seed (seed + index), so that n seeded choices differ."""
+        """Choice `index` of n: its own seed (seed + index), so that n seeded choices differ. With no max_tokens, up to
+        the session's room (`max_context`), or the model's recommended most where it is less (as vLLM caps it), but
+        never below the request's own min_tokens."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
+        limit = self.max_tokens
+        if limit is None:
+            limit = max_context if self.recommended_max is None else max(min(self.recommended_max, max_context),
+                                                                         self.extras["min_tokens"])
         try:
             extras = {**self.extras, "logit_bias": tuple(p.LogitBias(t, b) for t, b in self.extras["logit_bias"].items())}
-            return p.Sampling(max_tokens=self.max_tokens or max_context, temperature=self.temperature, top_p=self.top_p,
+            return p.Sampling(max_tokens=limit, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, logprobs=self.logprobs, **extras)
         except p.ProtocolError as e:
@@ -330,12 +427,10 @@ def sampling(request: ChatRequest | CompletionRequest, defaults: Mapping[str, fl
     else:
         limit, logprobs = request.max_tokens, request.logprobs
     request.check_stream_options()
-    if limit is None and "max_tokens" in defaults:  # never below the request's own min_tokens
-        limit = max(int(defaults["max_tokens"]), request.min_tokens or 0)
     return Sampling(limit, _given(request.temperature, defaults, "temperature", 1.0),
                     _given(request.top_p, defaults, "top_p", 1.0), int(_given(request.top_k, defaults, "top_k", 0)),
                     request.seed, request.stops(), tuple(request.stop_token_ids or ()), request.ignore_eos, logprobs,
-                    request.extras(defaults))
+                    request.extras(defaults), None if "max_tokens" not in defaults else int(defaults["max_tokens"]))
 
 
 def _given(value: float | None, defaults: Mapping[str, float | int], name: str, otherwise: float) -> float:

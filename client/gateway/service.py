@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models
 from client.gateway.reasoning import Reasoner
 from client.gateway.sessions import EMPTY, Entry, Kind, SessionStore, Turn, chain, template_start
+from client.gateway.tool_calls import Call, ToolParser, id_prefix
 from client.results import Chunk, Generation
 
 log = structlog.get_logger()
@@ -73,6 +75,16 @@ class Ask:
     digests: tuple[bytes, ...] = ()  # chat: chain(history, template_start(template_args))
     template_args: tuple[tuple[str, Any], ...] = ()  # chat: chat_template_kwargs, in the order given
     reasoner: Reasoner | None = None  # chat with --reasoning-parser: how its answers split into reasoning and content
+    tools: str = ""  # chat: the functions the model may call (JSON text for the template), "" for none
+    tool_parser: ToolParser | None = None  # chat with tools and --tool-call-parser: how its answers' calls are read
+
+    @property
+    def of_tools(self) -> bool:
+        """Whether the turn gives tools or its conversation has function calls: rendered whole only (the worker's
+        rule), so its session's next turn is sent whole."""
+        if self.tools:
+            return True
+        return self.kind == "chat" and any(schema.of_tools(turn[1]) for turn in self.history)  # type: ignore[index]
 
 
 @dataclass
@@ -85,6 +97,7 @@ class Answer:
     finish_reason: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     reasoning: str | None = None  # with a reasoning parser: the reasoning (then `text` is the content, "" for none)
+    tool_calls: list[Call] = field(default_factory=list)  # with a tool call parser: the calls read in the answer
 
 
 @dataclass
@@ -126,6 +139,7 @@ class Live:
         self.first_token_at: float | None = None
         self.sent_tokens = 0  # streamed: the tokens of the chunks handed on so far, every choice's
         self.settled = False
+        self._call_ids = id_prefix()
 
     @property
     def from_start(self) -> bool:
@@ -154,16 +168,27 @@ class Live:
         out = []
         for i, r in enumerate(self.results):
             if r is not None:
-                reasoning, content = self._split(r.text)
-                out.append(Answer(i, list(r.token_ids), content, _finish(r.finish_reason), list(r.logprobs), reasoning))
+                reasoning, content, calls = self._split(r.text, i)
+                finish = "tool_calls" if calls else _finish(r.finish_reason)
+                out.append(Answer(i, list(r.token_ids), content, finish, list(r.logprobs), reasoning, calls))
         return out
 
-    def _split(self, text: str) -> tuple[str | None, str]:
-        """(reasoning, content) of an answer's text: no reasoning without a reasoning parser."""
-        if self.ask.reasoner is None:
-            return None, text
-        reasoning, content = self.ask.reasoner.split(text)
-        return reasoning, content or ""
+    def _split(self, text: str, index: int) -> tuple[str | None, str, list[Call]]:
+        """(reasoning, content, function calls) of an answer's text: no reasoning without a reasoning parser, no calls
+        without tools and a tool call parser."""
+        reasoning, content = None, text
+        if self.ask.reasoner is not None:
+            reasoning, split = self.ask.reasoner.split(text)
+            content = split or ""
+        if self.ask.tool_parser is None:
+            return reasoning, content, []
+        content, calls = self.ask.tool_parser.parse(content, self.call_ids(index))
+        return reasoning, content, calls
+
+    def call_ids(self, index: int) -> str:
+        """Choice `index`'s function calls' id prefix: the same calls, read again (whole, streamed, kept), get the same
+        ids."""
+        return f"{self._call_ids}{index}-"
 
     def finish(self) -> None:
         """Every choice answered: keep the sessions with their new history, marked inexact where their tokens may not
@@ -174,7 +199,7 @@ class Live:
         self.settled = True
         service, ask = self.service, self.ask
         usage = self.usage()
-        for entry, result in zip(self.entries, self.results, strict=True):
+        for index, (entry, result) in enumerate(zip(self.entries, self.results, strict=True)):
             if result is None:
                 service.discard(entry, "ended")
                 continue
@@ -184,9 +209,11 @@ class Live:
                 cut = True  # the text the client holds has no stop token: it no longer starts with the session's
             if ask.kind != "ids" and not _text_is_tokens(ask.kind, ask.sampling, result, stop_token):
                 cut = True
-            reasoning, content = self._split(result.text)
-            if reasoning is not None:
-                cut = True  # the client holds the content alone: the session holds the reasoning too
+            reasoning, content, calls = self._split(result.text, index)
+            if reasoning is not None or ask.of_tools:
+                # The client holds the content alone and the session the reasoning too; or the conversation is rendered
+                # whole only: its next turn is sent whole
+                cut = True
             if entry.deleted or result.session_length == 0 or (cut and not _takes_from_start(entry)):
                 service.discard(entry, "ended")  # (0: its session was closed while it generated)
                 continue
@@ -195,7 +222,7 @@ class Live:
             entry.model = ask.model
             if ask.kind == "chat":
                 assert isinstance(ask.history, tuple)
-                turn = ("assistant", content)
+                turn = schema.tool_turn("assistant", content, [(c.id, c.name, c.arguments) for c in calls])
                 entry.history = (*ask.history, turn)
                 entry.asked = ask.digests[-1] if ask.digests else None
                 turns: tuple[Turn, ...] = ask.history  # type: ignore[assignment]  # (chat: turns, checked above)
@@ -483,8 +510,8 @@ class Service:
             # A resumed session's turns are checked against its last answer: where the model's template renders it
             # otherwise once turns follow (Qwen3 drops its reasoning), the worker refuses them (PromptBoundary) and
             # the session is given the whole conversation from its start.
-            return NewPart("messages", [{"role": r, "content": c} for r, c in ask.history[len(held):]],  # type: ignore[misc]
-                           checked, dict(ask.template_args), from_start)
+            return NewPart("messages", [schema.message_of(r, c) for r, c in ask.history[len(held):]],  # type: ignore[misc]
+                           checked, dict(ask.template_args), from_start, ask.tools)
         if ask.kind == "text":
             assert isinstance(ask.history, str)
             # A resumed session's new text is checked against the tokens the session ends with: where the tokenizer
@@ -666,6 +693,7 @@ class NewPart:
     boundary_check: bool = False  # a resumed session's: PromptBoundary where it would not give the whole's tokens
     template_args: dict[str, Any] | None = None  # messages: chat_template_kwargs
     from_start: bool = False  # the value is the whole conversation, for a resumed session that refused its new part
+    tools: str = ""  # messages: the functions the model may call (JSON text)
 
 
 def _takes_from_start(entry: Entry) -> bool:
@@ -696,6 +724,8 @@ def _call_args(params: Any, new_part: NewPart | None) -> dict[str, Any]:
             args["from_start"] = True
         if new_part.template_args:
             args["chat_template_kwargs"] = new_part.template_args
+        if new_part.tools:
+            args["tools"] = json.loads(new_part.tools)
     return args
 
 
@@ -728,17 +758,26 @@ def _finish(reason: str) -> str:
 
 
 def chat_ask(request: schema.ChatRequest, owner: str, name: str | None,
-             defaults: Mapping[str, float | int] = schema.NO_DEFAULTS, reasoning_parser: str | None = None) -> Ask:
+             defaults: Mapping[str, float | int] = schema.NO_DEFAULTS, reasoning_parser: str | None = None,
+             tool_call_parser: str | None = None) -> Ask:
     """`defaults`: the model's recommended sampling, for the parameters the request leaves out (schema.sampling);
-    `reasoning_parser`: the gateway's --reasoning-parser (None: answers are content alone)."""
+    `reasoning_parser`, `tool_call_parser`: the gateway's --reasoning-parser and --tool-call-parser (None: answers are
+    content alone)."""
     if reasoning_parser is None and request.has_reasoning():
         raise bad_request("an assistant message's reasoning is taken only by a gateway started with "
-                                 "--reasoning-parser", "messages")
+                          "--reasoning-parser", "messages")
+    tools = request.tools_json()
+    if tools and tool_call_parser is None:
+        raise bad_request("tools are taken only by a gateway started with --tool-call-parser", "tools")
     turns = request.turns()
     args = tuple((request.chat_template_kwargs or {}).items())
+    start = template_start((*args, (TOOLS_ARG, tools)) if tools else args)  # other tools: another conversation
     return Ask(owner, request.model, "chat", turns, schema.sampling(request, defaults), request.n, name,
-               request.stream, tuple(chain(turns, template_start(args))), args,
-               Reasoner.for_request(reasoning_parser, dict(args)))
+               request.stream, tuple(chain(turns, start)), args, Reasoner.for_request(reasoning_parser, dict(args)),
+               tools, ToolParser(tool_call_parser) if tools and tool_call_parser else None)
+
+
+TOOLS_ARG = "\x00tools"  # the tools' place in a conversation's digest start (no template argument has this name)
 
 
 def completion_ask(request: schema.CompletionRequest, owner: str, name: str | None,

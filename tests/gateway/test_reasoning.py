@@ -21,8 +21,9 @@ from client.gateway.reasoning import Reasoner
 from client.gateway.service import chat_ask
 from client.stack import LocalStack
 
-from ..client.fake_broker import FakeBroker, Reply
+from ..client.fake_broker import FakeBroker
 from .conftest import Gateways
+from .scripted import Scripted
 
 QWEN3 = Reasoner("qwen3")
 
@@ -118,54 +119,10 @@ THOUGHT = ["<th", "ink>\nThe capital", " of France.\n</th", "ink>\n\nPar", "is."
 CUT = ["<think>\nHmm, let me", " think"]  # reasoning cut by max_tokens
 
 
-class Scripted:
-    """Answers every GENERATE with the next answer's pieces (streamed as chunks, a token each, or whole); opens and
-    forks sessions (a question asked again is a fork of the session that answered it)."""
-
-    def __init__(self) -> None:
-        self.answers = itertools.cycle([(THOUGHT, "stop"), (CUT, "length")])
-        self.lengths: dict[str, int] = {}
-        self.ids = itertools.count(1)
-        self.fake: FakeBroker  # set once the broker stand-in exists (its `later` sends the chunks apart)
-
-    def _new(self, length: int) -> str:
-        sid = f"{next(self.ids):032x}"
-        self.lengths[sid] = length
-        return sid
-
-    def __call__(self, request: p.Message, reply: Reply) -> None:
-        if isinstance(request, p.Status):
-            reply(p.StatusReport(request_id=request.request_id, broker_id="b",
-                                 workers=(p.WorkerStatus("w", "m", 8, 8, 0, max_context=4096),)))
-        elif isinstance(request, p.CreateSession):
-            reply(p.Created(request_id=request.request_id, session_id=self._new(0), model="m", worker="w",
-                            max_context=4096, from_start=True))
-        elif isinstance(request, p.Fork):
-            length = self.lengths[request.session_id]
-            reply(p.Forked(request_id=request.request_id, session_id=request.session_id, child_id=self._new(length),
-                           length=length, worker="w", from_start=True))
-        elif isinstance(request, p.Generate):
-            pieces, finish = next(self.answers)
-            sid, held = request.session_id, self.lengths[request.session_id]
-            rewound = max(held - 1, 0) if request.from_start else 0  # it keeps one token the whole prompt starts with
-            self.lengths[sid] = held - rewound + 20 + len(pieces)
-            if request.stream:  # a CHUNKS message a piece, 20 ms apart: each its own delta
-                for i, piece in enumerate(pieces):
-                    chunk = p.Chunks(chunks=(p.StreamChunk(request.request_id, (100 + i,), piece, i),))
-                    self.fake.later(0.02 * i, lambda chunk=chunk: reply(chunk))  # type: ignore[misc]
-            done = p.Generated(request_id=request.request_id, session_id=sid, token_ids=tuple(range(100, 100 + len(pieces))),
-                              text="".join(pieces), finish_reason=finish, length=self.lengths[sid], appended=20,
-                              rewound=rewound, cached=0)
-            self.fake.later(0.02 * len(pieces) if request.stream else 0.0, lambda: reply(done))
-        elif isinstance(request, p.Close):
-            reply(p.Closed(request_id=request.request_id, session_id=request.session_id))
-
-
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeBroker, str]]:
     log_dir: Path = tmp_path_factory.mktemp("reasoning")
-    script = Scripted()
-    with FakeBroker(script) as fake:
+    with FakeBroker(script := Scripted([(THOUGHT, "stop"), (CUT, "length")])) as fake:
         script.fake = fake
         gateways = Gateways(LocalStack(log_dir), "")
         try:

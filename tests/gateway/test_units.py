@@ -196,6 +196,7 @@ def test_a_parameter_left_out_is_the_model_s_recommended_one_and_one_given_wins(
         1.0, 1.0, 0, 1.0, 0.1, 9)
     capped = schema.sampling(parse_chat(), {"max_tokens": 3}).params(100)
     assert (capped.max_tokens, capped.temperature, capped.top_p, capped.top_k) == (3, 1.0, 1.0, 0)
+    assert schema.sampling(parse_chat(), {"max_tokens": 4096}).params(100).max_tokens == 100  # the session's room
     assert schema.sampling(parse_chat(min_tokens=5), {"max_tokens": 3}).params(100).max_tokens == 5
     plain = schema.sampling(parse_chat()).params(100)  # no recommendation: OpenAI's defaults
     assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens, plain.extended) == (1.0, 1.0, 0, 100, False)
@@ -214,6 +215,7 @@ def test_a_model_s_recommended_sampling_is_used_only_when_its_workers_agree() ->
     assert served.sampling_defaults("qwen") == QWEN25  # the same recommendation, in any order
     assert served.sampling_defaults("llama") == {}  # a worker recommends none: no agreement, the API's defaults
     assert served.sampling_defaults("other") == {}
+    assert len({WorkerInfo("a", "m", 1, 1, 0, False, ""), WorkerInfo("a", "m", 1, 1, 0, False, "")}) == 1  # hashable
 
 
 @pytest.mark.parametrize(("body", "param", "needle"), [
@@ -229,7 +231,9 @@ def test_a_model_s_recommended_sampling_is_used_only_when_its_workers_agree() ->
     ({"logit_bias": {"-1": 1}}, "logit_bias", "keys must be token ids"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "values must be in [-100, 100], got 101.0 for token 5"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "tools are not supported"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "a tool message, and only a tool message, has a "
+                                                                      "tool_call_id"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role", "role must be one of"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name", "None"),
     ({"messages": []}, "messages", "at least 1"),
     ({"session_id": "a b"}, "session_id", "must match"),
@@ -243,8 +247,9 @@ def test_bad_chat_parameters_are_400_naming_the_field(body: dict[str, Any], para
 
 
 @pytest.mark.parametrize(("body", "needle"), [
-    ({"tools": [{"type": "function"}]}, "tools are not supported"),
-    ({"tool_choice": "auto"}, "tool_choice is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "strict is not supported"),
+    ({"tool_choice": "auto"}, "tool_choice is only allowed with tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "only \"auto\""),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"modalities": ["text", "audio"]}, "modalities"),

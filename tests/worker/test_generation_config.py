@@ -83,6 +83,8 @@ def test_top_k_minus_one_is_the_whole_vocabulary_as_in_vllm(tmp_path: Path) -> N
     ({"repetition_penalty": 0}, "repetition_penalty must be in [0.01, 10.0], got 0"),
     ({"max_new_tokens": 0}, "max_new_tokens must be in [1, 1048576], got 0"),
     ({"temperature": float("nan")}, "temperature must be a number, got nan"),
+    ({"temperature": 10**400}, "temperature is out of range, got 1000000000"),  # (no float holds it)
+    ({"max_new_tokens": 2**40}, "max_new_tokens is out of range"),
     ([0.6], "not a JSON object"),
 ])
 def test_a_bad_value_refuses_the_file_naming_its_key(tmp_path: Path, config: Any, complaint: str) -> None:
@@ -96,6 +98,9 @@ def test_an_unreadable_or_missing_file_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "broken"
     folder.mkdir()
     (folder / FILE).write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not a readable JSON file"):
+        sampling_defaults("auto", str(folder))
+    (folder / FILE).write_text('{"top_k": ' + "9" * 5000 + "}")  # past Python's digits for an int
     with pytest.raises(ModelLoadError, match="not a readable JSON file"):
         sampling_defaults("auto", str(folder))
     with pytest.raises(ModelLoadError, match=r"--generation-config .*nowhere: no such file"):

@@ -47,7 +47,7 @@ def read(path: Path) -> p.SamplingDefaults:
     """The sampling defaults of one generation_config.json (ModelLoadError naming the key for a bad value)."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # (ValueError: a decoding error, an integer of too many digits)
         raise ModelLoadError(f"{path}: not a readable JSON file: {e}") from e
     if not isinstance(config, dict):
         raise ModelLoadError(f"{path}: not a JSON object")
@@ -64,8 +64,11 @@ def read(path: Path) -> p.SamplingDefaults:
 
 
 def _value(path: Path, key: str, value: Any) -> float | int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                           and not math.isfinite(value)):
         raise ModelLoadError(f"{path}: {key} must be a number, got {value!r}")
+    if isinstance(value, int) and abs(value) > 2**31:  # (every key's range is within it; a float of it overflows)
+        raise ModelLoadError(f"{path}: {key} is out of range, got {str(value)[:40]}")
     if key in INTEGERS:
         if value != int(value):
             raise ModelLoadError(f"{path}: {key} must be an integer, got {value!r}")

@@ -1,0 +1,161 @@
+"""The function calls in a chat answer, read as vLLM's tool parsers read them (`gateway --tool-call-parser`), for a
+request that gives `tools` (tool_choice "auto", OpenAI's default with tools):
+
+    hermes       Qwen2.5, Qwen3, Qwen3.5 (Hermes' format): each call is <tool_call>{"name": ..., "arguments": {...}}
+                 </tool_call> (the last may be cut short of its closing tag); the text before the first is the content.
+    llama3_json  Llama 3.1 and 3.2: the answer is the call, {"name": ..., "parameters": {...}} (after <|python_tag|>,
+                 where the answer keeps it), or several separated by ";"; no content.
+
+An answer whose calls do not read as JSON objects with a name and a map of arguments is content, as vLLM leaves it. A
+call gets an id (the answer's prefix, chatcmpl-tool-..., and its number) and its arguments as JSON text, OpenAI's
+shape. Streamed, content goes out as it
+comes until what could be the start of a call; the rest is held to the answer's end and read whole there, so that a
+streamed answer's content and calls are the whole answer's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+PARSERS = ("hermes", "llama3_json")
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Call:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's tool_calls entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def id_prefix() -> str:
+    """The start of one answer's call ids (each call adds its number: the same ids however often it is read)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}-"
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in PARSERS:
+            raise ValueError(f"unknown tool call parser {self.name!r}: one of {', '.join(PARSERS)}")
+
+    def parse(self, text: str, ids: str) -> tuple[str, list[Call]]:
+        """(content, calls) of a whole answer, the calls numbered after `ids` (id_prefix): no calls, and the whole
+        text as content, where it makes none."""
+        found = _hermes(text) if self.name == "hermes" else _llama3(text)
+        if found is None:
+            return text, []
+        content, calls = found
+        return content, [Call(f"{ids}{k}", name, arguments) for k, (name, arguments) in enumerate(calls)]
+
+    def holds_from(self, text: str, sent: int) -> int | None:
+        """Where, in an answer's text so far of which `sent` characters went out as content, what could be a call
+        starts (held back from streaming); None: nowhere."""
+        if self.name == "hermes":
+            at = text.find(HERMES_START, sent)
+            if at >= 0:
+                return at
+            for n in range(min(len(HERMES_START) - 1, len(text) - sent), 0, -1):
+                if HERMES_START.startswith(text[-n:]):
+                    return len(text) - n
+            return None
+        if sent:  # a Llama 3 call is the whole answer
+            return None
+        lead = text.lstrip()
+        return 0 if not lead or lead.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(lead) else None
+
+
+Found = tuple[str, list[tuple[str, str]]]  # (content, [(name, JSON arguments)])
+
+
+def _hermes(text: str) -> Found | None:
+    if HERMES_START not in text:
+        return None
+    calls = []
+    for closed, open_ended in _HERMES.findall(text):
+        call = _call(closed or open_ended, "arguments")
+        if call is None:
+            return None
+        calls.append(call)
+    return text[:text.find(HERMES_START)], calls
+
+
+def _llama3(text: str) -> Found | None:
+    rest = text.strip()
+    rest = rest.removeprefix(PYTHON_TAG).strip()
+    if not rest.startswith("{"):
+        return None
+    decoder = json.JSONDecoder()
+    calls = []
+    while rest:
+        try:
+            value, end = decoder.raw_decode(rest)
+        except ValueError:
+            return None
+        call = _named(value, "parameters")
+        if call is None:
+            return None
+        calls.append(call)
+        rest = rest[end:].strip()
+        if rest:
+            if not rest.startswith(";"):
+                return None
+            rest = rest[1:].strip()
+    return "", calls
+
+
+def _call(body: str, arguments: str) -> tuple[str, str] | None:
+    try:
+        value = json.loads(body.strip())
+    except ValueError:
+        return None
+    return _named(value, arguments)
+
+
+def _named(value: Any, arguments: str) -> tuple[str, str] | None:
+    """A call from {"name": ..., "arguments" (or "parameters"): {...}}; None for anything else."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    args = value.get(arguments, value.get("arguments" if arguments == "parameters" else "parameters", {}))
+    if not isinstance(args, dict):
+        return None
+    return value["name"], json.dumps(args, ensure_ascii=False)
+
+
+@dataclass
+class CallStream:
+    """A streamed answer's content as it may go out (`feed` each piece), and at its end (`finish`, with the whole
+    text) the rest of the content and the calls, read whole."""
+
+    parser: ToolParser
+    ids: str  # the answer's id_prefix
+    _text: str = ""
+    _sent: int = 0  # characters of the text gone out as content
+
+    def feed(self, piece: str) -> str:
+        self._text += piece
+        held = self.parser.holds_from(self._text, self._sent)
+        upto = len(self._text) if held is None else held
+        out = self._text[self._sent:upto]
+        self._sent = upto
+        return out
+
+    def finish(self) -> tuple[str, list[Call]]:
+        content, calls = self.parser.parse(self._text, self.ids)
+        if not calls:
+            content = self._text
+        rest = content[self._sent:] if content.startswith(self._text[:self._sent]) else ""
+        self._sent = len(self._text)
+        return rest, calls

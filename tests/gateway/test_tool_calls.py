@@ -1,0 +1,194 @@
+"""Function calls (gateway --tool-call-parser): the answers' calls read as vLLM's hermes and llama3_json parsers read
+them, whole and streamed in any pieces; the requests' tools and the messages that carry calls and their results; and a
+real gateway process (real HTTP, the openai package) in front of a scripted broker: the calls answered, streamed and
+not, and the next turn's messages as the worker gets them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker.common import protocol as p
+from client.gateway import schema
+from client.gateway.errors import ApiError
+from client.gateway.service import chat_ask
+from client.gateway.tool_calls import Call, CallStream, ToolParser
+from client.stack import LocalStack
+
+from ..client.fake_broker import FakeBroker
+from .conftest import Gateways
+from .scripted import Scripted
+
+HERMES, LLAMA3 = ToolParser("hermes"), ToolParser("llama3_json")
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+def calls(*named: tuple[str, str]) -> list[Call]:
+    return [Call(f"id-{k}", name, arguments) for k, (name, arguments) in enumerate(named)]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "made"), [
+    (HERMES, f"<tool_call>\n{PARIS}\n</tool_call>", "", calls(("get_weather", '{"city": "Paris"}'))),
+    (HERMES, f"Let me look.\n<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n"
+             '{"name": "get_time", "arguments": {}}\n</tool_call>', "Let me look.\n",
+     calls(("get_weather", '{"city": "Paris"}'), ("get_time", "{}"))),
+    (HERMES, f"<tool_call>\n{PARIS}", "", calls(("get_weather", '{"city": "Paris"}'))),  # its closing tag cut off
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, []),  # cut inside: content
+    (HERMES, '<tool_call>{"arguments": {}}</tool_call>', None, []),  # no name
+    (HERMES, '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', None, []),  # arguments not a map
+    (HERMES, "Paris is sunny.", None, []),
+    (HERMES, '<tool_call>{"name": "é", "arguments": {"q": "中文"}}</tool_call>', "", calls(("é", '{"q": "中文"}'))),
+    (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", calls(("get_weather", '{"city": "Paris"}'))),
+    (LLAMA3, '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}', "",
+     calls(("a", "{}"), ("b", '{"x": 1}'))),
+    (LLAMA3, '{"name": "a", "parameters": {}} and then', None, []),
+    (LLAMA3, 'It is {"name": "a"}', None, []),
+    (LLAMA3, '{"city": "Paris"}', None, []),
+])
+def test_calls_are_read_as_vllm_s_parsers_read_them(parser: ToolParser, text: str, content: str | None,
+                                                    made: list[Call]) -> None:
+    """None: no call, the whole text is the content."""
+    assert parser.parse(text, "id-") == (text if content is None else content, made)
+
+
+PIECES = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "<", "{", "}", PARIS, " ", "\n",
+                                   "a", ";", "<|python_tag|>", '{"name": "f", "parameters": {}}', "é"]), max_size=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=PIECES, cuts=st.lists(st.integers(0, 200), max_size=6), parser=st.sampled_from([HERMES, LLAMA3]))
+def test_a_streamed_answer_s_content_and_calls_are_the_whole_answer_s(pieces: list[str], cuts: list[int],
+                                                                       parser: ToolParser) -> None:
+    text = "".join(pieces)
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    stream = CallStream(parser, "id-")
+    content = "".join(stream.feed(text[a:b]) for a, b in itertools.pairwise(bounds))
+    rest, made = stream.finish()
+    assert (content + rest, made) == parser.parse(text, "id-")
+
+
+def test_streamed_content_goes_out_until_what_could_start_a_call() -> None:
+    stream = CallStream(HERMES, "id-")
+    assert stream.feed("Let me look.<to") == "Let me look."
+    assert stream.feed("p>") == "<top>"
+    assert stream.feed(f"<tool_call>{PARIS}") == ""
+    assert stream.finish() == ("", calls(("get_weather", '{"city": "Paris"}')))
+
+
+WEATHER: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def chat_request(**body: Any) -> schema.ChatRequest:
+    request = schema.parse(schema.ChatRequest, {"model": "m", **body})
+    assert isinstance(request, schema.ChatRequest)
+    return request
+
+
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+ANSWERED = [{"role": "user", "content": "Weather in Paris?"}, CALLED,
+            {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
+
+
+def test_tools_and_the_messages_of_calls_are_taken_and_kept() -> None:
+    request = chat_request(messages=ANSWERED, tools=[WEATHER])
+    assert json.loads(request.tools_json()) == [WEATHER]
+    assert chat_request(messages=ANSWERED, tools=[WEATHER], tool_choice="none").tools_json() == ""
+    turns = request.turns()
+    assert [schema.message_of(*t) for t in turns] == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
+    ask = chat_ask(request, "", None, tool_call_parser="hermes")
+    assert ask.tools == request.tools_json() and ask.tool_parser == HERMES and ask.of_tools
+    assert ask.digests != chat_ask(chat_request(messages=ANSWERED), "", None).digests  # other tools: other digests
+    plain = chat_ask(chat_request(messages=ANSWERED[:1]), "", None)
+    assert not plain.of_tools and plain.tool_parser is None
+    with pytest.raises(ApiError, match="tools are taken only by a gateway started with --tool-call-parser"):
+        chat_ask(request, "", None)
+    # A text that happens to start as a kept turn with calls does is kept apart from one
+    odd = schema.Message(role="user", content=schema.TOOL_MARK + "{}").turn()
+    assert schema.message_of(*odd) == {"role": "user", "content": schema.TOOL_MARK + "{}"}
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ({"tool_choice": "required"}, 'only \\"auto\\" and \\"none\\"'),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "constrained decoding"),
+    ({"parallel_tool_calls": False}, "the model may make several calls"),
+    ({"tools": [WEATHER, WEATHER]}, "tools names a function twice"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "strict is not supported"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type"),
+    ({"messages": [{"role": "tool", "content": "21 C"}]}, "has a tool_call_id"),
+    ({"messages": [{"role": "user", "content": "q", "tool_call_id": "c"}]}, "has a tool_call_id"),
+    ({"messages": [{"role": "user", "content": "q", "tool_calls": CALLED["tool_calls"]}]}, "only an assistant"),
+])
+def test_what_cannot_be_honoured_is_refused(body: dict[str, Any], why: str) -> None:
+    with pytest.raises(ApiError, match=why):
+        chat_request(**{"messages": [{"role": "user", "content": "q"}], "tools": [WEATHER], **body})
+
+
+# -- a gateway process in front of a scripted broker ------------------------------------------------------------------
+
+CALL = ["<tool", "_call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "\n</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeBroker, str]]:
+    log_dir: Path = tmp_path_factory.mktemp("tools")
+    with FakeBroker(script := Scripted([(CALL, "stop")])) as fake:
+        script.fake = fake
+        gateways = Gateways(LocalStack(log_dir), "")
+        try:
+            yield fake, gateways.start(broker=fake.address, extra=["--tool-call-parser", "hermes"])
+        finally:
+            gateways.close()
+
+
+def test_calls_are_answered_whole_and_streamed_and_sent_back_whole(scripted: tuple[FakeBroker, str]) -> None:
+    fake, url = scripted
+    question: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    tools: list[Any] = [WEATHER]
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30) as client:
+        whole = client.chat.completions.create(model="m", messages=question, tools=tools)
+        choice = whole.choices[0]
+        assert (choice.message.content, choice.finish_reason) == (None, "tool_calls")
+        assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+        call: Any = choice.message.tool_calls[0]
+        assert (call.type, call.function.name, call.function.arguments) == ("function", "get_weather",
+                                                                            '{"city": "Paris"}')
+        sent = fake.of(p.Generate)[-1]
+        assert json.loads(sent.tools) == [WEATHER] and sent.messages == (p.ChatMessage("user", "Weather in Paris?"),)
+        # Streamed: no content delta, the call whole in one delta at the end, then finish_reason tool_calls
+        chunks = client.chat.completions.create(model="m", messages=question, tools=tools, stream=True)
+        deltas = [c.choices[0] for c in chunks if c.choices]
+        made = [tc for d in deltas for tc in d.delta.tool_calls or ()]
+        assert [d.delta.content for d in deltas if d.delta.content] == []
+        assert [(tc.index, tc.function.name, tc.function.arguments) for tc in made if tc.function] == [
+            (0, "get_weather", '{"city": "Paris"}')]
+        assert made[0].id and deltas[-1].finish_reason == "tool_calls"
+        # The call's result, sent back with the call: the whole conversation goes to the session that made the call,
+        # its calls and results as the worker renders them
+        answered: list[Any] = [*question, choice.message.model_dump(exclude_none=True),
+                               {"role": "tool", "content": "21 C", "tool_call_id": call.id}]
+        client.chat.completions.create(model="m", messages=answered, tools=tools)
+        sent = fake.of(p.Generate)[-1]
+        assert sent.from_start and sent.session_id == fake.of(p.Generate)[0].session_id
+        assert sent.messages == (p.ChatMessage("user", "Weather in Paris?"),
+                                 p.ChatMessage("assistant", "", (p.ToolCall(call.id, "get_weather", '{"city": "Paris"}'),)),
+                                 p.ChatMessage("tool", "21 C", tool_call_id=call.id))
+        assert json.loads(sent.tools) == [WEATHER]
+        with pytest.raises(openai.BadRequestError, match="only"):
+            client.chat.completions.create(model="m", messages=question, tools=tools,
+                                           tool_choice="required")
