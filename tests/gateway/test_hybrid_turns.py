@@ -35,6 +35,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     path = test_qwen3_5.write_folder(tmp_path_factory.mktemp("hybrid")).path
     shutil.copy(TEMPLATE, path / "chat_template.jinja")
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 4096  # room for the template's tools instructions (bytes-only tokens)
+    (path / "config.json").write_text(json.dumps(config))
     return path
 
 
@@ -45,7 +48,7 @@ def hybrid(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     try:
         stack.start_broker()
         metrics_port = free_port()
-        stack.start_worker("h1", model=str(folder), device="cpu", max_sessions=12, max_context=512,
+        stack.start_worker("h1", model=str(folder), device="cpu", max_sessions=12, max_context=2048,
                            extra=["--metrics-port", str(metrics_port)])
         stack.wait_for_workers({"h1"}, timeout=180)
         gateways = Gateways(stack, f"http://127.0.0.1:{metrics_port}/metrics")
@@ -193,3 +196,45 @@ def test_the_checkpoint_moves_with_its_session(folder: Path, tmp_path: Path) -> 
             resumed(gateways, url, turns, after=first, reference="reference-moved")
         finally:
             gateways.close()
+
+
+def test_tools_and_function_calls_reach_the_model_as_transformers_renders_them(hybrid: tuple[Gateways, str],
+                                                                               folder: Path) -> None:
+    """Through the real worker, with Qwen3.5's template: a request's prompt tokens are those of transformers'
+    rendering with the tools, then with the calls and their results sent back; its answer is split into reasoning
+    and content (the model's own text: random weights make no call)."""
+    gateways, url = hybrid
+    tools_url = gateways.start(extra=["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    try:
+        asked_with_tools(url, tools_url, folder)
+    finally:
+        gateways.daemons.pop().close()  # its idle sessions closed with it: the slots go back to the other tests
+
+
+def asked_with_tools(url: str, tools_url: str, folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.gateway.test_tool_calls import WEATHER
+
+    theirs = AutoTokenizer.from_pretrained(folder)
+
+    def tokens(messages: list[dict[str, Any]]) -> int:
+        text = theirs.apply_chat_template(messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+        return len(theirs.encode(text, add_special_tokens=False))
+
+    question: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+    client = sync_client(tools_url)
+    first = client.chat.completions.create(model=model_of(url), messages=question, tools=[WEATHER],  # type: ignore[arg-type,list-item]
+                                           temperature=0, max_tokens=6)
+    assert first.usage is not None and first.usage.prompt_tokens == tokens(question)
+    message = first.choices[0].message
+    assert message.content is None and (message.model_extra or {}).get("reasoning")  # cut short while reasoning
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    answered = [*question, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
+    second = client.chat.completions.create(model=model_of(url), messages=answered, tools=[WEATHER],  # type: ignore[arg-type,list-item]
+                                            temperature=0, max_tokens=6)
+    rendered = [*question, {**answered[1], "tool_calls": [{**call, "function": {"name": "get_weather",
+                                                                                "arguments": {"city": "Paris"}}}]},
+                answered[2]]
+    assert second.usage is not None and second.usage.prompt_tokens == tokens(rendered)
