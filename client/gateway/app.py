@@ -64,7 +64,7 @@ class GatewayConfig:
     api_keys: ApiKeys | None = None
     max_idle_sessions: int = 0
     reasoning_parser: str | None = None  # qwen3, deepseek_r1 (client.gateway.reasoning): chat answers' reasoning apart
-    tool_call_parser: str | None = None  # hermes, llama3_json (client.gateway.tool_calls): chat answers' function calls
+    tool_call_parser: str | None = None  # hermes, qwen3_coder, llama3_json (client.gateway.tool_calls): answers' calls
 
 
 class Gateway:

@@ -84,7 +84,8 @@ def parser() -> argparse.ArgumentParser:
     start.add_argument("--tool-call-parser", type=one_of(*TOOL_PARSERS), choices=TOOL_PARSERS,
                        default=env("GATEWAY_TOOL_CALL_PARSER", None),
                        help="take `tools` and read the function calls in chat answers, as vLLM's parser of that name: "
-                            "hermes (Qwen2.5, Qwen3, Qwen3.5) or llama3_json (Llama 3.1, 3.2) "
+                            "hermes (Qwen2.5, Qwen3), qwen3_coder (Qwen3.5, Qwen3-Coder) or llama3_json (Llama 3.1, "
+                            "3.2) "
                             "[env GATEWAY_TOOL_CALL_PARSER] (default: none, tools are refused)")
     start.add_argument("--processes", type=positive_int, default=from_env("GATEWAY_PROCESSES", 1),
                        help="processes sharing the port [env GATEWAY_PROCESSES] (default %(default)s)")

@@ -8,7 +8,9 @@ Both parsers read `<think> ... </think>`:
     deepseek_r1  DeepSeek-R1 and its distilled Qwen and Llama models: always reasoning first.
 
 The answer's text up to the first </think> is the reasoning (a <think> it starts with left out), the rest the content;
-an answer without </think> was cut short while reasoning (max_tokens): all reasoning, no content. A streamed answer
+an answer without </think> was cut short while reasoning (max_tokens): all reasoning, no content. With qwen3, a
+function call (<tool_call> then <function=...>, Qwen3.5's format) also ends the reasoning where it comes first (Qwen3.5
+may call without closing its reasoning, as vLLM's parser allows): the call starts the content. A streamed answer
 is split the same way as its text arrives: what could still be the start of </think> is held back until the next
 text says, so the reasoning deltas put together are the whole answer's reasoning and the content deltas its content.
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
+TOOL_CALL, FUNCTION = "<tool_call>", "<function"
 
 
 @dataclass(frozen=True)
@@ -37,16 +40,24 @@ class Reasoner:
         thinking = parser != "qwen3" or template_args.get("enable_thinking", True) is not False
         return cls(parser, thinking)
 
+    @property
+    def calls_end(self) -> bool:
+        """Whether a function call ends the reasoning (qwen3's, for Qwen3.5)."""
+        return self.parser == "qwen3"
+
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole answer; None where there is none."""
         if not self.thinking:
             return None, text
         text = text.removeprefix(START)
-        reasoning, end, content = text.partition(END)
-        return reasoning, (content or None) if end else None
+        cut = _cut(text, self.calls_end, final=True)
+        if not isinstance(cut, tuple):
+            return text, None
+        at, tag = cut
+        return text[:at], text[at + tag:] or None
 
     def splitter(self) -> Splitter:
-        return Splitter(self.thinking)
+        return Splitter(self.thinking, self.calls_end)
 
 
 @dataclass
@@ -55,6 +66,7 @@ class Splitter:
     (reasoning, content) it lets go."""
 
     reasoning: bool  # still in the reasoning (before </think>)
+    calls_end: bool = False  # a function call ends it too (Reasoner.calls_end)
     _held: str = ""
     _started: bool = field(default=False)  # past the answer's first characters (where a <think> is left out)
 
@@ -72,24 +84,53 @@ class Splitter:
             held = held.removeprefix(START)
         if not self.reasoning:
             return "", held
-        before, end, after = held.partition(END)
-        if end:
+        cut = _cut(held, self.calls_end, final=False)
+        if isinstance(cut, tuple):
+            at, tag = cut
             self.reasoning = False
-            return before, after
-        keep = _partial_end(held)
-        self._held = held[len(held) - keep:]
-        return held[:len(held) - keep], ""
+            return held[:at], held[at + tag:]
+        self._held = held[cut:]
+        return held[:cut], ""
 
     def flush(self) -> tuple[str, str]:
         """What is held at the answer's end: reasoning cut short (or the start of an answer too short to tell)."""
         held, self._held = self._held, ""
         self._started = True
-        return (held, "") if self.reasoning else ("", held)
+        if not self.reasoning:
+            return "", held
+        cut = _cut(held, self.calls_end, final=True)
+        if isinstance(cut, tuple):
+            at, tag = cut
+            self.reasoning = False
+            return held[:at], held[at + tag:]
+        return held, ""
 
 
-def _partial_end(text: str) -> int:
-    """How many of text's last characters could be the start of </think> (held until the next text says)."""
-    for n in range(min(len(END) - 1, len(text)), 0, -1):
-        if END.startswith(text[-n:]):
+def _cut(text: str, calls_end: bool, final: bool) -> tuple[int, int] | int:
+    """Where the reasoning in `text` ends: (where, the length of the tag there that neither part keeps); or, where the
+    text does not tell yet, how many of its first characters are reasoning for sure (the rest is held). `final`: the
+    answer's whole text (what is undecided is not an end)."""
+    end = text.find(END)
+    limit = len(text) if end < 0 else end
+    if calls_end:
+        at = text.find(TOOL_CALL)
+        while 0 <= at < limit:
+            after = text[at + len(TOOL_CALL):].lstrip()
+            if after.startswith(FUNCTION):
+                return at, 0
+            if not final and FUNCTION.startswith(after):  # (nothing after it yet, or the start of "<function")
+                return at
+            at = text.find(TOOL_CALL, at + 1)
+    if end >= 0:
+        return end, len(END)
+    if final:
+        return len(text)
+    return len(text) - max(_partial(text, END), _partial(text, TOOL_CALL) if calls_end else 0)
+
+
+def _partial(text: str, tag: str) -> int:
+    """How many of text's last characters could be the start of `tag` (held until the next text says)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0

@@ -331,6 +331,10 @@ class ChatRequest(_Common):
         return json.dumps([t.model_dump(exclude_none=True) for t in self.tools], ensure_ascii=False,
                           separators=(",", ":"))
 
+    def tool_schemas(self) -> tuple[tuple[str, Any], ...]:
+        """Each tool's (function name, parameters' JSON schema)."""
+        return tuple((t.function.name, t.function.parameters or {}) for t in self.tools or ())
+
     def has_reasoning(self) -> bool:
         """Whether an assistant message carries its reasoning (taken only with a reasoning parser)."""
         return any(m.reasoning is not None or m.reasoning_content is not None for m in self.messages)

@@ -774,7 +774,7 @@ def chat_ask(request: schema.ChatRequest, owner: str, name: str | None,
     start = template_start((*args, (TOOLS_ARG, tools)) if tools else args)  # other tools: another conversation
     return Ask(owner, request.model, "chat", turns, schema.sampling(request, defaults), request.n, name,
                request.stream, tuple(chain(turns, start)), args, Reasoner.for_request(reasoning_parser, dict(args)),
-               tools, ToolParser(tool_call_parser) if tools and tool_call_parser else None)
+               tools, ToolParser(tool_call_parser, request.tool_schemas()) if tools and tool_call_parser else None)
 
 
 TOOLS_ARG = "\x00tools"  # the tools' place in a conversation's digest start (no template argument has this name)

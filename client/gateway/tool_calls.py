@@ -1,8 +1,12 @@
 """The function calls in a chat answer, read as vLLM's tool parsers read them (`gateway --tool-call-parser`), for a
 request that gives `tools` (tool_choice "auto", OpenAI's default with tools):
 
-    hermes       Qwen2.5, Qwen3, Qwen3.5 (Hermes' format): each call is <tool_call>{"name": ..., "arguments": {...}}
+    hermes       Qwen2.5, Qwen3 (Hermes' format): each call is <tool_call>{"name": ..., "arguments": {...}}
                  </tool_call> (the last may be cut short of its closing tag); the text before the first is the content.
+    qwen3_coder  Qwen3.5, Qwen3-Coder: each call is <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
+                 </function></tool_call>, one line each; a value is read as the tool's parameter schema types it
+                 (a string as it is; integer, number, boolean; object and array as JSON; null), as vLLM does; the text
+                 before the first call is the content.
     llama3_json  Llama 3.1 and 3.2: the answer is the call, {"name": ..., "parameters": {...}} (after <|python_tag|>,
                  where the answer keeps it), or several separated by ";"; no content.
 
@@ -21,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "qwen3_coder", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -46,6 +50,7 @@ def id_prefix() -> str:
 @dataclass(frozen=True)
 class ToolParser:
     name: str
+    tools: tuple[tuple[str, Any], ...] = ()  # (function name, its parameters' JSON schema): qwen3_coder reads by them
 
     def __post_init__(self) -> None:
         if self.name not in PARSERS:
@@ -54,7 +59,12 @@ class ToolParser:
     def parse(self, text: str, ids: str) -> tuple[str, list[Call]]:
         """(content, calls) of a whole answer, the calls numbered after `ids` (id_prefix): no calls, and the whole
         text as content, where it makes none."""
-        found = _hermes(text) if self.name == "hermes" else _llama3(text)
+        if self.name == "hermes":
+            found = _hermes(text)
+        elif self.name == "qwen3_coder":
+            found = _qwen3_coder(text, dict(self.tools))
+        else:
+            found = _llama3(text)
         if found is None:
             return text, []
         content, calls = found
@@ -63,7 +73,7 @@ class ToolParser:
     def holds_from(self, text: str, sent: int) -> int | None:
         """Where, in an answer's text so far of which `sent` characters went out as content, what could be a call
         starts (held back from streaming); None: nowhere."""
-        if self.name == "hermes":
+        if self.name in ("hermes", "qwen3_coder"):
             at = text.find(HERMES_START, sent)
             if at >= 0:
                 return at
@@ -90,6 +100,54 @@ def _hermes(text: str) -> Found | None:
             return None
         calls.append(call)
     return text[:text.find(HERMES_START)], calls
+
+
+_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+def _qwen3_coder(text: str, schemas: dict[str, Any]) -> Found | None:
+    if HERMES_START not in text:
+        return None
+    calls = []
+    for closed, open_ended in _HERMES.findall(text):
+        found = _FUNCTION.search(closed or open_ended)
+        if found is None or not found.group(1).strip():
+            return None
+        name = found.group(1).strip()
+        properties = (schemas.get(name) or {}).get("properties") or {}
+        arguments = {}
+        for key, raw in _PARAMETER.findall(found.group(2)):
+            value = raw[1:] if raw.startswith("\n") else raw
+            value = value[:-1] if value.endswith("\n") else value
+            arguments[key.strip()] = _typed(value, (properties.get(key.strip()) or {}).get("type"))
+        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+    return text[:text.find(HERMES_START)], calls
+
+
+def _typed(value: str, kind: Any) -> Any:
+    """A qwen3_coder parameter's value as its schema types it (vLLM's conversion); a string where it does not read."""
+    if value.lower() == "null":
+        return None
+    kind = (kind[0] if kind else "string") if isinstance(kind, list) else kind
+    if not isinstance(kind, str):
+        return value
+    kind = kind.strip().lower()
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return value
+    try:
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(value)
+        if kind.startswith(("num", "float", "double")):
+            number = float(value)
+            return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+        if kind in ("boolean", "bool", "binary"):
+            return {"true": True, "false": False}.get(value.strip().lower(), value)
+        if kind in ("object", "array", "arr", "dict", "list") or kind.startswith(("dict", "list")):
+            return json.loads(value)
+    except (ValueError, OverflowError):
+        return value
+    return value
 
 
 def _llama3(text: str) -> Found | None:

@@ -38,6 +38,12 @@ QWEN3 = Reasoner("qwen3")
     (QWEN3, "", ("", None)),
     (Reasoner("qwen3", thinking=False), "Paris.</think>x", (None, "Paris.</think>x")),  # enable_thinking false
     (Reasoner("deepseek_r1"), "<think>R</think>C", ("R", "C")),
+    # Qwen3.5 may call a function without closing its reasoning: the call starts the content
+    (QWEN3, "Look it up.\n<tool_call>\n<function=f>\n</function>\n</tool_call>",
+     ("Look it up.\n", "<tool_call>\n<function=f>\n</function>\n</tool_call>")),
+    (QWEN3, "About <tool_call> tags.</think>C", ("About <tool_call> tags.", "C")),  # not a call: text
+    (QWEN3, "R</think>C<tool_call>\n<function=f>", ("R", "C<tool_call>\n<function=f>")),
+    (Reasoner("deepseek_r1"), "R<tool_call>\n<function=f>", ("R<tool_call>\n<function=f>", None)),
 ])
 def test_an_answer_splits_as_vllm_s_parsers_split_it(reasoner: Reasoner, text: str,
                                                       split: tuple[str | None, str | None]) -> None:
@@ -54,16 +60,18 @@ def test_enable_thinking_false_turns_the_qwen3_parser_off_and_only_it() -> None:
 
 
 PIECES = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "<th", "</thi", "nk>", "think", ">", "a", "\n",
-                                   " b", "é", "<thin", "k>"]), max_size=12)
+                                   " b", "é", "<thin", "k>", "<tool_call>", "<tool_", "call>", "<function=f>",
+                                   "<func", "tion", " "]), max_size=12)
 
 
 @settings(max_examples=300, deadline=None)
-@given(pieces=PIECES, cuts=st.lists(st.integers(0, 60), max_size=6), thinking=st.booleans())
+@given(pieces=PIECES, cuts=st.lists(st.integers(0, 60), max_size=6), thinking=st.booleans(),
+       parser=st.sampled_from(["qwen3", "deepseek_r1"]))
 def test_a_streamed_answer_splits_as_the_whole_answer_does_in_any_pieces(pieces: list[str], cuts: list[int],
-                                                                          thinking: bool) -> None:
+                                                                          thinking: bool, parser: str) -> None:
     text = "".join(pieces)
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
-    reasoner = Reasoner("qwen3", thinking)
+    reasoner = Reasoner(parser, thinking)
     splitter = reasoner.splitter()
     reasoning, content = "", ""
     for a, b in itertools.pairwise(bounds):

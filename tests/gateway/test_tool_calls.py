@@ -59,12 +59,40 @@ def test_calls_are_read_as_vllm_s_parsers_read_them(parser: ToolParser, text: st
     assert parser.parse(text, "id-") == (text if content is None else content, made)
 
 
+SCHEMA = (("get_weather", {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"}, "at": {"type": "number"},
+    "where": {"type": "object"}, "tags": {"type": "array"}, "zip": {"type": ["string", "null"]}}}),)
+QWEN3_CODER = ToolParser("qwen3_coder", SCHEMA)
+
+
+@pytest.mark.parametrize(("text", "content", "made"), [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", "",
+     calls(("get_weather", '{"city": "Paris"}'))),
+    # each value read as the schema types it; "null" is null; a value that does not read stays a string
+    ("I will look.\n\n<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<parameter=hot>\n"
+     "True\n</parameter>\n<parameter=at>\n2.5\n</parameter>\n<parameter=where>\n{\"lat\": 48}\n</parameter>\n"
+     "<parameter=tags>\n[1, 2]\n</parameter>\n<parameter=zip>\nnull\n</parameter>\n<parameter=city>\n"
+     "New\nYork\n</parameter>\n</function>\n</tool_call>", "I will look.\n\n",
+     calls(("get_weather", '{"days": 3, "hot": true, "at": 2.5, "where": {"lat": 48}, "tags": [1, 2], "zip": null, '
+                           '"city": "New\\nYork"}'))),
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>\n"
+     "<tool_call>\n<function=other>\n<parameter=x>\n1\n</parameter>\n</function>", "",
+     calls(("get_weather", '{"days": "three"}'), ("other", '{"x": "1"}'))),  # no schema: a string
+    ("<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call>", None, []),  # not its format: content
+])
+def test_qwen3_coder_calls_are_read_by_the_tools_schema_as_vllm_reads_them(text: str, content: str | None,
+                                                                          made: list[Call]) -> None:
+    assert QWEN3_CODER.parse(text, "id-") == (text if content is None else content, made)
+
+
 PIECES = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "<", "{", "}", PARIS, " ", "\n",
-                                   "a", ";", "<|python_tag|>", '{"name": "f", "parameters": {}}', "é"]), max_size=10)
+                                   "a", ";", "<|python_tag|>", '{"name": "f", "parameters": {}}', "é", "<function=get_weather>",
+                                   "<parameter=days>\n4\n</parameter>", "</function>"]), max_size=10)
 
 
 @settings(max_examples=300, deadline=None)
-@given(pieces=PIECES, cuts=st.lists(st.integers(0, 200), max_size=6), parser=st.sampled_from([HERMES, LLAMA3]))
+@given(pieces=PIECES, cuts=st.lists(st.integers(0, 200), max_size=6),
+       parser=st.sampled_from([HERMES, LLAMA3, QWEN3_CODER]))
 def test_a_streamed_answer_s_content_and_calls_are_the_whole_answer_s(pieces: list[str], cuts: list[int],
                                                                        parser: ToolParser) -> None:
     text = "".join(pieces)
@@ -111,7 +139,8 @@ def test_tools_and_the_messages_of_calls_are_taken_and_kept() -> None:
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
     ask = chat_ask(request, "", None, tool_call_parser="hermes")
-    assert ask.tools == request.tools_json() and ask.tool_parser == HERMES and ask.of_tools
+    assert ask.tools == request.tools_json() and ask.of_tools
+    assert ask.tool_parser == ToolParser("hermes", (("get_weather", WEATHER["function"]["parameters"]),))
     assert ask.digests != chat_ask(chat_request(messages=ANSWERED), "", None).digests  # other tools: other digests
     plain = chat_ask(chat_request(messages=ANSWERED[:1]), "", None)
     assert not plain.of_tools and plain.tool_parser is None
