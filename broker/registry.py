@@ -85,6 +85,7 @@ class WorkerRecord:
             last_seen_ms=max(0, round((now - self.seen_at) * 1000)),
             max_context=self.max_context,
             sampling_defaults=self.sampling_defaults,
+            tools=self.tools,
         )
 
 

@@ -86,21 +86,23 @@ def tools_json(tools: Sequence[Mapping[str, Any]] | None) -> str:
         raise BadRequest("tools must be a list of maps (OpenAI's {\"type\": \"function\", \"function\": {...}})")
     try:
         return json.dumps([dict(t) for t in listed], ensure_ascii=False, separators=(",", ":")) if listed else ""
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise BadRequest(f"tools must be JSON: {e}") from None
 
 
 def chat_message(message: Mapping[str, Any]) -> p.ChatMessage:
     """A chat message: role and content; an assistant's `tool_calls` (OpenAI's: {"id", "type": "function",
-    "function": {"name", "arguments"}}, arguments as JSON text or a map) and a tool message's `tool_call_id`."""
+    "function": {"name", "arguments"}}, arguments as JSON text or a map) and `reasoning_content` (or `reasoning`), a
+    tool message's `tool_call_id`."""
     if not isinstance(message, Mapping):
         raise BadRequest(f"a chat message is a map with role and content, got {type(message).__name__}")
     content = message.get("content")
     calls = tuple(tool_call(c) for c in items("tool_calls", message.get("tool_calls") or ()))
     if content is None and calls:
         content = ""  # (an answer that only called functions)
+    reasoning = message.get("reasoning_content", message.get("reasoning"))
     return build(p.ChatMessage, role=message.get("role"), content=content, tool_calls=calls,
-                 tool_call_id=message.get("tool_call_id") or "")
+                 tool_call_id=message.get("tool_call_id") or "", reasoning=reasoning or "")
 
 
 def tool_call(call: Any) -> p.ToolCall:
@@ -278,7 +280,7 @@ def session_info(i: p.SessionInfo) -> SessionInfo:
 def worker_infos(report: p.StatusReport) -> list[WorkerInfo]:
     return [
         WorkerInfo(w.name, w.model, w.capacity, w.free_slots, w.sessions, w.draining, w.device, w.last_seen_ms / 1000,
-                   w.max_context, MappingProxyType(w.sampling_defaults.given()))
+                   w.max_context, MappingProxyType(w.sampling_defaults.given()), w.tools)
         for w in report.workers
     ]
 

@@ -56,3 +56,4 @@ class WorkerInfo:
     # Its model's recommended sampling (generation_config.json), by generate()'s names: temperature, top_p, top_k,
     # min_p, repetition_penalty, max_tokens; only those it recommends. The OpenAI gateway's defaults.
     sampling_defaults: Mapping[str, float | int] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    tools: bool = False  # it renders tools, function calls and reasoning (False: an older worker, or an older broker)

@@ -412,20 +412,22 @@ class ToolCall:
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     """One chat turn of a GENERATE's `messages`, rendered with the model's chat template. An assistant turn may carry
-    the function calls it made; a "tool" turn is one call's result (`tool_call_id`). A worker that renders these says
-    so in its READY (`tools`)."""
+    the function calls it made and its reasoning (the template's reasoning_content); a "tool" turn is one call's result
+    (`tool_call_id`). A worker that renders these says so in its READY (`tools`)."""
 
     role: Annotated[str, text(64, r"[a-z_]{1,64}")]
     content: Text
     tool_calls: Annotated[tuple[ToolCall, ...], nested_list(ToolCall, MAX_TOOL_CALLS)] = ()
     tool_call_id: Annotated[str, text(MAX_NAME_CHARS)] = ""
+    reasoning: Text = ""
 
     def __post_init__(self) -> None:
         _checked(self)
 
     @property
     def of_tools(self) -> bool:
-        return bool(self.tool_calls or self.tool_call_id)
+        """Whether it needs a worker that renders calls, results and reasoning (Ready.tools)."""
+        return bool(self.tool_calls or self.tool_call_id or self.reasoning)
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,6 +476,7 @@ class WorkerStatus:
     last_seen_ms: Count = 0  # since the broker last heard from the worker
     max_context: Count = 0  # the tokens a session on this worker can hold (0: an older broker did not say)
     sampling_defaults: Annotated[SamplingDefaults, nested(SamplingDefaults)] = SamplingDefaults()
+    tools: Annotated[bool, boolean] = False  # it renders tools, calls and reasoning (False: an older worker or broker)
 
     def __post_init__(self) -> None:
         _checked(self)
@@ -992,7 +995,7 @@ class Ready(Message):
     checkpoints: Annotated[bool, boolean] = False  # it takes a moved session's recurrent-state checkpoint (MoveState's)
     sampling_extras: Annotated[bool, boolean] = False  # it applies Sampling's extras (logit_bias ... min_tokens)
     sampling_defaults: Annotated[SamplingDefaults, nested(SamplingDefaults)] = SamplingDefaults()  # its model's
-    tools: Annotated[bool, boolean] = False  # it renders GENERATE's tools and chat messages' tool_calls, tool_call_id
+    tools: Annotated[bool, boolean] = False  # it renders GENERATE's tools, messages' tool_calls, tool_call_id, reasoning
 
     def _check(self) -> None:
         if self.owners and len(self.owners) != len(self.sessions):

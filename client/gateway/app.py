@@ -176,6 +176,10 @@ def create_app(config: GatewayConfig) -> Starlette:
         defaults = await recommended(body.model)
         if defaults:
             ask = chat_ask(body, owner, name, defaults, config.reasoning_parser, config.tool_call_parser)
+        assert gw.models is not None
+        if ask.of_tools and not gw.models.last.renders_tools(body.model):
+            raise bad_request(f"the workers of {body.model} (or the broker before them) do not render tools, function "
+                              "calls or reasoning: they are older than this gateway, upgrade them", "messages")
         if ask.stream:
             return await _streamed(ask, True, body.logprobs, body.return_token_ids, body.include_usage(), "chat")
         assert gw.service is not None

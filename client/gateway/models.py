@@ -46,6 +46,12 @@ class Served:
         """The distinct recommended samplings of `model`'s workers."""
         return {tuple(sorted(w.sampling_defaults.items())) for w in self.workers if w.model == model}
 
+    def renders_tools(self, model: str) -> bool:
+        """Whether every worker of `model` says it renders tools, function calls and reasoning (an older one, or any
+        behind an older broker, which drops those fields, does not)."""
+        workers = [w for w in self.workers if w.model == model]
+        return bool(workers) and all(w.tools for w in workers)
+
     def ready(self) -> tuple[bool, str]:
         if self.error:
             return False, f"the broker does not answer: {self.error}"

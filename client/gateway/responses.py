@@ -28,11 +28,11 @@ def now() -> int:
 
 def dumps(obj: Any) -> bytes:
     """Compact UTF-8 JSON. orjson (several times faster than json on the token ids a streamed chunk or an answer
-    carries); json for what orjson refuses (an integer beyond 64 bits), with the same output otherwise."""
+    carries); json for what orjson refuses (an integer beyond 64 bits, a lone surrogate), the same JSON otherwise."""
     try:
         return orjson.dumps(obj)
-    except TypeError:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    except TypeError:  # (ASCII escapes: a lone surrogate, which a client may send, has no UTF-8)
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def sse(obj: Any) -> bytes:

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from broker.common import protocol as p
 from client.gateway.errors import ApiError, bad_request
-from client.gateway.reasoning import END, START
+from client.gateway.sessions import marked_turn
 
 NO_DEFAULTS: Mapping[str, float | int] = MappingProxyType({})  # no recommended sampling
 MAX_TOOLS = 128  # functions a request may offer
@@ -140,52 +140,16 @@ class Message(_Strict):
             raise ValueError("a tool message, and only a tool message, has a tool_call_id (the call it answers)")
 
     def turn(self) -> tuple[str, str]:
-        """(role as the template takes it, text): developer is OpenAI's newer name for system. An answer's reasoning
-        goes back in its text as the model wrote it, <think>reasoning</think>content: the reasoning models' templates
-        (Qwen3's, DeepSeek-R1's) take it from there as they take a reasoning_content field, and drop it from answers
-        before the last question. Function calls and a tool message's call id are kept in the text (`tool_turn`)."""
+        """(role as the template takes it, text): developer is OpenAI's newer name for system. Function calls, a tool
+        message's call id and an answer's reasoning (the template's reasoning_content) are kept in the text
+        (sessions.marked_turn)."""
         if self.content is None:
             text = ""
         else:
             text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
-        if reasoning is not None:
-            text = f"{START}{reasoning}{END}{text}"
         calls = [(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()]
-        return tool_turn(ROLES[self.role], text, calls, self.tool_call_id)
-
-
-# A turn with function calls, or a tool message's, is (role, TOOL_MARK + JSON of its content, calls and call id): one
-# string, so that the gateway's digests of a conversation cover them; `message_of` makes the message again.
-TOOL_MARK = "\x00tools\x00"
-
-
-def tool_turn(role: str, text: str, calls: Sequence[tuple[str, str, str]] = (),
-              tool_call_id: str | None = None) -> tuple[str, str]:
-    """A turn as the gateway keeps it: `calls` (id, name, JSON arguments)."""
-    if not calls and tool_call_id is None and not text.startswith(TOOL_MARK):
-        return role, text
-    return role, TOOL_MARK + json.dumps({"content": text, "tool_calls": [list(c) for c in calls],
-                                         "tool_call_id": tool_call_id}, ensure_ascii=False, separators=(",", ":"))
-
-
-def message_of(role: str, text: str) -> dict[str, Any]:
-    """A kept turn as the client library's chat message (tool_calls in OpenAI's shape)."""
-    if not text.startswith(TOOL_MARK):
-        return {"role": role, "content": text}
-    kept = json.loads(text[len(TOOL_MARK):])
-    message: dict[str, Any] = {"role": role, "content": kept["content"]}
-    if kept["tool_calls"]:
-        message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
-                                 for i, n, a in kept["tool_calls"]]
-    if kept["tool_call_id"] is not None:
-        message["tool_call_id"] = kept["tool_call_id"]
-    return message
-
-
-def of_tools(text: str) -> bool:
-    """Whether a kept turn has function calls or answers one."""
-    return text.startswith(TOOL_MARK)
+        return marked_turn(ROLES[self.role], text, calls, self.tool_call_id, reasoning)
 
 
 class StreamOptions(_Strict):
@@ -328,8 +292,11 @@ class ChatRequest(_Common):
         model is not told of them."""
         if not self.tools or self.tool_choice == "none":
             return ""
-        return json.dumps([t.model_dump(exclude_none=True) for t in self.tools], ensure_ascii=False,
-                          separators=(",", ":"))
+        try:
+            return json.dumps([t.model_dump(exclude_none=True) for t in self.tools], ensure_ascii=False,
+                              separators=(",", ":"))
+        except RecursionError:
+            raise bad_request("tools are nested too deep", "tools") from None
 
     def tool_schemas(self) -> tuple[tuple[str, Any], ...]:
         """Each tool's (function name, parameters' JSON schema)."""

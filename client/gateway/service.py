@@ -47,7 +47,18 @@ from client.gateway.errors import bad_request, from_client_error, session_busy
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models
 from client.gateway.reasoning import Reasoner
-from client.gateway.sessions import EMPTY, Entry, Kind, SessionStore, Turn, chain, template_start
+from client.gateway.sessions import (
+    EMPTY,
+    Entry,
+    Kind,
+    SessionStore,
+    Turn,
+    chain,
+    marked_turn,
+    message_of,
+    of_tools,
+    template_start,
+)
 from client.gateway.tool_calls import Call, ToolParser, id_prefix
 from client.results import Chunk, Generation
 
@@ -84,7 +95,7 @@ class Ask:
         rule), so its session's next turn is sent whole."""
         if self.tools:
             return True
-        return self.kind == "chat" and any(schema.of_tools(turn[1]) for turn in self.history)  # type: ignore[index]
+        return self.kind == "chat" and any(of_tools(turn[1]) for turn in self.history)  # type: ignore[index]
 
 
 @dataclass
@@ -222,7 +233,7 @@ class Live:
             entry.model = ask.model
             if ask.kind == "chat":
                 assert isinstance(ask.history, tuple)
-                turn = schema.tool_turn("assistant", content, [(c.id, c.name, c.arguments) for c in calls])
+                turn = marked_turn("assistant", content, [(c.id, c.name, c.arguments) for c in calls])
                 entry.history = (*ask.history, turn)
                 entry.asked = ask.digests[-1] if ask.digests else None
                 turns: tuple[Turn, ...] = ask.history  # type: ignore[assignment]  # (chat: turns, checked above)
@@ -387,7 +398,8 @@ class Service:
         await self.models.check(ask.model)
         started = time.perf_counter()
         entry, resumed = await self._session_for(ask)
-        from_start = resumed and not entry.exact
+        # (a conversation with tools, calls or reasoning is rendered whole only, even on a session that holds its start)
+        from_start = resumed and (not entry.exact or ask.of_tools)
         with self._ended_on_failure(entry):
             try:
                 return await self._begin(ask, entry, resumed, started, from_start)
@@ -510,7 +522,7 @@ class Service:
             # A resumed session's turns are checked against its last answer: where the model's template renders it
             # otherwise once turns follow (Qwen3 drops its reasoning), the worker refuses them (PromptBoundary) and
             # the session is given the whole conversation from its start.
-            return NewPart("messages", [schema.message_of(r, c) for r, c in ask.history[len(held):]],  # type: ignore[misc]
+            return NewPart("messages", [message_of(r, c) for r, c in ask.history[len(held):]],  # type: ignore[misc]
                            checked, dict(ask.template_args), from_start, ask.tools)
         if ask.kind == "text":
             assert isinstance(ask.history, str)

@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from client.aio import AsyncSession
 
@@ -38,6 +38,54 @@ Turn = tuple[str, str]  # (role, content)
 _K = TypeVar("_K", tuple[str, str], tuple[str, str, bytes])
 Kind = Literal["chat", "text", "ids"]
 EMPTY = b""
+
+
+# A turn with function calls, a tool message's, or an answer sent back with its reasoning is (role, TOOL_MARK + JSON of
+# its content, calls, call id and reasoning): one string, so that the digests cover them (all but the reasoning: the
+# gateway keeps an answer without it, and the client may send it back with it or without); `message_of` makes the
+# message again.
+TOOL_MARK = "\x00tools\x00"
+Calls = Sequence[tuple[str, str, str]] | Sequence[list[str]]  # (id, name, JSON arguments)
+
+
+def marked_turn(role: str, text: str, calls: Calls = (), tool_call_id: str | None = None,
+                reasoning: str | None = None) -> Turn:
+    """A turn as the gateway keeps it (plain where it has none of these)."""
+    if not calls and tool_call_id is None and reasoning is None and not text.startswith(TOOL_MARK):
+        return role, text
+    kept: dict[str, object] = {"content": text, "tool_calls": [list(c) for c in calls], "tool_call_id": tool_call_id}
+    if reasoning is not None:
+        kept["reasoning"] = reasoning
+    return role, TOOL_MARK + json.dumps(kept, ensure_ascii=False, separators=(",", ":"))
+
+
+def message_of(role: str, text: str) -> dict[str, Any]:
+    """A kept turn as the client library's chat message (tool_calls in OpenAI's shape, reasoning_content)."""
+    if not text.startswith(TOOL_MARK):
+        return {"role": role, "content": text}
+    kept = json.loads(text[len(TOOL_MARK):])
+    message: dict[str, Any] = {"role": role, "content": kept["content"]}
+    if kept["tool_calls"]:
+        message["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                                 for i, n, a in kept["tool_calls"]]
+    if kept["tool_call_id"] is not None:
+        message["tool_call_id"] = kept["tool_call_id"]
+    if kept.get("reasoning") is not None:
+        message["reasoning_content"] = kept["reasoning"]
+    return message
+
+
+def of_tools(text: str) -> bool:
+    """Whether a kept turn has function calls, answers one or carries reasoning (rendered whole only)."""
+    return text.startswith(TOOL_MARK)
+
+
+def _matched(content: str) -> str:
+    """What a turn's digest covers: a marked turn without its reasoning."""
+    if not content.startswith(TOOL_MARK) or '"reasoning":' not in content:
+        return content
+    kept = json.loads(content[len(TOOL_MARK):])
+    return marked_turn("", kept["content"], kept["tool_calls"], kept["tool_call_id"])[1]
 
 
 def template_start(args: Sequence[tuple[str, object]]) -> bytes:
@@ -49,14 +97,15 @@ def template_start(args: Sequence[tuple[str, object]]) -> bytes:
 
 
 def chain(turns: Sequence[Turn], start: bytes = EMPTY) -> list[bytes]:
-    """The digest of every prefix of `turns`: out[i] covers turns[:i + 1], each from the one before."""
+    """The digest of every prefix of `turns`: out[i] covers turns[:i + 1], each from the one before (a turn's
+    reasoning left out: `_matched`)."""
     out = []
     digest = start
     for role, content in turns:
         h = hashlib.blake2b(digest, digest_size=16)
         h.update(role.encode())
         h.update(b"\x00")
-        h.update(content.encode("utf-8", "surrogatepass"))
+        h.update(_matched(content).encode("utf-8", "surrogatepass"))
         digest = h.digest()
         out.append(digest)
     return out

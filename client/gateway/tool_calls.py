@@ -10,7 +10,8 @@ request that gives `tools` (tool_choice "auto", OpenAI's default with tools):
     llama3_json  Llama 3.1 and 3.2: the answer is the call, {"name": ..., "parameters": {...}} (after <|python_tag|>,
                  where the answer keeps it), or several separated by ";"; no content.
 
-An answer whose calls do not read as JSON objects with a name and a map of arguments is content, as vLLM leaves it. A
+An answer whose calls do not read as JSON objects with a name and arguments (any JSON value, as vLLM takes them) is
+content, as vLLM leaves it. A
 call gets an id (the answer's prefix, chatcmpl-tool-..., and its number) and its arguments as JSON text, OpenAI's
 shape. Streamed, content goes out as it
 comes until what could be the start of a call; the rest is held to the answer's end and read whole there, so that a
@@ -95,7 +96,7 @@ def _hermes(text: str) -> Found | None:
         return None
     calls = []
     for closed, open_ended in _HERMES.findall(text):
-        call = _call(closed or open_ended, "arguments")
+        call = _call(closed or open_ended, ("arguments",))
         if call is None:
             return None
         calls.append(call)
@@ -160,9 +161,9 @@ def _llama3(text: str) -> Found | None:
     while rest:
         try:
             value, end = decoder.raw_decode(rest)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
-        call = _named(value, "parameters")
+        call = _named(value, ("arguments", "parameters"))
         if call is None:
             return None
         calls.append(call)
@@ -174,22 +175,23 @@ def _llama3(text: str) -> Found | None:
     return "", calls
 
 
-def _call(body: str, arguments: str) -> tuple[str, str] | None:
+def _call(body: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
     try:
         value = json.loads(body.strip())
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return _named(value, arguments)
+    return _named(value, keys)
 
 
-def _named(value: Any, arguments: str) -> tuple[str, str] | None:
-    """A call from {"name": ..., "arguments" (or "parameters"): {...}}; None for anything else."""
+def _named(value: Any, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """A call from {"name": ..., KEY: arguments}, the first of `keys` it has (its value any JSON, as vLLM takes it);
+    None for anything else."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    args = value.get(arguments, value.get("arguments" if arguments == "parameters" else "parameters", {}))
-    if not isinstance(args, dict):
+    key = next((k for k in keys if k in value), None)
+    if key is None:
         return None
-    return value["name"], json.dumps(args, ensure_ascii=False)
+    return value["name"], json.dumps(value[key], ensure_ascii=False)
 
 
 @dataclass

@@ -20,6 +20,7 @@ class Scripted:
         self.lengths: dict[str, int] = {}
         self.ids = itertools.count(1)
         self.fake: FakeBroker  # set once the broker stand-in exists (its `later` sends the chunks apart)
+        self.tools = True  # its worker renders tools, calls and reasoning (False: as an older one)
 
     def _new(self, length: int) -> str:
         sid = f"{next(self.ids):032x}"
@@ -29,7 +30,7 @@ class Scripted:
     def __call__(self, request: p.Message, reply: Reply) -> None:
         if isinstance(request, p.Status):
             reply(p.StatusReport(request_id=request.request_id, broker_id="b",
-                                 workers=(p.WorkerStatus("w", "m", 8, 8, 0, max_context=4096),)))
+                                 workers=(p.WorkerStatus("w", "m", 8, 8, 0, max_context=4096, tools=self.tools),)))
         elif isinstance(request, p.CreateSession):
             reply(p.Created(request_id=request.request_id, session_id=self._new(0), model="m", worker="w",
                             max_context=4096, from_start=True))

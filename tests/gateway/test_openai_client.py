@@ -492,10 +492,10 @@ def test_an_answer_sent_back_as_the_client_got_it_and_nulls_for_nullable_fields_
     status, body = post(gateway + "/v1/completions", json.dumps(
         {"model": MODEL, "prompt": "x", "max_tokens": 1, "echo": None, "stream": None, "n": None}).encode())
     assert status == 200 and body["usage"]["completion_tokens"] == 1
-    tool_call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    function_call = {"name": "f", "arguments": "{}"}  # the deprecated form of tool_calls: refused, not dropped
     status, body = post(gateway + "/v1/chat/completions", json.dumps({"model": MODEL, "messages": [
-        {"role": "assistant", "content": "x", "tool_calls": [tool_call]}]}).encode())
-    assert status == 400 and body["error"]["param"] == "messages.0.tool_calls"
+        {"role": "assistant", "content": "x", "function_call": function_call}]}).encode())
+    assert status == 400 and body["error"]["param"] == "messages.0.function_call"
 
 
 def test_bad_http_is_answered_in_openais_shape(gateway: str) -> None:

@@ -19,6 +19,7 @@ from client.gateway import schema
 from client.gateway.errors import ApiError
 from client.gateway.reasoning import Reasoner
 from client.gateway.service import chat_ask
+from client.gateway.sessions import chain, message_of
 from client.stack import LocalStack
 
 from ..client.fake_broker import FakeBroker
@@ -98,18 +99,22 @@ def chat_request(messages: list[dict[str, Any]]) -> schema.ChatRequest:
     return request
 
 
-def test_an_answer_s_reasoning_sent_back_goes_back_into_its_text() -> None:
-    """As the model wrote it (<think>R</think>C): Qwen3's and DeepSeek-R1's templates take the reasoning from there as
-    they take a reasoning_content field. Only with a reasoning parser; only on an assistant message."""
+def test_an_answer_s_reasoning_sent_back_goes_to_the_template_as_its_reasoning_content() -> None:
+    """As vLLM passes it (Qwen3's templates render it for the answers after the last question). Only with a reasoning
+    parser; only on an assistant message. A turn's digest leaves it out: the gateway keeps an answer without it."""
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Capital of France?"},
         {"role": "assistant", "content": "\n\nParis.", "reasoning": "\nThe capital.\n", "reasoning_content": None},
         {"role": "assistant", "content": None, "reasoning_content": "Cut short"},
         {"role": "user", "content": "And Spain?"}]
     request = chat_request(messages)
-    assert request.turns() == (("user", "Capital of France?"),
-                               ("assistant", "<think>\nThe capital.\n</think>\n\nParis."),
-                               ("assistant", "<think>Cut short</think>"), ("user", "And Spain?"))
+    turns = request.turns()
+    assert [message_of(*t) for t in turns] == [
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "\n\nParis.", "reasoning_content": "\nThe capital.\n"},
+        {"role": "assistant", "content": "", "reasoning_content": "Cut short"}, {"role": "user", "content": "And Spain?"}]
+    without = chat_request([{**m, "reasoning": None, "reasoning_content": None} for m in messages]).turns()
+    assert chain(turns) == chain(without) and turns != without
     assert chat_ask(request, "", None, reasoning_parser="qwen3").reasoner == QWEN3
     with pytest.raises(ApiError, match="reasoning is taken only by a gateway started with --reasoning-parser"):
         chat_ask(request, "", None)
@@ -173,9 +178,12 @@ def test_answers_carry_their_reasoning_apart_whole_and_streamed(scripted: tuple[
         sent = fake.of(p.Generate)[-1]
         assert sent.from_start and sent.messages is not None and sent.messages[1] == p.ChatMessage("assistant",
                                                                                                    "\n\nParis.")
-        # With its reasoning sent back too: the answer as the model wrote it, for the template to take apart.
-        spain[0] = {**answer, "reasoning": "\nThe capital of France.\n"}
+        # With its reasoning sent back too (the openai package's message.model_dump() has it): the same conversation
+        # (its digests leave the reasoning out), so it goes whole to a session that holds its start (a new one would
+        # be sent it without from_start), the reasoning given to the template as the answer's reasoning_content.
+        spain[0] = {**answer, "reasoning": "\nThe capital of France.\n", "reasoning_content": None, "refusal": None}
         client.chat.completions.create(model="m", messages=question + spain)
         sent = fake.of(p.Generate)[-1]
+        assert sent.from_start
         assert sent.messages is not None and sent.messages[1] == p.ChatMessage(
-            "assistant", "<think>\nThe capital of France.\n</think>\n\nParis.")
+            "assistant", "\n\nParis.", reasoning="\nThe capital of France.\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.common import protocol as p
-from client.gateway import schema
+from client.gateway import responses, schema
 from client.gateway.errors import ApiError
 from client.gateway.service import chat_ask
+from client.gateway.sessions import TOOL_MARK, message_of
 from client.gateway.tool_calls import Call, CallStream, ToolParser
 from client.stack import LocalStack
 
@@ -43,7 +45,8 @@ def calls(*named: tuple[str, str]) -> list[Call]:
     (HERMES, f"<tool_call>\n{PARIS}", "", calls(("get_weather", '{"city": "Paris"}'))),  # its closing tag cut off
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, []),  # cut inside: content
     (HERMES, '<tool_call>{"arguments": {}}</tool_call>', None, []),  # no name
-    (HERMES, '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', None, []),  # arguments not a map
+    (HERMES, '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', "", calls(("f", '"x"'))),  # any JSON value
+    (HERMES, '<tool_call>{"name": "f"}</tool_call>', None, []),  # no arguments
     (HERMES, "Paris is sunny.", None, []),
     (HERMES, '<tool_call>{"name": "é", "arguments": {"q": "中文"}}</tool_call>', "", calls(("é", '{"q": "中文"}'))),
     (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", calls(("get_weather", '{"city": "Paris"}'))),
@@ -133,7 +136,7 @@ def test_tools_and_the_messages_of_calls_are_taken_and_kept() -> None:
     assert json.loads(request.tools_json()) == [WEATHER]
     assert chat_request(messages=ANSWERED, tools=[WEATHER], tool_choice="none").tools_json() == ""
     turns = request.turns()
-    assert [schema.message_of(*t) for t in turns] == [
+    assert [message_of(*t) for t in turns] == [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
@@ -147,8 +150,8 @@ def test_tools_and_the_messages_of_calls_are_taken_and_kept() -> None:
     with pytest.raises(ApiError, match="tools are taken only by a gateway started with --tool-call-parser"):
         chat_ask(request, "", None)
     # A text that happens to start as a kept turn with calls does is kept apart from one
-    odd = schema.Message(role="user", content=schema.TOOL_MARK + "{}").turn()
-    assert schema.message_of(*odd) == {"role": "user", "content": schema.TOOL_MARK + "{}"}
+    odd = schema.Message(role="user", content=TOOL_MARK + "{}").turn()
+    assert message_of(*odd) == {"role": "user", "content": TOOL_MARK + "{}"}
 
 
 @pytest.mark.parametrize(("body", "why"), [
@@ -174,15 +177,20 @@ CALL = ["<tool", "_call>\n", '{"name": "get_weather", ', '"arguments": {"city": 
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeBroker, str]]:
+def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeBroker, Scripted, str]]:
     log_dir: Path = tmp_path_factory.mktemp("tools")
     with FakeBroker(script := Scripted([(CALL, "stop")])) as fake:
         script.fake = fake
         gateways = Gateways(LocalStack(log_dir), "")
         try:
-            yield fake, gateways.start(broker=fake.address, extra=["--tool-call-parser", "hermes"])
+            yield fake, script, gateways.start(broker=fake.address, extra=["--tool-call-parser", "hermes"])
         finally:
             gateways.close()
+
+
+@pytest.fixture
+def scripted(stand_in: tuple[FakeBroker, Scripted, str]) -> tuple[FakeBroker, str]:
+    return stand_in[0], stand_in[2]
 
 
 def test_calls_are_answered_whole_and_streamed_and_sent_back_whole(scripted: tuple[FakeBroker, str]) -> None:
@@ -221,3 +229,54 @@ def test_calls_are_answered_whole_and_streamed_and_sent_back_whole(scripted: tup
         with pytest.raises(openai.BadRequestError, match="only"):
             client.chat.completions.create(model="m", messages=question, tools=tools,
                                            tool_choice="required")
+
+
+def test_calls_in_the_history_of_a_plain_session_send_it_whole(scripted: tuple[FakeBroker, str]) -> None:
+    """A plain answer (no tools: the session's tokens are its history's), then the conversation goes on with a call's
+    result and no tools: rendered whole only, so sent whole to that session (it was a 400 from the worker)."""
+    fake, url = scripted
+    question: list[Any] = [{"role": "user", "content": "Weather in Rome?"}]
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30) as client:
+        plain = client.chat.completions.create(model="m", messages=question)
+        first = fake.of(p.Generate)[-1]
+        assert plain.choices[0].message.content == "".join(CALL) and not first.tools  # no parser without tools
+        answered: list[Any] = [*question, {"role": "assistant", "content": plain.choices[0].message.content},
+                               {"role": "tool", "content": "25 C", "tool_call_id": "call_9"}]
+        tools: list[Any] = [WEATHER]
+        client.chat.completions.create(model="m", messages=answered, tool_choice="none", tools=tools)
+        sent = fake.of(p.Generate)[-1]
+        assert sent.session_id == first.session_id and sent.from_start and not sent.tools
+        assert sent.messages is not None and sent.messages[-1] == p.ChatMessage("tool", "25 C", tool_call_id="call_9")
+
+
+def test_tools_are_refused_where_the_model_s_workers_do_not_render_them(
+        stand_in: tuple[FakeBroker, Scripted, str]) -> None:
+    """An older worker, or any behind an older broker (which drops the fields), would render the conversation without
+    its tools and calls: the gateway refuses the request rather than have them ignored."""
+    fake, script, url = stand_in
+    script.tools = False
+    plain: list[Any] = ANSWERED[:1]
+    try:
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30) as client:
+            time.sleep(1.1)  # the gateway's status is a second old: a request has it asked again, in the background
+            assert client.chat.completions.create(model="m", messages=plain).choices  # plain chat still goes
+            time.sleep(0.3)
+            for body in ({"messages": plain, "tools": [WEATHER]}, {"messages": ANSWERED}):
+                with pytest.raises(openai.BadRequestError, match="do not render tools, function calls or reasoning"):
+                    client.chat.completions.create(model="m", **body)
+    finally:
+        script.tools = True
+
+
+def test_hostile_tools_are_a_clear_refusal_and_odd_text_a_clean_answer() -> None:
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(990):  # within what the body parser takes, past what json.dumps can write
+        inner["a"] = {}
+        inner = inner["a"]
+    request = chat_request(messages=ANSWERED[:1], tools=[{"type": "function", "function": {"name": "f",
+                                                                                          "parameters": deep}}])
+    with pytest.raises(ApiError, match="tools are nested too deep"):
+        chat_ask(request, "", None, tool_call_parser="hermes")
+    # A lone surrogate (a JSON escape a model or a client may write) is answered as an escape, not a 500
+    assert json.loads(responses.dumps({"arguments": "\ud83d"})) == {"arguments": "\ud83d"}

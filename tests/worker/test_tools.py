@@ -28,9 +28,13 @@ def test_messages_and_tools_are_read_as_transformers_takes_them() -> None:
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
     assert _tools(json.dumps([WEATHER, TIME])) == [WEATHER, TIME] and _tools("") is None
-    for bad, why in (('{"city": "Paris"', "arguments are not JSON"), ('["Paris"]', "arguments are not a JSON object")):
-        with pytest.raises(BadRequest, match=why):
-            _turns((p.ChatMessage("assistant", "", (p.ToolCall("c", "f", bad),)),))
+    for arguments, value in (("", {}), ('["Paris"]', ["Paris"]), ('"Paris"', "Paris")):  # any JSON, as vLLM takes it
+        assert _turns((p.ChatMessage("assistant", "", (p.ToolCall("c", "f", arguments),)),))[0]["tool_calls"][0][
+            "function"]["arguments"] == value
+    with pytest.raises(BadRequest, match="arguments are not JSON"):
+        _turns((p.ChatMessage("assistant", "", (p.ToolCall("c", "f", '{"city": "Paris"'),)),))
+    assert _turns((p.ChatMessage("assistant", "4", reasoning="2 + 2"),)) == [
+        {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}]
     for bad, why in (("[", "tools is not JSON"), ('{"type": "function"}', "a JSON list of objects"),
                      ("[1]", "a JSON list of objects")):
         with pytest.raises(BadRequest, match=why):

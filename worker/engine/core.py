@@ -74,6 +74,11 @@ ID_COPIES = 4
 MAX_LOST_REMEMBERED = 1 << 16  # sessions whose stored state was lost, answered session_lost (oldest forgotten first)
 
 
+# A chat message's keys the template is given: role and content; an assistant's tool_calls and reasoning_content (its
+# reasoning), a tool result's tool_call_id (rendered with the whole conversation only: Engine.chat_text).
+TURN_KEYS = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content")
+
+
 class Engine:
     def __init__(
         self,
@@ -455,15 +460,14 @@ class Engine:
         if isinstance(messages, (str, bytes)) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
             raise BadRequest("chat messages must be maps with string role and content")
-        turns: list[dict[str, Any]] = [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id") if k in m}
-                                       for m in messages]
+        turns: list[dict[str, Any]] = [{k: m[k] for k in TURN_KEYS if k in m} for m in messages]
         if (not session.tokens or from_start) and not turns:
             raise BadRequest(f"session {session_id} is empty: its first chat turn needs a message" if not from_start
                              else "from_start needs the whole conversation: at least one message")
         whole = not session.tokens or from_start
-        if not whole and (tools or any("tool_calls" in t or "tool_call_id" in t for t in turns)):
-            raise BadRequest("tools and function calls are rendered with the whole conversation only: send it from its "
-                             "start (from_start) or to a new session")
+        if not whole and (tools or any(len(t) > 2 for t in turns)):
+            raise BadRequest("tools, function calls and reasoning are rendered with the whole conversation only: send it "
+                             "from its start (from_start) or to a new session")
         try:
             if whole:
                 first: str = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True,

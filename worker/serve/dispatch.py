@@ -680,18 +680,20 @@ def _turns(messages: Sequence[p.ChatMessage]) -> list[dict[str, Any]]:
                                    "function": {"name": c.name, "arguments": _arguments(c)}} for c in m.tool_calls]
         if m.tool_call_id:
             turn["tool_call_id"] = m.tool_call_id
+        if m.reasoning:
+            turn["reasoning_content"] = m.reasoning
         turns.append(turn)
     return turns
 
 
 def _arguments(call: p.ToolCall) -> Any:
+    """A call's arguments as JSON values (none: {})."""
+    if not call.arguments.strip():
+        return {}
     try:
-        value = json.loads(call.arguments)
-    except ValueError:
+        return json.loads(call.arguments)
+    except (ValueError, RecursionError):
         raise BadRequest(f"function call {call.id or call.name}: its arguments are not JSON") from None
-    if not isinstance(value, dict):
-        raise BadRequest(f"function call {call.id or call.name}: its arguments are not a JSON object")
-    return value
 
 
 def _tools(tools: str) -> list[dict[str, Any]] | None:
@@ -700,8 +702,8 @@ def _tools(tools: str) -> list[dict[str, Any]] | None:
         return None
     try:
         value = json.loads(tools)
-    except ValueError:
-        raise BadRequest("tools is not JSON") from None
+    except (ValueError, RecursionError):
+        raise BadRequest("tools is not JSON (or nested too deep)") from None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise BadRequest("tools must be a JSON list of objects")
     return value
