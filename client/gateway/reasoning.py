@@ -82,28 +82,25 @@ class Splitter:
                 return "", ""
             self._started = True
             held = held.removeprefix(START)
+        return self._split(held, final=False)
+
+    def flush(self) -> tuple[str, str]:
+        """What is held at the answer's end: reasoning cut short (or the start of an answer too short to tell)."""
+        held, self._held = self._held, ""
+        self._started = True
+        return self._split(held, final=True)
+
+    def _split(self, held: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) that `held` lets go; what it does not tell yet is held again (never at the end)."""
         if not self.reasoning:
             return "", held
-        cut = _cut(held, self.calls_end, final=False)
+        cut = _cut(held, self.calls_end, final)
         if isinstance(cut, tuple):
             at, tag = cut
             self.reasoning = False
             return held[:at], held[at + tag:]
         self._held = held[cut:]
         return held[:cut], ""
-
-    def flush(self) -> tuple[str, str]:
-        """What is held at the answer's end: reasoning cut short (or the start of an answer too short to tell)."""
-        held, self._held = self._held, ""
-        self._started = True
-        if not self.reasoning:
-            return "", held
-        cut = _cut(held, self.calls_end, final=True)
-        if isinstance(cut, tuple):
-            at, tag = cut
-            self.reasoning = False
-            return held[:at], held[at + tag:]
-        return held, ""
 
 
 def _cut(text: str, calls_end: bool, final: bool) -> tuple[int, int] | int:
