@@ -100,7 +100,9 @@ def chat_message(message: Mapping[str, Any]) -> p.ChatMessage:
     calls = tuple(tool_call(c) for c in items("tool_calls", message.get("tool_calls") or ()))
     if content is None and calls:
         content = ""  # (an answer that only called functions)
-    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    reasoning = message.get("reasoning")
+    if reasoning is None:
+        reasoning = message.get("reasoning_content")
     return build(p.ChatMessage, role=message.get("role"), content=content, tool_calls=calls,
                  tool_call_id=message.get("tool_call_id") or "", reasoning=reasoning or "")
 

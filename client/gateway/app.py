@@ -177,7 +177,8 @@ def create_app(config: GatewayConfig) -> Starlette:
         if defaults:
             ask = chat_ask(body, owner, name, defaults, config.reasoning_parser, config.tool_call_parser)
         assert gw.models is not None
-        if ask.of_tools and not gw.models.last.renders_tools(body.model):
+        if ask.of_tools and not gw.models.last.renders_tools(body.model) and \
+                not (await gw.models.served(fresh=True)).renders_tools(body.model):  # (upgraded since the last status?)
             raise bad_request(f"the workers of {body.model} (or the broker before them) do not render tools, function "
                               "calls or reasoning: they are older than this gateway, upgrade them", "messages")
         if ask.stream:

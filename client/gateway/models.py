@@ -47,10 +47,12 @@ class Served:
         return {tuple(sorted(w.sampling_defaults.items())) for w in self.workers if w.model == model}
 
     def renders_tools(self, model: str) -> bool:
-        """Whether every worker of `model` says it renders tools, function calls and reasoning (an older one, or any
-        behind an older broker, which drops those fields, does not)."""
+        """Whether every worker of `model` that takes new sessions (or every one, where all drain) says it renders
+        tools, function calls and reasoning (an older one, or any behind an older broker, which drops those fields,
+        does not)."""
         workers = [w for w in self.workers if w.model == model]
-        return bool(workers) and all(w.tools for w in workers)
+        live = [w for w in workers if not w.draining] or workers
+        return bool(live) and all(w.tools for w in live)
 
     def ready(self) -> tuple[bool, str]:
         if self.error:

@@ -17,11 +17,13 @@ text says, so the reasoning deltas put together are the whole answer's reasoning
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
 TOOL_CALL, FUNCTION = "<tool_call>", "<function"
+_FUNCTION_OPEN = re.compile(r"<function[\s=]")  # vLLM's test of a genuine call
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,9 @@ def _cut(text: str, calls_end: bool, final: bool) -> tuple[int, int] | int:
         at = text.find(TOOL_CALL)
         while 0 <= at < limit:
             after = text[at + len(TOOL_CALL):].lstrip()
-            if after.startswith(FUNCTION):
+            if _FUNCTION_OPEN.match(after):
                 return at, 0
-            if not final and FUNCTION.startswith(after):  # (nothing after it yet, or the start of "<function")
+            if not final and FUNCTION.startswith(after):  # (nothing after it yet, or "<function" not yet followed)
                 return at
             at = text.find(TOOL_CALL, at + 1)
     if end >= 0:

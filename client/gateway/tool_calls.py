@@ -5,8 +5,8 @@ request that gives `tools` (tool_choice "auto", OpenAI's default with tools):
                  </tool_call> (the last may be cut short of its closing tag); the text before the first is the content.
     qwen3_coder  Qwen3.5, Qwen3-Coder: each call is <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...
                  </function></tool_call>, one line each; a value is read as the tool's parameter schema types it
-                 (a string as it is; integer, number, boolean; object and array as JSON; null), as vLLM does; the text
-                 before the first call is the content.
+                 (a string as it is; integer, number, boolean; object and array as JSON; null), as vLLM does (but a
+                 number that JSON cannot hold stays text); the text before the first call is the content.
     llama3_json  Llama 3.1 and 3.2: the answer is the call, {"name": ..., "parameters": {...}} (after <|python_tag|>,
                  where the answer keeps it), or several separated by ";"; no content.
 
@@ -21,6 +21,7 @@ streamed answer's content and calls are the whole answer's.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -60,12 +61,15 @@ class ToolParser:
     def parse(self, text: str, ids: str) -> tuple[str, list[Call]]:
         """(content, calls) of a whole answer, the calls numbered after `ids` (id_prefix): no calls, and the whole
         text as content, where it makes none."""
-        if self.name == "hermes":
-            found = _hermes(text)
-        elif self.name == "qwen3_coder":
-            found = _qwen3_coder(text, dict(self.tools))
-        else:
-            found = _llama3(text)
+        try:
+            if self.name == "hermes":
+                found = _hermes(text)
+            elif self.name == "qwen3_coder":
+                found = _qwen3_coder(text, dict(self.tools))
+            else:
+                found = _llama3(text)
+        except (ValueError, TypeError, AttributeError, RecursionError):  # (unforeseen: content, never an error)
+            found = None
         if found is None:
             return text, []
         content, calls = found
@@ -112,17 +116,22 @@ def _qwen3_coder(text: str, schemas: dict[str, Any]) -> Found | None:
         return None
     calls = []
     for closed, open_ended in _HERMES.findall(text):
-        found = _FUNCTION.search(closed or open_ended)
-        if found is None or not found.group(1).strip():
+        functions = list(_FUNCTION.finditer(closed or open_ended))  # (several in one <tool_call>: each a call)
+        if not functions:
             return None
-        name = found.group(1).strip()
-        properties = (schemas.get(name) or {}).get("properties") or {}
-        arguments = {}
-        for key, raw in _PARAMETER.findall(found.group(2)):
-            value = raw[1:] if raw.startswith("\n") else raw
-            value = value[:-1] if value.endswith("\n") else value
-            arguments[key.strip()] = _typed(value, (properties.get(key.strip()) or {}).get("type"))
-        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        for found in functions:
+            name = found.group(1).strip()
+            if not name:
+                return None
+            schema = schemas.get(name)
+            properties = schema.get("properties") if isinstance(schema, dict) else None
+            arguments = {}
+            for key, raw in _PARAMETER.findall(found.group(2)):
+                value = raw[1:] if raw.startswith("\n") else raw
+                value = value[:-1] if value.endswith("\n") else value
+                typed = properties.get(key.strip()) if isinstance(properties, dict) else None
+                arguments[key.strip()] = _typed(value, typed.get("type") if isinstance(typed, dict) else None)
+            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
     return text[:text.find(HERMES_START)], calls
 
 
@@ -130,7 +139,8 @@ def _typed(value: str, kind: Any) -> Any:
     """A qwen3_coder parameter's value as its schema types it (vLLM's conversion); a string where it does not read."""
     if value.lower() == "null":
         return None
-    kind = (kind[0] if kind else "string") if isinstance(kind, list) else kind
+    if isinstance(kind, list):  # ["null", "integer"]: the first type that is not null
+        kind = next((k for k in kind if k != "null"), "string")
     if not isinstance(kind, str):
         return value
     kind = kind.strip().lower()
@@ -141,14 +151,20 @@ def _typed(value: str, kind: Any) -> Any:
             return int(value)
         if kind.startswith(("num", "float", "double")):
             number = float(value)
+            if not math.isfinite(number):  # (no JSON number: the text as it is)
+                return value
             return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
         if kind in ("boolean", "bool", "binary"):
-            return {"true": True, "false": False}.get(value.strip().lower(), value)
+            return value.lower() == "true"
         if kind in ("object", "array", "arr", "dict", "list") or kind.startswith(("dict", "list")):
-            return json.loads(value)
-    except (ValueError, OverflowError):
+            return json.loads(value, parse_constant=_no_constant)
+    except (ValueError, OverflowError, RecursionError):
         return value
     return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # (NaN, Infinity: json reads them, JSON has none)
 
 
 def _llama3(text: str) -> Found | None:

@@ -43,6 +43,7 @@ QWEN3 = Reasoner("qwen3")
     (QWEN3, "Look it up.\n<tool_call>\n<function=f>\n</function>\n</tool_call>",
      ("Look it up.\n", "<tool_call>\n<function=f>\n</function>\n</tool_call>")),
     (QWEN3, "About <tool_call> tags.</think>C", ("About <tool_call> tags.", "C")),  # not a call: text
+    (QWEN3, "Wrap it: <tool_call><functions>.</think>C", ("Wrap it: <tool_call><functions>.", "C")),  # nor this
     (QWEN3, "R</think>C<tool_call>\n<function=f>", ("R", "C<tool_call>\n<function=f>")),
     (Reasoner("deepseek_r1"), "R<tool_call>\n<function=f>", ("R<tool_call>\n<function=f>", None)),
 ])

@@ -82,10 +82,29 @@ QWEN3_CODER = ToolParser("qwen3_coder", SCHEMA)
      "<tool_call>\n<function=other>\n<parameter=x>\n1\n</parameter>\n</function>", "",
      calls(("get_weather", '{"days": "three"}'), ("other", '{"x": "1"}'))),  # no schema: a string
     ("<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call>", None, []),  # not its format: content
+    # a number JSON cannot hold stays text; "yes" is not true (vLLM's reading); a type list's first type not null
+    ("<tool_call>\n<function=get_weather>\n<parameter=at>\ninf\n</parameter>\n<parameter=hot>\nyes\n</parameter>\n"
+     "<parameter=zip>\n5\n</parameter>\n</function>\n</tool_call>", "",
+     calls(("get_weather", '{"at": "inf", "hot": false, "zip": "5"}'))),
+    # two functions in one <tool_call>: two calls
+    ("<tool_call>\n<function=a>\n</function>\n<function=b>\n</function>\n</tool_call>", "", calls(("a", "{}"),
+                                                                                                    ("b", "{}"))),
 ])
 def test_qwen3_coder_calls_are_read_by_the_tools_schema_as_vllm_reads_them(text: str, content: str | None,
                                                                           made: list[Call]) -> None:
     assert QWEN3_CODER.parse(text, "id-") == (text if content is None else content, made)
+
+
+def test_odd_schemas_and_values_never_make_the_reading_fail() -> None:
+    """A property schema that is not a map (JSON Schema allows true), properties that are a list, a value nested past
+    what json reads: the calls are read, their values as text."""
+    deep = "[" * 2000 + "]" * 2000
+    text = (f"<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n<parameter=y>\n{deep}\n</parameter>\n"
+            "</function>\n</tool_call>")
+    for odd in ({"properties": {"x": True, "y": {"type": "array"}}}, {"properties": ["x"]}, True):
+        content, made = ToolParser("qwen3_coder", (("f", odd),)).parse(text, "id-")
+        assert content == "" and [c.name for c in made] == ["f"]
+        assert json.loads(made[0].arguments) == {"x": "1", "y": deep}
 
 
 PIECES = st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "<tool", "_call>", "<", "{", "}", PARIS, " ", "\n",

@@ -215,6 +215,11 @@ def test_a_model_s_recommended_sampling_is_used_only_when_its_workers_agree() ->
     assert served.sampling_defaults("qwen") == QWEN25  # the same recommendation, in any order
     assert served.sampling_defaults("llama") == {}  # a worker recommends none: no agreement, the API's defaults
     assert served.sampling_defaults("other") == {}
+    old, new = WorkerInfo("o", "qwen", 4, 4, 0, False, ""), WorkerInfo("n", "qwen", 4, 4, 0, False, "", tools=True)
+    assert Served((new,), 0.0).renders_tools("qwen") and not Served((old, new), 0.0).renders_tools("qwen")
+    draining_old = WorkerInfo("o", "qwen", 4, 4, 0, True, "")
+    assert Served((draining_old, new), 0.0).renders_tools("qwen")  # it takes no new session
+    assert not Served((draining_old,), 0.0).renders_tools("qwen") and not Served((), 0.0).renders_tools("qwen")
     assert len({WorkerInfo("a", "m", 1, 1, 0, False, ""), WorkerInfo("a", "m", 1, 1, 0, False, "")}) == 1  # hashable
 
 

@@ -66,3 +66,12 @@ def test_a_generate_with_tools_needs_messages_and_a_worker_that_renders_them() -
     assert p.Generate(request_id="r", session_id="a" * 32, messages=MESSAGES).uses_tools
     assert p.Generate(request_id="r", session_id="a" * 32, messages=MESSAGES[:1], tools="[{}]").uses_tools
     assert not p.Generate(request_id="r", session_id="a" * 32, messages=MESSAGES[:1]).uses_tools
+
+
+def test_the_client_library_takes_an_answer_s_reasoning_by_either_name() -> None:
+    from client.calls import chat_message
+
+    for message, reasoning in (({"reasoning": "R"}, "R"), ({"reasoning_content": "R"}, "R"),
+                               ({"reasoning": "R", "reasoning_content": None}, "R"),
+                               ({"reasoning": None, "reasoning_content": "R"}, "R"), ({}, "")):
+        assert chat_message({"role": "assistant", "content": "C", **message}).reasoning == reasoning
