@@ -91,8 +91,8 @@ class Ask:
 
     @property
     def of_tools(self) -> bool:
-        """Whether the turn gives tools or its conversation has function calls: rendered whole only (the worker's
-        rule), so its session's next turn is sent whole."""
+        """Whether the turn gives tools or its conversation has function calls, their results or an answer's
+        reasoning sent back: rendered whole only (the worker's rule), so its session's next turn is sent whole."""
         if self.tools:
             return True
         return self.kind == "chat" and any(of_tools(turn[1]) for turn in self.history)  # type: ignore[index]
