@@ -7,15 +7,15 @@ request that gives `tools` (tool_choice "auto", OpenAI's default with tools):
                  </function></tool_call>, one line each; a value is read as the tool's parameter schema types it
                  (a string as it is; integer, number, boolean; object and array as JSON; null), as vLLM does (but a
                  number that JSON cannot hold stays text); the text before the first call is the content.
-    llama3_json  Llama 3.1 and 3.2: the answer is the call, {"name": ..., "parameters": {...}} (after <|python_tag|>,
-                 where the answer keeps it), or several separated by ";"; no content.
+    llama3_json  Llama 3.1 and 3.2: the answer is the call, {"name": ..., "parameters": {...}} ("arguments" first
+                 where it has both; after <|python_tag|>, where the answer keeps it), or several separated by ";"; no
+                 content.
 
 An answer whose calls do not read as JSON objects with a name and arguments (any JSON value, as vLLM takes them) is
-content, as vLLM leaves it. A
-call gets an id (the answer's prefix, chatcmpl-tool-..., and its number) and its arguments as JSON text, OpenAI's
-shape. Streamed, content goes out as it
-comes until what could be the start of a call; the rest is held to the answer's end and read whole there, so that a
-streamed answer's content and calls are the whole answer's.
+content, as vLLM leaves it. A call gets an id (the answer's prefix, chatcmpl-tool-..., and its number) and its
+arguments as JSON text, OpenAI's shape. Streamed, content goes out as it comes until what could be the start of a
+call; the rest is held to the answer's end and read whole there, so that a streamed answer's content and calls are the
+whole answer's.
 """
 
 from __future__ import annotations
