@@ -94,7 +94,7 @@ def as_dict(worker: p.WorkerStatus) -> dict[str, Any]:
     return {"name": worker.name, "model": worker.model, "capacity": worker.capacity, "free_slots": worker.free_slots,
             "sessions": worker.sessions, "draining": worker.draining, "device": worker.device,
             "max_context": worker.max_context, "last_seen_s": worker.last_seen_ms / 1000,
-            "sampling_defaults": worker.sampling_defaults.given()}
+            "sampling_defaults": worker.sampling_defaults.given(), "tools": worker.tools}
 
 
 def table(workers: Sequence[p.WorkerStatus]) -> Table:

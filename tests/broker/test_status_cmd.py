@@ -14,7 +14,7 @@ from broker.common import protocol as p
 WORKERS = [  # as a StatusReport lists them; the heartbeat age in ms; cpu1's broker did not say its context,
     # its model recommends no sampling
     p.WorkerStatus("gpu0", "SmolLM2-135M-Instruct", 64, 60, 4, False, "cuda:0", 250, 2048,
-                   p.SamplingDefaults(temperature=0.6, top_k=20)),
+                   p.SamplingDefaults(temperature=0.6, top_k=20), tools=True),
     p.WorkerStatus("cpu1", "SmolLM2-135M-Instruct", 8, 8, 0, True, "", 1500),
 ]
 
@@ -52,9 +52,10 @@ def test_json_lists_every_field_and_the_heartbeat_age(monkeypatch: pytest.Monkey
     assert json.loads(out.getvalue()) == [
         {"name": "gpu0", "model": "SmolLM2-135M-Instruct", "capacity": 64, "free_slots": 60, "sessions": 4,
          "draining": False, "device": "cuda:0", "max_context": 2048, "last_seen_s": 0.25,
-         "sampling_defaults": {"temperature": 0.6, "top_k": 20}},
+         "sampling_defaults": {"temperature": 0.6, "top_k": 20}, "tools": True},
         {"name": "cpu1", "model": "SmolLM2-135M-Instruct", "capacity": 8, "free_slots": 8, "sessions": 0,
-         "draining": True, "device": "", "max_context": 0, "last_seen_s": 1.5, "sampling_defaults": {}},
+         "draining": True, "device": "", "max_context": 0, "last_seen_s": 1.5, "sampling_defaults": {},
+         "tools": False},
     ]
     assert err.getvalue() == ""
 
