@@ -124,11 +124,12 @@ def _cut(text: str, calls_end: bool, final: bool) -> tuple[int, int] | int:
         return end, len(END)
     if final:
         return len(text)
-    return len(text) - max(_partial(text, END), _partial(text, TOOL_CALL) if calls_end else 0)
+    return len(text) - max(tag_start(text, END), tag_start(text, TOOL_CALL) if calls_end else 0)
 
 
-def _partial(text: str, tag: str) -> int:
-    """How many of text's last characters could be the start of `tag` (held until the next text says)."""
+def tag_start(text: str, tag: str) -> int:
+    """How many of text's last characters could be the start of `tag` (a stream holds them until the next text
+    says)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n

@@ -27,6 +27,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from client.gateway.reasoning import tag_start
+
 PARSERS = ("hermes", "qwen3_coder", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -82,10 +84,8 @@ class ToolParser:
             at = text.find(HERMES_START, sent)
             if at >= 0:
                 return at
-            for n in range(min(len(HERMES_START) - 1, len(text) - sent), 0, -1):
-                if HERMES_START.startswith(text[-n:]):
-                    return len(text) - n
-            return None
+            partial = tag_start(text[sent:], HERMES_START)
+            return len(text) - partial if partial else None
         if sent:  # a Llama 3 call is the whole answer
             return None
         lead = text.lstrip()
