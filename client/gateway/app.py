@@ -11,9 +11,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -37,8 +38,7 @@ from client.gateway.events import EventStream
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models, Served
 from client.gateway.reasoning import Splitter
-from client.gateway.schema import NO_DEFAULTS
-from client.gateway.service import Service, chat_ask, completion_ask
+from client.gateway.service import Ask, Service, chat_ask, completion_ask
 from client.gateway.sessions import SessionStore
 from client.gateway.tool_calls import Call, CallStream
 
@@ -161,21 +161,19 @@ def create_app(config: GatewayConfig) -> Starlette:
             raise model_not_found(name, served.models)
         return Response(responses.dumps(_model_object(found, served.max_context(found))), media_type=JSON)
 
-    async def recommended(model: str) -> Mapping[str, float | int]:
-        """The model's recommended sampling, for the parameters a request leaves out: asked once the request is checked,
-        and of a model the broker serves (404 or 503 here otherwise, as the service would answer)."""
+    async def recommended(ask: Ask, body: schema.ChatRequest | schema.CompletionRequest) -> Ask:
+        """The checked request's ask with the model's recommended sampling for the parameters it leaves out, once the
+        broker is known to serve the model (404 or 503 here otherwise, as the service would answer)."""
         assert gw.models is not None
-        return await gw.models.sampling_defaults(model)
+        defaults = await gw.models.sampling_defaults(body.model)
+        return dataclasses.replace(ask, sampling=schema.sampling(body, defaults)) if defaults else ask
 
     async def chat(request: Request) -> Response:
         owner = gw.keys.owner(request.headers.get("authorization"))
         body = schema.parse(schema.ChatRequest, await _json(request))
         assert isinstance(body, schema.ChatRequest)
         name = _session_name(request, body)
-        ask = chat_ask(body, owner, name, NO_DEFAULTS, config.reasoning_parser, config.tool_call_parser)  # checked
-        defaults = await recommended(body.model)
-        if defaults:
-            ask = chat_ask(body, owner, name, defaults, config.reasoning_parser, config.tool_call_parser)
+        ask = await recommended(chat_ask(body, owner, name, config.reasoning_parser, config.tool_call_parser), body)
         assert gw.models is not None
         if ask.of_tools and not gw.models.last.renders_tools(body.model) and \
                 not (await gw.models.served(fresh=True)).renders_tools(body.model):  # (upgraded since the last status?)
@@ -194,10 +192,7 @@ def create_app(config: GatewayConfig) -> Starlette:
         body = schema.parse(schema.CompletionRequest, await _json(request))
         assert isinstance(body, schema.CompletionRequest)
         name = _session_name(request, body)
-        ask = completion_ask(body, owner, name)  # checked
-        defaults = await recommended(body.model)
-        if defaults:
-            ask = completion_ask(body, owner, name, defaults)
+        ask = await recommended(completion_ask(body, owner, name), body)
         want_logprobs = body.logprobs is not None
         if ask.stream:
             return await _streamed(ask, False, want_logprobs, body.return_token_ids, body.include_usage(), "completions")

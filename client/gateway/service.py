@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -769,12 +769,11 @@ def _finish(reason: str) -> str:
     return "length" if reason in ("length", "capacity") else "stop"
 
 
-def chat_ask(request: schema.ChatRequest, owner: str, name: str | None,
-             defaults: Mapping[str, float | int] = schema.NO_DEFAULTS, reasoning_parser: str | None = None,
+def chat_ask(request: schema.ChatRequest, owner: str, name: str | None, reasoning_parser: str | None = None,
              tool_call_parser: str | None = None) -> Ask:
-    """`defaults`: the model's recommended sampling, for the parameters the request leaves out (schema.sampling);
-    `reasoning_parser`, `tool_call_parser`: the gateway's --reasoning-parser and --tool-call-parser (None: answers are
-    content alone)."""
+    """`reasoning_parser`, `tool_call_parser`: the gateway's --reasoning-parser and --tool-call-parser (None: answers are
+    content alone). The sampling is the request's alone: the model's recommended sampling goes in once the model is
+    known to be served (app.recommended)."""
     if reasoning_parser is None and request.has_reasoning():
         raise bad_request("an assistant message's reasoning is taken only by a gateway started with "
                           "--reasoning-parser", "messages")
@@ -784,7 +783,7 @@ def chat_ask(request: schema.ChatRequest, owner: str, name: str | None,
     turns = request.turns()
     args = tuple((request.chat_template_kwargs or {}).items())
     start = template_start((*args, (TOOLS_ARG, tools)) if tools else args)  # other tools: another conversation
-    return Ask(owner, request.model, "chat", turns, schema.sampling(request, defaults), request.n, name,
+    return Ask(owner, request.model, "chat", turns, schema.sampling(request), request.n, name,
                request.stream, tuple(chain(turns, start)), args, Reasoner.for_request(reasoning_parser, dict(args)),
                tools, ToolParser(tool_call_parser, request.tool_schemas()) if tools and tool_call_parser else None)
 
@@ -792,10 +791,8 @@ def chat_ask(request: schema.ChatRequest, owner: str, name: str | None,
 TOOLS_ARG = "\x00tools"  # the tools' place in a conversation's digest start (no template argument has this name)
 
 
-def completion_ask(request: schema.CompletionRequest, owner: str, name: str | None,
-                   defaults: Mapping[str, float | int] = schema.NO_DEFAULTS) -> Ask:
+def completion_ask(request: schema.CompletionRequest, owner: str, name: str | None) -> Ask:
     prompt = request.prompt_value()
     kind: Kind = "text" if isinstance(prompt, str) else "ids"
-    return Ask(owner, request.model, kind, prompt, schema.sampling(request, defaults), request.n, name,
-               request.stream)
+    return Ask(owner, request.model, kind, prompt, schema.sampling(request), request.n, name, request.stream)
 
