@@ -37,10 +37,8 @@ from client.gateway.errors import ApiError, bad_request, from_client_error, mode
 from client.gateway.events import EventStream
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models, Served
-from client.gateway.reasoning import Splitter
 from client.gateway.service import Ask, Service, chat_ask, completion_ask
 from client.gateway.sessions import SessionStore
-from client.gateway.tool_calls import Call, CallStream
 
 log = structlog.get_logger()
 
@@ -208,8 +206,6 @@ def create_app(config: GatewayConfig) -> Starlette:
         start = time.perf_counter()
         live, deltas = await gw.service.stream(ask)
         writer = responses.ChunkWriter(chat, ask.model, want_logprobs, token_ids, include_usage)
-        splitters: dict[int, Splitter] = {}  # with a reasoning parser: each choice's
-        calls: dict[int, CallStream] = {}  # with tools and a tool call parser: each choice's
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -219,21 +215,8 @@ def create_app(config: GatewayConfig) -> Starlette:
                     if ask.reasoner is None and ask.tool_parser is None:
                         yield writer.delta(d.index, c.token_ids, c.text, c.logprobs, finish)
                         continue
-                    reasoning, content = "", c.text
-                    if ask.reasoner is not None:
-                        split = splitters.setdefault(d.index, ask.reasoner.splitter())
-                        reasoning, content = split.feed(c.text)
-                        if finish is not None:
-                            held = split.flush()
-                            reasoning, content = reasoning + held[0], content + held[1]
-                    made: list[Call] = []
-                    if ask.tool_parser is not None:
-                        stream = calls.setdefault(d.index, CallStream(ask.tool_parser, live.call_ids(d.index)))
-                        content = stream.feed(content)
-                        if finish is not None:
-                            rest, made = stream.finish()
-                            content += rest
-                            finish = "tool_calls" if made else finish
+                    reasoning, content, made = live.split_stream(d.index).feed(c.text, finish is not None)
+                    finish = "tool_calls" if made else finish
                     yield writer.delta(d.index, c.token_ids, content, c.logprobs, finish, reasoning, made)
                 if include_usage:
                     yield writer.usage(live.usage())

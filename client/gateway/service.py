@@ -46,7 +46,7 @@ from client.gateway import schema
 from client.gateway.errors import bad_request, from_client_error, session_busy
 from client.gateway.metrics import GatewayMetrics
 from client.gateway.models import Models
-from client.gateway.reasoning import Reasoner
+from client.gateway.reasoning import Reasoner, Splitter
 from client.gateway.sessions import (
     EMPTY,
     Entry,
@@ -59,7 +59,7 @@ from client.gateway.sessions import (
     of_tools,
     template_start,
 )
-from client.gateway.tool_calls import Call, ToolParser, id_prefix
+from client.gateway.tool_calls import Call, CallStream, ToolParser, id_prefix
 from client.results import Chunk, Generation
 
 log = structlog.get_logger()
@@ -112,6 +112,31 @@ class Answer:
 
 
 @dataclass
+class SplitStream:
+    """A streamed answer's reasoning, content and function calls, as `Live._split` reads the whole answer: the
+    reasoning split off first, the calls read in the content."""
+
+    reasoning: Splitter | None
+    calls: CallStream | None
+
+    def feed(self, text: str, last: bool) -> tuple[str, str, list[Call]]:
+        """(reasoning, content, calls) that this piece lets go; `last`: the answer's last piece (all goes)."""
+        reasoning, content = "", text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text)
+            if last:
+                held = self.reasoning.flush()
+                reasoning, content = reasoning + held[0], content + held[1]
+        made: list[Call] = []
+        if self.calls is not None:
+            content = self.calls.feed(content)
+            if last:
+                rest, made = self.calls.finish()
+                content += rest
+        return reasoning, content, made
+
+
+@dataclass
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -151,6 +176,7 @@ class Live:
         self.sent_tokens = 0  # streamed: the tokens of the chunks handed on so far, every choice's
         self.settled = False
         self._call_ids = id_prefix()
+        self._streams: dict[int, SplitStream] = {}  # streamed, with a reasoning or tool call parser: each choice's
 
     @property
     def from_start(self) -> bool:
@@ -195,6 +221,15 @@ class Live:
             return reasoning, content, []
         content, calls = self.ask.tool_parser.parse(content, self.call_ids(index))
         return reasoning, content, calls
+
+    def split_stream(self, index: int) -> SplitStream:
+        """Choice `index`'s streamed text split as `_split` splits the whole answer (one per choice: it holds text)."""
+        split = self._streams.get(index)
+        if split is None:
+            split = self._streams[index] = SplitStream(
+                None if self.ask.reasoner is None else self.ask.reasoner.splitter(),
+                None if self.ask.tool_parser is None else CallStream(self.ask.tool_parser, self.call_ids(index)))
+        return split
 
     def call_ids(self, index: int) -> str:
         """Choice `index`'s function calls' id prefix: the same calls, read again (whole, streamed, kept), get the same
