@@ -229,9 +229,8 @@ class CallStream:
         return out
 
     def finish(self) -> tuple[str, list[Call]]:
+        # What went out is the start of the content: the text before a call (never held past), or all of it.
         content, calls = self.parser.parse(self._text, self.ids)
-        if not calls:
-            content = self._text
-        rest = content[self._sent:] if content.startswith(self._text[:self._sent]) else ""
+        rest = content[self._sent:]
         self._sent = len(self._text)
         return rest, calls
