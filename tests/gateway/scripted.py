@@ -5,10 +5,15 @@ sent (FakeBroker.received)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 from broker.common import protocol as p
+from client.stack import LocalStack
 
 from ..client.fake_broker import FakeBroker, Reply
+from .conftest import Gateways
 
 
 class Scripted:
@@ -53,3 +58,15 @@ class Scripted:
             self.fake.later(0.02 * len(pieces) if request.stream else 0.0, lambda: reply(done))
         elif isinstance(request, p.Close):
             reply(p.Closed(request_id=request.request_id, session_id=request.session_id))
+
+
+@contextmanager
+def gateway_before(script: Scripted, log_dir: Path, extra: Sequence[str]) -> Iterator[tuple[FakeBroker, str]]:
+    """A gateway process (with `extra` arguments) in front of `script` as its broker: the broker and the gateway's URL."""
+    with FakeBroker(script) as fake:
+        script.fake = fake
+        gateways = Gateways(LocalStack(log_dir), "")
+        try:
+            yield fake, gateways.start(broker=fake.address, extra=extra)
+        finally:
+            gateways.close()

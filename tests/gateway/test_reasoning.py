@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -20,11 +19,9 @@ from client.gateway.errors import ApiError
 from client.gateway.reasoning import Reasoner
 from client.gateway.service import chat_ask
 from client.gateway.sessions import chain, message_of
-from client.stack import LocalStack
 
 from ..client.fake_broker import FakeBroker
-from .conftest import Gateways
-from .scripted import Scripted
+from .scripted import Scripted, gateway_before
 
 QWEN3 = Reasoner("qwen3")
 
@@ -135,14 +132,9 @@ CUT = ["<think>\nHmm, let me", " think"]  # reasoning cut by max_tokens
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeBroker, str]]:
-    log_dir: Path = tmp_path_factory.mktemp("reasoning")
-    with FakeBroker(script := Scripted([(THOUGHT, "stop"), (CUT, "length")])) as fake:
-        script.fake = fake
-        gateways = Gateways(LocalStack(log_dir), "")
-        try:
-            yield fake, gateways.start(broker=fake.address, extra=["--reasoning-parser", "qwen3"])
-        finally:
-            gateways.close()
+    with gateway_before(Scripted([(THOUGHT, "stop"), (CUT, "length")]), tmp_path_factory.mktemp("reasoning"),
+                        ["--reasoning-parser", "qwen3"]) as (fake, url):
+        yield fake, url
 
 
 def test_answers_carry_their_reasoning_apart_whole_and_streamed(scripted: tuple[FakeBroker, str]) -> None:

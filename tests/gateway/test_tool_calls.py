@@ -9,7 +9,6 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -23,11 +22,9 @@ from client.gateway.errors import ApiError
 from client.gateway.service import chat_ask
 from client.gateway.sessions import TOOL_MARK, message_of
 from client.gateway.tool_calls import Call, CallStream, ToolParser
-from client.stack import LocalStack
 
 from ..client.fake_broker import FakeBroker
-from .conftest import Gateways
-from .scripted import Scripted
+from .scripted import Scripted, gateway_before
 
 HERMES, LLAMA3 = ToolParser("hermes"), ToolParser("llama3_json")
 PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -197,14 +194,9 @@ CALL = ["<tool", "_call>\n", '{"name": "get_weather", ', '"arguments": {"city": 
 
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeBroker, Scripted, str]]:
-    log_dir: Path = tmp_path_factory.mktemp("tools")
-    with FakeBroker(script := Scripted([(CALL, "stop")])) as fake:
-        script.fake = fake
-        gateways = Gateways(LocalStack(log_dir), "")
-        try:
-            yield fake, script, gateways.start(broker=fake.address, extra=["--tool-call-parser", "hermes"])
-        finally:
-            gateways.close()
+    script = Scripted([(CALL, "stop")])
+    with gateway_before(script, tmp_path_factory.mktemp("tools"), ["--tool-call-parser", "hermes"]) as (fake, url):
+        yield fake, script, url
 
 
 @pytest.fixture
